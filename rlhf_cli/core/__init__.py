@@ -1,0 +1,66 @@
+"""Pure-torch RLHF math: per-token ops, KL-shaped rewards, GAE, PPO/RM losses, KL control.
+
+Imports only torch. Shapes: ``B`` batch, ``T`` response length (right-padded), ``V``
+vocabulary; ``mask`` ``(B, T)`` is 1 on real response tokens (EOS included), 0 on padding,
+and whatever padding holds never reaches an output. Log-probabilities, entropies and KL
+are in nats; half-precision inputs are computed in float32.
+
+Paper names map to code (and config) names once, here:
+
+============================  ==========================  ==========================
+paper                         argument / config key       usual long name (TRL etc.)
+============================  ==========================  ==========================
+epsilon (PPO clip)            ``clip`` / ``ppo.clip``     ``clip_range``
+c1 (value-loss coefficient)   ``c1`` / ``ppo.c1``         ``vf_coef``
+c2 (entropy coefficient)      ``c2`` / ``ppo.c2``         ``ent_coef``
+lambda (GAE)                  ``lam`` / ``ppo.lam``       ``gae_lambda``
+gamma (discount)              ``gamma`` / ``ppo.gamma``   ``gamma``
+beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef``
+KL target (Ziegler et al.)    ``target`` / ``ppo.kl_target``  ``target_kl``
+============================  ==========================  ==========================
+"""
+
+from rlhf_cli.core.advantages import (
+    compute_gae,
+    compute_gae_vectorized,
+    discounted_returns,
+    kl_penalized_rewards,
+)
+from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
+from rlhf_cli.core.losses import (
+    entropy_bonus,
+    masked_aggregate,
+    pairwise_loss,
+    policy_loss,
+    ppo_total_loss,
+    value_loss,
+)
+from rlhf_cli.core.ops import (
+    entropy_from_logits,
+    kl_estimate,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "compute_gae",
+    "compute_gae_vectorized",
+    "discounted_returns",
+    "entropy_bonus",
+    "entropy_from_logits",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "logprobs_from_logits",
+    "masked_aggregate",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "pairwise_loss",
+    "policy_loss",
+    "ppo_total_loss",
+    "value_loss",
+]

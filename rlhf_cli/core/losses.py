@@ -1,0 +1,347 @@
+"""PPO and reward-model losses, each returning ``(loss, stats)``.
+
+``loss`` is a 0-dim float32 tensor (float64 for float64 inputs) to minimise. ``stats`` is a
+dict of detached Python floats with namespaced keys: ``*/loss`` is the returned loss value
+(so it sums over micro-batches like the loss does); every other stat is a mean over the
+real tokens (or pairs) of *this call*. Inputs may be bf16: ratios and losses are computed
+in float32.
+
+Aggregation over tokens (``aggregation``):
+
+* ``"token-mean"`` (default): masked sum of the per-token loss divided by ``num_tokens``.
+  ``num_tokens`` defaults to the real tokens of this call; a trainer that splits a
+  minibatch into micro-batches (and ranks) passes the real-token count of the *whole*
+  minibatch, so that the summed gradient does not depend on the split or world size.
+* ``"seq-mean-token-mean"``: each row's token mean, summed over rows and divided by
+  ``num_seqs`` (default: rows of this call with at least one real token); pass the
+  minibatch's row count when splitting.
+
+An all-zero mask returns a loss of exactly 0 that is still attached to the graph (so
+``backward()`` runs and gives zero gradients), never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhf_cli.core.ops import (
+    _bool_mask,
+    _check_shapes,
+    _compute_dtype,
+    entropy_from_logits,
+    masked_fill_zero,
+    masked_mean,
+    masked_var,
+)
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+def _divisor(count: float | Tensor, like: Tensor) -> Tensor:
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)
+
+
+def masked_aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    num_tokens: float | Tensor | None = None,
+    aggregation: str = "token-mean",
+    num_seqs: float | Tensor | None = None,
+) -> Tensor:
+    """Reduce a ``(B, T)`` per-token loss that is already 0 on padding to a scalar.
+
+    See the module docstring for ``aggregation``, ``num_tokens`` and ``num_seqs``.
+    A count below 1 (e.g. an empty mask) is clamped to 1, giving 0.
+
+    Raises:
+        ValueError: unknown ``aggregation``.
+    """
+    m = _bool_mask(mask)
+    if aggregation == "token-mean":
+        return per_token.sum() / _divisor(m.sum() if num_tokens is None else num_tokens, per_token)
+    if aggregation == "seq-mean-token-mean":
+        seq_means = per_token.sum(dim=1) / m.sum(dim=1).clamp(min=1).to(per_token.dtype)  # (B,)
+        return seq_means.sum() / _divisor(m.any(dim=1).sum() if num_seqs is None else num_seqs, per_token)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def _floats(stats: dict[str, Tensor]) -> dict[str, float]:
+    """Detach and convert to Python floats with a single device sync."""
+    values = torch.stack([v.detach().to(torch.float64).reshape(()) for v in stats.values()]).tolist()
+    return dict(zip(stats.keys(), values))
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float,
+    num_tokens: float | Tensor | None = None,
+    aggregation: str = "token-mean",
+    num_seqs: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate, negated for minimisation.
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7::
+
+        r_t    = exp(log pi(a_t) - log pi_old(a_t))
+        loss_t = -min(r_t * A_t, clip(r_t, 1 - eps, 1 + eps) * A_t)      (= -L^CLIP_t)
+
+    aggregated over real tokens (module docstring). ``old_logprobs`` and ``advantages``
+    are treated as constants (detached); gradients flow into ``logprobs`` only.
+
+    Args:
+        logprobs: ``(B, T)`` log pi of the sampled tokens under the current policy (nats).
+        old_logprobs: ``(B, T)`` log pi_old from the rollout (nats).
+        advantages: ``(B, T)`` advantage estimates, usually whitened.
+        mask: ``(B, T)``, 1 = real response token, 0 = padding (ignored whatever it holds).
+        clip: epsilon (``ppo.clip_range``), >= 0.
+        num_tokens, aggregation, num_seqs: see the module docstring.
+
+    Returns:
+        ``(loss, stats)``; stats: ``policy/loss``; ``policy/clipfrac`` (fraction of real
+        tokens where the clipped term is the active one, i.e. the gradient is zero);
+        ``policy/approx_kl`` (k3 estimate of KL(pi_old || pi), nats per token:
+        ``(r - 1) - log r``); ``policy/ratio_mean``.
+
+    Raises:
+        ValueError: shape mismatch, negative ``clip``, unknown ``aggregation``.
+    """
+    _check_shapes(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    if clip < 0:
+        raise ValueError(f"clip must be >= 0, got {clip}")
+    m = _bool_mask(mask)
+    dtype = _compute_dtype(logprobs, old_logprobs, advantages)
+    log_ratio = masked_fill_zero(logprobs, m, dtype) - masked_fill_zero(old_logprobs.detach(), m, dtype)
+    adv = masked_fill_zero(advantages.detach(), m, dtype)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    per_token = torch.where(m, torch.maximum(unclipped, clipped), 0.0)
+    loss = masked_aggregate(per_token, m, num_tokens, aggregation, num_seqs)
+    with torch.no_grad():
+        stats = _floats(
+            {
+                "policy/loss": loss,
+                "policy/clipfrac": masked_mean((clipped > unclipped).to(dtype), m),
+                "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, m),
+                "policy/ratio_mean": masked_mean(ratio, m),
+            }
+        )
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    value_clip: float | None,
+    num_tokens: float | Tensor | None = None,
+    aggregation: str = "token-mean",
+    num_seqs: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss (PPO2 / OpenAI baselines; the L^VF term of Schulman et al. 2017 eq. 9)::
+
+        V_clip_t = V_old_t + clip(V_t - V_old_t, -c, c)
+        loss_t   = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)
+
+    aggregated over real tokens (module docstring). ``value_clip=None`` uses the plain
+    ``0.5 * (V_t - R_t)^2``. ``old_values`` and ``returns`` are constants (detached).
+
+    Args:
+        values: ``(B, T)`` current value predictions (reward units).
+        old_values: ``(B, T)`` value predictions from the rollout.
+        returns: ``(B, T)`` value targets (e.g. GAE returns).
+        mask: ``(B, T)``, 1 = real response token, 0 = padding (ignored whatever it holds).
+        value_clip: c (``ppo.value_clip``), > 0, or None to disable clipping.
+        num_tokens, aggregation, num_seqs: see the module docstring.
+
+    Returns:
+        ``(loss, stats)``; stats: ``val/loss``; ``val/clipfrac`` (fraction of real tokens
+        where the clipped term is the larger one; 0 without clipping);
+        ``val/explained_var`` = ``1 - Var[R - V] / Var[R]`` over real tokens with the
+        current ``values`` (1 = perfect, 0 = no better than a constant; 0 when
+        ``Var[R] = 0``).
+
+    Raises:
+        ValueError: shape mismatch, ``value_clip <= 0``, unknown ``aggregation``.
+    """
+    _check_shapes(values=values, old_values=old_values, returns=returns, mask=mask)
+    if value_clip is not None and value_clip <= 0:
+        raise ValueError(f"value_clip must be > 0 or None, got {value_clip}")
+    m = _bool_mask(mask)
+    dtype = _compute_dtype(values, old_values, returns)
+    v = masked_fill_zero(values, m, dtype)
+    v_old = masked_fill_zero(old_values.detach(), m, dtype)
+    ret = masked_fill_zero(returns.detach(), m, dtype)
+    unclipped = (v - ret).square()
+    if value_clip is None:
+        per_token, clipped = unclipped, unclipped
+    else:
+        v_clipped = v_old + torch.clamp(v - v_old, -value_clip, value_clip)
+        clipped = (v_clipped - ret).square()
+        per_token = torch.maximum(unclipped, clipped)
+    loss = 0.5 * masked_aggregate(torch.where(m, per_token, 0.0), m, num_tokens, aggregation, num_seqs)
+    with torch.no_grad():
+        var_returns = masked_var(ret, m)
+        explained_var = torch.where(
+            var_returns > 0, 1.0 - masked_var(ret - v, m) / var_returns.clamp(min=torch.finfo(dtype).tiny), 0.0
+        )
+        stats = _floats(
+            {
+                "val/loss": loss,
+                "val/clipfrac": masked_mean((clipped > unclipped).to(dtype), m),
+                "val/explained_var": explained_var,
+            }
+        )
+    return loss, stats
+
+
+def entropy_bonus(
+    logits: Tensor | None,
+    mask: Tensor,
+    num_tokens: float | Tensor | None = None,
+    aggregation: str = "token-mean",
+    num_seqs: float | Tensor | None = None,
+    *,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Entropy bonus S (Schulman et al. 2017 eq. 9): mean policy entropy over real tokens.
+
+    A bonus to *maximise*: :func:`ppo_total_loss` subtracts ``c2 * S``. Padded positions
+    never change the bonus; their logits still go through the softmax, so a model that
+    emits ±inf/NaN logits on padding (real models do not) would get NaN gradients there.
+
+    Args:
+        logits: ``(B, T, V)`` policy logits (bf16 fine; -inf entries fine), or None when
+            ``entropy`` is given.
+        mask: ``(B, T)``, 1 = real response token, 0 = padding (ignored whatever it holds).
+        num_tokens, aggregation, num_seqs: see the module docstring.
+        entropy: ``(B, T)`` precomputed entropy in nats (e.g. from a fused kernel), instead
+            of ``logits``.
+
+    Returns:
+        ``(bonus, stats)``; ``bonus`` in nats per token; stats: ``policy/entropy`` (mean
+        entropy over this call's real tokens, nats).
+
+    Raises:
+        ValueError: both or neither of ``logits``/``entropy``, shape mismatch, unknown
+        ``aggregation``.
+    """
+    if (logits is None) == (entropy is None):
+        raise ValueError("pass exactly one of logits (B, T, V) or entropy (B, T)")
+    if entropy is None:
+        entropy = entropy_from_logits(logits)
+    _check_shapes(entropy=entropy, mask=mask)
+    m = _bool_mask(mask)
+    per_token = masked_fill_zero(entropy, m)
+    bonus = masked_aggregate(per_token, m, num_tokens, aggregation, num_seqs)
+    with torch.no_grad():
+        stats = _floats({"policy/entropy": masked_mean(per_token, m)})
+    return bonus, stats
+
+
+def ppo_total_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float,
+    value_clip: float | None,
+    c1: float,
+    c2: float,
+    num_tokens: float | Tensor | None = None,
+    aggregation: str = "token-mean",
+    num_seqs: float | Tensor | None = None,
+    *,
+    logits: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO objective of Schulman et al. 2017 eq. 9, negated for minimisation::
+
+        loss = -(L^CLIP - c1 * L^VF + c2 * S) = policy_loss + c1 * value_loss - c2 * entropy_bonus
+
+    for an actor and critic sharing one backward pass. Pass the entropy term as
+    ``logits=`` ``(B, T, V)`` or ``entropy=`` ``(B, T)``; with ``c2 == 0`` both may be
+    omitted (no entropy term, no ``policy/entropy`` stat).
+
+    Args:
+        logprobs, old_logprobs, advantages: as :func:`policy_loss`.
+        values, old_values, returns: as :func:`value_loss`.
+        mask: ``(B, T)``, 1 = real response token, 0 = padding.
+        clip: epsilon (``ppo.clip_range``).
+        value_clip: value clip range (``ppo.value_clip``) or None.
+        c1: value-loss coefficient (``ppo.vf_coef``).
+        c2: entropy coefficient (``ppo.ent_coef``).
+        num_tokens, aggregation, num_seqs: see the module docstring; shared by all terms.
+        logits, entropy: keyword-only, at most one; see :func:`entropy_bonus`.
+
+    Returns:
+        ``(loss, stats)`` with the union of the stats of the three terms.
+
+    Raises:
+        ValueError: as the three terms; both ``logits`` and ``entropy``; neither while
+        ``c2 != 0``.
+    """
+    agg = {"num_tokens": num_tokens, "aggregation": aggregation, "num_seqs": num_seqs}
+    pg_loss, stats = policy_loss(logprobs, old_logprobs, advantages, mask, clip, **agg)
+    vf_loss, vf_stats = value_loss(values, old_values, returns, mask, value_clip, **agg)
+    loss = pg_loss + c1 * vf_loss
+    stats.update(vf_stats)
+    if logits is None and entropy is None:
+        if c2 != 0:
+            raise ValueError(f"c2={c2} needs the entropy term: pass logits= or entropy=")
+        return loss, stats
+    bonus, ent_stats = entropy_bonus(logits, mask, **agg, entropy=entropy)
+    stats.update(ent_stats)
+    return loss - c2 * bonus, stats
+
+
+def pairwise_loss(
+    chosen_rewards: Tensor, rejected_rewards: Tensor, margin: float | Tensor | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """Bradley-Terry reward-model loss: mean of ``-log sigmoid(r_chosen - r_rejected - m)``.
+
+    Ouyang et al. 2022 (InstructGPT) eq. 1; the optional margin ``m`` as in Touvron et al.
+    2023 (Llama 2) eq. 2. Computed with ``logsigmoid`` (no overflow for large gaps).
+
+    Args:
+        chosen_rewards: ``(B,)`` scalar reward of each preferred response.
+        rejected_rewards: ``(B,)`` scalar reward of its rejected counterpart.
+        margin: None, a float, or ``(B,)`` per-pair margin (reward units).
+
+    Returns:
+        ``(loss, stats)``; ``loss`` in nats per pair (0, still attached to the graph, for
+        an empty batch). stats: ``rm/loss``; ``rm/accuracy`` (fraction of pairs with
+        ``r_chosen > r_rejected`` strictly: a tie is not correct; the margin is not
+        used); ``rm/margin`` (mean ``r_chosen - r_rejected``); ``rm/chosen_mean``;
+        ``rm/rejected_mean``.
+
+    Raises:
+        ValueError: shape mismatch.
+    """
+    _check_shapes(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards)
+    dtype = _compute_dtype(chosen_rewards, rejected_rewards)
+    chosen, rejected = chosen_rewards.to(dtype), rejected_rewards.to(dtype)
+    gap = chosen - rejected
+    logit = gap if margin is None else gap - torch.as_tensor(margin, dtype=dtype, device=gap.device)
+    n = max(gap.numel(), 1)
+    loss = -F.logsigmoid(logit).sum() / n
+    with torch.no_grad():
+        stats = _floats(
+            {
+                "rm/loss": loss,
+                "rm/accuracy": (gap > 0).to(dtype).sum() / n,
+                "rm/margin": gap.sum() / n,
+                "rm/chosen_mean": chosen.sum() / n,
+                "rm/rejected_mean": rejected.sum() / n,
+            }
+        )
+    return loss, stats

@@ -1,0 +1,338 @@
+"""The only module that imports DeepSpeed: process group, engines, backward/step, checkpoints.
+
+One process, `torchrun` and the `deepspeed` launcher all work: rank, world size and the rendezvous
+come from the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a lone process
+gets a private rendezvous on 127.0.0.1. With no GPU visible DeepSpeed runs on the CPU accelerator
+(`DS_ACCELERATOR=cpu`) over gloo.
+
+Loss scaling: `TrainEngine.backward` never lets DeepSpeed divide by the accumulation steps. A loss
+that is already normalised by the global token count (PPO) passes `loss * world_size` because
+DeepSpeed averages gradients over data-parallel ranks; a per-micro-batch mean (RM) passes
+`loss / grad_accum`. `scale_for_mean` and `scale_for_global_sum` name the two cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+
+
+def _has_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+if not _has_gpu():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join (or create) the process group. Idempotent. Reads LOCAL_RANK/RANK/WORLD_SIZE from env."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a lone process: rendezvous with itself
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
+    backend = "nccl" if _has_gpu() else "gloo"
+    if _has_gpu():
+        torch.cuda.set_device(local_rank())
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    return torch.device(get_accelerator().device_name(local_rank())) if _has_gpu() else torch.device("cpu")
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over ranks (a new tensor; `x` unchanged)."""
+    y = x.detach().clone()
+    if world_size() > 1:
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(x) / world_size()
+
+
+def reduce_stats(stats: Dict[str, float]) -> Dict[str, float]:
+    """Mean of each float stat over ranks (identity for one process)."""
+    if world_size() == 1 or not stats:
+        return dict(stats)
+    keys = sorted(stats)
+    t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64)
+    t = all_reduce_mean(t)
+    return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+
+def all_gather_object(obj: Any) -> List[Any]:
+    if world_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def autocast(precision: str) -> contextlib.AbstractContextManager:
+    """torch.autocast(bf16) for `bf16-autocast`, else a no-op."""
+    if precision == "bf16-autocast":
+        return torch.autocast(device_type=device().type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def ds_config(
+    ds_cfg: Any,
+    precision: str,
+    *,
+    train_batch_size: int,
+    micro_batch_size: int,
+    max_grad_norm: float = 0.0,
+) -> Dict[str, Any]:
+    """DeepSpeed JSON config from our `deepspeed/` group and `precision`.
+
+    train_batch_size is global (all ranks, one optimizer step); gradient accumulation steps are
+    derived and must be whole (raises ValueError naming the numbers).
+    """
+    ws = world_size()
+    if train_batch_size % (micro_batch_size * ws):
+        raise ValueError(f"batch size {train_batch_size} is not divisible by micro batch {micro_batch_size} × world size {ws}")
+    zero: Dict[str, Any] = {"stage": int(ds_cfg.zero_stage)}
+    if ds_cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _has_gpu()}
+    if ds_cfg.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": _has_gpu()}
+    if zero["stage"] == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    conf: Dict[str, Any] = {
+        "train_batch_size": train_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": train_batch_size // (micro_batch_size * ws),
+        "gradient_clipping": float(max_grad_norm or 0.0),
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    extra = dict(ds_cfg.extra) if ds_cfg.extra else {}
+    return _deep_merge(conf, _to_plain(extra))
+
+
+def _to_plain(x: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(x):
+            return OmegaConf.to_container(x, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return x
+
+
+def _deep_merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak LR at optimizer step s: linear warm-up then cosine/linear/constant."""
+    total = max(1, total_steps)
+
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class TrainEngine:
+    """A trainable model on DeepSpeed: AdamW, LR schedule, clipping, ZeRO stage, precision.
+
+    Use: `with eng.autocast(): loss = ...; eng.backward(loss); eng.step()` per micro-batch;
+    DeepSpeed applies the optimizer at each accumulation boundary (`eng.is_boundary()` before step).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds_cfg: Any,
+        precision: str,
+        *,
+        lr: float,
+        train_batch_size: int,
+        micro_batch_size: int,
+        total_steps: int,
+        warmup_steps: int = 0,
+        scheduler: str = "constant",
+        weight_decay: float = 0.0,
+        betas: tuple = (0.9, 0.95),
+        max_grad_norm: float = 0.0,
+    ) -> None:
+        init_distributed()
+        self.precision = precision
+        self.config = ds_config(ds_cfg, precision, train_batch_size=train_batch_size,
+                                micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=1e-8)
+        scheduler_ = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(scheduler, warmup_steps, total_steps))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler_, config=self.config,
+            dist_init_required=False)
+        self.grad_accum = self.config["gradient_accumulation_steps"]
+        self.zero_stage = int(self.config["zero_optimization"]["stage"])
+        self._grad_norm = float("nan")
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.precision)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of an already-scaled loss (see module docstring); DeepSpeed does not rescale it."""
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def is_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def step(self) -> None:
+        """Per micro-batch; the optimizer (with clipping and the LR schedule) runs at boundaries."""
+        if self.zero_stage == 0 and self.is_boundary():  # DeepSpeed records no norm without ZeRO
+            norms = [torch.linalg.vector_norm(p.grad.float()) for p in self.module.parameters() if p.grad is not None]
+            self._grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        self.engine.step()
+
+    def grad_norm(self) -> float:
+        """L2 norm of the last optimizer step's gradients (before clipping)."""
+        if self.zero_stage == 0:
+            return self._grad_norm
+        g = self.engine.get_global_grad_norm()
+        return float(g) if g is not None else float("nan")
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    def save(self, ckpt_dir: str, tag: str, client_state: Optional[Dict[str, Any]] = None) -> None:
+        """Collective: every rank writes its shard of model, optimizer and scheduler state under ckpt_dir/tag."""
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+
+    def load(self, ckpt_dir: str, tag: str) -> Dict[str, Any]:
+        """Collective: restore model, optimizer, scheduler; returns the client_state saved with them."""
+        path, client_state = self.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=True,
+                                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {ckpt_dir}")
+        return client_state or {}
+
+    def consolidated_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Full (un-partitioned) state dict on rank 0 (ZeRO-3 gathers; other stages return module's)."""
+        if self.zero_stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return self.module.state_dict()
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Under ZeRO-3, gather all parameters for the block (e.g. for HF generate); no-op otherwise."""
+        if self.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+
+class FrozenModel:
+    """A model used only for inference (reference policy, reward model): no optimizer, no grads.
+
+    Under ZeRO-3 it is wrapped by a DeepSpeed inference-less engine so its weights are partitioned
+    like the trained models'; otherwise it simply lives on the device in eval mode.
+    """
+
+    def __init__(self, model: torch.nn.Module, precision: str) -> None:
+        model.requires_grad_(False)
+        model.eval()
+        self.module = model.to(device())
+        self.precision = precision
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.precision)
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        yield
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)

@@ -1,0 +1,43 @@
+"""Models: loading (hub id, local dir, GGUF, tiny random), scalar-head reward/value models, saving."""
+
+from rlhf_cli.models.checkpoint import (
+    is_scalar_model_dir,
+    read_reward_stats,
+    require_scalar_model_dir,
+    save_hf,
+)
+from rlhf_cli.models.loading import (
+    ModelSourceError,
+    count_parameters,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_hf_dir,
+    torch_dtype_for,
+)
+from rlhf_cli.models.scalar import (
+    last_token_index,
+    load_scalar_model,
+    response_values,
+    scalar_from_causal_lm,
+    sequence_rewards,
+    token_values,
+)
+
+__all__ = [
+    "ModelSourceError",
+    "count_parameters",
+    "is_scalar_model_dir",
+    "last_token_index",
+    "load_causal_lm",
+    "load_scalar_model",
+    "load_tokenizer",
+    "read_reward_stats",
+    "require_scalar_model_dir",
+    "resolve_hf_dir",
+    "response_values",
+    "save_hf",
+    "scalar_from_causal_lm",
+    "sequence_rewards",
+    "token_values",
+    "torch_dtype_for",
+]

@@ -1,0 +1,134 @@
+"""Save models as plain HF directories and inspect saved ones.
+
+    save_hf(model, tokenizer, out_dir, extra_config=None)   safetensors + config + tokenizer, atomically
+    read_reward_stats(path) -> (mean, std) | None            reward normalisation stored by train-rm
+    is_scalar_model_dir(path) -> bool                          reward model / critic, or not
+    require_scalar_model_dir(path, what)                       the same, as a one-line error
+
+A saved policy loads with `AutoModelForCausalLM.from_pretrained(dir)`, a saved reward model with
+`AutoModelForSequenceClassification.from_pretrained(dir)` (num_labels=1, pad_token_id set); the
+tokenizer (pad token distinct from EOS, chat template) lies beside the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from rlhf_cli.models.loading import ModelSourceError, atomic_dir, fix_pad_token, resolve_hf_dir
+
+log = logging.getLogger(__name__)
+
+REWARD_MEAN_KEY = "rlhf_reward_mean"
+REWARD_STD_KEY = "rlhf_reward_std"
+
+
+def save_hf(
+    model: Any,
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    extra_config: Optional[dict] = None,
+    state_dict: Optional[dict] = None,
+) -> Path:
+    """Write `model` (safetensors + config.json [+ generation_config.json]) and `tokenizer` to `out_dir`.
+
+    The dir is written as a temp sibling and renamed into place, so a crash leaves any previous
+    `out_dir` intact. The saved config has no `quantization_config`, `pad_token_id` = the
+    tokenizer's pad, and for scalar models `num_labels=1`; `extra_config` entries (JSON values, e.g.
+    `{"rlhf_reward_mean": 0.1, "rlhf_reward_std": 1.3}`) become config.json keys. The live model's
+    config is not changed. `state_dict` overrides the weights written (e.g. gathered ZeRO-3 ones).
+    A DeepSpeed/DDP wrapper is unwrapped. Returns the final path.
+    """
+    model = getattr(model, "module", model)
+    tokenizer = fix_pad_token(tokenizer)
+    if getattr(tokenizer, "chat_template", None) is None:
+        log.warning("saving a tokenizer without a chat template to %s", out_dir)
+
+    live_config, live_gen, live_quantizer = model.config, getattr(model, "generation_config", None), getattr(model, "hf_quantizer", None)
+    config_dict = live_config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(live_config).from_dict(config_dict)
+    config.pad_token_id = tokenizer.pad_token_id
+    if _is_scalar_class(type(model).__name__):
+        config.num_labels = 1
+    for key, value in (extra_config or {}).items():
+        json.dumps(value)  # fail here, not halfway through the save, on a non-JSON value
+        setattr(config, key, value)
+    gen = copy.deepcopy(live_gen) if live_gen is not None else None
+    if gen is not None:
+        gen.pad_token_id = tokenizer.pad_token_id
+        gen.eos_token_id = tokenizer.eos_token_id
+
+    out = Path(out_dir)
+    try:
+        model.config, model.hf_quantizer = config, None
+        if gen is not None:
+            model.generation_config = gen
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(str(tmp), state_dict=state_dict)
+            tokenizer.save_pretrained(str(tmp))
+    finally:
+        model.config = live_config
+        if live_gen is not None:
+            model.generation_config = live_gen
+        if live_quantizer is not None:
+            model.hf_quantizer = live_quantizer
+        elif "hf_quantizer" in vars(model):
+            del model.hf_quantizer
+    log.info("saved %s to %s", type(model).__name__, out)
+    return out
+
+
+def _read_config(path: str | os.PathLike) -> Optional[dict]:
+    """config.json of a local model dir (run dir / final dir / pointer file resolved), or of a hub
+    id through the offline cache; None when there is none."""
+    try:
+        resolved = resolve_hf_dir(str(path))
+    except ModelSourceError:
+        return None
+    cfg_file = Path(resolved) / "config.json"
+    if cfg_file.is_file():
+        return json.loads(cfg_file.read_text())
+    if Path(resolved).exists():
+        return None
+    try:  # a hub id
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(resolved).to_dict()
+    except Exception:  # noqa: BLE001 - any failure means "not a readable model"
+        return None
+
+
+def _is_scalar_class(name: str) -> bool:
+    return name.endswith("ForSequenceClassification")
+
+
+def is_scalar_model_dir(path: str | os.PathLike) -> bool:
+    """True when `path` holds a scalar-head model (config architecture `*ForSequenceClassification`)."""
+    config = _read_config(path)
+    return bool(config) and any(_is_scalar_class(a) for a in config.get("architectures") or [])
+
+
+def require_scalar_model_dir(path: str | os.PathLike, what: str = "reward model") -> str:
+    """The resolved dir of a scalar model, or a one-line ModelSourceError saying what `path` holds."""
+    config = _read_config(path)
+    if config is None:
+        raise ModelSourceError(f"{what} '{path}' holds no model (no config.json)")
+    archs = config.get("architectures") or []
+    if not any(_is_scalar_class(a) for a in archs):
+        kind = ", ".join(archs) or "no architecture"
+        raise ModelSourceError(
+            f"{what} '{path}' is not a reward model ({kind}); point it at the output of `rlhf train-rm`")
+    return resolve_hf_dir(str(path))
+
+
+def read_reward_stats(path: str | os.PathLike) -> Optional[tuple[float, float]]:
+    """(mean, std) of the reward model's scores stored by `save_hf(extra_config=...)`, else None."""
+    config = _read_config(path) or {}
+    if REWARD_MEAN_KEY in config and REWARD_STD_KEY in config:
+        return float(config[REWARD_MEAN_KEY]), float(config[REWARD_STD_KEY])
+    return None

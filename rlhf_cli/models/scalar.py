@@ -1,0 +1,198 @@
+"""Scalar-head models: the reward model and the critic.
+
+A scalar model is an LM trunk whose LM head is replaced by `score = Linear(hidden, 1, bias=False)`:
+exactly transformers' `*ForSequenceClassification` layout with `num_labels=1`, so a saved reward
+model loads with plain `AutoModelForSequenceClassification.from_pretrained(dir)`.
+
+    load_scalar_model(source, precision, seed, init_from=None)   build or load one
+    token_values(model, input_ids, attention_mask)                head output at every position (B, T)
+    sequence_rewards(model, input_ids, attention_mask)            head output at the last real token (B,)
+    response_values(model, input_ids, attention_mask, response_start)   critic values (B, T_resp)
+
+Padding. Positions come from the attention mask, `(attention_mask.cumsum(-1) - 1).clamp(min=0)`,
+and the last real token is found from the mask, never from the pad id. So left and right padding
+give the same numbers, and a pad id equal to the EOS id (SmolLM2's tokenizer ships that way) cannot
+move the reward off the EOS. Our tokenizers use a pad distinct from EOS anyway (`fix_pad_token`),
+which is what transformers' own pooling (rightmost token != pad id) needs to agree with us on
+right-padded input.
+
+Alignment with log-probs (critic). For a batch laid out as `[prompt | response]` with every
+response starting at column P = `response_start` (prompts left-padded to P, responses
+right-padded), the policy's log-prob of response token t is read from the logits at position
+P-1+t (logits[:, i] predict input_ids[:, i+1]). The critic's value of the state before response
+token t is the head output at the same position P-1+t:
+
+    values   = token_values(critic, ids, mask)[:, P-1:-1]            # (B, T-P) == response_values(...)
+    logprobs = log_softmax(policy(ids, mask).logits[:, P-1:-1]).gather(-1, ids[:, P:, None])[..., 0]
+
+so values[:, t] = V(s_t), the state after the prompt and response tokens < t, and logprobs[:, t] is
+the log-prob of the action taken from that state.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any
+
+import torch
+
+from rlhf_cli.models.checkpoint import is_scalar_model_dir
+from rlhf_cli.models.loading import (
+    as_model_config,
+    configure_training,
+    is_checkpointing,
+    load_causal_lm,
+    resolve_hf_dir,
+    torch_dtype_for,
+)
+
+log = logging.getLogger(__name__)
+
+
+def load_scalar_model(
+    source: Any = None,
+    precision: str = "fp32",
+    seed: int = 0,
+    init_from: Any = None,
+) -> Any:
+    """Build or load a scalar-head model (reward model or critic).
+
+    `source` is a ModelConfig or a path / hub id:
+      - a saved scalar model (a dir whose config has a `*ForSequenceClassification` architecture;
+        a run dir or its `final/` works too) is loaded as is, head included;
+      - anything else names a causal LM (`load_causal_lm`): its trunk is kept, its LM head dropped,
+        and a new head `score` initialised N(0, 1/(hidden+1)) from a generator seeded with `seed`.
+    `init_from`, an in-memory model, replaces `source` (which may then be None): a causal LM gives
+    a copy of its trunk and a new head; a scalar model is copied whole. The original is untouched.
+
+    Weights get `torch_dtype_for(precision)`; the result has `config.num_labels == 1` and
+    `config.pad_token_id` set (from the tokenizer, via the causal LM's config).
+    """
+    dtype = torch_dtype_for(precision)
+    if init_from is not None:
+        if _is_scalar(init_from):
+            model = copy.deepcopy(init_from).to(dtype)
+            log.info("scalar model: copied from an in-memory %s", type(init_from).__name__)
+            return model
+        return scalar_from_causal_lm(copy.deepcopy(init_from).to(dtype), seed)
+    if source is None:
+        raise ValueError("load_scalar_model needs a source (ModelConfig or path) or init_from")
+    cfg = as_model_config(source)
+    if cfg.init != "random" and cfg.name_or_path and is_scalar_model_dir(cfg.name_or_path):
+        from transformers import AutoModelForSequenceClassification
+
+        path = resolve_hf_dir(cfg.name_or_path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        if model.config.num_labels != 1:
+            raise ValueError(f"'{path}' has {model.config.num_labels} labels; a reward model or critic has 1")
+        configure_training(model, cfg.gradient_checkpointing)
+        log.info("scalar model: loaded %s", path)
+        return model
+    return scalar_from_causal_lm(load_causal_lm(cfg, precision, seed), seed)
+
+
+def scalar_from_causal_lm(causal: Any, seed: int = 0) -> Any:
+    """Turn `causal` (consumed: its trunk is moved, not copied) into its `*ForSequenceClassification`
+    counterpart with a new seeded head `score`; the LM head is dropped."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    config = causal.config  # mutated in place: the trunk's modules hold this same object
+    cls = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
+    if cls is None:
+        raise ValueError(f"{type(config).__name__} has no AutoModelForSequenceClassification class")
+    config.num_labels = 1
+    config.architectures = [cls.__name__]
+    config.problem_type = "regression"
+    with torch.device("meta"):  # skeleton only; trunk and head are put in below
+        model = cls(config)
+    trunk = getattr(causal, causal.base_model_prefix)
+    setattr(model, model.base_model_prefix, trunk)
+    ref = next(trunk.parameters())
+    hidden = config.get_text_config().hidden_size
+    model.score = torch.nn.Linear(hidden, 1, bias=False, device=ref.device, dtype=ref.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn(1, hidden, generator=gen) / math.sqrt(hidden + 1))
+    model.train(causal.training)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    assert not left, f"tensors left on the meta device: {left}"
+    if is_checkpointing(causal):
+        configure_training(model, True)
+    log.info("scalar model: %s trunk with a new head (seed %d)", type(causal).__name__, seed)
+    return model
+
+
+def _is_scalar(model: Any) -> bool:
+    return hasattr(model, "score") and type(model).__name__.endswith("ForSequenceClassification")
+
+
+def _trunk_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (B, T, H) of the trunk, positions counted over real tokens only."""
+    model = getattr(model, "module", model)  # DeepSpeed / DDP wrapper
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    trunk = getattr(model, model.base_model_prefix)
+    out = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def _score(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    return getattr(model, "module", model).score(hidden).squeeze(-1).float()
+
+
+def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Head output at every position.
+
+    input_ids, attention_mask: (B, T), mask 1 = real token, 0 = padding (left, right or both).
+    Returns (B, T) float32; entry [b, i] is the scalar read after tokens 0..i of row b (the value of
+    the state "prefix up to i"); 0 at padding positions. Differentiable.
+    """
+    values = _score(model, _trunk_hidden(model, input_ids, attention_mask))  # (B, T)
+    return torch.where(attention_mask.bool(), values, torch.zeros_like(values))
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's last real token (rightmost 1 in the mask); any padding side."""
+    T = attention_mask.shape[-1]
+    positions = torch.arange(T, device=attention_mask.device)
+    return (positions * attention_mask.long()).argmax(-1)
+
+
+def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward of each sequence: the head output at its last real token (the EOS), (B,) float32.
+
+    The index comes from `attention_mask`, not from the pad id, so pad == eos cannot shift it.
+    Equals `AutoModelForSequenceClassification(...)(input_ids, attention_mask).logits[:, 0]` on
+    right-padded input whose pad id is not used inside the text. Differentiable.
+    """
+    hidden = _trunk_hidden(model, input_ids, attention_mask)  # (B, T, H)
+    last = last_token_index(attention_mask)  # (B,)
+    return _score(model, hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+
+
+def response_values(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+) -> torch.Tensor:
+    """Critic values aligned with the response tokens' log-probs, (B, T - response_start) float32.
+
+    input_ids, attention_mask: (B, T) laid out as [prompt | response] with every response starting
+    at column `response_start` (P >= 1). values[:, t] = V(state before response token t) = the head
+    output at position P-1+t, the position whose logits give that token's log-prob. Entries whose
+    response token is padding are 0 only if position P-1+t is padding too; mask them with the
+    response mask `attention_mask[:, P:]`.
+    """
+    if not 1 <= response_start < input_ids.shape[1]:
+        raise ValueError(f"response_start={response_start} must be in [1, T={input_ids.shape[1]})")
+    return token_values(model, input_ids, attention_mask)[:, response_start - 1 : -1]
+
+
+__all__ = [
+    "load_scalar_model",
+    "scalar_from_causal_lm",
+    "token_values",
+    "sequence_rewards",
+    "response_values",
+    "last_token_index",
+]

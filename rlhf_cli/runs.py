@@ -1,0 +1,219 @@
+"""Run directories, atomic files, pointer files, metrics (JSONL + TensorBoard) and console progress.
+
+Layout shared by every stage::
+
+    <paths.root>/<stage>/<run-id>/        one per start (multirun: <stage>/sweep-<time>/<job num>/)
+        config.yaml                       the resolved config
+        .hydra/                           Hydra's composed config and overrides
+        <command>.log                     the log
+        metrics.jsonl                     one JSON object per logged step
+        ds/<tag>/                         DeepSpeed checkpoints (every rank writes its shard)
+        ds/latest                         tag of the newest complete DeepSpeed checkpoint (atomic)
+        final/                            the HF-format model for the next stage
+        status.json                       {"state": "running" | "finished", ...}
+    <paths.root>/latest_rm, latest_policy pointer files (absolute path of a `final/` dir), atomic
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+log = logging.getLogger(__name__)
+
+STAGES = {"train_rm": "rm", "train_ppo": "ppo", "eval": "eval"}
+POINTERS = {"rm": "latest_rm", "ppo": "latest_policy"}
+
+
+# ----------------------------------------------------------------------------------------------
+# atomic files
+
+
+def atomic_write_text(path: Path | str, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide run files from other users
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path | str, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_pointer(root: Path | str, stage: str, final_dir: Path | str) -> Path:
+    """Atomically point `<root>/latest_rm` (or latest_policy) at `final_dir`; returns the pointer path."""
+    pointer = Path(root) / POINTERS[stage]
+    atomic_write_text(pointer, str(Path(final_dir).resolve()) + "\n")
+    return pointer
+
+
+def read_pointer(root: Path | str, stage: str) -> Optional[Path]:
+    pointer = Path(root) / POINTERS[stage]
+    if not pointer.is_file():
+        return None
+    target = Path(pointer.read_text().strip())
+    return target if target.exists() else None
+
+
+def check_writable(path: Path | str) -> None:
+    """Fail before training when the output dir cannot be written (raises PermissionError naming it)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".write-test.", dir=path)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise PermissionError(f"output dir '{path}' is not writable: {e.strerror}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# run status and resume
+
+
+def set_status(run_dir: Path | str, state: str, **extra: Any) -> None:
+    atomic_write_json(Path(run_dir) / "status.json", {"state": state, "time": time.time(), **extra})
+
+
+def get_status(run_dir: Path | str) -> Dict[str, Any]:
+    p = Path(run_dir) / "status.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def stage_runs(root: Path | str, stage: str) -> List[Path]:
+    """All run dirs of a stage (plain runs and multirun jobs), oldest first by start time."""
+    base = Path(root) / stage
+    if not base.is_dir():
+        return []
+    runs = [p for p in base.iterdir() if p.is_dir() and not p.name.startswith("sweep-")]
+    for sweep in base.glob("sweep-*"):
+        runs += [p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    runs = [p for p in runs if (p / "config.yaml").is_file()]
+    return sorted(runs, key=lambda p: (p / "config.yaml").stat().st_mtime)
+
+
+def find_resumable(root: Path | str, stage: str) -> Optional[Path]:
+    """Newest run of `stage` under `root` that did not finish, or None."""
+    unfinished = [p for p in stage_runs(root, stage) if get_status(p).get("state") != "finished"]
+    return unfinished[-1] if unfinished else None
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics
+
+
+class MetricsLogger:
+    """Append metrics to `<run_dir>/metrics.jsonl` (and TensorBoard when installed); rank 0 only.
+
+    Each record is `{"step": int, "time": float, <name>: float, ...}`; non-finite floats are written
+    as null so the file stays valid JSON.
+    """
+
+    def __init__(self, run_dir: Path | str, enabled: bool = True, tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+            except Exception:  # tensorboard not installed: JSONL only
+                self.tb = None
+
+    def log(self, step: int, metrics: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        rec: Dict[str, Any] = {"step": int(step), "time": time.time()}
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                rec[k] = float(v) if math.isfinite(float(v)) else None
+            else:
+                rec[k] = v
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k not in ("step", "time") and isinstance(v, float):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past `step` (after resuming from a checkpoint taken at `step`)."""
+        if not self.enabled or not self.path.is_file():
+            return
+        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path | str) -> List[Dict[str, Any]]:
+    """Records of a metrics JSONL file (a run dir or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    if not p.is_file():
+        return []
+    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# console progress
+
+
+class Progress:
+    """A rich progress bar with ETA showing the latest few metrics; silent on ranks other than 0."""
+
+    def __init__(self, total: int, description: str, keys: List[str], enabled: bool = True, start: int = 0) -> None:
+        self.enabled = enabled
+        self.keys = keys
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
+
+        self._p = RichProgress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
+            transient=False,
+        )
+        self._task = self._p.add_task(description, total=total, completed=start, stats="")
+        self._p.start()
+
+    def update(self, advance: int = 1, metrics: Optional[Dict[str, Any]] = None) -> None:
+        if not self.enabled:
+            return
+        stats = ""
+        if metrics:
+            stats = " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.keys
+                             if isinstance(metrics.get(k), (int, float)))
+        self._p.update(self._task, advance=advance, stats=stats)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._p.stop()

@@ -1,0 +1,121 @@
+"""Steps every stage shares: run-dir setup, seeding, resume bookkeeping, checkpoint tags."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from rlhf_cli import engine
+from rlhf_cli.runs import atomic_write_text, check_writable, get_status, set_status
+
+log = logging.getLogger(__name__)
+console = Console(stderr=False)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> Dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def epoch_order(n: int, seed: int, epoch: int, lengths: Optional[Sequence[int]] = None,
+                group_size: int = 0) -> List[int]:
+    """A seeded permutation of range(n) for one epoch (the same on every rank and on resume).
+
+    With `lengths` and `group_size`, rows are sorted by length inside shuffled windows of
+    `group_size * 8` rows and the resulting groups shuffled again (less padding, every row once).
+    """
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    order = torch.randperm(n, generator=g).tolist()
+    if lengths is None or group_size <= 0:
+        return order
+    window = group_size * 8
+    chunks = []
+    for i in range(0, n, window):
+        w = sorted(order[i:i + window], key=lambda j: lengths[j])
+        chunks += [w[k:k + group_size] for k in range(0, len(w), group_size)]
+    perm = torch.randperm(len(chunks), generator=g).tolist()
+    return [j for c in perm for j in chunks[c]]
+
+
+def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
+    """Create the run dir (rank 0), check it is writable, write the resolved config, mark it running.
+
+    When resuming (`cfg.resume` names this dir) the saved config is kept beside the new one as
+    `config.prev.yaml`. Raises PermissionError when the dir cannot be written.
+    """
+    run_dir = Path(run_dir)
+    if engine.is_main():
+        check_writable(run_dir)
+        cfg_path = run_dir / "config.yaml"
+        if cfg_path.exists() and cfg.get("resume"):
+            shutil.copyfile(cfg_path, run_dir / "config.prev.yaml")
+        atomic_write_text(cfg_path, OmegaConf.to_yaml(cfg, resolve=True))
+        if get_status(run_dir).get("state") != "finished":
+            set_status(run_dir, "running")
+    engine.barrier()
+    return run_dir
+
+
+def ckpt_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "ds"
+
+
+def latest_tag(run_dir: Path) -> Optional[str]:
+    """Tag of the newest complete DeepSpeed checkpoint of a run (written only after a save completes)."""
+    p = ckpt_dir(run_dir) / "latest"
+    if not p.is_file():
+        return None
+    tag = p.read_text().strip()
+    return tag if (ckpt_dir(run_dir) / tag).is_dir() else None
+
+
+def commit_checkpoint(run_dir: Path, tag: str, keep: int = 2) -> None:
+    """After every rank has written `tag`, point `ds/latest` at it atomically and prune old tags.
+
+    A crash before this leaves the previous `latest` (and its files) intact and loadable.
+    """
+    engine.barrier()
+    if engine.is_main():
+        atomic_write_text(ckpt_dir(run_dir) / "latest", tag + "\n")
+        tags = sorted((p for p in ckpt_dir(run_dir).iterdir() if p.is_dir() and p.name.startswith("step-")),
+                      key=lambda p: int(p.name.split("-")[1]))
+        for old in tags[:-keep]:
+            if old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+    engine.barrier()
+
+
+def print_table(title: str, rows: Dict[str, Any]) -> None:
+    """A two-column rich table (rank 0 only)."""
+    if not engine.is_main():
+        return
+    table = Table(title=title, show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    for k, v in rows.items():
+        table.add_row(str(k), f"{v:.4g}" if isinstance(v, float) else str(v))
+    console.print(table)
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

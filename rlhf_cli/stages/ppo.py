@@ -1,0 +1,611 @@
+"""`rlhf train-ppo`: PPO against a reward model (or the built-in checker) on DeepSpeed.
+
+Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017):
+  1. rollout   sample `ppo.rollout_batch_size` prompts, generate one response each (KV cache)
+  2. score     no-grad passes: old logprobs (policy), ref_logprobs (reference), values (critic),
+               the sequence score (reward model or checker), all in the training forward's layout
+  3. shape     per-token rewards −β·kl_t, plus the score at the EOS token; GAE(γ, λ); whitening
+  4. learn     `ppo.epochs` passes over shuffled minibatches: clipped surrogate, clipped value loss,
+               entropy bonus, aggregated over the minibatch's real tokens (all micro-batches, ranks)
+  5. adapt     update the KL controller with the rollout's per-sequence KL
+
+Batch layout: `[prompt | response]`, prompts left-padded to P columns, responses right-padded to R
+columns, the response mask ending at the first EOS (inclusive). logits at column P-1+t predict
+response token t; values[:, t] is the critic's head at the same column (see models/scalar.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from rlhf_cli import engine
+from rlhf_cli.config import ConfigError
+from rlhf_cli.core import (
+    AdaptiveKLController,
+    FixedKLController,
+    compute_gae,
+    entropy_bonus,
+    entropy_from_logits,
+    kl_estimate,
+    kl_penalized_rewards,
+    logprobs_from_logits,
+    policy_loss,
+    value_loss,
+)
+from rlhf_cli.data import PromptCollator, check_answers, load_prompt_data
+from rlhf_cli.models import (
+    count_parameters,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    read_reward_stats,
+    require_scalar_model_dir,
+    resolve_hf_dir,
+    save_hf,
+    sequence_rewards,
+    token_values,
+)
+from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, read_pointer, set_status, write_pointer
+from rlhf_cli.stages.common import (
+    ckpt_dir,
+    commit_checkpoint,
+    epoch_order,
+    latest_tag,
+    prepare_run_dir,
+    print_table,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
+
+log = logging.getLogger(__name__)
+
+PROGRESS_KEYS = ["objective/scores", "objective/kl", "policy/clipfrac", "response/length_mean"]
+
+
+# ----------------------------------------------------------------------------------------------
+# the rollout record
+
+
+@dataclass
+class Experience:
+    """One rollout batch on one rank. B rows, P prompt columns, R response columns."""
+
+    input_ids: torch.Tensor  # (B, P+R) long, [left-padded prompt | right-padded response]
+    attention_mask: torch.Tensor  # (B, P+R) long, 1 = real token
+    mask: torch.Tensor  # (B, R) float, 1 = real response token (EOS included) that enters the loss
+    logprobs: torch.Tensor  # (B, R) float32, old log π(a_t|s_t) at temperature, 0 on padding
+    ref_logprobs: torch.Tensor  # (B, R) float32, log π_ref(a_t|s_t) at temperature
+    values: torch.Tensor  # (B, R) float32, old V(s_t)
+    rewards: torch.Tensor  # (B, R) float32, −β·kl_t plus the score at the last real token
+    advantages: torch.Tensor  # (B, R) float32, GAE (whitened if ppo.whiten_advantages)
+    returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
+    scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
+
+    def rows(self, idx: torch.Tensor) -> "Experience":
+        return Experience(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1] - self.mask.shape[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+class PolicyWithValueHead(torch.nn.Module):
+    """`ppo.critic=shared`: the policy's trunk carries a scalar value head `score` next to its LM head."""
+
+    def __init__(self, lm: torch.nn.Module, seed: int) -> None:
+        super().__init__()
+        self.lm = lm
+        hidden = lm.config.get_text_config().hidden_size
+        ref = next(lm.parameters())
+        self.score = torch.nn.Linear(hidden, 1, bias=False, device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            self.score.weight.copy_(torch.randn(1, hidden, generator=g) / math.sqrt(hidden + 1))
+
+    @property
+    def config(self) -> Any:
+        return self.lm.config
+
+
+def _unwrap(model: Any) -> Any:
+    return getattr(model, "module", model)
+
+
+def _lm(model: Any) -> Any:
+    model = _unwrap(model)
+    return model.lm if isinstance(model, PolicyWithValueHead) else model
+
+
+def policy_forward(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
+    with_entropy: bool = False, with_values: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Log-probs of the response tokens under the policy at `temperature`.
+
+    input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) nats or
+    None, and, for a shared critic, values (B, R) float32 or None. Only the R response positions go
+    through the LM head; position ids count real tokens, so padding side does not matter.
+    """
+    lm = _lm(model)
+    trunk = getattr(lm, lm.base_model_prefix)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).last_hidden_state[:, prompt_len - 1:-1]  # (B, R, H)
+    logits = lm.lm_head(hidden).float() / temperature  # (B, R, V)
+    labels = input_ids[:, prompt_len:]
+    logprobs = logprobs_from_logits(logits, labels)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    values = None
+    if with_values:
+        values = _unwrap(model).score(hidden).squeeze(-1).float()
+    return logprobs, entropy, values
+
+
+def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """(B, R) float32 values of a separate critic, aligned with `policy_forward`'s logprobs."""
+    return token_values(critic, input_ids, attention_mask)[:, prompt_len - 1:-1]
+
+
+def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut generated tokens at the first EOS.
+
+    responses: (B, R) long as returned by generate (anything after the EOS is filler).
+    Returns (responses with everything after the first EOS set to pad, mask (B, R) float with 1 up
+    to and including the first EOS, has_eos (B,) bool).
+    """
+    is_eos = responses == eos_id
+    before_or_at = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0  # no EOS strictly before t
+    mask = before_or_at.float()
+    cleaned = torch.where(before_or_at, responses, torch.full_like(responses, pad_id))
+    return cleaned, mask, is_eos.any(dim=1)
+
+
+def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean)/std over real tokens of ALL ranks (unbiased std), 0 on padding.
+
+    Equals `core.masked_whiten(x, mask)` on one rank (tested); with one real token the std is taken
+    as 1, like masked_whiten's documented fallback.
+    """
+    m = mask.bool()
+    xz = torch.where(m, x.float(), torch.zeros_like(x, dtype=torch.float32))
+    stats = engine.all_reduce_sum(torch.stack([m.float().sum(), xz.sum(), (xz * xz).sum()]).double())
+    n, s, ss = stats.tolist()
+    if n < 1:
+        return torch.zeros_like(xz)
+    mean = s / n
+    var = (ss - n * mean * mean) / (n - 1) if n > 1 else 1.0
+    out = (xz - mean) / math.sqrt(max(var, 0.0) + eps)
+    return torch.where(m, out, torch.zeros_like(out))
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage
+
+
+class PPOTrainer:
+    """Holds the engines and state of one PPO run; `run()` below walks it step by step."""
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        self.cfg, self.p, self.run_dir = cfg, cfg.ppo, run_dir
+        self.precision = cfg.precision
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+
+    # -- build -----------------------------------------------------------------------------
+    def load_data(self) -> None:
+        self.prompts = load_prompt_data(self.cfg.data, self.tokenizer, split="train")
+        if len(self.prompts) < self.p.rollout_batch_size:
+            raise ConfigError(f"only {len(self.prompts)} prompts, fewer than ppo.rollout_batch_size={self.p.rollout_batch_size}")
+        if self.cfg.reward.type == "checker" and any(x.get("answer") is None for x in self.prompts):
+            raise ConfigError("reward.type=checker needs prompts with answers (the built-in task)")
+
+    def reward_model_path(self) -> Optional[str]:
+        if self.cfg.reward.type != "model":
+            return None
+        path = self.cfg.reward_model.path
+        if path is None:
+            target = read_pointer(self.cfg.paths.root, "rm")
+            if target is None:
+                raise ConfigError(f"no reward model: set reward_model.path=<run dir or HF dir>, or run `rlhf train-rm` "
+                                  f"first (no {Path(self.cfg.paths.root) / 'latest_rm'}), or use reward.type=checker")
+            path = str(target)
+        return require_scalar_model_dir(path, "reward model")
+
+    def build_models(self) -> None:
+        cfg, p = self.cfg, self.p
+        policy = load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer)
+        ref_source = cfg.reference.path or cfg.model
+        reference = load_causal_lm(ref_source, self.precision, cfg.seed, tokenizer=self.tokenizer)
+        self.reference_path = str(cfg.reference.path or cfg.model.name_or_path or cfg.model.gguf_file or "random init")
+        self.rm_path = self.reward_model_path()
+        self.reward_model = None
+        self.reward_stats = None
+        if self.rm_path is not None:
+            self._check_same_tokenizer(self.rm_path)
+            self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed), self.precision)
+            self.reward_stats = read_reward_stats(self.rm_path)
+        self.reference = engine.FrozenModel(reference, self.precision)
+
+        steps_per_iter = p.epochs * (p.rollout_batch_size // p.mini_batch_size)
+        total = p.iterations * steps_per_iter
+        common = dict(train_batch_size=p.mini_batch_size, micro_batch_size=p.micro_batch_size, total_steps=total,
+                      warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
+                      max_grad_norm=p.max_grad_norm)
+        self.n_params = count_parameters(policy)
+        if p.critic == "shared":
+            model = PolicyWithValueHead(policy, cfg.seed)
+            self.actor = engine.TrainEngine(model, cfg.deepspeed, self.precision, lr=p.actor_lr, **common)
+            self.critic = None
+        else:
+            if p.critic_init == "reward_model" and self.reward_model is not None:
+                critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
+            else:
+                critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
+            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.precision, lr=p.actor_lr, **common)
+            self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
+        self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
+                       else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
+
+    def _check_same_tokenizer(self, rm_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        rm_tok = AutoTokenizer.from_pretrained(resolve_hf_dir(rm_path))
+        if rm_tok.get_vocab() != self.tokenizer.get_vocab():
+            raise ConfigError(f"the reward model at {rm_path} uses a different tokenizer than the policy "
+                              f"({len(rm_tok)} vs {len(self.tokenizer)} tokens): train the reward model from the same base model")
+
+    # -- rollout -----------------------------------------------------------------------------
+    def prompt_batch(self, iteration: int) -> List[Dict[str, Any]]:
+        """This rank's prompts of an iteration: a seeded walk through epochs of shuffled prompts."""
+        n, R = len(self.prompts), self.p.rollout_batch_size
+        idx = []
+        for k in range(iteration * R, (iteration + 1) * R):
+            epoch, pos = divmod(k, n)
+            if epoch != getattr(self, "_order_epoch", None):
+                self._order, self._order_epoch = epoch_order(n, self.cfg.data.seed + self.cfg.seed, epoch), epoch
+            idx.append(self._order[pos])
+        per_rank = R // engine.world_size()
+        mine = idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]
+        return [self.prompts[i] for i in mine]
+
+    @torch.no_grad()
+    def generate(self, prompts: List[Dict[str, Any]]) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """Sample one response per prompt. Returns input_ids (B, P+R), attention_mask, P, has_eos (B,)."""
+        p, dev = self.p, engine.device()
+        batch = PromptCollator(self.pad_id)(prompts)
+        prompt_ids, prompt_mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+        P = prompt_ids.shape[1]
+        lm = _lm(self.actor.module)
+        lm.eval()
+        outs = []
+        with self.actor.gathered_params(), self.actor.autocast():
+            for i in range(0, len(prompts), max(p.micro_batch_size, 1) * 4):
+                sl = slice(i, i + p.micro_batch_size * 4)
+                out = lm.generate(input_ids=prompt_ids[sl], attention_mask=prompt_mask[sl], do_sample=True,
+                                  temperature=p.temperature, top_p=p.top_p, top_k=0, max_new_tokens=p.max_new_tokens,
+                                  eos_token_id=self.eos_id, pad_token_id=self.pad_id, use_cache=True)
+                resp = out[:, P:]
+                if resp.shape[1] < p.max_new_tokens:  # pad every chunk to the same width
+                    resp = torch.nn.functional.pad(resp, (0, p.max_new_tokens - resp.shape[1]), value=self.pad_id)
+                outs.append(resp)
+        lm.train()
+        responses = torch.cat(outs)
+        responses, rmask, has_eos = response_mask(responses, self.eos_id, self.pad_id)
+        R = int(rmask.sum(1).max().item()) if rmask.numel() else 1  # drop all-pad columns
+        responses, rmask = responses[:, :max(R, 1)], rmask[:, :max(R, 1)]
+        input_ids = torch.cat([prompt_ids, responses], dim=1)
+        attention_mask = torch.cat([prompt_mask, rmask.long()], dim=1)
+        return input_ids, attention_mask, P, has_eos
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+              prompts: List[Dict[str, Any]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(raw scores (B,), normalised scores (B,)) from the reward model or the checker."""
+        if self.reward_model is None:
+            texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
+            raw = torch.tensor(check_answers(texts, [x["answer"] for x in prompts]), dtype=torch.float32)
+            return raw, raw.clone()
+        raws = []
+        mb = self.p.micro_batch_size
+        with self.reward_model.autocast():
+            for i in range(0, input_ids.shape[0], mb):
+                raws.append(sequence_rewards(self.reward_model.module, input_ids[i:i + mb], attention_mask[i:i + mb]).float())
+        raw = torch.cat(raws).cpu()
+        norm = raw
+        if self.p.normalize_reward and self.reward_stats is not None:
+            mean, std = self.reward_stats
+            norm = (raw - mean) / max(std, 1e-6)
+        return raw, norm
+
+    @torch.no_grad()
+    def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int) -> Tuple[torch.Tensor, ...]:
+        """Old logprobs, ref logprobs and old values, micro-batch by micro-batch, as training computes them."""
+        mb, T = self.p.micro_batch_size, self.p.temperature
+        lps, refs, vals = [], [], []
+        shared = self.critic is None
+        for i in range(0, input_ids.shape[0], mb):
+            ids, am = input_ids[i:i + mb], attention_mask[i:i + mb]
+            with self.actor.autocast():
+                lp, _, v = policy_forward(self.actor.module, ids, am, P, T, with_values=shared)
+            with self.reference.autocast():
+                ref, _, _ = policy_forward(self.reference.module, ids, am, P, T)
+            if not shared:
+                with self.critic.autocast():
+                    v = critic_values(self.critic.module, ids, am, P)
+            lps.append(lp); refs.append(ref); vals.append(v.float())
+        return torch.cat(lps), torch.cat(refs), torch.cat(vals)
+
+    def make_experience(self, iteration: int) -> Tuple[Experience, Dict[str, float], Dict[str, Any]]:
+        p = self.p
+        prompts = self.prompt_batch(iteration)
+        t0 = time.perf_counter()
+        input_ids, attention_mask, P, has_eos = self.generate(prompts)
+        t1 = time.perf_counter()
+        raw, score = self.score(input_ids, attention_mask, P, prompts)
+        mask = attention_mask[:, P:].float()
+        if p.truncated == "penalize":
+            score = score - p.missing_eos_penalty * (~has_eos).float()
+        logprobs, ref_logprobs, values = self.forward_no_grad(input_ids, attention_mask, P)
+        t2 = time.perf_counter()
+        loss_mask = mask * has_eos.float()[:, None] if p.truncated == "mask" else mask
+        beta = self.kl_ctl.value
+        rewards = kl_penalized_rewards(score, logprobs, ref_logprobs, mask, beta, p.kl_estimator)
+        advantages, returns = compute_gae(rewards, values, mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            advantages = whiten_across_ranks(advantages, loss_mask)
+        exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs, values, rewards,
+                         advantages, returns, score)
+        kl_tok = kl_estimate(logprobs, ref_logprobs, "k1") * mask
+        kl_seq = kl_tok.sum(1)  # nats per sequence
+        lengths = mask.sum(1)
+        gen_tokens = float(lengths.sum())
+        stats = {
+            "objective/scores": raw.mean().item(),
+            "objective/scores_norm": score.mean().item(),
+            "objective/kl": kl_seq.mean().item(),
+            "objective/kl_k3": (kl_estimate(logprobs, ref_logprobs, "k3") * mask).sum(1).mean().item(),
+            "objective/kl_beta": beta,
+            "objective/rlhf_reward": (score - beta * kl_seq).mean().item(),
+            "objective/entropy_sampled": (-(logprobs * mask).sum(1)).mean().item(),
+            "response/length_mean": lengths.mean().item(),
+            "response/eos_frac": has_eos.float().mean().item(),
+            "val/values_mean": ((values * mask).sum() / mask.sum().clamp(min=1)).item(),
+            "time/generation": t1 - t0,
+            "time/scoring": t2 - t1,
+            "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+        }
+        stats = engine.reduce_stats(stats)
+        samples = {"prompts": [x.get("prompt_text", "") for x in prompts[:3]],
+                   "responses": self.tokenizer.batch_decode(input_ids[:3, P:], skip_special_tokens=True),
+                   "scores": raw[:3].tolist()}
+        return exp, stats, samples
+
+    # -- learn -------------------------------------------------------------------------------
+    def train_on(self, exp: Experience, iteration: int) -> Dict[str, float]:
+        """`ppo.epochs` passes of shuffled minibatches over the rollout; returns mean stats."""
+        p = self.p
+        ws = engine.world_size()
+        n = exp.input_ids.shape[0]
+        mini = p.mini_batch_size // ws
+        P, T = exp.prompt_len, p.temperature
+        shared = self.critic is None
+        g = torch.Generator().manual_seed(self.cfg.seed * 7919 + iteration * 1009 + engine.rank())
+        sums: Dict[str, float] = {}
+        count, tokens = 0, 0.0
+        t0 = time.perf_counter()
+        self.actor.train()
+        if self.critic is not None:
+            self.critic.train()
+        for epoch in range(p.epochs):
+            perm = torch.randperm(n, generator=g)
+            for s in range(0, n, mini):
+                mb_rows = perm[s:s + mini]
+                # the minibatch's real-token count over all ranks: the divisor of every micro-batch loss
+                num_tokens = engine.all_reduce_sum(exp.mask[mb_rows].sum()).item()
+                for m in range(0, mini, p.micro_batch_size):
+                    b = exp.rows(mb_rows[m:m + p.micro_batch_size])
+                    tokens += float(b.attention_mask.sum())
+                    with self.actor.autocast():
+                        lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, T,
+                                                    with_entropy=True, with_values=shared)
+                    agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
+                    pg_loss, pg_stats = policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)
+                    ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
+                    actor_loss = pg_loss - p.c2 * ent_bonus
+                    if not shared:
+                        with self.critic.autocast():
+                            v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P)
+                    vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
+                    # shared: one objective, c1 weighs the value loss; separate: c1 scales the critic's gradient
+                    if shared:
+                        actor_loss = actor_loss + p.c1 * vf_loss
+                    critic_loss = p.c1 * vf_loss
+                    if not (torch.isfinite(actor_loss) and torch.isfinite(critic_loss)):
+                        self.bad_steps += 1
+                        log.warning("non-finite loss at iteration %d (bad steps: %d)", iteration + 1, self.bad_steps)
+                        if self.bad_steps > p.max_bad_steps:
+                            raise FloatingPointError(f"aborting: {self.bad_steps} micro-steps with NaN/inf losses "
+                                                     f"(ppo.max_bad_steps={p.max_bad_steps})")
+                        actor_loss = _zero_loss(self.actor.module)
+                        critic_loss = _zero_loss(self.critic.module) if not shared else critic_loss
+                    # the losses are already means over the whole minibatch (all micro-batches and ranks);
+                    # DeepSpeed averages gradients over ranks, so undo that average
+                    self.actor.backward(actor_loss * ws)
+                    self.actor.step()
+                    if not shared:
+                        self.critic.backward(critic_loss * ws)
+                        self.critic.step()
+                    # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
+                    step_stats = {**pg_stats, **vf_stats, **ent_stats}
+                    for k, val in step_stats.items():
+                        sums[k] = sums.get(k, 0.0) + val
+                    sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + float(pg_loss)
+                    sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + float(vf_loss)
+                    count += 1
+        dt = time.perf_counter() - t0
+        stats = {k: v / max(count, 1) for k, v in sums.items()}
+        n_minibatches = p.epochs * math.ceil(n / mini)
+        stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws
+        stats["val/loss"] = sums.get("val/loss_sum", 0.0) / n_minibatches * ws
+        stats.pop("policy/loss_sum", None), stats.pop("val/loss_sum", None)
+        stats["time/training"] = dt
+        stats["throughput/train_tokens_per_s"] = tokens * ws / max(dt, 1e-9)
+        stats["policy/grad_norm"] = self.actor.grad_norm()
+        stats["lr/actor"] = self.actor.lr()
+        return engine.reduce_stats(stats)
+
+
+def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
+    """A zero loss attached to every trainable parameter (keeps DeepSpeed's accumulation in step)."""
+    return sum((p.float() * 0).sum() for p in model.parameters() if p.requires_grad)
+
+
+def run(cfg: Any, run_dir: Path) -> Optional[float]:
+    engine.init_distributed()
+    run_dir = prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
+    p = cfg.ppo
+
+    # 1. data, reward source, models
+    tr = PPOTrainer(cfg, run_dir)
+    tr.load_data()
+    if cfg.dry_run:
+        tr.rm_path = tr.reward_model_path()
+        policy = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tr.tokenizer)
+        print_table(f"train-ppo (dry run): {run_dir}", {
+            "policy": cfg.model.name, "params (non-embedding)": count_parameters(policy),
+            "reward": tr.rm_path or "checker", "prompts": len(tr.prompts), "iterations": p.iterations,
+            "rollout / mini / micro / world": f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}",
+            "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage})
+        if engine.is_main():
+            set_status(run_dir, "dry_run")
+        return None
+    tr.build_models()
+    print_table(f"train-ppo: {run_dir}", {
+        "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "reward": tr.rm_path or "checker (built-in task)",
+        "reward normalisation": tr.reward_stats if p.normalize_reward else None, "critic": f"{p.critic} ({p.critic_init})",
+        "prompts": len(tr.prompts), "iterations": p.iterations,
+        "rollout / mini / micro / world": f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}",
+        "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta}", "precision": cfg.precision})
+    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
+    tr.bad_steps = 0
+
+    # 2. resume
+    start = 0
+    tag = latest_tag(run_dir) if cfg.resume else None
+    if tag is not None:
+        state = tr.actor.load(str(ckpt_dir(run_dir) / tag), "actor")
+        if tr.critic is not None:
+            tr.critic.load(str(ckpt_dir(run_dir) / tag), "critic")
+        start = int(state["iteration"])
+        tr.kl_ctl.load_state_dict(state["kl_ctl"])
+        tr.bad_steps = int(state.get("bad_steps", 0))
+        set_rng_state(state["rng"])
+        metrics.truncate_after(start)
+        log.info("resumed from %s at iteration %d", tag, start)
+
+    # 3. loop
+    progress = Progress(p.iterations, "train-ppo", PROGRESS_KEYS, enabled=engine.is_main(), start=start)
+    it = start
+    record: Dict[str, float] = {}
+    try:
+        for it in range(start, p.iterations):
+            exp, roll_stats, samples = tr.make_experience(it)
+            if p.max_kl is not None and roll_stats["objective/kl"] > p.max_kl:
+                raise FloatingPointError(f"aborting at iteration {it + 1}: KL to the reference is "
+                                         f"{roll_stats['objective/kl']:.2f} nats/sequence > ppo.max_kl={p.max_kl}")
+            train_stats = tr.train_on(exp, it)
+            tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size)
+            record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
+            metrics.log(it + 1, record)
+            if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:
+                _log_samples(run_dir, it + 1, samples)
+            progress.update(1, record)
+            if p.save_every and (it + 1) % p.save_every == 0 and it + 1 < p.iterations:
+                save_checkpoint(tr, run_dir, it + 1)
+    except KeyboardInterrupt:
+        progress.close()
+        log.warning("interrupted at iteration %d: saving a checkpoint before exit", it)
+        save_checkpoint(tr, run_dir, it)
+        raise
+    except FloatingPointError as e:
+        progress.close()
+        if engine.is_main():
+            set_status(run_dir, "aborted", reason=str(e))
+        raise ConfigError(str(e)) from None
+    progress.close()
+
+    # 4. save
+    save_checkpoint(tr, run_dir, p.iterations)
+    final = run_dir / "final"
+    actor_sd = tr.actor.consolidated_state_dict()
+    critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
+    if engine.is_main():
+        extra = {"rlhf_stage": "ppo", "rlhf_reference_path": _abs(tr.reference_path),
+                 "rlhf_reward_model_path": _abs(tr.rm_path), "rlhf_reward_type": cfg.reward.type}
+        if tr.critic is None:
+            lm = _lm(tr.actor.module)
+            lm_sd = {k[len("lm."):]: v for k, v in actor_sd.items() if k.startswith("lm.")}
+            save_hf(lm, tr.tokenizer, final, extra_config=extra, state_dict=lm_sd)
+            from safetensors.torch import save_file
+
+            save_file({"score.weight": actor_sd["score.weight"].contiguous()}, str(final / "value_head.safetensors"))
+        else:
+            save_hf(tr.actor.module, tr.tokenizer, final, extra_config=extra, state_dict=actor_sd)
+            save_hf(tr.critic.module, tr.tokenizer, run_dir / "critic", state_dict=critic_sd)
+            import os
+            import shutil
+
+            if (final / "critic").exists():
+                shutil.rmtree(final / "critic")
+            os.replace(run_dir / "critic", final / "critic")
+        from omegaconf import OmegaConf
+
+        (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        pointer = write_pointer(cfg.paths.root, "ppo", final)
+        set_status(run_dir, "finished", final=str(final.resolve()), iterations=p.iterations)
+        print_table("train-ppo finished", {k: record.get(k) for k in
+                                           ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")}
+                    | {"checkpoint": str(final), "pointer": str(pointer)})
+    engine.barrier()
+    metrics.close()
+    return record.get("objective/scores")
+
+
+def _abs(path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.resolve()) if p.exists() else path
+
+
+def _log_samples(run_dir: Path, iteration: int, samples: Dict[str, Any]) -> None:
+    import json
+
+    with open(run_dir / "samples.jsonl", "a") as fh:
+        for prompt, resp, score in zip(samples["prompts"], samples["responses"], samples["scores"]):
+            fh.write(json.dumps({"iteration": iteration, "prompt": prompt, "response": resp, "score": score}) + "\n")
+    log.info("sample (iteration %d, score %.3f): %r", iteration, samples["scores"][0], samples["responses"][0][:200])
+
+
+def save_checkpoint(tr: PPOTrainer, run_dir: Path, iteration: int) -> None:
+    """Resumable checkpoint `ds/step-<iteration>/{actor,critic}`; `ds/latest` moves once both are written."""
+    tag = f"step-{iteration}"
+    state = {"iteration": iteration, "kl_ctl": tr.kl_ctl.state_dict(), "rng": rng_state(), "bad_steps": tr.bad_steps}
+    tr.actor.save(str(ckpt_dir(run_dir) / tag), "actor", state)
+    if tr.critic is not None:
+        tr.critic.save(str(ckpt_dir(run_dir) / tag), "critic", {})
+    commit_checkpoint(run_dir, tag)

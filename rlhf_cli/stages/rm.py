@@ -1,0 +1,229 @@
+"""`rlhf train-rm`: reward-model training (LM trunk + scalar head, Bradley-Terry loss) on DeepSpeed.
+
+Steps: load tokenizer and pairs → build the scalar model → DeepSpeed engine → (resume) → loop over
+optimizer steps (one forward per micro-batch over chosen and rejected together) with periodic eval
+and checkpoints → final eval and reward statistics → `final/` in HF format → `latest_rm` pointer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from rlhf_cli import engine
+from rlhf_cli.core import pairwise_loss
+from rlhf_cli.data import PairCollator, load_preference_data
+from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf, sequence_rewards
+from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status, write_pointer
+from rlhf_cli.stages.common import (
+    ckpt_dir,
+    commit_checkpoint,
+    epoch_order,
+    latest_tag,
+    prepare_run_dir,
+    print_table,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
+
+log = logging.getLogger(__name__)
+
+PROGRESS_KEYS = ["rm/loss", "rm/accuracy", "throughput/pairs_per_s"]
+
+
+def _pair_length(ex: Dict[str, Any]) -> int:
+    return len(ex["prompt_ids"]) + max(len(ex["chosen_ids"]), len(ex["rejected_ids"]))
+
+
+def _forward_pairs(model: Any, batch: Dict[str, torch.Tensor], precision: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rewards (B,) of chosen and of rejected from ONE forward over the concatenated batch (2B, L)."""
+    dev = engine.device()
+    ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+    with engine.autocast(precision):
+        rewards = sequence_rewards(model, ids, mask).float()
+    b = ids.shape[0] // 2
+    return rewards[:b], rewards[b:]
+
+
+@torch.no_grad()
+def score_pairs(model: Any, pairs: Sequence[Dict[str, Any]], pad_id: int, batch_size: int,
+                precision: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of every pair's chosen and rejected response, sharded over ranks, gathered in order.
+
+    Returns two float32 tensors of shape (N,) on CPU, identical on every rank.
+    """
+    was_training = model.training
+    model.eval()
+    collate = PairCollator(pad_id)
+    mine = list(range(engine.rank(), len(pairs), engine.world_size()))
+    out: List[Tuple[int, float, float]] = []
+    for i in range(0, len(mine), batch_size):
+        idx = mine[i:i + batch_size]
+        c, r = _forward_pairs(model, collate([pairs[j] for j in idx]), precision)
+        out += list(zip(idx, c.cpu().tolist(), r.cpu().tolist()))
+    if was_training:
+        model.train()
+    merged = sorted(x for part in engine.all_gather_object(out) for x in part)
+    chosen = torch.tensor([x[1] for x in merged], dtype=torch.float32)
+    rejected = torch.tensor([x[2] for x in merged], dtype=torch.float32)
+    return chosen, rejected
+
+
+def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> Dict[str, float]:
+    """Loss, accuracy (ties not correct), tie count, margin and reward means of scored pairs."""
+    _, stats = pairwise_loss(chosen, rejected)
+    stats["rm/ties"] = float((chosen == rejected).sum())
+    stats["rm/count"] = float(chosen.numel())
+    return stats
+
+
+def run(cfg: Any, run_dir: Path) -> Optional[float]:
+    engine.init_distributed()
+    run_dir = prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
+    rmc = cfg.rm
+
+    # 1. data
+    tokenizer = load_tokenizer(cfg.model)
+    data = load_preference_data(cfg.data, tokenizer)
+    train, heldout = data.train, data.eval
+    if engine.is_main():
+        log.info("data: %s", data.summary)
+    if len(train) < rmc.batch_size:
+        from rlhf_cli.config import ConfigError
+
+        raise ConfigError(f"only {len(train)} training pairs, fewer than rm.batch_size={rmc.batch_size}")
+
+    # 2. model
+    model = load_scalar_model(cfg.model, cfg.precision, cfg.seed)
+    steps_per_epoch = len(train) // rmc.batch_size
+    total_steps = rmc.max_steps or steps_per_epoch * rmc.epochs
+    print_table(f"train-rm: {run_dir}", {
+        "model": cfg.model.name, "params (non-embedding)": count_parameters(model),
+        "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
+        "batch / micro / world": f"{rmc.batch_size} / {rmc.micro_batch_size} / {engine.world_size()}",
+        "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+    })
+    if cfg.dry_run:
+        set_status(run_dir, "dry_run") if engine.is_main() else None
+        return None
+
+    # 3. engine
+    eng = engine.TrainEngine(
+        model, cfg.deepspeed, cfg.precision, lr=rmc.lr, train_batch_size=rmc.batch_size,
+        micro_batch_size=rmc.micro_batch_size, total_steps=total_steps,
+        warmup_steps=int(rmc.warmup_ratio * total_steps), scheduler=rmc.lr_scheduler,
+        weight_decay=rmc.weight_decay, betas=tuple(rmc.betas), max_grad_norm=rmc.max_grad_norm)
+    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
+
+    # 4. resume
+    step = 0
+    tag = latest_tag(run_dir) if cfg.resume else None
+    if tag is not None:
+        state = eng.load(str(ckpt_dir(run_dir)), tag)
+        step = int(state["step"])
+        set_rng_state(state["rng"])
+        metrics.truncate_after(step)
+        log.info("resumed from %s at step %d", tag, step)
+
+    # 5. loop
+    collate = PairCollator(tokenizer.pad_token_id)
+    lengths = [_pair_length(ex) for ex in train] if cfg.data.group_by_length else None
+    per_rank = rmc.batch_size // engine.world_size()
+    progress = Progress(total_steps, "train-rm", PROGRESS_KEYS, enabled=engine.is_main(), start=step)
+    order_epoch, order = -1, []
+    eval_stats: Dict[str, float] = {}
+    eng.train()
+    try:
+        while step < total_steps:
+            epoch, pos = divmod(step, steps_per_epoch)
+            if epoch != order_epoch:
+                order = epoch_order(len(train), cfg.data.seed + cfg.seed, epoch, lengths, rmc.micro_batch_size)
+                order_epoch = epoch
+            batch_idx = order[pos * rmc.batch_size:(pos + 1) * rmc.batch_size]
+            mine = batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]
+            t0 = time.perf_counter()
+            stats_sum: Dict[str, float] = {}
+            tokens = 0
+            for m in range(0, per_rank, rmc.micro_batch_size):
+                exs = [train[j] for j in mine[m:m + rmc.micro_batch_size]]
+                batch = collate(exs)
+                tokens += int(batch["attention_mask"].sum())
+                chosen, rejected = _forward_pairs(eng.module, batch, cfg.precision)
+                margin = batch["margin"].to(chosen.device) if rmc.margin and "margin" in batch else None
+                loss, stats = pairwise_loss(chosen, rejected, margin)
+                if rmc.center_rewards_coef:
+                    center = rmc.center_rewards_coef * ((chosen + rejected) ** 2).mean()
+                    loss = loss + center
+                    stats["rm/center_loss"] = float(center)
+                eng.backward(loss / eng.grad_accum)
+                eng.step()
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v / eng.grad_accum
+            step += 1
+            dt = time.perf_counter() - t0
+            tok_total = engine.all_reduce_sum(torch.tensor(float(tokens))).item()
+            record = engine.reduce_stats(stats_sum)
+            record.update({"lr": eng.lr(), "grad_norm": eng.grad_norm(), "epoch": step / steps_per_epoch,
+                           "throughput/pairs_per_s": rmc.batch_size / dt, "throughput/tokens_per_s": tok_total / dt})
+            if rmc.eval_every and step % rmc.eval_every == 0 and step < total_steps and heldout:
+                eval_stats = pair_metrics(*score_pairs(eng.module, heldout, tokenizer.pad_token_id,
+                                                       rmc.eval_batch_size, cfg.precision))
+                record.update({f"eval/{k}": v for k, v in eval_stats.items()})
+            if step % rmc.log_every == 0 or step == total_steps:
+                metrics.log(step, record)
+            progress.update(1, record)
+            if rmc.save_every and step % rmc.save_every == 0 and step < total_steps:
+                save_checkpoint(eng, run_dir, step)
+    except KeyboardInterrupt:
+        progress.close()
+        log.warning("interrupted at step %d: saving a checkpoint before exit", step)
+        save_checkpoint(eng, run_dir, step)
+        raise
+    progress.close()
+
+    # 6. final eval, reward statistics, HF checkpoint, pointer
+    final_stats: Dict[str, float] = {}
+    reward_mean, reward_std = 0.0, 1.0
+    if heldout:
+        chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size, cfg.precision)
+        final_stats = pair_metrics(chosen, rejected)
+        both = torch.cat([chosen, rejected])
+        reward_mean, reward_std = float(both.mean()), float(both.std()) if both.numel() > 1 else 1.0
+        metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
+        if engine.is_main():
+            atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
+    save_checkpoint(eng, run_dir, step)
+    final = run_dir / "final"
+    state_dict = eng.consolidated_state_dict()
+    if engine.is_main():
+        save_hf(eng.module, tokenizer, final, state_dict=state_dict, extra_config={
+            "rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std,
+            "rlhf_stage": "rm", "rlhf_eval_accuracy": final_stats.get("rm/accuracy"),
+        })
+        atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,
+                                                     "reward_std": reward_std, "steps": step})
+        from omegaconf import OmegaConf
+
+        (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        pointer = write_pointer(cfg.paths.root, "rm", final)
+        set_status(run_dir, "finished", final=str(final.resolve()), steps=step)
+        print_table("train-rm finished", {**{f"eval {k}": v for k, v in final_stats.items()},
+                                          "reward mean/std": f"{reward_mean:.4g} / {reward_std:.4g}",
+                                          "checkpoint": str(final), "pointer": str(pointer)})
+    engine.barrier()
+    metrics.close()
+    return final_stats.get("rm/accuracy")
+
+
+def save_checkpoint(eng: engine.TrainEngine, run_dir: Path, step: int) -> None:
+    """Resumable DeepSpeed checkpoint `ds/step-<step>`; `ds/latest` moves only once it is complete."""
+    tag = f"step-{step}"
+    eng.save(str(ckpt_dir(run_dir)), tag, {"step": step, "rng": rng_state()})
+    commit_checkpoint(run_dir, tag)

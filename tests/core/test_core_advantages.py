@@ -1,0 +1,262 @@
+"""rlhf_cli.core.advantages against plain-Python references, hand-computed cases and properties."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlhf_cli.core import (
+    compute_gae,
+    compute_gae_vectorized,
+    discounted_returns,
+    kl_estimate,
+    kl_penalized_rewards,
+)
+
+PROPERTY = settings(max_examples=30, deadline=None)
+GARBAGE = [1e6, -1e6, math.inf, -math.inf, math.nan]
+SHAPES = [(1, 1), (2, 5), (4, 7), (3, 16)]
+GAE_FNS = [compute_gae, compute_gae_vectorized]
+
+
+def right_padded_mask(gen, B, T):
+    """(B, T) bool mask with ragged lengths in [0, T]; the first row is full, the second empty."""
+    lengths = torch.randint(0, T + 1, (B,), generator=gen)
+    lengths[0] = T
+    if B > 1:
+        lengths[1] = 0
+    return torch.arange(T) < lengths[:, None]
+
+
+def with_garbage(x, mask, value):
+    return torch.where(mask, x, torch.full_like(x, value))
+
+
+# ---------------------------------------------------------------- plain-Python references
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    """CleanRL-style reverse loop on Python floats, one row at a time (right-padded rows)."""
+    advantages, returns = [], []
+    for r, v, m in zip(rewards, values, mask):
+        n, T = sum(m), len(m)
+        adv = [0.0] * T
+        last = 0.0
+        for t in reversed(range(n)):
+            next_value = v[t + 1] if t + 1 < n else 0.0
+            delta = r[t] + gamma * next_value - v[t]
+            last = delta + gamma * lam * last
+            adv[t] = last
+        advantages.append(adv)
+        returns.append([adv[t] + v[t] if t < n else 0.0 for t in range(T)])
+    return advantages, returns
+
+
+def ref_kl_rewards(scores, lp, ref_lp, mask, beta, estimator):
+    out = []
+    for s, a_row, b_row, m in zip(scores, lp, ref_lp, mask):
+        n = sum(m)
+        row = []
+        for t, (a, b) in enumerate(zip(a_row, b_row)):
+            if t >= n:
+                row.append(0.0)
+                continue
+            log_r = b - a
+            kl = {"k1": -log_r, "k2": 0.5 * log_r**2, "k3": math.exp(log_r) - 1 - log_r}[estimator]
+            row.append(-beta * kl + (s if t == n - 1 else 0.0))
+        out.append(row)
+    return out
+
+
+def rand_batch(seed, B, T, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, T, generator=gen, dtype=dtype)
+    values = torch.randn(B, T, generator=gen, dtype=dtype)
+    return rewards, values, right_padded_mask(gen, B, T)
+
+
+# ---------------------------------------------------------------- compute_gae
+
+
+@pytest.mark.parametrize("fn", GAE_FNS)
+@pytest.mark.parametrize("B,T", SHAPES)
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.0, 0.5)])
+def test_gae_matches_reference(fn, B, T, gamma, lam):
+    rewards, values, mask = rand_batch(B * 31 + T, B, T)
+    adv, ret = fn(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = ref_gae(rewards.tolist(), values.tolist(), mask.int().tolist(), gamma, lam)
+    assert adv.dtype == torch.float64 and adv.shape == (B, T)
+    assert torch.allclose(adv, torch.tensor(ref_adv, dtype=torch.float64))
+    assert torch.allclose(ret, torch.tensor(ref_ret, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fn", GAE_FNS)
+def test_gae_hand_computed(fn):
+    # delta = [0 + .5 - .5, 0 + .5 - .5, 1 + 0 - .5] = [0, 0, .5]; A_2 = .5, A_1 = .25, A_0 = .125
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 123.0]])
+    values = torch.tensor([[0.5, 0.5, 0.5, math.nan]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    adv, ret = fn(rewards, values, mask, gamma=1.0, lam=0.5)
+    assert torch.allclose(adv, torch.tensor([[0.125, 0.25, 0.5, 0.0]]))
+    assert torch.allclose(ret, torch.tensor([[0.625, 0.75, 1.0, 0.0]]))
+
+
+def test_gae_vectorized_equals_loop_at_T1024():
+    gen = torch.Generator().manual_seed(0)
+    B, T = 8, 1024
+    mask = right_padded_mask(gen, B, T)
+    values = torch.randn(B, T, generator=gen)
+    rewards = torch.randn(B, T, generator=gen) * 0.05  # -beta * KL per token
+    for gamma, lam in [(1.0, 0.95), (1.0, 1.0), (0.99, 0.95)]:
+        loop = compute_gae(rewards, values, mask, gamma, lam)
+        vec = compute_gae_vectorized(rewards, values, mask, gamma, lam)
+        for a, b in zip(loop, vec):
+            assert (a - b).abs().max().item() < 1e-5
+
+
+def test_gae_vectorized_equals_loop_with_left_padding():
+    rewards, values, mask = rand_batch(5, 4, 9)
+    left = mask.flip(1)
+    for a, b in zip(
+        compute_gae(rewards, values, left, 0.9, 0.9), compute_gae_vectorized(rewards, values, left, 0.9, 0.9)
+    ):
+        assert torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("fn", GAE_FNS + [lambda r, v, m, gamma, lam: discounted_returns(r, m, gamma)])
+def test_gae_rejects_bad_gamma_lambda_and_shapes(fn):
+    r = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="gamma"):
+        fn(r, r, r, 1.5, 0.9)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fn(r, r, torch.ones(2, 4), 1.0, 0.9)
+
+
+# ---------------------------------------------------------------- discounted_returns
+
+
+@pytest.mark.parametrize("B,T", SHAPES)
+def test_discounted_returns_matches_reference(B, T):
+    rewards, _, mask = rand_batch(B + T, B, T)
+    got = discounted_returns(rewards, mask, 0.9)
+    for b in range(B):
+        n = int(mask[b].sum())
+        for t in range(T):
+            expected = sum(0.9 ** (s - t) * rewards[b, s].item() for s in range(t, n)) if t < n else 0.0
+            assert got[b, t].item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_discounted_returns_hand_computed():
+    rewards = torch.tensor([[1.0, 1.0, 1.0, math.inf]])
+    mask = torch.tensor([[True, True, True, False]])
+    assert torch.allclose(discounted_returns(rewards, mask, 0.5), torch.tensor([[1.75, 1.5, 1.0, 0.0]]))
+
+
+# ---------------------------------------------------------------- kl_penalized_rewards
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("B,T", SHAPES)
+def test_kl_penalized_rewards_matches_reference(estimator, B, T):
+    gen = torch.Generator().manual_seed(B * 13 + T)
+    scores = torch.randn(B, generator=gen, dtype=torch.float64)
+    lp = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
+    ref = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
+    mask = right_padded_mask(gen, B, T)
+    got = kl_penalized_rewards(scores, lp, ref, mask, 0.1, estimator)
+    expected = ref_kl_rewards(scores.tolist(), lp.tolist(), ref.tolist(), mask.int().tolist(), 0.1, estimator)
+    assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64))
+
+
+def test_kl_penalized_rewards_hand_computed():
+    scores = torch.tensor([2.0, 5.0, 7.0])
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 9.0], [0.0, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -1.0, -9.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    got = kl_penalized_rewards(scores, lp, ref, mask, kl_beta=0.5)
+    # k1 = lp - ref: row 0 [0.5, -1, 0] -> [-0.25, 0.5, 0 + 2]; row 1 [0, 0] -> score on t=1; row 2 empty
+    assert torch.allclose(got, torch.tensor([[-0.25, 0.5, 2.0], [0.0, 5.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_kl_penalized_rewards_scores_shape_checked():
+    with pytest.raises(ValueError, match="scores"):
+        kl_penalized_rewards(torch.zeros(3), torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 4), 0.1)
+
+
+# ---------------------------------------------------------------- properties
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 5), T=st.integers(1, 12), gamma=st.floats(0.0, 1.0))
+def test_lambda_zero_gives_td_residual(seed, B, T, gamma):
+    rewards, values, mask = rand_batch(seed, B, T)
+    next_values = torch.where(mask, values, 0.0).roll(-1, dims=1)
+    next_values[:, -1] = 0.0
+    delta = torch.where(mask, rewards + gamma * next_values - values, 0.0)
+    for fn in GAE_FNS:
+        adv, _ = fn(rewards, values, mask, gamma, 0.0)
+        assert torch.allclose(adv, delta)
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 5), T=st.integers(1, 12))
+def test_lambda_one_gamma_one_zero_values_gives_rewards_to_go(seed, B, T):
+    rewards, _, mask = rand_batch(seed, B, T)
+    to_go = torch.where(mask, rewards, 0.0).flip(1).cumsum(1).flip(1)
+    to_go = torch.where(mask, to_go, 0.0)
+    for fn in GAE_FNS:
+        adv, ret = fn(rewards, torch.zeros_like(rewards), mask, 1.0, 1.0)
+        assert torch.allclose(adv, to_go) and torch.allclose(ret, to_go)
+    assert torch.allclose(discounted_returns(rewards, mask, 1.0), to_go)
+
+
+@PROPERTY
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 5),
+    T=st.integers(1, 12),
+    value=st.sampled_from(GARBAGE),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+)
+def test_padding_garbage_changes_no_output(seed, B, T, value, gamma, lam):
+    rewards, values, mask = rand_batch(seed, B, T, dtype=torch.float32)
+    dirty_r, dirty_v = with_garbage(rewards, mask, value), with_garbage(values, mask, value)
+    for fn in GAE_FNS:
+        for clean, dirty in zip(fn(rewards, values, mask, gamma, lam), fn(dirty_r, dirty_v, mask, gamma, lam)):
+            assert torch.equal(clean, dirty)
+    assert torch.equal(discounted_returns(rewards, mask, gamma), discounted_returns(dirty_r, mask, gamma))
+    scores = torch.randn(B, generator=torch.Generator().manual_seed(seed))
+    for estimator in ("k1", "k2", "k3"):
+        clean = kl_penalized_rewards(scores, rewards, values, mask, 0.05, estimator)
+        dirty = kl_penalized_rewards(scores, dirty_r, dirty_v, mask, 0.05, estimator)
+        assert torch.equal(clean, dirty) and (clean[~mask] == 0).all()
+    # and no NaN reaches the gradient of the real values
+    leaf = dirty_v.clone().requires_grad_(True)
+    compute_gae_vectorized(rewards, leaf, mask, gamma, lam)[0].sum().backward()
+    assert torch.isfinite(leaf.grad).all() and (leaf.grad[~mask] == 0).all()
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(1, 10))
+def test_bf16_inputs_within_tolerance_of_fp32(seed, B, T):
+    rewards, values, mask = rand_batch(seed, B, T, dtype=torch.float32)
+    for fn in GAE_FNS:
+        for low, high in zip(
+            fn(rewards.bfloat16(), values.bfloat16(), mask, 1.0, 0.95), fn(rewards, values, mask, 1.0, 0.95)
+        ):
+            assert low.dtype == torch.float32
+            assert torch.allclose(low, high, rtol=2e-2, atol=5e-2)
+    scores = torch.randn(B, generator=torch.Generator().manual_seed(seed))
+    low = kl_penalized_rewards(scores.bfloat16(), rewards.bfloat16(), values.bfloat16(), mask, 0.1, "k3")
+    high = kl_penalized_rewards(scores, rewards, values, mask, 0.1, "k3")
+    assert low.dtype == torch.float32 and torch.allclose(low, high, rtol=5e-2, atol=5e-2)
+
+
+def test_kl_penalized_rewards_uses_kl_estimate():
+    """The per-token penalty is exactly -beta * kl_estimate on real tokens (no second KL formula)."""
+    rewards, values, mask = rand_batch(3, 3, 6)
+    got = kl_penalized_rewards(torch.zeros(3, dtype=torch.float64), rewards, values, mask, 0.2, "k2")
+    assert torch.allclose(got, -0.2 * kl_estimate(rewards, values, "k2", mask=mask))

@@ -1,0 +1,121 @@
+"""Causal LM loading: dtypes, the seeded tiny model, switches, parameter counts, the GGUF cache."""
+
+import copy
+
+import pytest
+import torch
+
+from rlhf_cli.config import ConfigError
+from rlhf_cli.models import count_parameters, load_causal_lm, torch_dtype_for
+from rlhf_cli.models.loading import atomic_dir, is_checkpointing
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_torch_dtype_for():
+    assert torch_dtype_for("fp32") is torch.float32
+    assert torch_dtype_for("bf16-autocast") is torch.float32
+    assert torch_dtype_for("bf16") is torch.bfloat16
+    with pytest.raises(ConfigError, match="precision='fp16'"):
+        torch_dtype_for("fp16")
+
+
+def test_tiny_model_is_deterministic_and_keeps_global_rng(tiny_model_cfg, tokenizer, tiny_causal):
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    again = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert _same_weights(tiny_causal, again)
+    other = load_causal_lm(tiny_model_cfg, seed=1, tokenizer=tokenizer)
+    assert not _same_weights(tiny_causal, other)
+
+
+def test_tiny_model_shape_and_special_tokens(tiny_model_cfg, tokenizer, tiny_causal):
+    c = tiny_causal.config
+    arch = tiny_model_cfg.arch
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads) == (
+        arch.num_hidden_layers, arch.hidden_size, arch.num_attention_heads)
+    assert c.vocab_size == len(tokenizer)
+    assert c.pad_token_id == tokenizer.pad_token_id == 0  # <|endoftext|>, not the EOS
+    assert c.eos_token_id == tokenizer.eos_token_id == 2
+    assert tiny_causal.generation_config.pad_token_id == 0
+    assert tiny_causal.generation_config.eos_token_id == 2
+    assert c.use_cache is True and not is_checkpointing(tiny_causal)
+
+
+def test_precision_checkpointing_and_attention_switches(tiny_model_cfg, tokenizer):
+    cfg = copy.deepcopy(tiny_model_cfg)
+    cfg.gradient_checkpointing = True
+    cfg.attn_implementation = "eager"
+    model = load_causal_lm(cfg, precision="bf16", tokenizer=tokenizer)
+    assert all(p.dtype is torch.bfloat16 for p in model.parameters())
+    assert is_checkpointing(model) and model.config.use_cache is False
+    assert model.config._attn_implementation == "eager"
+    model.train()
+    ids = torch.tensor([[5, 6, 7, 2]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.embed_tokens.weight.grad is not None
+
+
+def test_count_parameters_counts_tied_embedding_once(tiny_causal):
+    c = tiny_causal.config
+    assert c.tie_word_embeddings
+    total = count_parameters(tiny_causal, non_embedding=False)
+    assert total == sum(p.numel() for p in tiny_causal.parameters())  # tied weight appears once
+    assert count_parameters(tiny_causal) == total - c.vocab_size * c.hidden_size
+
+
+def test_atomic_dir_keeps_previous_dir_on_failure(tmp_path):
+    target = tmp_path / "out"
+    with atomic_dir(target) as tmp:
+        (tmp / "a.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(target) as tmp:
+            (tmp / "a.txt").write_text("new")
+            raise RuntimeError("crash while writing")
+    assert (target / "a.txt").read_text() == "old"
+    with atomic_dir(target, overwrite=False) as tmp:  # first writer wins
+        (tmp / "a.txt").write_text("late")
+    assert (target / "a.txt").read_text() == "old"
+    with atomic_dir(target) as tmp:
+        (tmp / "a.txt").write_text("new")
+    assert (target / "a.txt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or backup dirs left
+
+
+def test_gguf_is_dequantised_once_then_loaded_from_cache(tiny_model_cfg, tokenizer, tiny_causal, tmp_path, monkeypatch):
+    """The GGUF branch with transformers' de-quantiser stubbed by the tiny model (a real GGUF load
+    is in test_models_smollm2.py): the first load writes the cache dir, the second only reads it."""
+    import transformers
+    from transformers.quantizers.auto import AutoHfQuantizer
+    from transformers.utils.quantization_config import GgufConfig
+
+    from rlhf_cli.models.loading import gguf_cache_dir
+
+    real = transformers.AutoModelForCausalLM.from_pretrained.__func__
+    gguf_calls = []
+
+    def fake_from_pretrained(cls, path, *args, **kwargs):
+        if kwargs.get("gguf_file"):
+            gguf_calls.append(kwargs["gguf_file"])
+            model = copy.deepcopy(tiny_causal)  # looks like a de-quantised GGUF model: not serialisable
+            model.config.quantization_config = GgufConfig()
+            model.hf_quantizer = AutoHfQuantizer.from_config(GgufConfig())
+            return model
+        return real(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(fake_from_pretrained))
+    cfg = copy.deepcopy(tiny_model_cfg)
+    cfg.init, cfg.gguf_file, cfg.cache_dir = "pretrained", cfg.tokenizer, str(tmp_path)
+    mdir = gguf_cache_dir(cfg.gguf_file, cfg.cache_dir) / "model"
+
+    first = load_causal_lm(cfg, tokenizer=tokenizer)
+    assert len(gguf_calls) == 1 and (mdir / "config.json").is_file()
+    assert "quantization_config" not in (mdir / "config.json").read_text()
+    second = load_causal_lm(cfg, tokenizer=tokenizer)
+    assert len(gguf_calls) == 1  # cache hit: no second de-quantisation
+    assert _same_weights(first, second) and _same_weights(first, tiny_causal)
+    assert first.config.pad_token_id == 0

@@ -1,0 +1,125 @@
+"""The command line: dispatch, Hydra composition, typed config errors, sweeps."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HYDRA_FULL_ERROR": "0"}
+
+
+def rlhf(*args, cwd=REPO, timeout=300):
+    return subprocess.run([sys.executable, "-m", "rlhf_cli", *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_no_command_lists_subcommands():
+    out = rlhf()
+    assert out.returncode == 0
+    for cmd in ("train-rm", "train-ppo", "eval"):
+        assert cmd in out.stdout
+
+
+def test_unknown_command_exits_2_with_list():
+    out = rlhf("train-dpo")
+    assert out.returncode == 2
+    assert "unknown command 'train-dpo'" in out.stderr and "train-ppo" in out.stderr
+
+
+def test_strip_local_rank(monkeypatch):
+    from rlhf_cli.cli import strip_local_rank
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_local_rank(["--local_rank=3", "train-rm", "seed=1"]) == ["train-rm", "seed=1"]
+    assert os.environ["LOCAL_RANK"] == "3"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert strip_local_rank(["--local_rank", "1", "eval"]) == ["eval"]
+    assert os.environ["LOCAL_RANK"] == "1"
+
+
+REQUIRED_KEYS = {
+    "ppo": ["gamma", "lam", "clip", "value_clip", "c1", "c2", "kl_beta", "kl_target", "kl_horizon",
+            "kl_estimator", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "epochs",
+            "max_new_tokens", "temperature"],
+    "data": ["path", "format", "max_length", "max_prompt_length"],
+    "paths": ["root"],
+}
+
+
+@pytest.mark.parametrize("command", ["train-rm", "train-ppo", "eval"])
+def test_cfg_job_has_every_key_and_launcher_form(command):
+    out = rlhf("--local_rank=0", command, "--cfg", "job")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    for section, keys in REQUIRED_KEYS.items():
+        for k in keys:
+            assert k in cfg[section], f"{section}.{k} missing"
+    for k in ("precision", "seed", "model", "deepspeed"):
+        assert k in cfg
+
+
+def test_overrides_land_in_composed_config():
+    out = rlhf("train-ppo", "--cfg", "job", "model=tiny", "ppo.clip=0.3", "ppo.kl_beta=0.02",
+               "deepspeed=zero2", "precision=fp32", "data.max_length=128")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["ppo"]["clip"] == 0.3 and cfg["ppo"]["kl_beta"] == 0.02
+    assert cfg["model"]["init"] == "random" and cfg["deepspeed"]["zero_stage"] == 2
+    assert cfg["precision"] == "fp32" and cfg["data"]["max_length"] == 128
+
+
+def test_misspelt_key_is_rejected_with_suggestion(tmp_path):
+    out = rlhf("train-ppo", "ppo.clpi=0.1", f"paths.root={tmp_path}")
+    assert out.returncode == 2
+    assert "ppo.clpi" in out.stderr and "did you mean 'ppo.clip'" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert not any(tmp_path.iterdir())
+
+
+def test_wrong_type_is_rejected_readably(tmp_path):
+    out = rlhf("train-ppo", "ppo.clip=abc", f"paths.root={tmp_path}")
+    assert out.returncode != 0
+    assert "ppo.clip" in out.stderr and "Traceback" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("ppo.clip=-1", "ppo.clip (ε) must be > 0"),
+    ("ppo.gamma=1.5", "ppo.gamma (γ) must be in [0, 1]"),
+    ("ppo.mini_batch_size=12", "ppo.rollout_batch_size=32 is not divisible by ppo.mini_batch_size=12"),
+    ("precision=fp16", "precision='fp16' is not one of"),
+])
+def test_out_of_range_value_one_line_error(tmp_path, override, needle):
+    out = rlhf("train-ppo", "model=tiny", override, f"paths.root={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert needle in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1
+
+
+def test_config_module_rejects_bad_batch_split():
+    from omegaconf import OmegaConf
+
+    from rlhf_cli.config import ConfigError, RunConfig, validate_rm
+
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.rm.batch_size, cfg.rm.micro_batch_size = 16, 8
+    validate_rm(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"rm.batch_size=16 is not divisible by rm.micro_batch_size × world size = 8 × 4 = 32"):
+        validate_rm(cfg, world_size=4)
+
+
+def test_multirun_dry_run_gives_one_run_dir_per_job(tmp_path):
+    out = rlhf("train-rm", "-m", "model=tiny", "dry_run=true", "rm.lr=1e-5,2e-5", f"paths.root={tmp_path}",
+               "data.builtin.rm_train=32", "data.builtin.rm_eval=8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    sweeps = list((tmp_path / "rm").glob("sweep-*"))
+    assert len(sweeps) == 1
+    jobs = sorted(p for p in sweeps[0].iterdir() if (p / "config.yaml").is_file())
+    assert [p.name for p in jobs] == ["0", "1"]
+    lrs = sorted(yaml.safe_load((p / "config.yaml").read_text())["rm"]["lr"] for p in jobs)
+    assert lrs == [1e-5, 2e-5]
