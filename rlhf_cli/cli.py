@@ -114,6 +114,21 @@ def user_errors() -> tuple:
     return tuple(errs)
 
 
+def quiet_libraries() -> None:
+    """Keep DeepSpeed's op-build chatter and transformers' per-file progress bars off the console."""
+    import logging
+
+    for name in ("compilers", "DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_warning()
+    except ImportError:  # pragma: no cover
+        pass
+
+
 def run_command(command: str, cfg) -> Optional[float]:
     """Validate `cfg` and run the command's stage; a user error exits 2 with one line, no traceback."""
     from hydra.core.hydra_config import HydraConfig
@@ -122,6 +137,7 @@ def run_command(command: str, cfg) -> Optional[float]:
     from rlhf_cli.config import VALIDATORS
 
     config_name, module_name, _ = COMMANDS[command]
+    quiet_libraries()
     errors = user_errors()
     try:
         VALIDATORS[config_name](cfg, world_size=engine.world_size())

@@ -280,6 +280,9 @@ class EvalOptions:
     """Evaluate on at most this many prompts/pairs (null = all)."""
     num_samples: int = 8
     """Rows of the sample table."""
+    split: str = "eval"
+    """Reward-model eval: which pairs of `data` to score: `eval` (the held-out part the trainer also
+    held out), `train`, or `all`."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,6 +477,7 @@ def validate_eval(cfg: Any, world_size: int = 1) -> None:
     _check(e.temperature > 0, f"eval.temperature must be > 0 (got {e.temperature})")
     _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")
     _one_of("reward.type", cfg.reward.type, ("model", "checker"))
+    _one_of("eval.split", e.split, ("eval", "train", "all"))
 
 
 VALIDATORS = {"train_rm": validate_rm, "train_ppo": validate_ppo, "eval": validate_eval}

@@ -57,3 +57,43 @@ def tokenizer(tiny_model_cfg):
         return load_tokenizer(tiny_model_cfg)
     except ModelSourceError as e:
         require(False, str(e))
+
+
+def compose(command: str, overrides=()):
+    """The composed, typed config of `rlhf <command> overrides...` (no Hydra run dir made)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlhf_cli.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
+        return hydra_compose(config_name=command, overrides=list(overrides))
+
+
+SMOKE = ["model=tiny", "precision=fp32", "tensorboard=false"]
+
+
+@pytest.fixture
+def run_stage(tmp_path):
+    """Run a stage in-process: run_stage("train_rm", [overrides]) -> (result, run_dir, cfg)."""
+    import importlib
+
+    from rlhf_cli.config import VALIDATORS
+
+    modules = {"train_rm": "rlhf_cli.stages.rm", "train_ppo": "rlhf_cli.stages.ppo", "eval": "rlhf_cli.stages.evaluate"}
+    counter = {"n": 0}
+
+    def _run(command, overrides=(), run_dir=None, root=None):
+        counter["n"] += 1
+        root = root or tmp_path / "runs"
+        cfg = compose(command, [*SMOKE, f"paths.root={root}", *overrides])
+        VALIDATORS[command](cfg)
+        stage = {"train_rm": "rm", "train_ppo": "ppo", "eval": "eval"}[command]
+        run_dir = run_dir or root / stage / f"run{counter['n']}"
+        result = importlib.import_module(modules[command]).run(cfg, run_dir)
+        return result, run_dir, cfg
+
+    return _run

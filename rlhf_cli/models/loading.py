@@ -221,7 +221,7 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = as_model_config(model_cfg_or_path=model_cfg)
+    cfg = as_model_config(model_cfg)
     dtype = torch_dtype_for(precision)
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     attn = cfg.attn_implementation
@@ -277,6 +277,7 @@ def dequantized_gguf_dir(spec: str, cache_dir: Optional[str] = None) -> tuple[Pa
     its GGUF `quantization_config` dropped (save_pretrained refuses quantised models) and the result
     written atomically to `gguf_cache_dir(spec)/model`.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     mdir = gguf_cache_dir(spec, cache_dir) / "model"
@@ -285,8 +286,6 @@ def dequantized_gguf_dir(spec: str, cache_dir: Optional[str] = None) -> tuple[Pa
     path = resolve_gguf(spec)
     t0 = time.perf_counter()
     log.info("de-quantising %s (first load; the result is cached in %s)", path.name, mdir)
-    import torch
-
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     drop_quantization(model)
     with atomic_dir(mdir, overwrite=False) as tmp:
@@ -297,11 +296,12 @@ def dequantized_gguf_dir(spec: str, cache_dir: Optional[str] = None) -> tuple[Pa
 
 def drop_quantization(model: Any) -> None:
     """Make a de-quantised model (GGUF) an ordinary one that save_pretrained accepts: rebuild its
-    config without `quantization_config` and forget the quantiser. The weights are not touched."""
+    config without `quantization_config` and forget the quantiser. The weights are not touched.
+    Meant for a model about to be saved (the rebuilt config keeps only serialisable fields)."""
     config = model.config
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer = None
-    if "quantization_config" in config.to_dict() or hasattr(config, "quantization_config"):
+    if hasattr(config, "quantization_config"):
         clean = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
         for module in model.modules():  # submodules hold the same config object
             if getattr(module, "config", None) is config:

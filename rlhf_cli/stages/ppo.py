@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError
@@ -173,6 +174,44 @@ def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> Tuple[to
     return cleaned, mask, is_eos.any(dim=1)
 
 
+@torch.no_grad()
+def sample_responses(
+    lm: Any, prompts: List[Dict[str, Any]], pad_id: int, eos_id: int, max_new_tokens: int, temperature: float,
+    top_p: float, precision: str, chunk: int = 32, seed: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Sample one response per prompt (HF generate with KV cache), cut at the first EOS.
+
+    prompts: dicts with `prompt_ids`. Returns input_ids (B, P+R) `[left-padded prompt | right-padded
+    response]`, attention_mask (B, P+R) (response part 1 up to and including the first EOS), P, and
+    has_eos (B,) bool. R is the longest response (<= max_new_tokens). With `seed`, chunk k is sampled
+    after `torch.manual_seed(seed + k)`, so two models given the same seed draw the same noise.
+    """
+    dev = engine.device()
+    batch = PromptCollator(pad_id)(prompts)
+    prompt_ids, prompt_mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+    P = prompt_ids.shape[1]
+    was_training = lm.training
+    lm.eval()
+    outs = []
+    with engine.autocast(precision):
+        for k, i in enumerate(range(0, len(prompts), chunk)):
+            if seed is not None:
+                torch.manual_seed(seed + k)
+            out = lm.generate(input_ids=prompt_ids[i:i + chunk], attention_mask=prompt_mask[i:i + chunk],
+                              do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                              max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+            resp = out[:, P:]
+            if resp.shape[1] < max_new_tokens:  # every chunk to the same width
+                resp = torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
+            outs.append(resp)
+    lm.train(was_training)
+    responses, rmask, has_eos = response_mask(torch.cat(outs), eos_id, pad_id)
+    R = max(int(rmask.sum(1).max().item()), 1)  # drop all-pad columns
+    input_ids = torch.cat([prompt_ids, responses[:, :R]], dim=1)
+    attention_mask = torch.cat([prompt_mask, rmask[:, :R].long()], dim=1)
+    return input_ids, attention_mask, P, has_eos
+
+
 def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x − mean)/std over real tokens of ALL ranks (unbiased std), 0 on padding.
 
@@ -229,7 +268,9 @@ class PPOTrainer:
         policy = load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer)
         ref_source = cfg.reference.path or cfg.model
         reference = load_causal_lm(ref_source, self.precision, cfg.seed, tokenizer=self.tokenizer)
-        self.reference_path = str(cfg.reference.path or cfg.model.name_or_path or cfg.model.gguf_file or "random init")
+        # how to rebuild the reference later (eval): a path, or the model config and seed it was built from
+        self.reference_spec = ({"name_or_path": _abs(cfg.reference.path)} if cfg.reference.path else
+                               {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed})
         self.rm_path = self.reward_model_path()
         self.reward_model = None
         self.reward_stats = None
@@ -281,34 +322,12 @@ class PPOTrainer:
         mine = idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]
         return [self.prompts[i] for i in mine]
 
-    @torch.no_grad()
     def generate(self, prompts: List[Dict[str, Any]]) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-        """Sample one response per prompt. Returns input_ids (B, P+R), attention_mask, P, has_eos (B,)."""
-        p, dev = self.p, engine.device()
-        batch = PromptCollator(self.pad_id)(prompts)
-        prompt_ids, prompt_mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
-        P = prompt_ids.shape[1]
-        lm = _lm(self.actor.module)
-        lm.eval()
-        outs = []
-        with self.actor.gathered_params(), self.actor.autocast():
-            for i in range(0, len(prompts), max(p.micro_batch_size, 1) * 4):
-                sl = slice(i, i + p.micro_batch_size * 4)
-                out = lm.generate(input_ids=prompt_ids[sl], attention_mask=prompt_mask[sl], do_sample=True,
-                                  temperature=p.temperature, top_p=p.top_p, top_k=0, max_new_tokens=p.max_new_tokens,
-                                  eos_token_id=self.eos_id, pad_token_id=self.pad_id, use_cache=True)
-                resp = out[:, P:]
-                if resp.shape[1] < p.max_new_tokens:  # pad every chunk to the same width
-                    resp = torch.nn.functional.pad(resp, (0, p.max_new_tokens - resp.shape[1]), value=self.pad_id)
-                outs.append(resp)
-        lm.train()
-        responses = torch.cat(outs)
-        responses, rmask, has_eos = response_mask(responses, self.eos_id, self.pad_id)
-        R = int(rmask.sum(1).max().item()) if rmask.numel() else 1  # drop all-pad columns
-        responses, rmask = responses[:, :max(R, 1)], rmask[:, :max(R, 1)]
-        input_ids = torch.cat([prompt_ids, responses], dim=1)
-        attention_mask = torch.cat([prompt_mask, rmask.long()], dim=1)
-        return input_ids, attention_mask, P, has_eos
+        """Sample one response per prompt with the current policy (see `sample_responses`)."""
+        p = self.p
+        with self.actor.gathered_params():
+            return sample_responses(_lm(self.actor.module), prompts, self.pad_id, self.eos_id, p.max_new_tokens,
+                                    p.temperature, p.top_p, self.precision, chunk=p.micro_batch_size * 4)
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
@@ -452,8 +471,8 @@ class PPOTrainer:
                     step_stats = {**pg_stats, **vf_stats, **ent_stats}
                     for k, val in step_stats.items():
                         sums[k] = sums.get(k, 0.0) + val
-                    sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + float(pg_loss)
-                    sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + float(vf_loss)
+                    sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + pg_loss.item()
+                    sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + vf_loss.item()
                     count += 1
         dt = time.perf_counter() - t0
         stats = {k: v / max(count, 1) for k, v in sums.items()}
@@ -554,7 +573,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     actor_sd = tr.actor.consolidated_state_dict()
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
     if engine.is_main():
-        extra = {"rlhf_stage": "ppo", "rlhf_reference_path": _abs(tr.reference_path),
+        extra = {"rlhf_stage": "ppo", "rlhf_reference_model": tr.reference_spec,
                  "rlhf_reward_model_path": _abs(tr.rm_path), "rlhf_reward_type": cfg.reward.type}
         if tr.critic is None:
             lm = _lm(tr.actor.module)
@@ -572,8 +591,6 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
             if (final / "critic").exists():
                 shutil.rmtree(final / "critic")
             os.replace(run_dir / "critic", final / "critic")
-        from omegaconf import OmegaConf
-
         (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         pointer = write_pointer(cfg.paths.root, "ppo", final)
         set_status(run_dir, "finished", final=str(final.resolve()), iterations=p.iterations)

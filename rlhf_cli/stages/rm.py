@@ -93,8 +93,6 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     tokenizer = load_tokenizer(cfg.model)
     data = load_preference_data(cfg.data, tokenizer)
     train, heldout = data.train, data.eval
-    if engine.is_main():
-        log.info("data: %s", data.summary)
     if len(train) < rmc.batch_size:
         from rlhf_cli.config import ConfigError
 

@@ -68,8 +68,8 @@ def test_reward_is_read_at_the_eos_even_when_pad_equals_eos(tiny_scalar, tokeniz
         assert last_token_index(mask).tolist() == [n - 1] * 2
         torch.testing.assert_close(r[0], v[0, n - 1], atol=ATOL, rtol=0)
         # padding WITH the EOS id (pad == eos, as SmolLM2 ships) gives the same reward
-        ids_eos_pad, mask_eos_pad = pad_batch([row, row[:-3] + [eos]], eos, "right")
-        assert ids_eos_pad[1, -1] == eos
+        ids_eos_pad, mask_eos_pad = pad_batch([row, chat_rows[2]], eos, "right")
+        assert len(chat_rows[2]) > n and (ids_eos_pad[0, n - 1:] == eos).all()
         r_eos_pad = sequence_rewards(tiny_scalar, ids_eos_pad, mask_eos_pad)
         torch.testing.assert_close(r_eos_pad[0], r[0], atol=ATOL, rtol=0)
         # ... where pooling by pad id (transformers' rule) would read one token before the EOS

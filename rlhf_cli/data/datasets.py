@@ -1,0 +1,457 @@
+"""Load, validate, split and tokenise preference and prompt data; summarise what was kept and dropped.
+
+Entry points:
+
+    load_preference_data(data_cfg, tokenizer, splits=("train", "eval")) -> PreferenceData
+    load_prompt_data(data_cfg, tokenizer, split="train") -> PromptData (a list of prompt dicts)
+
+Steps, in order:
+  1. read     `data.path` (local .json/.jsonl/.jsonl.gz/.parquet/.csv via `datasets`, or a hub name with
+              `data.split`); null = the built-in arithmetic task (see builtin.py)
+  2. parse    every row with the detected or given `data.format`; a bad row raises one DataError naming
+              the file, row and field, or with `data.skip_invalid=true` is counted per reason
+  3. select   seeded shuffle (`data.seed`), keep `data.max_samples` rows, hold out `data.test_size`
+              (fraction or count) for eval unless `data.eval_path` names an eval file (max_samples then
+              caps each file). Prompt data drops duplicate prompts first.
+  4. tokenise see tokenize.py (chat template, exact prompt/response boundary, EOS, left truncation)
+
+Every row is accounted for in the summary: rows_read = sum(kept) + sum(dropped) + unused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from rlhf_cli.data import builtin as builtin_task
+from rlhf_cli.data.formats import (DUPLICATE_PROMPT, PREFERENCE_FORMATS, SKIP_HINT, TEMPLATE_ERROR, DataError, Keys,
+                                   Pair, Prompt, RowError, detect_format, parse_pair, parse_prompt, required_columns)
+from rlhf_cli.data.tokenize import Encoder, fit_pair, lengths_summary, truncate_left
+
+logger = logging.getLogger(__name__)
+
+LOCAL_BUILDERS = {".jsonl.gz": "json", ".json.gz": "json", ".jsonl": "json", ".json": "json",
+                  ".parquet": "parquet", ".csv.gz": "csv", ".csv": "csv"}
+SPLITS = ("train", "eval")
+
+
+# ----------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass
+class DataSummary:
+    """What a load read, kept and dropped; `line()` is the one-line report printed at load.
+
+    Invariant: rows_read == sum(kept.values()) + sum(dropped.values()) + unused.
+    """
+
+    source: str
+    format: str
+    rendering: str
+    """`chat template` or `raw text`."""
+    rows_read: int = 0
+    kept: Dict[str, int] = field(default_factory=dict)
+    """Examples per split after tokenisation."""
+    dropped: Dict[str, int] = field(default_factory=dict)
+    """Rows dropped per reason (invalid rows, too-long responses, duplicate prompts...)."""
+    unused: int = 0
+    """Valid rows left out by `max_samples` or held out for a split that was not requested."""
+    truncated: int = 0
+    """Kept examples whose prompt was cut from the left."""
+    lengths: Dict[str, int] = field(default_factory=dict)
+    """Token-length percentiles {p50, p90, max} of prompt + longer response (prompt alone for prompt
+    data), before truncation."""
+
+    def line(self) -> str:
+        kept = " / ".join(f"{k} {v}" for k, v in self.kept.items())
+        dropped = ", ".join(f"{v} {k}" for k, v in sorted(self.dropped.items())) or "none"
+        ln = self.lengths or lengths_summary([])
+        return (f"data: {self.source} ({self.format}, {self.rendering}): {self.rows_read} rows read, kept {kept}; "
+                f"dropped {dropped}; unused {self.unused}; prompts truncated {self.truncated}; "
+                f"tokens p50/p90/max {ln['p50']}/{ln['p90']}/{ln['max']}")
+
+    __str__ = line
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PreferenceData:
+    """Tokenised preference pairs. Each example is a dict:
+
+        prompt_ids    list[int]  rendered prompt (cut from the left to fit)
+        chosen_ids    list[int]  preferred response, ending in exactly one EOS
+        rejected_ids  list[int]  dispreferred response, ending in exactly one EOS
+        row           int        1-based row in the source file (split index for the built-in task)
+        margin        float      only when `data.margin_key` is set
+    """
+
+    train: List[Dict[str, Any]]
+    eval: List[Dict[str, Any]]
+    summary: DataSummary
+
+
+class PromptData(list):
+    """A list of prompt dicts (prompt_ids, prompt_text, row, and answer when known) with `.summary`."""
+
+    def __init__(self, items: Sequence[Dict[str, Any]], summary: DataSummary):
+        super().__init__(items)
+        self.summary = summary
+
+
+@dataclass
+class _Parsed:
+    """Valid records of one source (Pairs or Prompts, each with its row) and the drop counts."""
+
+    name: str
+    format: str
+    rows_read: int
+    items: List[Any]
+    dropped: Counter
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
+
+
+def _builder(path: str) -> Optional[str]:
+    low = path.lower()
+    return next((b for ext, b in LOCAL_BUILDERS.items() if low.endswith(ext)), None)
+
+
+def _find_bad_json_line(path: str) -> Optional[str]:
+    """For a JSON-lines file that `datasets` cannot read: the first line that is not valid JSON."""
+    import gzip
+
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as e:
+                        return f"row {i}: not valid JSON ({e.msg})"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"cannot read it ({e})"
+    return None
+
+
+def read_rows(path: str, split: str = "train") -> Tuple[str, List[str], List[Dict[str, Any]]]:
+    """Read a local data file or a hub dataset through `datasets`: (name for messages, columns, rows).
+
+    Local files have a single `train` split; `split` applies to hub datasets. Raises DataError.
+    """
+    from datasets import load_dataset
+
+    local = os.path.expanduser(path)
+    if os.path.isfile(local):
+        name = os.path.basename(local)
+        builder = _builder(local)
+        if builder is None:
+            raise DataError(name, f"unsupported file type; use one of {', '.join(LOCAL_BUILDERS)}")
+        try:
+            with _quiet_datasets():
+                ds = load_dataset(builder, data_files=local, split="train")
+        except Exception as e:  # datasets wraps parser errors in several exception types
+            where = _find_bad_json_line(local) if builder == "json" else None
+            raise DataError(name, where or f"cannot read the file: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    elif os.path.isdir(local):
+        name = os.path.basename(os.path.normpath(local))
+        try:
+            with _quiet_datasets():
+                ds = load_dataset(local, split=split)
+        except Exception as e:
+            raise DataError(name, f"cannot load this directory as a dataset: {type(e).__name__}: {e}") from e
+    else:
+        if _builder(local) or local.startswith((".", "/", "~")):
+            raise DataError(path, "file not found")
+        name = f"{path}[{split}]"
+        try:
+            with _quiet_datasets():
+                ds = load_dataset(path, split=split)
+        except Exception as e:
+            raise DataError(path, f"not a local file, and loading it from the hub failed "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    return name, list(ds.column_names), ds.to_list()
+
+
+# ----------------------------------------------------------------------------------------------
+# parsing, selection
+
+
+def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
+    """Read and validate one source; `want` is `pairs` or `prompts`."""
+    keys = Keys.from_cfg(data_cfg)
+    name, columns, rows = read_rows(path, data_cfg.split)
+    fmt = data_cfg.format if data_cfg.format != "auto" else detect_format(columns, rows, keys, name)
+    if want == "pairs" and fmt not in PREFERENCE_FORMATS:
+        raise DataError(name, f"format '{fmt}' holds prompts only; reward-model training needs chosen/rejected "
+                              f"pairs (data.format one of {', '.join(PREFERENCE_FORMATS)} or auto)")
+    key_cfg = dataclasses.replace(keys, margin=None) if want == "prompts" else keys
+    missing = required_columns(fmt, key_cfg, columns)
+    if missing:
+        raise DataError(name, f"column '{missing[0]}' not found for format '{fmt}' (columns: {', '.join(columns)}); "
+                              f"set data.format or the data.*_key naming it")
+    items, dropped = [], Counter()
+    for i, row in enumerate(rows, 1):
+        try:
+            if want == "pairs":
+                item = parse_pair(row, fmt, keys)
+                item.row = i
+            else:
+                item = (i, parse_prompt(row, fmt, keys))
+        except RowError as e:
+            if not data_cfg.skip_invalid:
+                raise DataError(name, e.detail, row=i, field=e.field, reason=e.reason, hint=SKIP_HINT) from None
+            dropped[e.reason] += 1
+            continue
+        items.append(item)
+    return _Parsed(name, fmt, len(rows), items, dropped)
+
+
+def _dedupe_prompts(parsed: _Parsed) -> None:
+    seen, out = set(), []
+    for row, p in parsed.items:
+        key = (p.text, tuple((m["role"], m["content"]) for m in p.messages))
+        if key in seen:
+            parsed.dropped[DUPLICATE_PROMPT] += 1
+            continue
+        seen.add(key)
+        out.append((row, p))
+    parsed.items = out
+
+
+def _shuffled_cap(items: List[Any], seed: int, max_samples: Optional[int]) -> Tuple[List[Any], int]:
+    """Seeded shuffle, then at most `max_samples` items: (kept, number left out)."""
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    if max_samples is not None and len(items) > max_samples:
+        return items[:max_samples], len(items) - max_samples
+    return items, 0
+
+
+def _eval_count(n: int, test_size: float, source: str) -> int:
+    n_eval = int(test_size) if test_size >= 1 else max(1, round(n * test_size))
+    if n_eval >= n:
+        raise DataError(source, f"data.test_size={test_size} holds out {n_eval} of {n} usable rows, leaving none "
+                                f"for training; lower it or set data.eval_path")
+    return n_eval
+
+
+def _select(data_cfg: Any, load: Any, splits: Sequence[str]) -> Tuple[Dict[str, List[Any]], List[_Parsed], int]:
+    """Parse the sources and pick each split's records: ({split: items}, parsed sources, unused count).
+
+    `load(path)` parses one source. The eval split comes from `data.eval_path` when set, else the first
+    `test_size` records of the seeded shuffle of `data.path` (disjoint from train).
+    """
+    seed, cap = int(data_cfg.seed), data_cfg.max_samples
+    main = load(data_cfg.path)
+    items, unused = _shuffled_cap(main.items, seed, cap)
+    sources = [main]
+    if data_cfg.eval_path:
+        train = items
+        if "eval" in splits:
+            other = load(data_cfg.eval_path)
+            sources.append(other)
+            evals, more = _shuffled_cap(other.items, seed, cap)
+            unused += more
+        else:
+            evals = []
+    else:
+        n_eval = _eval_count(len(items), float(data_cfg.test_size), main.name)
+        evals, train = items[:n_eval], items[n_eval:]
+    chosen = {"train": train, "eval": evals}
+    for s in SPLITS:
+        if s not in splits:
+            unused += len(chosen[s])
+    return {s: chosen[s] for s in splits}, sources, unused
+
+
+def _summary(sources: List[_Parsed], encoder: Encoder) -> DataSummary:
+    dropped: Counter = Counter()
+    for s in sources:
+        dropped.update(s.dropped)
+    return DataSummary(source=" + ".join(s.name for s in sources), format=sources[0].format,
+                       rendering="chat template" if encoder.use_chat else "raw text",
+                       rows_read=sum(s.rows_read for s in sources), dropped=dict(dropped))
+
+
+def _check_splits(splits: Sequence[str]) -> None:
+    bad = [s for s in splits if s not in SPLITS]
+    if bad or not splits:
+        raise ValueError(f"splits must be a non-empty subset of {SPLITS} (got {tuple(splits)})")
+
+
+# ----------------------------------------------------------------------------------------------
+# built-in task as sources
+
+
+def builtin_pair(p: "builtin_task.BuiltinProblem", row: int) -> Pair:
+    """A built-in problem as a Pair (raw form: "Question: ...\\nAnswer:" + " <reply>")."""
+    return Pair(prompt=builtin_prompt(p), chosen=" " + p.chosen, rejected=" " + p.rejected, row=row)
+
+
+def builtin_prompt(p: "builtin_task.BuiltinProblem") -> Prompt:
+    return Prompt(messages=[{"role": "user", "content": p.question}], text=f"Question: {p.question}\nAnswer:",
+                  answer=p.answer)
+
+
+def _builtin_source(data_cfg: Any, split: str, want: str) -> _Parsed:
+    problems = builtin_task.builtin_splits(data_cfg.builtin)[split]
+    if want == "pairs":
+        items = [builtin_pair(p, i) for i, p in enumerate(problems, 1)]
+    else:
+        items = [(i, builtin_prompt(p)) for i, p in enumerate(problems, 1)]
+    return _Parsed(f"builtin:{split}(seed {data_cfg.builtin.seed})", "builtin arithmetic", len(problems), items,
+                   Counter())
+
+
+def _builtin_select(data_cfg: Any, want: str, names: Dict[str, str], splits: Sequence[str]
+                    ) -> Tuple[Dict[str, List[Any]], List[_Parsed], int]:
+    out, sources, unused = {}, [], 0
+    for s in splits:
+        src = _builtin_source(data_cfg, names[s], want)
+        out[s], more = _shuffled_cap(src.items, int(data_cfg.seed), data_cfg.max_samples)
+        sources.append(src)
+        unused += more
+    return out, sources, unused
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+
+
+def load_preference_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLITS) -> PreferenceData:
+    """Load, validate, split and tokenise preference pairs for reward-model training and evaluation.
+
+    `data_cfg` is a `DataConfig` (dataclass or DictConfig); `data.path=null` uses the built-in task's
+    rm_train / rm_eval splits. Splits not requested come back empty. Raises DataError for unusable data
+    (one line naming the file, row and field). The summary is logged at INFO and returned.
+    """
+    _check_splits(splits)
+    encoder = Encoder(tokenizer, data_cfg.chat_template)
+    if data_cfg.path is None:
+        chosen, sources, unused = _builtin_select(data_cfg, "pairs", {"train": "rm_train", "eval": "rm_eval"}, splits)
+    else:
+        chosen, sources, unused = _select(data_cfg, lambda p: _parse_source(p, data_cfg, "pairs"), splits)
+    summary = _summary(sources, encoder)
+    summary.unused = unused
+    out: Dict[str, List[Dict[str, Any]]] = {"train": [], "eval": []}
+    lengths: List[int] = []
+    drops: Counter = Counter(summary.dropped)
+    for split, pairs in chosen.items():
+        out[split] = _tokenize_pairs(pairs, encoder, data_cfg, drops, lengths, summary)
+        summary.kept[split] = len(out[split])
+    summary.dropped = dict(drops)
+    summary.lengths = lengths_summary(lengths)
+    logger.info(summary.line())
+    return PreferenceData(train=out["train"], eval=out["eval"], summary=summary)
+
+
+def _render(encoder: Encoder, rows_prompts: List[Tuple[int, Prompt]], data_cfg: Any, drops: Counter,
+            source: str) -> Tuple[List[int], List[str]]:
+    """Render prompts; a chat template that rejects a row's messages (some templates demand strictly
+    alternating roles) is a bad row: DataError, or counted under `chat_template_error` when skipping.
+    Returns (indices of the rendered items, rendered texts)."""
+    keep, texts = [], []
+    for i, (row, prompt) in enumerate(rows_prompts):
+        try:
+            texts.append(encoder.render_prompt(prompt))
+        except Exception as e:  # jinja2 TemplateError, or the template's own raise_exception
+            if not data_cfg.skip_invalid:
+                raise DataError(source, f"the tokenizer's chat template rejects this prompt ({e})", row=row,
+                                field=data_cfg.prompt_key, reason=TEMPLATE_ERROR, hint=SKIP_HINT) from None
+            drops[TEMPLATE_ERROR] += 1
+            continue
+        keep.append(i)
+    return keep, texts
+
+
+def _tokenize_pairs(pairs: List[Pair], encoder: Encoder, data_cfg: Any, drops: Counter, lengths: List[int],
+                    summary: DataSummary) -> List[Dict[str, Any]]:
+    keep, rendered = _render(encoder, [(p.row, p.prompt) for p in pairs], data_cfg, drops, summary.source)
+    pairs = [pairs[i] for i in keep]
+    prompt_ids = encoder.encode_prompts(rendered)
+    chosen_ids = encoder.encode_responses([p.chosen for p in pairs])
+    rejected_ids = encoder.encode_responses([p.rejected for p in pairs])
+    examples = []
+    for pair, p_ids, c_ids, r_ids in zip(pairs, prompt_ids, chosen_ids, rejected_ids):
+        lengths.append(len(p_ids) + max(len(c_ids), len(r_ids)))
+        fitted, reason = fit_pair(p_ids, c_ids, r_ids, data_cfg.max_length, data_cfg.max_prompt_length,
+                                  encoder.bos_id)
+        if fitted is None:
+            drops[reason] += 1
+            continue
+        summary.truncated += len(fitted) < len(p_ids)
+        ex: Dict[str, Any] = {"prompt_ids": fitted, "chosen_ids": c_ids, "rejected_ids": r_ids, "row": pair.row}
+        if pair.margin is not None:
+            ex["margin"] = pair.margin
+        examples.append(ex)
+    return examples
+
+
+def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> PromptData:
+    """Prompts for PPO rollouts and evaluation: a PromptData list of dicts
+
+        prompt_ids   list[int]  rendered prompt, cut from the left to `data.max_prompt_length`
+        prompt_text  str        the rendered prompt (before truncation)
+        row          int        1-based row in the source (split index for the built-in task)
+        answer       any        ground truth, when known (built-in task, or the `data.answer_key` column)
+
+    From a prompt-only file, or the prompts of a preference file (identical prompts kept once; response
+    fields are not validated). `data.path=null` uses the built-in ppo_train / ppo_eval splits.
+    """
+    _check_splits((split,))
+    encoder = Encoder(tokenizer, data_cfg.chat_template)
+    if data_cfg.path is None:
+        chosen, sources, unused = _builtin_select(data_cfg, "prompts", {"train": "ppo_train", "eval": "ppo_eval"},
+                                                  (split,))
+    else:
+        def load(path: str) -> _Parsed:
+            parsed = _parse_source(path, data_cfg, "prompts")
+            _dedupe_prompts(parsed)
+            return parsed
+
+        chosen, sources, unused = _select(data_cfg, load, (split,))
+    summary = _summary(sources, encoder)
+    summary.unused = unused
+    drops: Counter = Counter(summary.dropped)
+    keep, rendered = _render(encoder, chosen[split], data_cfg, drops, summary.source)
+    summary.dropped = dict(drops)
+    items = [chosen[split][i] for i in keep]
+    ids = encoder.encode_prompts(rendered)
+    out = []
+    for (row, prompt), text, p_ids in zip(items, rendered, ids):
+        cut = truncate_left(p_ids, data_cfg.max_prompt_length, encoder.bos_id)
+        summary.truncated += len(cut) < len(p_ids)
+        ex: Dict[str, Any] = {"prompt_ids": cut, "prompt_text": text, "row": row}
+        if prompt.answer is not None:
+            ex["answer"] = prompt.answer
+        out.append(ex)
+    summary.kept[split] = len(out)
+    summary.lengths = lengths_summary([len(x) for x in ids])
+    logger.info(summary.line())
+    return PromptData(out, summary)

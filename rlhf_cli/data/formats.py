@@ -1,0 +1,396 @@
+"""Row formats of preference and prompt data: detection, parsing and validation.
+
+Every supported shape of row is parsed into one of two records before anything is tokenised:
+
+    Prompt  the context: chat `messages` (for the tokenizer's chat template) and `text` (raw form)
+    Pair    a Prompt plus the `chosen` and `rejected` responses, in raw form (see below)
+
+Formats (`data.format`, detected when `auto`; column names from `data.*_key`):
+
+    explicit      prompt / chosen / rejected strings
+    implicit      chosen / rejected full texts sharing a prefix: split at their longest common prefix,
+                  backed up to a word boundary ("... is 7." / "... is 8." -> prompt "... is", " 7." / " 8.")
+    hh            Anthropic HH transcripts "\\n\\nHuman: ...\\n\\nAssistant: ...": everything up to and including
+                  the last "\\n\\nAssistant:" is the prompt, the rest is the response
+    conversation  chosen / rejected lists of {role, content} messages ending in an assistant turn; an
+                  optional prompt column (messages or a string) is prepended to both
+    prompt        prompts only (PPO): a prompt string or message list, or a `messages` column
+
+Raw vs chat form: a response's raw form is the exact text that follows the raw prompt (e.g. HH's
+" Sure, ..." after "Assistant:"), so raw prompt + raw response reproduces the source text. The chat form
+is the same text stripped of surrounding whitespace, used as the assistant message content.
+
+Invalid rows raise `RowError(field, reason, detail)`; the loader turns it into a `DataError` naming the
+file, the 1-based row and the field, or (with `data.skip_invalid=true`) counts it under `reason`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+FORMATS = ("explicit", "implicit", "hh", "conversation", "prompt")
+PREFERENCE_FORMATS = ("explicit", "implicit", "hh", "conversation")
+
+HUMAN = "\n\nHuman:"
+ASSISTANT = "\n\nAssistant:"
+_TURN_RE = re.compile(r"\n\n(Human|Assistant):")
+_HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+_RAW_ROLES = {"user": "Human", "assistant": "Assistant", "system": "System"}
+
+# reasons a row is rejected (the keys of the drop counters)
+MISSING_FIELD = "missing_field"
+NOT_STRING = "not_string"
+BAD_MESSAGES = "bad_messages"
+EMPTY_PROMPT = "empty_prompt"
+EMPTY_RESPONSE = "empty_response"
+IDENTICAL_RESPONSES = "identical_responses"
+NO_ASSISTANT_TURN = "no_assistant_turn"
+PREFIX_MISMATCH = "prefix_mismatch"
+BAD_MARGIN = "bad_margin"
+# reasons a valid row is dropped later (tokenisation / selection)
+RESPONSE_TOO_LONG = "response_too_long"
+IDENTICAL_AFTER_TRUNCATION = "identical_after_truncation"
+DUPLICATE_PROMPT = "duplicate_prompt"
+TEMPLATE_ERROR = "chat_template_error"
+
+SKIP_HINT = "set data.skip_invalid=true to skip such rows"
+
+
+class DataError(ValueError):
+    """Unusable data. The message is one line for the user naming the file, and for a bad row the
+    1-based row number and the field, e.g.
+
+        harmless-base-test.jsonl.gz row 87, field 'chosen': empty final assistant response
+        (set data.skip_invalid=true to skip such rows)
+    """
+
+    def __init__(self, source: str, detail: str, *, row: Optional[int] = None, field: Optional[str] = None,
+                 reason: Optional[str] = None, hint: Optional[str] = None):
+        self.source, self.detail, self.row, self.field, self.reason = source, detail, row, field, reason
+        where = source
+        if row is not None:
+            where += f" row {row}"
+        if field is not None:
+            where += f", field '{field}'" if row is not None else f" field '{field}'"
+        msg = f"{where}: {detail}"
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(msg)
+
+
+class RowError(Exception):
+    """One row is invalid: `field` (column name), `reason` (counter key) and a human `detail`."""
+
+    def __init__(self, field: str, reason: str, detail: str):
+        super().__init__(detail)
+        self.field, self.reason, self.detail = field, reason, detail
+
+
+@dataclass
+class Prompt:
+    """A prompt in both forms: chat messages and raw text."""
+
+    messages: List[Dict[str, str]]
+    """[{role, content}, ...] rendered with the chat template and `add_generation_prompt=True`."""
+    text: str
+    """Raw text, used when there is no chat template or `data.chat_template=false`."""
+    answer: Any = None
+    """Ground-truth answer when the data has one (the built-in task, or `data.answer_key`)."""
+
+
+@dataclass
+class Pair:
+    """A preference pair: the prompt, the chosen and rejected responses in raw form, an optional margin."""
+
+    prompt: Prompt
+    chosen: str
+    rejected: str
+    margin: Optional[float] = None
+    row: int = 0
+    """1-based row number in the source."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Column names, from `data.*_key`."""
+
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+    messages: str = "messages"
+    answer: str = "answer"
+    margin: Optional[str] = None
+
+    @classmethod
+    def from_cfg(cls, data_cfg: Any) -> "Keys":
+        return cls(prompt=data_cfg.prompt_key, chosen=data_cfg.chosen_key, rejected=data_cfg.rejected_key,
+                   messages=data_cfg.messages_key, answer=data_cfg.answer_key, margin=data_cfg.margin_key)
+
+
+# ----------------------------------------------------------------------------------------------
+# format detection
+
+
+def _first_value(rows: Sequence[Dict[str, Any]], key: str, limit: int = 100) -> Any:
+    for r in rows[:limit]:
+        if r.get(key) is not None:
+            return r[key]
+    return None
+
+
+def _looks_hh(rows: Sequence[Dict[str, Any]], key: str, limit: int = 100) -> bool:
+    return any(isinstance(r.get(key), str) and (ASSISTANT in r[key] or r[key].startswith(HUMAN))
+               for r in rows[:limit])
+
+
+def detect_format(columns: Sequence[str], rows: Sequence[Dict[str, Any]], keys: Keys, source: str) -> str:
+    """Guess the format from the column names and the first rows' value types. Raises DataError."""
+    cols = set(columns)
+    if keys.chosen in cols and keys.rejected in cols:
+        if isinstance(_first_value(rows, keys.chosen), list):
+            return "conversation"
+        if keys.prompt in cols:
+            return "explicit"
+        return "hh" if _looks_hh(rows, keys.chosen) else "implicit"
+    if keys.prompt in cols or keys.messages in cols:
+        return "prompt"
+    raise DataError(source, f"cannot tell the data format from the columns {sorted(cols)}: expected "
+                            f"'{keys.chosen}'/'{keys.rejected}' (+ optional '{keys.prompt}') for preference "
+                            f"pairs or '{keys.prompt}'/'{keys.messages}' for prompts; set data.format and "
+                            f"data.prompt_key/chosen_key/rejected_key/messages_key")
+
+
+def required_columns(fmt: str, keys: Keys, columns: Sequence[str]) -> List[str]:
+    """The columns a format needs that `columns` lacks (empty when all are there)."""
+    if fmt == "explicit":
+        need = [keys.prompt, keys.chosen, keys.rejected]
+    elif fmt in ("implicit", "hh", "conversation"):
+        need = [keys.chosen, keys.rejected]
+    elif fmt == "prompt":
+        need = [] if (keys.prompt in columns or keys.messages in columns) else [keys.prompt]
+    else:
+        raise ValueError(f"unknown data format {fmt!r}")
+    if keys.margin and fmt != "prompt":
+        need.append(keys.margin)
+    return [c for c in need if c not in columns]
+
+
+# ----------------------------------------------------------------------------------------------
+# field helpers
+
+
+def _string(row: Dict[str, Any], key: str) -> str:
+    value = row.get(key)
+    if value is None:
+        raise RowError(key, MISSING_FIELD, "missing or null")
+    if not isinstance(value, str):
+        raise RowError(key, NOT_STRING, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(value: Any, key: str) -> List[Dict[str, str]]:
+    if value is None:
+        raise RowError(key, MISSING_FIELD, "missing or null")
+    if not isinstance(value, list):
+        raise RowError(key, BAD_MESSAGES, f"expected a list of {{role, content}} messages, got {type(value).__name__}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RowError(key, BAD_MESSAGES, f"message {i} is not a {{role: str, content: str}} dict")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _margin(row: Dict[str, Any], key: Optional[str]) -> Optional[float]:
+    if not key:
+        return None
+    value = row.get(key)
+    if value is None:
+        raise RowError(key, MISSING_FIELD, "missing or null")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        m = float(value)
+    except (TypeError, ValueError):
+        raise RowError(key, BAD_MARGIN, f"margin must be a number, got {value!r:.40}") from None
+    if not math.isfinite(m):
+        raise RowError(key, BAD_MARGIN, f"margin must be finite, got {m}")
+    return m
+
+
+def hh_messages(text: str) -> List[Dict[str, str]]:
+    """`\\n\\nHuman: a\\n\\nAssistant: b` -> [{user, a}, {assistant, b}] (contents stripped).
+
+    Text before the first turn marker, if any, becomes a user message. A trailing empty assistant turn
+    (a prompt ending in "Assistant:") is dropped.
+    """
+    parts = _TURN_RE.split(text)
+    msgs = []
+    if parts[0].strip():
+        msgs.append({"role": "user", "content": parts[0].strip()})
+    for role, content in zip(parts[1::2], parts[2::2]):
+        msgs.append({"role": _HH_ROLES[role], "content": content.strip()})
+    if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1]["content"]:
+        msgs.pop()
+    return msgs
+
+
+def raw_transcript(messages: Sequence[Dict[str, str]]) -> str:
+    """Messages as an HH-style raw prompt ending in "\\n\\nAssistant:" (for chat_template=false)."""
+    turns = "".join(f"\n\n{_RAW_ROLES.get(m['role'], m['role'].capitalize())}: {m['content'].strip()}"
+                    for m in messages)
+    return turns + ASSISTANT
+
+
+def text_prompt(text: str) -> Prompt:
+    """A prompt given as a string; HH-style transcripts are split into turns for the chat template."""
+    if ASSISTANT in text or text.startswith(HUMAN):
+        return Prompt(messages=hh_messages(text), text=text)
+    return Prompt(messages=[{"role": "user", "content": text.strip()}], text=text)
+
+
+def _check_responses(chosen: str, rejected: str, keys: Keys) -> None:
+    if not chosen.strip():
+        raise RowError(keys.chosen, EMPTY_RESPONSE, "empty final assistant response")
+    if not rejected.strip():
+        raise RowError(keys.rejected, EMPTY_RESPONSE, "empty final assistant response")
+    if chosen.strip() == rejected.strip():
+        raise RowError(keys.rejected, IDENTICAL_RESPONSES, f"response is identical to '{keys.chosen}'")
+
+
+def _first_difference(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+# ----------------------------------------------------------------------------------------------
+# per-format parsers
+
+
+def _split_hh(text: str, key: str):
+    i = text.rfind(ASSISTANT)
+    if i < 0:
+        raise RowError(key, NO_ASSISTANT_TURN, "HH transcript has no '\\n\\nAssistant:' turn")
+    return text[:i + len(ASSISTANT)], text[i + len(ASSISTANT):]
+
+
+def _parse_hh(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
+    chosen_text = _string(row, keys.chosen)
+    prompt_c, chosen = _split_hh(chosen_text, keys.chosen)
+    prompt = Prompt(messages=hh_messages(prompt_c), text=prompt_c)
+    if not need_responses:
+        return Pair(prompt, chosen, "")
+    rejected_text = _string(row, keys.rejected)
+    prompt_r, rejected = _split_hh(rejected_text, keys.rejected)
+    if prompt_c != prompt_r:
+        at = _first_difference(prompt_c, prompt_r)
+        raise RowError(keys.rejected, PREFIX_MISMATCH,
+                       f"transcript differs from '{keys.chosen}' before the final assistant turn (at character {at})")
+    _check_responses(chosen, rejected, keys)
+    return Pair(prompt, chosen, rejected)
+
+
+def split_common_prefix(chosen: str, rejected: str) -> int:
+    """Where an implicit pair splits into prompt and responses: the longest common prefix, backed up
+    to a word boundary (the whitespace before the first differing word goes to the responses)."""
+    lcp = os.path.commonprefix([chosen, rejected])
+    k = len(lcp)
+    if k < len(chosen) and k < len(rejected) and not (lcp and lcp[-1].isspace()):
+        while k > 0 and not lcp[k - 1].isspace():  # back out of the word the texts differ in
+            k -= 1
+    while k > 0 and lcp[k - 1].isspace():  # whitespace belongs to the response
+        k -= 1
+    return k
+
+
+def _parse_implicit(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
+    chosen_text = _string(row, keys.chosen)
+    rejected_text = _string(row, keys.rejected)
+    if chosen_text.strip() == rejected_text.strip():
+        raise RowError(keys.rejected, IDENTICAL_RESPONSES, f"text is identical to '{keys.chosen}'")
+    k = split_common_prefix(chosen_text, rejected_text)
+    prompt = text_prompt(chosen_text[:k])
+    pair = Pair(prompt, chosen_text[k:], rejected_text[k:])
+    if need_responses:
+        _check_responses(pair.chosen, pair.rejected, keys)
+    return pair
+
+
+def _parse_explicit(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
+    prompt = text_prompt(_string(row, keys.prompt))
+    if not need_responses:
+        return Pair(prompt, "", "")
+    chosen, rejected = _string(row, keys.chosen), _string(row, keys.rejected)
+    _check_responses(chosen, rejected, keys)
+    return Pair(prompt, chosen, rejected)
+
+
+def _conversation_prompt(row: Dict[str, Any], keys: Keys) -> List[Dict[str, str]]:
+    if row.get(keys.prompt) is None:
+        return []
+    value = row[keys.prompt]
+    if isinstance(value, str):
+        return text_prompt(value).messages
+    return _messages(value, keys.prompt)
+
+
+def _parse_conversation(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
+    head = _conversation_prompt(row, keys)
+    full_c = head + _messages(row.get(keys.chosen), keys.chosen)
+    if not full_c or full_c[-1]["role"] != "assistant":
+        raise RowError(keys.chosen, NO_ASSISTANT_TURN, "conversation does not end with an assistant message")
+    msgs = full_c[:-1]
+    prompt = Prompt(messages=msgs, text=raw_transcript(msgs))
+    chosen = " " + full_c[-1]["content"].strip()
+    if not need_responses:
+        return Pair(prompt, chosen, "")
+    full_r = head + _messages(row.get(keys.rejected), keys.rejected)
+    if not full_r or full_r[-1]["role"] != "assistant":
+        raise RowError(keys.rejected, NO_ASSISTANT_TURN, "conversation does not end with an assistant message")
+    if full_r[:-1] != msgs:
+        raise RowError(keys.rejected, PREFIX_MISMATCH,
+                       f"conversation differs from '{keys.chosen}' before the final assistant message")
+    rejected = " " + full_r[-1]["content"].strip()
+    _check_responses(chosen, rejected, keys)
+    return Pair(prompt, chosen, rejected)
+
+
+_PARSERS = {"hh": _parse_hh, "implicit": _parse_implicit, "explicit": _parse_explicit,
+            "conversation": _parse_conversation}
+
+
+def parse_pair(row: Dict[str, Any], fmt: str, keys: Keys) -> Pair:
+    """One source row -> a validated Pair. Raises RowError naming the field and reason."""
+    pair = _PARSERS[fmt](row, keys, True)
+    pair.margin = _margin(row, keys.margin)
+    pair.prompt.answer = row.get(keys.answer)
+    return pair
+
+
+def parse_prompt(row: Dict[str, Any], fmt: str, keys: Keys) -> Prompt:
+    """The prompt of one row of any format (responses of preference rows are not validated)."""
+    if fmt == "prompt":
+        value = row.get(keys.prompt)
+        if value is None and keys.messages in row:
+            value = row.get(keys.messages)
+            field_ = keys.messages
+        else:
+            field_ = keys.prompt
+        if isinstance(value, list):
+            msgs = _messages(value, field_)
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs = msgs[:-1]  # a reference reply is not part of the prompt
+            prompt = Prompt(messages=msgs, text=raw_transcript(msgs))
+            empty = not any(m["content"].strip() for m in msgs)
+        else:
+            text = _string(row, field_)
+            prompt, empty = text_prompt(text), not text.strip()
+        if empty:
+            raise RowError(field_, EMPTY_PROMPT, "empty prompt")
+    else:
+        prompt = _PARSERS[fmt](row, keys, False).prompt
+    prompt.answer = row.get(keys.answer)
+    return prompt

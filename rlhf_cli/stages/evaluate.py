@@ -1,0 +1,279 @@
+"""`rlhf eval`: measure a reward model or a policy, or build the report of a past run.
+
+Three modes, picked in this order:
+  run_dir=<run or sweep dir>     report of a past training run / a multirun sweep (no models loaded)
+  policy.path=<run or HF dir>    policy vs reference on held-out prompts, judged by the reward model
+  reward_model.path=<...>        pairwise accuracy of a reward model on preference pairs
+With none of them, `<paths.root>/latest_policy` is evaluated, else `<paths.root>/latest_rm`.
+Every mode writes `eval.json` and `report/report.html` into this eval's run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from rlhf_cli import engine
+from rlhf_cli.config import ConfigError, ModelConfig
+from rlhf_cli.core import kl_estimate
+from rlhf_cli.data import check_answers, load_preference_data, load_prompt_data
+from rlhf_cli.models import (
+    is_scalar_model_dir,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    require_scalar_model_dir,
+    resolve_hf_dir,
+    sequence_rewards,
+)
+from rlhf_cli.report import Section, Table, build_report, plot_rewards, print_summary, summary_table, write_html
+from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
+from rlhf_cli.stages.common import console, prepare_run_dir, print_table, seed_everything
+from rlhf_cli.stages.ppo import policy_forward, sample_responses
+from rlhf_cli.stages.rm import pair_metrics, score_pairs
+
+log = logging.getLogger(__name__)
+
+
+def _model_cfg(path: str, base: Any) -> Any:
+    """A ModelConfig that loads `path` (a run dir, `final/` dir or hub id) with `base`'s runtime settings."""
+    cfg = OmegaConf.merge(base, {"name": Path(str(path)).name, "name_or_path": str(path), "gguf_file": None,
+                                 "tokenizer": None, "init": "pretrained"})
+    return cfg
+
+
+def _std(x: torch.Tensor) -> float:
+    return float(x.std()) if x.numel() > 1 else 0.0
+
+
+def win_rate(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
+    """Fraction of prompts where the policy's score beats the reference's; a tie counts half."""
+    wins = (policy_scores > reference_scores).float() + 0.5 * (policy_scores == reference_scores).float()
+    return float(wins.mean()) if wins.numel() else float("nan")
+
+
+def mean_ci95(x: torch.Tensor) -> tuple:
+    """Mean and the half-width of its normal-approximation 95% interval."""
+    n = x.numel()
+    if n == 0:
+        return float("nan"), float("nan")
+    return float(x.mean()), 1.96 * _std(x.float()) / max(n, 1) ** 0.5
+
+
+# ----------------------------------------------------------------------------------------------
+# reward model
+
+
+def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> Dict[str, Any]:
+    """Pairwise accuracy (ties not correct), margin and reward distributions on preference data."""
+    rm_dir = require_scalar_model_dir(rm_path, "reward model")
+    tokenizer = load_tokenizer(_model_cfg(rm_dir, cfg.model))
+    data = load_preference_data(cfg.data, tokenizer)
+    pairs = {"eval": data.eval, "train": data.train, "all": list(data.train) + list(data.eval)}[cfg.eval.split]
+    if cfg.eval.num_prompts:
+        pairs = pairs[: cfg.eval.num_prompts]
+    if not pairs:
+        raise ConfigError(f"no preference pairs in split eval.split={cfg.eval.split} of data.path={cfg.data.path}")
+    model = load_scalar_model(rm_dir, cfg.precision, cfg.seed).to(engine.device())
+    chosen, rejected = score_pairs(model, pairs, tokenizer.pad_token_id, cfg.eval.batch_size, cfg.precision)
+    stats = pair_metrics(chosen, rejected)
+    acc = (chosen > rejected).float()
+    results = {
+        "mode": "reward_model", "reward_model": str(Path(rm_dir).resolve()), "pairs": len(pairs),
+        "accuracy": stats["rm/accuracy"], "accuracy_ci95": mean_ci95(acc)[1], "ties": int(stats["rm/ties"]),
+        "loss": stats["rm/loss"], "margin_mean": stats["rm/margin"],
+        "chosen_mean": float(chosen.mean()), "chosen_std": _std(chosen),
+        "rejected_mean": float(rejected.mean()), "rejected_std": _std(rejected),
+        "data": data.summary,
+    }
+    rewards = {"chosen": chosen.tolist(), "rejected": rejected.tolist()}
+    if engine.is_main():
+        atomic_write_json(run_dir / "rewards.json", rewards)
+        out = run_dir / "report"
+        hist = plot_rewards(rewards, out / "reward_hist.png", "reward-model scores: chosen vs rejected")
+        write_html(out / "report.html", f"reward model eval: {rm_dir}", [
+            Section("results", tables=[Table(["metric", "value"], [[k, v] for k, v in results.items()])], images=[hist])])
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# policy
+
+
+@torch.no_grad()
+def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
+    """Policy vs reference on held-out prompts: RM scores, win rate, KL, lengths, checker accuracy."""
+    e = cfg.eval
+    policy_dir = resolve_hf_dir(policy_path)
+    pconf = json.loads((Path(policy_dir) / "config.json").read_text()) if Path(policy_dir, "config.json").is_file() else {}
+    ref_spec = {"name_or_path": cfg.reference.path} if cfg.reference.path else pconf.get("rlhf_reference_model")
+    if ref_spec is None:
+        raise ConfigError(f"no reference model recorded in {policy_dir}/config.json: set reference.path=...")
+    ref_seed = ref_spec.pop("seed", cfg.seed)
+    ref_path = ref_spec.get("name_or_path") or ref_spec.get("gguf_file") or f"{ref_spec.get('name')} (seed {ref_seed})"
+    rm_path = cfg.reward_model.path or pconf.get("rlhf_reward_model_path")
+    tokenizer = load_tokenizer(_model_cfg(policy_dir, cfg.model))
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    prompts = load_prompt_data(cfg.data, tokenizer, split="eval")
+    if e.num_prompts:
+        prompts = prompts[: e.num_prompts]
+    if not prompts:
+        raise ConfigError(f"no prompts in the eval split of data.path={cfg.data.path}")
+    mine = prompts[engine.rank()::engine.world_size()]
+
+    policy = load_causal_lm(_model_cfg(policy_dir, cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)
+    ref_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), ref_spec)
+    reference = load_causal_lm(ref_cfg, cfg.precision, ref_seed, tokenizer=tokenizer)
+    reward_model = None
+    if rm_path is not None and cfg.reward.type == "model":
+        reward_model = load_scalar_model(require_scalar_model_dir(rm_path, "reward model"), cfg.precision, cfg.seed)
+    dev = engine.device()
+    policy.to(dev).eval(); reference.to(dev).eval()
+    if reward_model is not None:
+        reward_model.to(dev).eval()
+
+    rows: List[Dict[str, Any]] = []
+    seed = cfg.seed * 1_000_003 + engine.rank()
+    for who, lm in (("policy", policy), ("reference", reference)):
+        ids, am, P, has_eos = sample_responses(lm, mine, pad_id, eos_id, e.max_new_tokens, e.temperature, e.top_p,
+                                               cfg.precision, chunk=e.batch_size, seed=seed)
+        texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
+        mask = am[:, P:].float()
+        out: Dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float()}
+        if reward_model is not None:
+            out["score"] = torch.cat([
+                _rm_scores(reward_model, ids[i:i + e.batch_size], am[i:i + e.batch_size], cfg.precision)
+                for i in range(0, ids.shape[0], e.batch_size)])
+        if all(x.get("answer") is not None for x in mine):
+            out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
+        if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
+            kl1, kl3 = [], []
+            for i in range(0, ids.shape[0], e.batch_size):
+                sl = slice(i, i + e.batch_size)
+                with engine.autocast(cfg.precision):
+                    lp, _, _ = policy_forward(policy, ids[sl], am[sl], P, e.temperature)
+                    ref_lp, _, _ = policy_forward(reference, ids[sl], am[sl], P, e.temperature)
+                kl1.append((kl_estimate(lp, ref_lp, "k1") * mask[sl]).sum(1))
+                kl3.append((kl_estimate(lp, ref_lp, "k3") * mask[sl]).sum(1))
+            out["kl_k1"], out["kl_k3"] = torch.cat(kl1), torch.cat(kl3)
+        rows.append(out)
+    pol, ref = rows
+    gathered = engine.all_gather_object((pol, ref, [x.get("prompt_text", "") for x in mine]))
+    pol = _merge([g[0] for g in gathered]); ref = _merge([g[1] for g in gathered])
+    prompt_texts = [t for g in gathered for t in g[2]]
+
+    results: Dict[str, Any] = {
+        "mode": "policy", "policy": str(Path(policy_dir).resolve()), "reference": str(ref_path),
+        "reward_model": str(rm_path) if rm_path else None, "prompts": len(prompt_texts),
+        "temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "seed": cfg.seed,
+    }
+    for name, t in (("policy", pol), ("reference", ref)):
+        results[f"{name}/length_mean"] = float(t["length"].mean())
+        results[f"{name}/eos_rate"] = float(t["eos"].mean())
+        if "score" in t:
+            results[f"{name}/score_mean"], results[f"{name}/score_ci95"] = mean_ci95(t["score"])
+        if "correct" in t:
+            results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95"] = mean_ci95(t["correct"].float())
+    if "score" in pol:
+        results["win_rate"] = win_rate(pol["score"], ref["score"])
+        results["win_rate_ci95"] = 1.96 * (results["win_rate"] * (1 - results["win_rate"]) / len(prompt_texts)) ** 0.5
+    results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
+    results["kl_k3"], results["kl_k3_ci95"] = mean_ci95(pol["kl_k3"])
+
+    samples = [[prompt_texts[i][-300:], pol["text"][i], _get(pol, "score", i), ref["text"][i], _get(ref, "score", i)]
+               for i in range(min(e.num_samples, len(prompt_texts)))]
+    results["samples"] = [dict(zip(["prompt", "policy", "policy_score", "reference", "reference_score"], s)) for s in samples]
+    if engine.is_main():
+        images = []
+        if "score" in pol:
+            rewards = {"policy": pol["score"].tolist(), "reference": ref["score"].tolist()}
+            atomic_write_json(run_dir / "rewards.json", rewards)
+            images.append(plot_rewards(rewards, run_dir / "report" / "reward_hist.png", "RM score: policy vs reference"))
+        numbers = [[k, v] for k, v in results.items() if k != "samples"]
+        write_html(run_dir / "report" / "report.html", f"policy eval: {policy_dir}", [
+            Section("results", tables=[Table(["metric", "value"], numbers)], images=images),
+            Section("samples", tables=[Table(["prompt", "policy", "score", "reference", "score"], samples)])])
+    return results
+
+
+def _get(d: Dict[str, Any], key: str, i: int) -> Optional[float]:
+    return float(d[key][i]) if key in d else None
+
+
+def _merge(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts]
+        out[k] = torch.cat([v.cpu() for v in vals]) if torch.is_tensor(vals[0]) else [x for v in vals for x in v]
+    return out
+
+
+def _rm_scores(model: Any, ids: torch.Tensor, am: torch.Tensor, precision: str) -> torch.Tensor:
+    with engine.autocast(precision):
+        return sequence_rewards(model, ids, am).float().cpu()
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+def run(cfg: Any, run_dir: Path) -> Optional[float]:
+    engine.init_distributed()
+    if cfg.run_dir:  # report of a past run: nothing to train or load
+        path = build_report(cfg.run_dir)
+        if engine.is_main():
+            columns, rows = summary_table(cfg.run_dir)
+            print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
+            console.print(f"report: {path}")
+        _discard_empty_run_dir(run_dir)
+        return None
+    run_dir = prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
+    policy_path, rm_path = cfg.policy.path, cfg.reward_model.path
+    if policy_path is None and rm_path is None:
+        target = read_pointer(cfg.paths.root, "ppo")
+        if target is not None:
+            policy_path = str(target)
+        else:
+            target = read_pointer(cfg.paths.root, "rm")
+            if target is None:
+                raise ConfigError(f"nothing to evaluate: set policy.path=..., reward_model.path=... or run_dir=... "
+                                  f"(no latest_policy / latest_rm under {cfg.paths.root})")
+            rm_path = str(target)
+    if cfg.dry_run:
+        print_table(f"eval (dry run): {run_dir}", {"policy": policy_path, "reward_model": rm_path})
+        set_status(run_dir, "dry_run") if engine.is_main() else None
+        return None
+    if policy_path is not None:
+        if is_scalar_model_dir(policy_path):
+            raise ConfigError(f"policy.path={policy_path} is a reward model (scalar head), not a policy")
+        results = eval_policy(cfg, policy_path, run_dir)
+        headline = results.get("win_rate", results.get("policy/score_mean"))
+    else:
+        results = eval_reward_model(cfg, rm_path, run_dir)
+        headline = results["accuracy"]
+    if engine.is_main():
+        atomic_write_json(run_dir / "eval.json", {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)})
+        print_table("eval", {k: v for k, v in results.items() if k not in ("samples", "data")})
+        if results.get("samples"):
+            print_summary(console, ["prompt", "policy", "score", "reference", "score"],
+                          [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120], s["reference_score"]]
+                           for s in results["samples"]], title="samples")
+        set_status(run_dir, "finished")
+        console.print(f"eval.json: {run_dir / 'eval.json'}\nreport: {run_dir / 'report' / 'report.html'}")
+    engine.barrier()
+    return headline
+
+
+def _discard_empty_run_dir(run_dir: Path) -> None:
+    """A report-only eval writes nothing of its own: drop the dir Hydra made for it."""
+    import shutil
+
+    if engine.is_main() and run_dir.is_dir() and not (run_dir / "config.yaml").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)

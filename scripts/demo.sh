@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The demo: train-rm -> train-ppo -> eval on the defaults (SmolLM2-135M-Instruct, built-in task).
+# Pass extra Hydra overrides through DEMO_ARGS, e.g. DEMO_ARGS="paths.root=/tmp/runs".
+set -euo pipefail
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" TOKENIZERS_PARALLELISM=false
+args=(${DEMO_ARGS:-})
+start=$(date +%s)
+rlhf train-rm "${args[@]}"
+rlhf train-ppo "${args[@]}"
+rlhf eval "${args[@]}"
+root=$(printf '%s\n' "${args[@]}" | sed -n 's/^paths.root=//p'); root=${root:-./runs}
+latest=$(ls -td "$root"/eval/*/ | head -1)
+echo "demo finished in $(( $(date +%s) - start )) s"
+echo "report: ${latest}report/report.html"

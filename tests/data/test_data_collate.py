@@ -1,0 +1,88 @@
+"""Collators: shapes, padding sides, margins; length-grouped ordering keeps every row once."""
+
+import random
+
+import pytest
+import torch
+
+from rlhf_cli.data import (LengthGroupedSampler, PairCollator, PromptCollator, example_length, length_grouped_order,
+                           make_sampler)
+
+PAD, EOS = 0, 2
+
+
+def _pair(p, c, r, **kw):
+    return {"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "row": 1, **kw}
+
+
+def test_pair_collator_right_pads_chosen_then_rejected():
+    exs = [_pair([5, 6], [7, EOS], [8, 9, 9, EOS]), _pair([5], [7, 7, EOS], [8, EOS])]
+    b = PairCollator(PAD)(exs)
+    assert set(b) == {"input_ids", "attention_mask"}
+    assert b["input_ids"].shape == b["attention_mask"].shape == (4, 6) and b["input_ids"].dtype == torch.long
+    assert b["input_ids"].tolist() == [[5, 6, 7, EOS, PAD, PAD],      # chosen 0
+                                       [5, 7, 7, EOS, PAD, PAD],      # chosen 1
+                                       [5, 6, 8, 9, 9, EOS],          # rejected 0
+                                       [5, 8, EOS, PAD, PAD, PAD]]    # rejected 1
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0], [1] * 6, [1, 1, 1, 0, 0, 0]]
+    last = b["attention_mask"].sum(1) - 1  # right padding: the EOS is the last real token
+    assert b["input_ids"][torch.arange(4), last].tolist() == [EOS] * 4
+
+
+def test_pair_collator_margin():
+    b = PairCollator(PAD)([_pair([5], [7, EOS], [8, EOS], margin=0.5), _pair([5], [7, EOS], [9, EOS], margin=2)])
+    assert b["margin"].tolist() == [0.5, 2.0] and b["margin"].dtype == torch.float32
+    with pytest.raises(ValueError, match="some examples in the batch have a margin"):
+        PairCollator(PAD)([_pair([5], [7, EOS], [8, EOS], margin=0.5), _pair([5], [7, EOS], [9, EOS])])
+
+
+def test_prompt_collator_left_pads():
+    exs = [{"prompt_ids": [5, 6, 7], "row": 3, "answer": 12, "prompt_text": "a"}, {"prompt_ids": [8], "row": 9}]
+    b = PromptCollator(PAD)(exs)
+    assert b["input_ids"].tolist() == [[5, 6, 7], [PAD, PAD, 8]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert b["row"] == [3, 9] and b["answer"] == [12, None] and b["prompt_text"] == ["a", None]
+
+
+def test_collators_with_real_data_and_a_dataloader(make_cfg, tokenizer):
+    from rlhf_cli.data import load_preference_data, load_prompt_data
+
+    cfg = make_cfg(max_samples=8)
+    pairs = load_preference_data(cfg, tokenizer, splits=("train",)).train
+    loader = torch.utils.data.DataLoader(pairs, batch_size=4, collate_fn=PairCollator(tokenizer.pad_token_id),
+                                         sampler=make_sampler(pairs, 4, group_by_length=True, seed=0))
+    batches = list(loader)
+    assert [b["input_ids"].shape[0] for b in batches] == [8, 8]
+    assert all(b["input_ids"].shape[1] == b["attention_mask"].sum(1).max() for b in batches)  # dynamic padding
+    prompts = load_prompt_data(cfg, tokenizer)
+    b = PromptCollator(tokenizer.pad_token_id)(list(prompts[:4]))
+    assert (b["input_ids"][:, -1] == tokenizer(["\n"], add_special_tokens=False)["input_ids"][0][0]).all()
+    assert all(isinstance(a, int) for a in b["answer"])
+
+
+def test_length_grouped_order_is_a_seeded_permutation_with_similar_lengths():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 500) for _ in range(1000)]
+    order = length_grouped_order(lengths, batch_size=8, seed=3)
+    assert sorted(order) == list(range(1000))
+    assert order == length_grouped_order(lengths, batch_size=8, seed=3)
+    assert order != length_grouped_order(lengths, batch_size=8, seed=3, epoch=1)
+
+    def padding(o):
+        return sum(max(lengths[i] for i in o[k:k + 8]) * len(o[k:k + 8]) - sum(lengths[i] for i in o[k:k + 8])
+                   for k in range(0, len(o), 8))
+
+    shuffled = list(range(1000))
+    rng.shuffle(shuffled)
+    assert padding(order) < padding(shuffled) / 5
+    sampler = LengthGroupedSampler(lengths, 8, seed=3)
+    assert list(sampler) == order and len(sampler) == 1000
+    sampler.set_epoch(1)
+    assert sorted(sampler) == list(range(1000)) and list(sampler) != order
+
+
+def test_make_sampler_plain_shuffle_and_example_length():
+    exs = [_pair([1] * i, [2], [3, 3]) for i in range(10)]
+    assert example_length(exs[4]) == 6 and example_length({"prompt_ids": [1, 2]}) == 2
+    s = make_sampler(exs, 4, group_by_length=False, seed=1)
+    assert sorted(s) == list(range(10)) and list(s) == list(make_sampler(exs, 4, group_by_length=False, seed=1))
