@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 
 
 class ConfigError(ValueError):
@@ -104,6 +104,10 @@ class DataConfig:
     """A separate held-out file; when null, `test_size` of `path` is held out."""
     test_size: float = 0.1
     """Held-out part of `path` when `eval_path` is null: a fraction in (0, 1) or a row count >= 1."""
+    ppo_size: float = 0.0
+    """Rows of `path` set aside as PPO prompts (fraction in (0, 1) or a count; 0 = none): reward-model
+    training skips them and `train-ppo` takes its prompts from them. With `test_size` this splits one
+    file into three disjoint parts: RM train, PPO prompts, held-out (decided on row numbers, seeded)."""
     max_samples: Optional[int] = None
     """Use at most this many rows (after the seeded shuffle); null = all."""
     seed: int = 0
@@ -310,9 +314,11 @@ class RunConfig:
     run_dir: Optional[str] = None
     """eval: build the report of a past training run (or a multirun sweep dir) instead of evaluating models."""
     eval: EvalOptions = field(default_factory=EvalOptions)
-    precision: str = "bf16-autocast"
+    precision: str = "auto"
     """`fp32`; `bf16-autocast` (fp32 master weights, bf16 matmuls under torch.autocast); `bf16`
-    (bf16 weights, DeepSpeed's bf16 optimizer with fp32 master copies)."""
+    (bf16 weights, DeepSpeed's bf16 optimizer with fp32 master copies); `auto` (default): bf16-autocast
+    where bf16 matmuls are native (bf16 GPUs, CPUs with AVX512-BF16/AMX), else fp32 — on an AVX2-only
+    CPU bf16 is emulated and ~25x slower than fp32. The resolved value is written to config.yaml."""
     seed: int = 42
     dry_run: bool = False
     """Compose, validate, build data and model, write the run dir and config, print a summary, exit 0."""
@@ -405,6 +411,8 @@ def validate_common(cfg: Any) -> None:
     _check(d.test_size > 0, f"data.test_size must be a fraction in (0, 1) or a row count >= 1 (got {d.test_size})")
     _check(d.test_size < 1 or float(d.test_size).is_integer(),
            f"data.test_size must be a fraction in (0, 1) or a whole row count (got {d.test_size})")
+    _check(d.ppo_size >= 0 and (d.ppo_size < 1 or float(d.ppo_size).is_integer()),
+           f"data.ppo_size must be 0, a fraction in (0, 1) or a whole row count (got {d.ppo_size})")
     _check(d.max_samples is None or d.max_samples > 0, f"data.max_samples must be > 0 or null (got {d.max_samples})")
 
 

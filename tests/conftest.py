@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from stage_helpers import compose  # noqa: E402  (tests/ is on sys.path)
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,20 +59,6 @@ def tokenizer(tiny_model_cfg):
         return load_tokenizer(tiny_model_cfg)
     except ModelSourceError as e:
         require(False, str(e))
-
-
-def compose(command: str, overrides=()):
-    """The composed, typed config of `rlhf <command> overrides...` (no Hydra run dir made)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    from rlhf_cli.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
-        return hydra_compose(config_name=command, overrides=list(overrides))
 
 
 SMOKE = ["model=tiny", "precision=fp32", "tensorboard=false"]

@@ -19,13 +19,15 @@ A problem is one step of +, - or × on small numbers, e.g.
 
 so a reward model has to learn whether the equation is right, not which style is preferred. Every
 chosen reply scores 1.0 under `check_answer` and every rejected reply 0.0, so the checker doubles as a
-rule-based reward (`reward.type=checker`). Prompt + reply is about 60 tokens with SmolLM2's chat
-template (system prompt included), which keeps CPU PPO fast.
+rule-based reward (`reward.type=checker`). A prompt is about 50 tokens and prompt + reply at most
+about 80 with SmolLM2's chat template (its default system prompt included), which keeps CPU PPO fast.
 
-Difficulty: SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised), greedy decoding, max_new_tokens=48,
-chat template, on the first 64 ppo_eval prompts of seed 1234 answers {RATE} correctly (measured by
-tests/data/test_builtin_difficulty.py, marked slow) — inside the 20–70% band the task is designed for,
-so PPO with either the checker or a trained reward model has room to improve it.
+Difficulty, measured: SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised), chat template, greedy decoding,
+max_new_tokens=48, on the first 64 ppo_eval prompts (by row) of seed 1234 answers 21/64 = 32.8%
+correctly (by operation: × 57%, + 16%, − 12%). It tends to write "a + b = c ... The answer is: c" and
+gets c wrong. That is inside the 20–70% band the task is designed for, so PPO with either the checker or
+a trained reward model has room to improve it. Re-measure with
+`pytest -m slow tests/data/test_data_builtin_difficulty.py -s` (~8 min on a shared 2-core CPU).
 """
 
 from __future__ import annotations

@@ -253,36 +253,65 @@ def _shuffled_cap(items: List[Any], seed: int, max_samples: Optional[int]) -> Tu
     return items, 0
 
 
-def _eval_count(n: int, test_size: float, source: str) -> int:
+def _eval_count(n: int, test_size: float, source: str, what: str = "data.test_size") -> int:
     n_eval = int(test_size) if test_size >= 1 else max(1, round(n * test_size))
     if n_eval >= n:
-        raise DataError(source, f"data.test_size={test_size} holds out {n_eval} of {n} usable rows, leaving none "
+        raise DataError(source, f"{what}={test_size} holds out {n_eval} of {n} rows, leaving none "
                                 f"for training; lower it or set data.eval_path")
     return n_eval
 
 
-def _select(data_cfg: Any, load: Any, splits: Sequence[str]) -> Tuple[Dict[str, List[Any]], List[_Parsed], int]:
+def _item_row(item: Any) -> int:
+    return item.row if hasattr(item, "row") else item[0]
+
+
+def row_parts(rows_read: int, data_cfg: Any, source: str) -> Dict[int, str]:
+    """Which part each source row (1-based) belongs to: "eval", "ppo", "train" or "unused".
+
+    Decided on row numbers by a seeded shuffle (`data.seed`), before any row is parsed, so the pairs
+    and the prompts read from one file fall into the same, disjoint parts. Of the first
+    `data.max_samples` rows of the shuffle (all when null), the first `data.test_size` are held out
+    ("eval"), the next `data.ppo_size` are PPO prompts ("ppo"), the rest train the reward model.
+    """
+    order = list(range(1, rows_read + 1))
+    random.Random(int(data_cfg.seed)).shuffle(order)
+    n = min(rows_read, data_cfg.max_samples or rows_read)
+    n_eval = 0 if data_cfg.eval_path else _eval_count(n, float(data_cfg.test_size), source)
+    ppo_size = float(data_cfg.ppo_size or 0)
+    n_ppo = 0 if ppo_size <= 0 else (int(ppo_size) if ppo_size >= 1 else max(1, round(n * ppo_size)))
+    if n_eval + n_ppo >= n:
+        raise DataError(source, f"data.test_size={data_cfg.test_size} and data.ppo_size={data_cfg.ppo_size} leave "
+                                f"no rows of {n} for reward-model training")
+    bounds = ((n_eval, "eval"), (n_eval + n_ppo, "ppo"), (n, "train"))
+    return {row: next((name for end, name in bounds if k < end), "unused") for k, row in enumerate(order)}
+
+
+def _select(data_cfg: Any, load: Any, splits: Sequence[str], want: str = "pairs"
+            ) -> Tuple[Dict[str, List[Any]], List[_Parsed], int]:
     """Parse the sources and pick each split's records: ({split: items}, parsed sources, unused count).
 
-    `load(path)` parses one source. The eval split comes from `data.eval_path` when set, else the first
-    `test_size` records of the seeded shuffle of `data.path` (disjoint from train).
+    `load(path)` parses one source. The eval split comes from `data.eval_path` when set, else from the
+    held-out rows of `data.path` (see `row_parts`). With `data.ppo_size`, prompts (`want="prompts"`)
+    of the train split are the PPO part's rows, and pairs of the train split exclude them.
     """
     seed, cap = int(data_cfg.seed), data_cfg.max_samples
     main = load(data_cfg.path)
-    items, unused = _shuffled_cap(main.items, seed, cap)
+    items, unused = _shuffled_cap(main.items, seed, None)  # max_samples is applied to rows in row_parts
     sources = [main]
+    parts = row_parts(main.rows_read, data_cfg, main.name)
+    train_part = "ppo" if want == "prompts" and float(data_cfg.ppo_size or 0) > 0 else "train"
+    train = [it for it in items if parts[_item_row(it)] == train_part]
     if data_cfg.eval_path:
-        train = items
+        evals: List[Any] = []
         if "eval" in splits:
             other = load(data_cfg.eval_path)
             sources.append(other)
             evals, more = _shuffled_cap(other.items, seed, cap)
             unused += more
-        else:
-            evals = []
+        main_evals: List[Any] = []
     else:
-        n_eval = _eval_count(len(items), float(data_cfg.test_size), main.name)
-        evals, train = items[:n_eval], items[n_eval:]
+        evals = main_evals = [it for it in items if parts[_item_row(it)] == "eval"]
+    unused += len(items) - len(train) - len(main_evals)  # the other part (PPO prompts or RM pairs)
     chosen = {"train": train, "eval": evals}
     for s in SPLITS:
         if s not in splits:
@@ -435,7 +464,7 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
             _dedupe_prompts(parsed)
             return parsed
 
-        chosen, sources, unused = _select(data_cfg, load, (split,))
+        chosen, sources, unused = _select(data_cfg, load, (split,), want="prompts")
     summary = _summary(sources, encoder)
     summary.unused = unused
     drops: Counter = Counter(summary.dropped)

@@ -60,10 +60,14 @@ def epoch_order(n: int, seed: int, epoch: int, lengths: Optional[Sequence[int]] 
 def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
     """Create the run dir (rank 0), check it is writable, write the resolved config, mark it running.
 
+    `precision=auto` is resolved here (engine.resolve_precision), so every later step and the saved
+    config see the concrete choice.
+
     When resuming (`cfg.resume` names this dir) the saved config is kept beside the new one as
     `config.prev.yaml`. Raises PermissionError when the dir cannot be written.
     """
     run_dir = Path(run_dir)
+    cfg.precision = engine.resolve_precision(cfg.precision)
     if engine.is_main():
         check_writable(run_dir)
         cfg_path = run_dir / "config.yaml"

@@ -52,17 +52,21 @@ def _std(x: torch.Tensor) -> float:
 
 
 def win_rate(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
-    """Fraction of prompts where the policy's score beats the reference's; a tie counts half."""
-    wins = (policy_scores > reference_scores).float() + 0.5 * (policy_scores == reference_scores).float()
+    """Fraction of prompts where the policy's score beats the reference's; a tie counts half.
+
+    Counted in float64, so 3 wins of 5 is 0.6, not float32's 0.6000000238.
+    """
+    wins = (policy_scores > reference_scores).double() + 0.5 * (policy_scores == reference_scores).double()
     return float(wins.mean()) if wins.numel() else float("nan")
 
 
 def mean_ci95(x: torch.Tensor) -> tuple:
-    """Mean and the half-width of its normal-approximation 95% interval."""
+    """Mean and the half-width of its normal-approximation 95% interval (in float64: 1 of 6 is 1/6)."""
     n = x.numel()
     if n == 0:
         return float("nan"), float("nan")
-    return float(x.mean()), 1.96 * _std(x.float()) / max(n, 1) ** 0.5
+    x = x.double()
+    return float(x.mean()), 1.96 * _std(x) / max(n, 1) ** 0.5
 
 
 # ----------------------------------------------------------------------------------------------

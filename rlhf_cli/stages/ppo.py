@@ -215,19 +215,21 @@ def sample_responses(
 def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x − mean)/std over real tokens of ALL ranks (unbiased std), 0 on padding.
 
-    Equals `core.masked_whiten(x, mask)` on one rank (tested); with one real token the std is taken
-    as 1, like masked_whiten's documented fallback.
+    x, mask: (B, T); mask 1 = real token. Returns (B, T) float32. Two passes in float64 (the mean,
+    then the squared deviations), so a large mean does not swamp the variance. Equals
+    `core.masked_whiten(x, mask)` on one rank (tested); with one real token the std is taken as 1,
+    like masked_whiten's documented fallback.
     """
     m = mask.bool()
-    xz = torch.where(m, x.float(), torch.zeros_like(x, dtype=torch.float32))
-    stats = engine.all_reduce_sum(torch.stack([m.float().sum(), xz.sum(), (xz * xz).sum()]).double())
-    n, s, ss = stats.tolist()
+    xd = torch.where(m, x.double(), torch.zeros_like(x, dtype=torch.float64))
+    n, s = engine.all_reduce_sum(torch.stack([m.double().sum(), xd.sum()])).tolist()
     if n < 1:
-        return torch.zeros_like(xz)
+        return torch.zeros_like(xd, dtype=torch.float32)
     mean = s / n
-    var = (ss - n * mean * mean) / (n - 1) if n > 1 else 1.0
-    out = (xz - mean) / math.sqrt(max(var, 0.0) + eps)
-    return torch.where(m, out, torch.zeros_like(out))
+    centred = torch.where(m, xd - mean, torch.zeros_like(xd))
+    ss = engine.all_reduce_sum(centred.square().sum()).item()
+    var = ss / (n - 1) if n > 1 else 1.0
+    return (centred / math.sqrt(var + eps)).float()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,6 +297,7 @@ class PPOTrainer:
                 critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
             else:
                 critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
+            critic.requires_grad_(True)  # a copy of the (already frozen) reference would train only its head
             self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.precision, lr=p.actor_lr, **common)
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
@@ -533,8 +536,9 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         tr.kl_ctl.load_state_dict(state["kl_ctl"])
         tr.bad_steps = int(state.get("bad_steps", 0))
         set_rng_state(state["rng"])
-        metrics.truncate_after(start)
         log.info("resumed from %s at iteration %d", tag, start)
+    if cfg.resume:  # drop records a crashed attempt logged after its last checkpoint
+        metrics.truncate_after(start)
 
     # 3. loop
     progress = Progress(p.iterations, "train-ppo", PROGRESS_KEYS, enabled=engine.is_main(), start=start)

@@ -127,8 +127,9 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         state = eng.load(str(ckpt_dir(run_dir)), tag)
         step = int(state["step"])
         set_rng_state(state["rng"])
-        metrics.truncate_after(step)
         log.info("resumed from %s at step %d", tag, step)
+    if cfg.resume:  # records past the checkpoint (all of them when there is none yet) are logged again
+        metrics.truncate_after(step)
 
     # 5. loop
     collate = PairCollator(tokenizer.pad_token_id)

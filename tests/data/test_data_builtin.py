@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from data_fixtures import make_cfg  # noqa: F401 (pytest fixtures)
 from rlhf_cli.config import BuiltinTaskConfig
 from rlhf_cli.data import builtin_splits, check_answer, check_answers, load_preference_data, load_prompt_data, parse_answer
 
@@ -98,3 +99,12 @@ def test_builtin_is_the_default_data(make_cfg, tokenizer):
         p = problems["ppo_eval"][ex["row"] - 1]
         assert ex["answer"] == p.answer and p.question in ex["prompt_text"]
     assert all(len(ex["prompt_ids"]) < 80 for ex in prompts)
+
+
+def test_plain_dataclass_config_works_too(tokenizer):
+    from rlhf_cli.config import BuiltinTaskConfig, DataConfig
+
+    cfg = DataConfig(max_samples=3, builtin=BuiltinTaskConfig(seed=5, rm_train=10, rm_eval=4, ppo_train=4, ppo_eval=4))
+    data = load_preference_data(cfg, tokenizer, splits=("eval",))
+    assert data.train == [] and len(data.eval) == 3 and data.summary.unused == 1
+    assert len(load_prompt_data(cfg, tokenizer)) == 3

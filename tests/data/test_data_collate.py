@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from data_fixtures import make_cfg  # noqa: F401 (pytest fixtures)
 from rlhf_cli.data import (LengthGroupedSampler, PairCollator, PromptCollator, example_length, length_grouped_order,
                            make_sampler)
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from data_fixtures import make_cfg, write  # noqa: F401 (pytest fixtures)
 from rlhf_cli.data import DataError, Keys, load_preference_data, load_prompt_data
 from rlhf_cli.data.formats import detect_format, hh_messages, split_common_prefix
 
@@ -252,3 +253,31 @@ def test_hub_name_offline_is_a_clear_error(make_cfg, tokenizer, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match="^no-such-org/no-such-dataset: not a local file, and loading it from the hub"):
         load_preference_data(make_cfg(path="no-such-org/no-such-dataset"), tokenizer)
+
+
+def _numbered(n, tag=""):
+    return [{"prompt": f"{tag}q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(n)]
+
+
+def test_seeded_split_test_size_and_max_samples(write, make_cfg, tokenizer):
+    path = write("ten.jsonl", _numbered(10))
+    a = load_preference_data(make_cfg(path=path, test_size=0.2, seed=1), tokenizer)
+    b = load_preference_data(make_cfg(path=path, test_size=0.2, seed=1), tokenizer)
+    c = load_preference_data(make_cfg(path=path, test_size=0.2, seed=2), tokenizer)
+    rows = lambda xs: [x["row"] for x in xs]  # noqa: E731
+    assert (len(a.train), len(a.eval)) == (8, 2) and not set(rows(a.train)) & set(rows(a.eval))
+    assert rows(a.train) == rows(b.train) and rows(a.eval) == rows(b.eval) and rows(a.eval) != rows(c.eval)
+    capped = load_preference_data(make_cfg(path=path, test_size=2, max_samples=6, seed=1), tokenizer)
+    assert (len(capped.train), len(capped.eval), capped.summary.unused) == (4, 2, 4)
+
+
+def test_eval_path(write, make_cfg, tokenizer):
+    train, evals = write("train.jsonl", _numbered(6)), write("eval.parquet", _numbered(3, tag="e"))
+    data = load_preference_data(make_cfg(path=train, eval_path=evals, max_samples=4), tokenizer)
+    s = data.summary
+    assert (len(data.train), len(data.eval), s.rows_read, s.unused) == (4, 3, 9, 2)
+    assert s.source == "train.jsonl + eval.parquet"
+    assert all(tokenizer.decode(ex["prompt_ids"]).endswith(f"eq{ex['row'] - 1}<|im_end|>\n<|im_start|>assistant\n")
+               for ex in data.eval)
+    only_train = load_preference_data(make_cfg(path=train, eval_path=evals), tokenizer, splits=("train",))
+    assert only_train.summary.rows_read == 6 and only_train.eval == [] and len(only_train.train) == 6

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from data_fixtures import make_cfg  # noqa: F401 (pytest fixtures)
 from rlhf_cli.data import DataError, load_preference_data, load_prompt_data
 
 A = "\n\nAssistant:"
@@ -62,7 +63,11 @@ def test_skipping_load_accounts_for_every_row(skipped, raw_rows):
     assert s.unused == 0 and s.truncated == 0
     rows = [ex["row"] for ex in skipped.train + skipped.eval]
     assert len(set(rows)) == len(rows)  # train and eval are disjoint
-    assert len(skipped.eval) == round((N_ROWS - 9) * 0.1)
+    # the held-out part is round(0.1 * rows) source rows, chosen by row number; its valid rows are the eval split
+    bad_rows = {row for row, _, _ in _reference_problems(raw_rows)}
+    held_out = {ex["row"] for ex in skipped.eval}
+    assert len(held_out) == round(N_ROWS * 0.1) - len(bad_rows & _held_out_rows())
+    assert not held_out & bad_rows
     line = s.line()
     assert "2312 rows read" in line and "4 empty_response" in line and "5 prefix_mismatch" in line
     assert s.lengths["p50"] <= s.lengths["p90"] <= s.lengths["max"]
@@ -89,7 +94,9 @@ def test_raw_split_is_exact(hh_path, raw_rows, make_cfg, tokenizer):
     cfg = make_cfg(path=hh_path, skip_invalid=True, chat_template=False, max_length=4096, max_prompt_length=4000,
                    max_samples=200)
     data = load_preference_data(cfg, tokenizer, splits=("train",))
-    assert data.summary.unused == N_ROWS - 9 - 180  # 200 kept by max_samples, 20 of them held out for eval
+    s = data.summary  # 200 rows kept by max_samples, 20 of them held out for eval; bad rows among them dropped
+    assert s.rows_read == s.kept["train"] + sum(s.dropped.values()) + s.unused
+    assert 180 - 9 <= s.kept["train"] <= 180
     for ex in data.train[:40]:
         raw = raw_rows[ex["row"] - 1]
         prompt = tokenizer.decode(ex["prompt_ids"])
@@ -101,6 +108,32 @@ def test_raw_split_is_exact(hh_path, raw_rows, make_cfg, tokenizer):
 
 def test_prompts_of_the_hh_file(hh_path, make_cfg, tokenizer):
     prompts = load_prompt_data(make_cfg(path=hh_path, max_samples=50, max_prompt_length=64), tokenizer, split="eval")
-    assert len(prompts) == 5
+    assert 5 - 1 <= len(prompts) <= 5  # 5 held-out rows; an identical prompt would be kept once
     assert all(len(p["prompt_ids"]) <= 64 for p in prompts)
     assert all(p["prompt_text"].endswith("<|im_start|>assistant\n") for p in prompts)
+
+
+def _held_out_rows():
+    from rlhf_cli.config import DataConfig
+    from rlhf_cli.data.datasets import row_parts
+
+    parts = row_parts(N_ROWS, DataConfig(test_size=0.1), "hh")
+    return {row for row, part in parts.items() if part == "eval"}
+
+
+def test_three_way_split_is_disjoint_for_pairs_and_prompts(hh_path, tokenizer):
+    """RM pairs, PPO prompts and held-out rows of one file never share a source row."""
+    from rlhf_cli.config import DataConfig
+    from rlhf_cli.data import load_preference_data, load_prompt_data
+
+    cfg = DataConfig(path=hh_path, format="hh", skip_invalid=True, test_size=0.1, ppo_size=0.2, max_length=256,
+                     max_prompt_length=192)
+    pairs = load_preference_data(cfg, tokenizer)
+    ppo = load_prompt_data(cfg, tokenizer, split="train")
+    held = load_prompt_data(cfg, tokenizer, split="eval")
+    rm_rows = {ex["row"] for ex in pairs.train}
+    ppo_rows = {ex["row"] for ex in ppo}
+    eval_rows = {ex["row"] for ex in pairs.eval} | {ex["row"] for ex in held}
+    assert rm_rows and ppo_rows and eval_rows
+    assert not rm_rows & ppo_rows and not rm_rows & eval_rows and not ppo_rows & eval_rows
+    assert abs(len(ppo) - 0.2 * N_ROWS) < 0.05 * N_ROWS

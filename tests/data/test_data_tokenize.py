@@ -2,6 +2,7 @@
 
 import pytest
 
+from data_fixtures import make_cfg, write  # noqa: F401 (pytest fixtures)
 from rlhf_cli.data import Encoder, Prompt, fit_pair, load_preference_data, load_prompt_data, truncate_left
 
 

@@ -1,4 +1,8 @@
-"""Fixtures for the data tests: a DataConfig factory and a writer of small data files."""
+"""Fixtures for the data tests: a DataConfig factory and a writer of small data files.
+
+Test modules import them by name (`from data_fixtures import make_cfg, write`). They are not in a
+conftest.py because a second conftest module would shadow tests/conftest.py for `from conftest import`.
+"""
 
 import csv
 import gzip

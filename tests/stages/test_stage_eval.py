@@ -1,0 +1,298 @@
+"""`rlhf eval` on tiny models (fp32, CPU): issue 7's "Done when" items.
+
+Reference numbers are computed here with plain torch / Python on unpadded single sequences,
+never with the project's helpers (kl_estimate, pair_metrics, win_rate, sequence_rewards).
+"""
+
+import json
+import math
+import re
+import statistics
+
+import pytest
+import torch
+
+TEMPERATURE = 0.7
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matmuls are far faster on one thread than on two contended ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def read_results(eval_dir):
+    return json.loads((eval_dir / "eval.json").read_text())["results"]
+
+
+# ----------------------------------------------------------------------------------------------
+# models saved once per module
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, tiny_model_cfg, tokenizer):
+    """HF dirs of two different tiny causal LMs (policy seed 1, reference seed 2) and a tiny
+    random reward model (seed 3), written with save_hf."""
+    from rlhf_cli.models import load_causal_lm, load_scalar_model, save_hf
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    dirs = {}
+    for name, seed in (("policy", 1), ("reference", 2)):
+        dirs[name] = save_hf(load_causal_lm(tiny_model_cfg, "fp32", seed, tokenizer=tokenizer), tokenizer, root / name)
+    dirs["rm"] = save_hf(load_scalar_model(tiny_model_cfg, "fp32", 3), tokenizer, root / "rm")
+    return dirs
+
+
+_PIPELINE = {}
+
+PIPELINE_DATA = ["data.builtin.rm_train=16", "data.builtin.rm_eval=8", "data.builtin.ppo_train=8",
+                 "data.builtin.ppo_eval=8"]
+
+
+@pytest.fixture
+def pipeline(run_stage, tmp_path_factory):
+    """train-rm → train-ppo → eval (policy from `latest_policy`) on the built-in task, run once per module.
+
+    Returns {"root", "rm": (result, run_dir, cfg), "ppo": ..., "eval": ...}.
+    """
+    if not _PIPELINE:
+        root = tmp_path_factory.mktemp("pipeline")
+        out = {"root": root}
+        out["rm"] = run_stage("train_rm", [*PIPELINE_DATA, "rm.batch_size=8", "rm.micro_batch_size=4",
+                                           "rm.max_steps=2", "rm.lr=1e-3"], run_dir=root / "rm" / "a", root=root)
+        out["ppo"] = run_stage("train_ppo", [*PIPELINE_DATA, "ppo.iterations=1", "ppo.rollout_batch_size=8",
+                                             "ppo.mini_batch_size=8", "ppo.micro_batch_size=4", "ppo.epochs=1",
+                                             f"ppo.max_new_tokens={MAX_NEW_TOKENS}"],
+                               run_dir=root / "ppo" / "a", root=root)
+        out["eval"] = run_stage("eval", [*PIPELINE_DATA, f"eval.max_new_tokens={MAX_NEW_TOKENS}", "eval.batch_size=8"],
+                                run_dir=root / "eval" / "a", root=root)
+        _PIPELINE.update(out)
+    return _PIPELINE
+
+
+# ----------------------------------------------------------------------------------------------
+# reward-model eval
+
+
+# (chosen score, rejected score): 5 correct, 3 wrong, 2 ties (not correct)
+KNOWN_SCORES = [(3.0, 1.0), (2.0, 2.0), (0.5, -1.0), (-2.0, 1.0), (1.5, 1.5),
+                (4.0, -4.0), (0.0, 0.25), (1.0, 0.0), (-0.5, -0.75), (2.5, 3.0)]
+SCORE_RE = re.compile(r"score=(-?\d+(?:\.\d+)?)")
+
+
+def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, tokenizer, tmp_path, monkeypatch):
+    """A hand-made file whose responses carry their score ("score=1.5"); the model's scores are replaced
+    by that number, everything else (loading, batching, gathering, metrics, eval.json) is the real code."""
+    import rlhf_cli.stages.rm as rm_stage
+
+    rows = [{"prompt": f"Question {i}: which reply is better?",
+             "chosen": f"Chosen reply number {i}. score={c}", "rejected": f"Another reply {i}. score={r}"}
+            for i, (c, r) in enumerate(KNOWN_SCORES)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def known_rewards(model, input_ids, attention_mask):  # (2B, L) right-padded → (B,) the written score
+        texts = [tokenizer.decode(ids[m.bool()]) for ids, m in zip(input_ids, attention_mask)]
+        return torch.tensor([float(SCORE_RE.findall(t)[-1]) for t in texts])
+
+    monkeypatch.setattr(rm_stage, "sequence_rewards", known_rewards)
+    result, eval_dir, _ = run_stage("eval", [f"reward_model.path={tiny_dirs['rm']}", f"data.path={path}",
+                                             f"data.eval_path={path}", "data.format=explicit", "eval.batch_size=3"])
+
+    chosen = [c for c, _ in KNOWN_SCORES]
+    rejected = [r for _, r in KNOWN_SCORES]
+    n = len(KNOWN_SCORES)
+    out = read_results(eval_dir)
+    assert out["pairs"] == n
+    assert out["accuracy"] == 5 / n == result
+    assert out["ties"] == 2
+    assert out["margin_mean"] == pytest.approx(sum(c - r for c, r in KNOWN_SCORES) / n, abs=1e-6)
+    assert out["loss"] == pytest.approx(sum(math.log1p(math.exp(r - c)) for c, r in KNOWN_SCORES) / n, abs=1e-6)
+    assert out["chosen_mean"] == pytest.approx(statistics.mean(chosen), abs=1e-6)
+    assert out["rejected_mean"] == pytest.approx(statistics.mean(rejected), abs=1e-6)
+    assert out["chosen_std"] == pytest.approx(statistics.stdev(chosen), abs=1e-6)
+    assert out["rejected_std"] == pytest.approx(statistics.stdev(rejected), abs=1e-6)
+    # every chosen score still sits next to its own rejected score after sharding, batching and gathering
+    rewards = json.loads((eval_dir / "rewards.json").read_text())
+    assert sorted(zip(rewards["chosen"], rewards["rejected"])) == sorted(KNOWN_SCORES)
+    html = (eval_dir / "report" / "report.html").read_text()
+    assert (eval_dir / "report" / "reward_hist.png").is_file() and "data:image/png;base64," in html
+    assert json.loads((eval_dir / "status.json").read_text())["state"] == "finished"
+
+
+def test_reward_model_scores_do_not_depend_on_padding_side(pipeline):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_cli.data import load_preference_data
+    from rlhf_cli.data.collate import pad_sequences
+    from rlhf_cli.models import sequence_rewards
+
+    _, rm_dir, cfg = pipeline["rm"]
+    final = rm_dir / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
+    pairs = load_preference_data(cfg.data, tokenizer).eval
+    seqs = [p["prompt_ids"] + p["chosen_ids"] for p in pairs] + [p["prompt_ids"] + p["rejected_ids"] for p in pairs]
+    assert len({len(s) for s in seqs}) > 1, "the pairs should need padding"
+    with torch.no_grad():
+        plain = torch.tensor([float(model(input_ids=torch.tensor([s])).logits[0, 0]) for s in seqs])
+        by_side = {}
+        for side in ("left", "right"):
+            batch = pad_sequences(seqs, tokenizer.pad_token_id, side=side)
+            by_side[side] = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])
+    assert torch.allclose(by_side["left"], plain, rtol=0, atol=1e-5)
+    assert torch.allclose(by_side["right"], plain, rtol=0, atol=1e-5)
+    b = len(pairs)
+    for side in ("left", "right"):
+        c, r = by_side[side][:b], by_side[side][b:]
+        assert ((c > r) == (plain[:b] > plain[b:])).all(), side  # same accuracy and tie count as unpadded
+
+
+# ----------------------------------------------------------------------------------------------
+# policy eval
+
+
+def test_win_rate_counts_ties_half():
+    from rlhf_cli.stages.evaluate import win_rate
+
+    policy = torch.tensor([1.0, 2.0, 3.0, 0.0, -1.0])
+    reference = torch.tensor([0.0, 2.0, 4.0, -1.0, -1.0])
+    assert win_rate(policy, reference) == (1 + 0.5 + 0 + 1 + 0.5) / 5
+    assert math.isnan(win_rate(torch.tensor([]), torch.tensor([])))
+
+
+def fixed_responses(prompts, tokenizer):
+    """Per role, one response per prompt (token ids, EOS included where the response ended).
+
+    Rows 0, 2 and 5 are identical for both roles (RM ties); with 3 untied rows the win rate cannot be
+    0.5, so swapping policy and reference changes it. Row 4 of the policy is cut at max_new_tokens
+    without EOS; row 0 gives the right answer, no other response contains a digit.
+    """
+    eos = tokenizer.eos_token_id
+
+    def enc(text, end=True):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return ids + [eos] if end else ids
+
+    a0 = prompts[0]["answer"]
+    policy = [enc(f" The answer is {a0}"), enc(" I am not sure"), enc(" no idea"), enc(" Let me think"),
+              enc(" well" * MAX_NEW_TOKENS, end=False)[:MAX_NEW_TOKENS], enc(" many")]
+    reference = [policy[0], enc(" A few apples"), policy[2], enc(" seven"), enc(" ok then"), policy[5]]
+    for ids in policy + reference:
+        assert 1 <= len(ids) <= MAX_NEW_TOKENS
+    return {"policy": policy, "reference": reference}
+
+
+def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
+        run_stage, tiny_dirs, tokenizer, monkeypatch):
+    """eval_policy on fixed "samples" (sampling replaced; scoring, KL, batching and aggregation real)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    import rlhf_cli.stages.evaluate as evaluate
+
+    seen = {}
+
+    def fake_sample_responses(lm, prompts, pad_id, eos_id, max_new_tokens, temperature, top_p, precision,
+                              chunk=32, seed=None):
+        # the layout sample_responses returns: [left-padded prompt | right-padded response], width P + R
+        role = "policy" if str(lm.name_or_path) == str(tiny_dirs["policy"]) else "reference"
+        responses = fixed_responses(prompts, tokenizer)[role]
+        seen[role] = ([p["prompt_ids"] for p in prompts], responses)
+        P, R = max(len(p["prompt_ids"]) for p in prompts), max_new_tokens
+        ids = torch.full((len(prompts), P + R), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, resp) in enumerate(zip(prompts, responses)):
+            ids[i, P - len(p["prompt_ids"]):P] = torch.tensor(p["prompt_ids"])
+            ids[i, P:P + len(resp)] = torch.tensor(resp)
+            mask[i, P - len(p["prompt_ids"]):P + len(resp)] = 1
+        has_eos = torch.tensor([resp[-1] == eos_id for resp in responses])
+        return ids, mask, P, has_eos
+
+    monkeypatch.setattr(evaluate, "sample_responses", fake_sample_responses)
+    _, eval_dir, _ = run_stage("eval", [
+        f"policy.path={tiny_dirs['policy']}", f"reference.path={tiny_dirs['reference']}",
+        f"reward_model.path={tiny_dirs['rm']}", "data.builtin.ppo_eval=6", f"eval.max_new_tokens={MAX_NEW_TOKENS}",
+        "eval.batch_size=4", f"eval.temperature={TEMPERATURE}"])
+    out = read_results(eval_dir)
+    assert set(seen) == {"policy", "reference"} and out["prompts"] == 6
+
+    # the same numbers, one unpadded sequence at a time, with plain torch
+    policy = AutoModelForCausalLM.from_pretrained(tiny_dirs["policy"], dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dirs["reference"], dtype=torch.float32).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_dirs["rm"], dtype=torch.float32).eval()
+    scores, k1, k3 = {"policy": [], "reference": []}, [], []
+    with torch.no_grad():
+        for role in ("policy", "reference"):
+            for prompt, resp in zip(*seen[role]):
+                seq = torch.tensor([prompt + resp])
+                scores[role].append(float(rm(input_ids=seq).logits[0, 0]))
+                if role != "policy":
+                    continue
+                targets = torch.tensor(resp)
+                start = len(prompt) - 1  # logits at position j predict token j + 1
+                logp = torch.log_softmax(policy(input_ids=seq).logits[0, start:-1].float() / TEMPERATURE, -1)
+                logq = torch.log_softmax(reference(input_ids=seq).logits[0, start:-1].float() / TEMPERATURE, -1)
+                lp = logp[torch.arange(len(resp)), targets]
+                lq = logq[torch.arange(len(resp)), targets]
+                k1.append(float((lp - lq).sum()))
+                log_r = lq - lp
+                k3.append(float((log_r.exp() - 1 - log_r).sum()))
+
+    pol, ref = seen["policy"][1], seen["reference"][1]
+    same = [p == r for p, r in zip(pol, ref)]
+    assert same == [True, False, True, False, False, True]
+    for s, p, r in zip(same, scores["policy"], scores["reference"]):
+        assert s or abs(p - r) > 1e-4, "non-tied rows must have clearly different scores"
+    wins = [0.5 if s else float(p > r) for s, p, r in zip(same, scores["policy"], scores["reference"])]
+    assert out["win_rate"] == sum(wins) / len(wins)
+    assert out["kl_k1"] == pytest.approx(sum(k1) / len(k1), rel=1e-4, abs=1e-5)
+    assert out["kl_k3"] == pytest.approx(sum(k3) / len(k3), rel=1e-4, abs=1e-5)
+    assert abs(out["kl_k1"]) > 0.1, "two different random models should be far apart"
+    for role in ("policy", "reference"):
+        assert out[f"{role}/score_mean"] == pytest.approx(statistics.mean(scores[role]), abs=1e-5)
+        lengths = [len(r) for r in seen[role][1]]
+        assert out[f"{role}/length_mean"] == pytest.approx(statistics.mean(lengths), rel=1e-6)
+        eos = [r[-1] == tokenizer.eos_token_id for r in seen[role][1]]
+        assert out[f"{role}/eos_rate"] == pytest.approx(sum(eos) / len(eos), rel=1e-6)
+    assert out["policy/accuracy"] == 1 / 6
+    assert out["reference/accuracy"] == 1 / 6  # row 0 is shared
+    assert out["reference"] == str(tiny_dirs["reference"])
+
+
+def test_policy_eval_end_to_end_on_the_smoke_pipeline(pipeline):
+    _, eval_dir, _ = pipeline["eval"]
+    _, ppo_dir, _ = pipeline["ppo"]
+    _, rm_dir, _ = pipeline["rm"]
+    saved = json.loads((eval_dir / "eval.json").read_text())
+    out = saved["results"]
+    assert out["mode"] == "policy" and out["prompts"] == 8
+    assert out["policy"] == str((ppo_dir / "final").resolve())  # default: <paths.root>/latest_policy
+    assert out["reward_model"] == str((rm_dir / "final").resolve())  # recorded in the policy checkpoint
+    assert 0.0 <= out["win_rate"] <= 1.0
+    assert math.isfinite(out["kl_k1"]) and math.isfinite(out["kl_k3"]) and out["kl_k3"] >= 0
+    for role in ("policy", "reference"):
+        assert math.isfinite(out[f"{role}/score_mean"])
+        assert 0.0 <= out[f"{role}/accuracy"] <= 1.0
+        assert 0.0 <= out[f"{role}/eos_rate"] <= 1.0
+        assert 1 <= out[f"{role}/length_mean"] <= MAX_NEW_TOKENS
+    assert len(out["samples"]) == 8
+    assert saved["config"]["eval"]["max_new_tokens"] == MAX_NEW_TOKENS
+    assert (eval_dir / "report" / "report.html").is_file()
+    assert json.loads((eval_dir / "status.json").read_text())["state"] == "finished"
+
+
+def test_report_of_a_past_rm_run(pipeline, run_stage):
+    _, rm_dir, _ = pipeline["rm"]
+    result, eval_dir, _ = run_stage("eval", [f"run_dir={rm_dir}"])
+    assert result is None
+    report = rm_dir / "report"
+    html = (report / "report.html").read_text()
+    pngs = sorted(p.name for p in report.glob("*.png"))
+    for name in ("rm_loss.png", "rm_accuracy.png", "lr.png", "reward_hist.png"):
+        assert name in pngs
+    assert html.count("data:image/png;base64,") == len(pngs)
+    assert not eval_dir.exists(), "a report-only eval leaves no run dir of its own"

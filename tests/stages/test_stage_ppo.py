@@ -1,0 +1,497 @@
+"""`rlhf train-ppo` on the tiny random model in fp32 (and bf16-autocast), CPU, seconds per test.
+
+What issue 6 asks these tests to prove: one iteration changes policy and critic weights; the ratio
+of the first minibatch is 1 (old logprobs come from the training forward at the sampling
+temperature); garbage in padded positions changes no loss; with c1 = c2 = β = 0 the policy gradient
+of `train_on` equals a hand-built clipped surrogate; the missing-EOS penalty hits only unterminated
+responses; resume reproduces the next iteration; `whiten_across_ranks` equals `masked_whiten` on one
+rank; a checker run with a shared critic trains its value head.
+
+Most tests build a `PPOTrainer` directly (about a second each) and call `make_experience` /
+`train_on`; resume and the shared-critic run go through `run_stage` like the CLI does.
+"""
+
+import copy
+import shutil
+
+import pytest
+import torch
+from stage_helpers import compose
+
+from rlhf_cli import engine
+from rlhf_cli.config import VALIDATORS, ConfigError
+from rlhf_cli.core import compute_gae, kl_penalized_rewards, masked_whiten
+from rlhf_cli.runs import read_metrics, set_status
+from rlhf_cli.stages import ppo
+from rlhf_cli.stages.common import seed_everything
+from rlhf_cli.stages.ppo import (
+    Experience,
+    PPOTrainer,
+    critic_values,
+    policy_forward,
+    response_mask,
+    whiten_across_ranks,
+)
+
+# 8 rollouts, minibatches of 4, micro-batches of 2 (two accumulation steps per optimizer step),
+# 6 new tokens, a sampling temperature != 1 so a missing `/ T` anywhere shows up.
+TINY_PPO = [
+    "model=tiny", "precision=fp32", "tensorboard=false", "reward.type=checker",
+    "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
+    "ppo.max_new_tokens=6", "ppo.temperature=0.7", "ppo.iterations=1", "ppo.epochs=1",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Intra-op threads spin against each other on a shared 2-core box (10x slower); one is plenty here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def build_trainer(tmp_path, overrides=()):
+    """A PPOTrainer with data and models built, as `ppo.run` builds it before its loop."""
+    cfg = compose("train_ppo", [*TINY_PPO, f"paths.root={tmp_path / 'runs'}", *overrides])
+    VALIDATORS["train_ppo"](cfg)
+    engine.init_distributed()
+    seed_everything(cfg.seed)
+    tr = PPOTrainer(cfg, tmp_path / "run")
+    tr.load_data()
+    tr.build_models()
+    tr.bad_steps = 0
+    return tr
+
+
+def edit_generate(monkeypatch, tr, edit):
+    """Pass every `generate` output's response columns (B, max_new_tokens) through `edit` (in place).
+
+    The rest of `sample_responses` (cut at the first EOS, pad after, drop all-pad columns) runs as is.
+    """
+    lm = ppo._lm(tr.actor.module)
+    generate = lm.generate
+
+    def edited_generate(*args, **kwargs):
+        out = generate(*args, **kwargs).clone()
+        edit(out[:, kwargs["input_ids"].shape[1]:])
+        return out
+
+    monkeypatch.setattr(lm, "generate", edited_generate)
+
+
+def force_eos(monkeypatch, tr, eos_at):
+    """Make the policy emit EOS at response position `eos_at[row]` (rows of the rollout)."""
+    def edit(responses):
+        for row, pos in eos_at.items():
+            responses[row, pos] = tr.eos_id
+
+    edit_generate(monkeypatch, tr, edit)
+
+
+def spy_policy_loss(monkeypatch):
+    """Record (logprobs, old_logprobs, mask, stats) of every `policy_loss` call `train_on` makes."""
+    calls = []
+    real = ppo.policy_loss
+
+    def spy(logprobs, old_logprobs, advantages, mask, clip, **kw):
+        loss, stats = real(logprobs, old_logprobs, advantages, mask, clip, **kw)
+        calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.clone(), stats))
+        return loss, stats
+
+    monkeypatch.setattr(ppo, "policy_loss", spy)
+    return calls
+
+
+def snapshot(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def changed(before, module):
+    after = module.state_dict()
+    return sorted(k for k in before if not torch.equal(before[k], after[k]))
+
+
+# ----------------------------------------------------------------------------------------------
+# one iteration
+
+
+def test_one_iteration_changes_policy_and_critic_weights(tmp_path, monkeypatch):
+    tr = build_trainer(tmp_path, ["ppo.actor_lr=1e-4", "ppo.critic_lr=1e-4"])
+    force_eos(monkeypatch, tr, {1: 2, 6: 4})
+    policy0, critic0, ref0 = snapshot(tr.actor.module), snapshot(tr.critic.module), snapshot(tr.reference.module)
+
+    exp, roll_stats, _ = tr.make_experience(0)
+    B, R = exp.mask.shape
+    assert (B, exp.input_ids.shape[1]) == (8, exp.prompt_len + R) and R == 6
+    assert exp.mask[1].tolist() == [1, 1, 1, 0, 0, 0] and exp.mask[6].tolist() == [1, 1, 1, 1, 1, 0]
+    assert roll_stats["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before training
+    assert roll_stats["response/eos_frac"] == pytest.approx(2 / 8)
+    stats = tr.train_on(exp, 0)
+
+    assert tr.actor.global_steps == 2 and tr.critic.global_steps == 2  # 8 rollouts / minibatches of 4
+    for k in ("policy/loss", "val/loss", "policy/entropy", "val/explained_var", "policy/grad_norm"):
+        assert torch.isfinite(torch.tensor(stats[k])), k
+    assert stats["policy/grad_norm"] > 0
+    policy_changed = changed(policy0, tr.actor.module)
+    assert "lm_head.weight" in policy_changed and any(".layers.0." in k for k in policy_changed)
+    critic_changed = changed(critic0, tr.critic.module)
+    assert "score.weight" in critic_changed and any(".layers.0." in k for k in critic_changed)
+    assert changed(ref0, tr.reference.module) == []  # the reference is frozen
+    assert tr.bad_steps == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# old logprobs == the training forward's logprobs
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_first_minibatch_ratio_is_one(tmp_path, monkeypatch, precision):
+    """Old logprobs come from the same distribution, padding, position ids and precision as training.
+
+    Rows of different lengths (two end early) put padding into the micro-batches; the temperature is
+    0.7, so old logprobs at T = 1 (or a generate-time log-softmax without / T) would fail this.
+    """
+    tr = build_trainer(tmp_path, [f"precision={precision}", "ppo.epochs=2"])
+    force_eos(monkeypatch, tr, {0: 1, 5: 3})
+    exp, _, _ = tr.make_experience(0)
+    assert exp.mask.sum(1).tolist().count(6.0) == 6
+    calls = spy_policy_loss(monkeypatch)
+    tr.train_on(exp, 0)
+    assert len(calls) == 8  # 2 epochs x 2 minibatches x 2 micro-batches
+
+    for lp, old, mask, stats in calls[:2]:  # the first minibatch: no optimizer step yet
+        m = mask.bool()
+        ratio = torch.exp(lp - old)[m]
+        assert stats["policy/clipfrac"] == 0.0
+        if precision == "fp32":
+            assert (ratio - 1).abs().max().item() < 1e-5
+            assert stats["policy/approx_kl"] < 1e-10
+        else:  # exactly 1 on CPU; old logprobs from an fp32 pass (no autocast) are off by ~1e-3
+            assert (ratio - 1).abs().max().item() < 1e-4
+    # after a step (lr 1e-6) the ratio moves, so the check above is not vacuous
+    assert any((torch.exp(lp - old)[mask.bool()] - 1).abs().max() > 0 for lp, old, mask, _ in calls[2:])
+
+
+def test_old_logprobs_use_the_sampling_temperature(tmp_path):
+    """exp.logprobs equal a plain log_softmax(logits / T) of the full model forward on the rollout."""
+    tr = build_trainer(tmp_path)
+    exp, _, _ = tr.make_experience(0)
+    P, T = exp.prompt_len, tr.p.temperature
+    lm = ppo._lm(tr.actor.module)
+    with torch.no_grad():
+        pos = (exp.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = lm(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=pos).logits
+        lp = torch.log_softmax(logits[:, P - 1:-1].float() / T, -1).gather(-1, exp.input_ids[:, P:, None]).squeeze(-1)
+    m = exp.mask.bool()
+    torch.testing.assert_close(exp.logprobs[m], lp[m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(exp.ref_logprobs[m], lp[m], rtol=0, atol=1e-5)  # reference == initial policy
+
+
+# ----------------------------------------------------------------------------------------------
+# padding
+
+
+def minibatch_losses(tr, exp, rows):
+    """The policy, value and entropy losses of one minibatch, computed the way `train_on` does."""
+    p = tr.p
+    P, T = exp.prompt_len, p.temperature
+    num_tokens = exp.mask[rows].sum().item()
+    agg = dict(num_tokens=num_tokens, num_seqs=float(len(rows)), aggregation=p.aggregation)
+    out = {"pg": 0.0, "vf": 0.0, "ent": 0.0}
+    for m in range(0, len(rows), p.micro_batch_size):
+        b = exp.rows(rows[m:m + p.micro_batch_size])
+        with torch.no_grad():
+            lp, ent, _ = policy_forward(tr.actor.module, b.input_ids, b.attention_mask, P, T, with_entropy=True)
+            v = critic_values(tr.critic.module, b.input_ids, b.attention_mask, P)
+        out["pg"] += ppo.policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)[0].item()
+        out["vf"] += ppo.value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)[0].item()
+        out["ent"] += ppo.entropy_bonus(None, b.mask, entropy=ent, **agg)[0].item()
+    return out
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_garbage_in_padded_positions_changes_no_loss(tmp_path, monkeypatch, aggregation):
+    tr = build_trainer(tmp_path, [f"ppo.aggregation={aggregation}"])
+    force_eos(monkeypatch, tr, {0: 0, 1: 2, 2: 4, 5: 1})
+    exp, _, _ = tr.make_experience(0)
+    pad = exp.mask == 0
+    assert pad.any() and (exp.attention_mask == 0).any()
+
+    g = torch.Generator().manual_seed(0)
+    fills = {"logprobs": 1e6, "ref_logprobs": -float("inf"), "values": float("nan"), "advantages": float("inf"),
+             "returns": -1e6, "rewards": float("nan")}
+    dirty = Experience(**{f: getattr(exp, f).clone() for f in exp.__dataclass_fields__})
+    for name, value in fills.items():
+        getattr(dirty, name)[pad] = value
+    noise = torch.randint(3, len(tr.tokenizer), exp.input_ids.shape, generator=g)
+    dirty.input_ids = torch.where(exp.attention_mask.bool(), exp.input_ids, noise)  # prompt and response padding
+
+    rows = torch.tensor([0, 1, 2, 3])  # three padded rows and a full one
+    clean, garbage = minibatch_losses(tr, exp, rows), minibatch_losses(tr, dirty, rows)
+    assert all(torch.isfinite(torch.tensor(v)) for v in clean.values())
+    assert garbage == pytest.approx(clean, rel=1e-6, abs=1e-7)
+    assert clean["pg"] != 0.0 and clean["vf"] != 0.0
+
+    # and the rollout's own shaping ignores padding too
+    rewards = kl_penalized_rewards(exp.scores, dirty.logprobs, dirty.ref_logprobs, exp.mask, 0.05)
+    torch.testing.assert_close(rewards, exp.rewards)
+    adv, ret = compute_gae(dirty.rewards, dirty.values, exp.mask, tr.p.gamma, tr.p.lam)
+    adv_clean, ret_clean = compute_gae(exp.rewards, exp.values, exp.mask, tr.p.gamma, tr.p.lam)
+    torch.testing.assert_close((adv, ret), (adv_clean, ret_clean))
+
+
+# ----------------------------------------------------------------------------------------------
+# the policy gradient
+
+
+def hand_built_policy_grads(lm, exp, rows, temperature, clip):
+    """∇ of −Σ_real min(r·A, clip(r, 1−ε, 1+ε)·A) / num_real_tokens over `rows`, in plain torch."""
+    lm.zero_grad(set_to_none=True)
+    b = exp.rows(rows)
+    P = exp.prompt_len
+    position_ids = (b.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = lm(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=position_ids).logits
+    logits = logits[:, P - 1:-1].float() / temperature  # (B, R, V): column P-1+t predicts response token t
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, b.input_ids[:, P:, None]).squeeze(-1)  # (B, R)
+    ratio = torch.exp(logprobs - b.logprobs)
+    A = b.advantages
+    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - clip, 1 + clip) * A)
+    loss = -(surrogate * b.mask).sum() / b.mask.sum()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("critic", ["separate", "shared"])
+def test_policy_gradient_equals_hand_built_surrogate(tmp_path, monkeypatch, critic):
+    """c1 = c2 = β = 0: every optimizer step's policy gradient in `train_on` is the plain clipped surrogate's.
+
+    Two epochs at a high learning rate and ε = 0.05 so later minibatches have clipped tokens; the
+    gradient is captured at each accumulation boundary, before DeepSpeed clips and applies it.
+    """
+    tr = build_trainer(tmp_path, [f"ppo.critic={critic}", "ppo.c1=0", "ppo.c2=0", "ppo.kl_beta=0", "ppo.clip=0.05",
+                                  "ppo.epochs=2", "ppo.actor_lr=3e-3", "ppo.max_grad_norm=0.5"])
+    force_eos(monkeypatch, tr, {2: 3, 7: 1})
+    exp, _, _ = tr.make_experience(0)
+
+    micro_rows, steps = [], []
+    rows_of = Experience.rows
+    monkeypatch.setattr(Experience, "rows", lambda self, idx: (micro_rows.append(idx.clone()), rows_of(self, idx))[1])
+    policy = ppo._lm(tr.actor.module)
+    real_step = tr.actor.step
+
+    def step():
+        if tr.actor.is_boundary():
+            grads = {n: p.grad.detach().clone() for n, p in tr.actor.module.named_parameters() if p.grad is not None}
+            steps.append((torch.cat(micro_rows[-2:]), copy.deepcopy(policy), grads))
+        real_step()
+
+    monkeypatch.setattr(tr.actor, "step", step)
+    calls = spy_policy_loss(monkeypatch)
+    tr.train_on(exp, 0)
+
+    assert len(steps) == 4
+    assert any(stats["policy/clipfrac"] > 0 for *_, stats in calls[4:]), "no clipped token: the clip is untested"
+    prefix = "lm." if critic == "shared" else ""
+    for rows, weights, grads in steps:
+        expected = hand_built_policy_grads(weights, exp, rows, tr.p.temperature, tr.p.clip)
+        for name, g in expected.items():
+            torch.testing.assert_close(grads[prefix + name], g, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        if critic == "shared":  # c1 = 0: the value head gets no gradient
+            assert grads["score.weight"].abs().max() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# EOS handling
+
+
+def test_response_mask_cuts_at_first_eos():
+    eos, pad = 2, 0
+    responses = torch.tensor([[5, 2, 7, 2],   # EOS at 1, junk after
+                              [2, 9, 9, 9],   # empty: EOS first
+                              [4, 5, 6, 7],   # no EOS
+                              [3, 4, 2, 2]])  # EOS at 2 and 3
+    cleaned, mask, has_eos = response_mask(responses, eos, pad)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
+    assert cleaned.tolist() == [[5, 2, 0, 0], [2, 0, 0, 0], [4, 5, 6, 7], [3, 4, 2, 0]]
+    assert has_eos.tolist() == [True, True, False, True]
+    assert mask.dtype == torch.float32
+
+    # against a plain loop on random rows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 7), generator=g)
+    cleaned, mask, has_eos = response_mask(x, eos, pad)
+    for row, c, m, h in zip(x.tolist(), cleaned.tolist(), mask.tolist(), has_eos.tolist()):
+        n = row.index(eos) + 1 if eos in row else len(row)
+        assert m == [1.0] * n + [0.0] * (len(row) - n)
+        assert c == row[:n] + [pad] * (len(row) - n)
+        assert h == (eos in row)
+
+
+@pytest.mark.parametrize("truncated", ["penalize", "mask", "keep"])
+def test_missing_eos_penalty_hits_only_unterminated_responses(tmp_path, monkeypatch, truncated):
+    tr = build_trainer(tmp_path, [f"ppo.truncated={truncated}", "ppo.missing_eos_penalty=0.75"])
+    eos_at = {0: 5, 3: 0, 4: 2}  # rows 0, 3 (empty) and 4 end; the other five are cut by max_new_tokens
+    force_eos(monkeypatch, tr, eos_at)
+    known = torch.linspace(-1.0, 1.0, 8)  # a known score per row
+    monkeypatch.setattr(tr, "score", lambda input_ids, attention_mask, P, prompts: (known.clone(), known.clone()))
+    exp, stats, _ = tr.make_experience(0)
+
+    ended = torch.tensor([i in eos_at for i in range(8)])
+    lengths = exp.attention_mask[:, exp.prompt_len:].sum(1)
+    assert lengths.tolist() == [eos_at[i] + 1 if i in eos_at else 6 for i in range(8)]
+    expected = known - 0.75 * (~ended).float() if truncated == "penalize" else known
+    torch.testing.assert_close(exp.scores, expected)
+    assert stats["objective/scores"] == pytest.approx(known.mean().item())  # raw, before the penalty
+    assert stats["response/eos_frac"] == pytest.approx(3 / 8)
+    # the score lands on the last real token: each row's rewards sum to score − β·KL (KL = 0 at the start)
+    torch.testing.assert_close(exp.rewards.sum(1), expected, atol=1e-6, rtol=0)
+    resp_mask = exp.attention_mask[:, exp.prompt_len:].float()
+    if truncated == "mask":  # unterminated rows take no part in the loss
+        assert exp.mask[ended].equal(resp_mask[ended]) and exp.mask[~ended].sum() == 0
+        assert exp.advantages[~ended].abs().sum() == 0
+    else:
+        assert exp.mask.equal(resp_mask)
+
+
+def test_checker_scores_the_decoded_response(tmp_path, monkeypatch):
+    """reward.type=checker: 1 for the right final number, 0 otherwise; then the missing-EOS penalty."""
+    tr = build_trainer(tmp_path)
+    answers = [x["answer"] for x in tr.prompt_batch(0)]
+    texts = {0: f"{answers[0]}", 1: f"{answers[1] + 1}", 2: f"answer: {answers[2]}", 3: f"{answers[3]}"}
+    forced = {row: tr.tokenizer(t, add_special_tokens=False)["input_ids"] + [tr.eos_id] for row, t in texts.items()}
+    forced[3] = forced[3][:-1]  # right, but cut by max_new_tokens: penalised
+    assert all(len(ids) <= 6 for ids in forced.values())
+
+    def edit(responses):
+        for row, ids in forced.items():
+            responses[row, :len(ids)] = torch.tensor(ids)
+
+    edit_generate(monkeypatch, tr, edit)
+    exp, stats, samples = tr.make_experience(0)
+    raw = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # rows 4-7: random tokens
+    assert stats["objective/scores"] == pytest.approx(raw.mean().item())
+    assert samples["scores"] == raw[:3].tolist()
+    ended = torch.tensor([True, True, True, False, False, False, False, False])
+    torch.testing.assert_close(exp.scores, raw - 1.0 * (~ended).float())
+
+
+def test_empty_responses_do_not_crash_a_step(tmp_path, monkeypatch):
+    """Every response is a bare EOS (R = 1): the step runs, losses are finite, nothing is skipped."""
+    tr = build_trainer(tmp_path)
+    force_eos(monkeypatch, tr, {i: 0 for i in range(8)})
+    exp, roll_stats, samples = tr.make_experience(0)
+    assert exp.mask.shape == (8, 1) and exp.mask.sum() == 8
+    assert roll_stats["response/length_mean"] == 1.0 and samples["responses"][0] == ""
+    stats = tr.train_on(exp, 0)
+    assert tr.bad_steps == 0
+    assert all(torch.isfinite(torch.tensor(stats[k])) for k in ("policy/loss", "val/loss", "policy/entropy"))
+
+
+def test_all_rows_masked_out_do_not_crash_a_step(tmp_path):
+    """truncated=mask and no response ends: an all-zero loss mask gives zero losses, not NaN."""
+    tr = build_trainer(tmp_path, ["ppo.truncated=mask"])
+    exp, _, _ = tr.make_experience(0)
+    assert exp.mask.sum() == 0  # the random tiny model never says EOS in 6 tokens
+    stats = tr.train_on(exp, 0)
+    assert tr.bad_steps == 0
+    assert stats["policy/loss"] == 0.0 and stats["val/loss"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# whitening
+
+
+@pytest.mark.parametrize("offset, scale", [(0.0, 1.0), (3.0, 0.5), (1000.0, 0.1)])
+def test_whiten_across_ranks_equals_masked_whiten_on_one_rank(offset, scale):
+    g = torch.Generator().manual_seed(1)
+    x = offset + scale * torch.randn(8, 16, generator=g)
+    mask = (torch.rand(8, 16, generator=g) > 0.3).float()
+    mask[3] = 0  # an all-padding row
+    x_dirty = torch.where(mask.bool(), x, torch.tensor(float("nan")))
+    out = whiten_across_ranks(x_dirty, mask)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all() and (out[mask == 0] == 0).all()
+    real = x.double()[mask.bool()]
+    reference = torch.zeros(8, 16, dtype=torch.float64)
+    reference[mask.bool()] = (real - real.mean()) / real.std()
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5)
+    if offset < 10:  # masked_whiten (float32) loses ~1e-3 at mean/std = 1e4
+        torch.testing.assert_close(out, masked_whiten(x, mask), rtol=0, atol=1e-5)
+
+
+def test_whiten_across_ranks_degenerate_masks():
+    x = torch.randn(2, 5)
+    one = torch.zeros(2, 5)
+    one[1, 2] = 1
+    torch.testing.assert_close(whiten_across_ranks(x, one), masked_whiten(x, one))  # one token: 0
+    assert whiten_across_ranks(x, torch.zeros(2, 5)).abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# end to end: resume, shared critic, missing reward model
+
+
+def load_safetensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+RUN = ["reward.type=checker", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
+       "ppo.max_new_tokens=6", "ppo.epochs=1", "ppo.actor_lr=1e-3", "ppo.critic_lr=1e-3"]
+
+
+def test_resume_reproduces_the_next_iteration(run_stage):
+    # adaptive β with a short horizon: a KL controller not restored on resume changes iteration 2
+    overrides = [*RUN, "ppo.iterations=2", "ppo.save_every=1", "ppo.kl_target=1.0", "ppo.kl_horizon=100"]
+    _, run_dir, _ = run_stage("train_ppo", overrides)
+    uninterrupted = read_metrics(run_dir)
+    assert [r["step"] for r in uninterrupted] == [1, 2]
+    final_weights = {name: load_safetensors(run_dir / "final" / name / "model.safetensors") for name in ("", "critic")}
+    assert sorted(p.name for p in (run_dir / "ds").iterdir() if p.is_dir()) == ["step-1", "step-2"]
+
+    # as if the run had died right after iteration 1's checkpoint
+    (run_dir / "ds" / "latest").write_text("step-1\n")
+    set_status(run_dir, "running")
+    shutil.rmtree(run_dir / "final")
+    run_stage("train_ppo", [*overrides, f"resume={run_dir}"], run_dir=run_dir)
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2]
+
+    keys = ["objective/scores", "objective/kl", "objective/kl_beta", "objective/entropy_sampled",
+            "response/length_mean", "policy/loss", "policy/approx_kl", "val/loss", "val/explained_var"]
+    before, after = uninterrupted[1], resumed[1]
+    assert before["objective/kl"] > 0  # iteration 1 moved the policy: the comparison is not trivial
+    assert before["objective/kl_beta"] != uninterrupted[0]["objective/kl_beta"]
+    for k in keys:
+        assert after[k] == pytest.approx(before[k], rel=1e-5, abs=1e-7), k
+    for name, weights in final_weights.items():  # policy and critic
+        for k, v in load_safetensors(run_dir / "final" / name / "model.safetensors").items():
+            torch.testing.assert_close(v, weights[k], rtol=0, atol=1e-6, msg=lambda m: f"{name}/{k}: {m}")
+
+
+def test_checker_run_with_shared_critic_trains_the_value_head(run_stage):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_cli.models import load_causal_lm
+
+    _, run_dir, cfg = run_stage("train_ppo", [*RUN, "ppo.critic=shared", "ppo.iterations=1", "ppo.c1=1.0"])
+    final = run_dir / "final"
+    assert not (final / "critic").exists()
+    record = read_metrics(run_dir)[-1]
+    assert record["step"] == 1 and record["val/loss"] > 0
+
+    initial = load_causal_lm(cfg.model, "fp32", cfg.seed)
+    head0 = ppo.PolicyWithValueHead(initial, cfg.seed).score.weight.detach()
+    head = load_safetensors(final / "value_head.safetensors")["score.weight"]
+    assert head.shape == head0.shape and not torch.equal(head, head0)
+    trained = AutoModelForCausalLM.from_pretrained(final)
+    assert trained.config.rlhf_reward_type == "checker"
+    assert any(not torch.equal(v, initial.state_dict()[k]) for k, v in trained.state_dict().items())
+
+
+def test_reward_type_model_without_a_reward_model_is_a_clear_error(tmp_path):
+    cfg = compose("train_ppo", [*TINY_PPO, "reward.type=model", f"paths.root={tmp_path / 'empty'}"])
+    tr = PPOTrainer(cfg, tmp_path / "run")
+    with pytest.raises(ConfigError, match="latest_rm"):
+        tr.reward_model_path()
