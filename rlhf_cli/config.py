@@ -127,6 +127,9 @@ class DataConfig:
     """Column with a per-pair margin for the reward-model loss (see `rm.margin`)."""
     chat_template: bool = True
     """Render prompts through the tokenizer's chat template when it has one; false keeps raw text."""
+    system_prompt: Optional[str] = None
+    """System message put before prompts that have none, when rendering through the chat template;
+    null keeps the template's own default (SmolLM2's adds a 22-token one)."""
     skip_invalid: bool = False
     """Skip (and count) invalid rows instead of failing on the first one."""
     group_by_length: bool = False
@@ -211,9 +214,10 @@ class PPOConfig:
     """Clip of the value update around the old values (null disables)."""
     c1: float = 0.1
     """Value-loss weight. `critic=shared`: weighs the value loss inside the single objective
-    L = −L^CLIP + c1·L^VF − c2·S that one optimiser minimises. `critic=separate`: the critic has its
-    own optimiser, so c1 only scales its gradient (an effective critic learning-rate multiplier).
-    TRL vf_coef 0.1, OpenRLHF n/a (separate)."""
+    L = −L^CLIP + c1·L^VF − c2·S that one optimiser minimises (what c1 means in the PPO paper).
+    `critic=separate`: the critic minimises c1·L^VF with its own AdamW, which is invariant to a constant
+    loss scale, so c1 then acts only through gradient clipping: tune `ppo.critic_lr` instead.
+    TRL vf_coef 0.1; OpenRLHF has no c1 (separate critic)."""
     c2: float = 0.0
     """Entropy-bonus weight (nats), >= 0."""
     kl_beta: float = 0.05

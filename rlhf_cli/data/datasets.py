@@ -381,7 +381,7 @@ def load_preference_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str]
     (one line naming the file, row and field). The summary is logged at INFO and returned.
     """
     _check_splits(splits)
-    encoder = Encoder(tokenizer, data_cfg.chat_template)
+    encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt)
     if data_cfg.path is None:
         chosen, sources, unused = _builtin_select(data_cfg, "pairs", {"train": "rm_train", "eval": "rm_eval"}, splits)
     else:
@@ -454,7 +454,7 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
     fields are not validated). `data.path=null` uses the built-in ppo_train / ppo_eval splits.
     """
     _check_splits((split,))
-    encoder = Encoder(tokenizer, data_cfg.chat_template)
+    encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt)
     if data_cfg.path is None:
         chosen, sources, unused = _builtin_select(data_cfg, "prompts", {"train": "ppo_train", "eval": "ppo_eval"},
                                                   (split,))

@@ -33,8 +33,9 @@ class Encoder:
     `use_chat` is true when `chat_template` is requested and the tokenizer has a template.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: bool = True):
+    def __init__(self, tokenizer: Any, chat_template: bool = True, system_prompt: Optional[str] = None):
         self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
         self.use_chat = bool(chat_template) and bool(getattr(tokenizer, "chat_template", None))
         self.eos_id: int = tokenizer.eos_token_id
         if self.eos_id is None:
@@ -49,7 +50,10 @@ class Encoder:
     def render_prompt(self, prompt: Prompt) -> str:
         """The prompt as the model sees it: the chat template with the generation prompt, or raw text."""
         if self.use_chat:
-            return self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+            messages = list(prompt.messages)
+            if self.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+                messages = [{"role": "system", "content": self.system_prompt}] + messages
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return prompt.text
 
     def response_text(self, raw: str) -> str:

@@ -244,6 +244,7 @@ class PPOTrainer:
         self.precision = cfg.precision
         self.tokenizer = load_tokenizer(cfg.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        self.bad_steps = 0  # micro-steps skipped for NaN/inf losses
 
     # -- build -----------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -523,7 +524,6 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         "rollout / mini / micro / world": f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}",
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta}", "precision": cfg.precision})
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
-    tr.bad_steps = 0
 
     # 2. resume
     start = 0
