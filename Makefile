@@ -20,7 +20,7 @@ test-fast:
 
 lint:
 	$(PY) -m compileall -q rlhf_cli tests benchmarks
-	if $(PY) -m ruff --version >/dev/null 2>&1; then $(PY) -m ruff check rlhf_cli tests benchmarks; else echo "ruff not installed: compile check only"; fi
+	if $(PY) -m ruff --version >/dev/null 2>&1; then $(PY) -m ruff check rlhf_cli tests benchmarks; else echo "ruff not installed (pip install ruff): compile check only"; fi
 
 demo:
 	bash scripts/demo.sh

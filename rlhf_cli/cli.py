@@ -60,7 +60,7 @@ def strip_local_rank(argv: List[str]) -> List[str]:
 
 def _override_value(overrides: List[str], key: str) -> Optional[str]:
     for ov in overrides:
-        if ov.startswith(key + "="):
+        if ov.lstrip("+").startswith(key + "="):
             return ov.split("=", 1)[1]
     return None
 
@@ -83,7 +83,7 @@ def resume_overrides(command: str, overrides: List[str]) -> List[str]:
         run = Path(value)
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"resume={value}: not a run dir (no config.yaml there)")
-    return [o for o in overrides if not o.startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
+    return [o for o in overrides if not o.lstrip("+").startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
 
 
 def _task_for(command: str) -> Callable:

@@ -372,7 +372,7 @@ def check_override_keys(command: str, overrides: List[str]) -> None:
         if ov.startswith("-") or "=" not in ov:
             continue
         key = ov.split("=", 1)[0]
-        if key.startswith(("+", "~", "hydra.", "hydra/")) or key in groups or "/" in key or key.startswith("++"):
+        if key.startswith(("+", "~", "hydra.", "hydra/")) or "/" in key or key.split("@")[0] in groups:
             continue
         if key in keys:
             continue

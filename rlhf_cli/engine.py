@@ -82,11 +82,13 @@ def barrier() -> None:
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over ranks (a new tensor; `x` unchanged)."""
-    y = x.detach().clone()
-    if world_size() > 1:
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
-    return y
+    """Sum of `x` over ranks (a new tensor on `x`'s device; `x` unchanged). NCCL needs device
+    tensors, so the reduction runs on `device()` whatever `x`'s device is."""
+    if world_size() == 1:
+        return x.detach().clone()
+    y = x.detach().to(device(), copy=True)
+    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y.to(x.device)
 
 
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
@@ -336,11 +338,8 @@ class TrainEngine:
 
 
 class FrozenModel:
-    """A model used only for inference (reference policy, reward model): no optimizer, no grads.
-
-    Under ZeRO-3 it is wrapped by a DeepSpeed inference-less engine so its weights are partitioned
-    like the trained models'; otherwise it simply lives on the device in eval mode.
-    """
+    """A model used only for inference (reference policy, reward model): no optimizer, no grads,
+    eval mode, on the device. It is not partitioned under ZeRO-3 (each rank holds a full copy)."""
 
     def __init__(self, model: torch.nn.Module, precision: str) -> None:
         model.requires_grad_(False)

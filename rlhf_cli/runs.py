@@ -115,8 +115,8 @@ def stage_runs(root: Path | str, stage: str) -> List[Path]:
 
 
 def find_resumable(root: Path | str, stage: str) -> Optional[Path]:
-    """Newest run of `stage` under `root` that did not finish, or None."""
-    unfinished = [p for p in stage_runs(root, stage) if get_status(p).get("state") != "finished"]
+    """Newest run of `stage` under `root` that started training and did not finish, or None."""
+    unfinished = [p for p in stage_runs(root, stage) if get_status(p).get("state") == "running"]
     return unfinished[-1] if unfinished else None
 
 

@@ -24,7 +24,10 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,19 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> Dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, NumPy, torch CPU and (when present) CUDA generator states, for resume."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def epoch_order(n: int, seed: int, epoch: int, lengths: Optional[Sequence[int]] = None,
@@ -66,7 +72,8 @@ def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
     When resuming (`cfg.resume` names this dir) the saved config is kept beside the new one as
     `config.prev.yaml`. Raises PermissionError when the dir cannot be written.
     """
-    run_dir = Path(run_dir)
+    # every rank made its own time-stamped dir name; rank 0's is the run's
+    run_dir = Path(engine.broadcast_object(str(run_dir)))
     cfg.precision = engine.resolve_precision(cfg.precision)
     if engine.is_main():
         check_writable(run_dir)
@@ -119,7 +126,3 @@ def print_table(title: str, rows: Dict[str, Any]) -> None:
     for k, v in rows.items():
         table.add_row(str(k), f"{v:.4g}" if isinstance(v, float) else str(v))
     console.print(table)
-
-
-def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

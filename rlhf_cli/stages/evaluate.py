@@ -167,7 +167,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
                 kl3.append((kl_estimate(lp, ref_lp, "k3") * mask[sl]).sum(1))
             out["kl_k1"], out["kl_k3"] = torch.cat(kl1), torch.cat(kl3)
         rows.append(out)
-    pol, ref = rows
+    pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
     gathered = engine.all_gather_object((pol, ref, [x.get("prompt_text", "") for x in mine]))
     pol = _merge([g[0] for g in gathered]); ref = _merge([g[1] for g in gathered])
     prompt_texts = [t for g in gathered for t in g[2]]

@@ -16,7 +16,6 @@ response token t; values[:, t] is the critic's head at the same column (see mode
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -26,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
+from transformers import GenerationConfig
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError
@@ -50,11 +50,11 @@ from rlhf_cli.models import (
     read_reward_stats,
     require_scalar_model_dir,
     resolve_hf_dir,
+    response_values,
     save_hf,
     sequence_rewards,
-    token_values,
 )
-from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, read_pointer, set_status, write_pointer
+from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status, write_pointer
 from rlhf_cli.stages.common import (
     ckpt_dir,
     commit_checkpoint,
@@ -157,7 +157,7 @@ def policy_forward(
 
 def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """(B, R) float32 values of a separate critic, aligned with `policy_forward`'s logprobs."""
-    return token_values(critic, input_ids, attention_mask)[:, prompt_len - 1:-1]
+    return response_values(critic, input_ids, attention_mask, prompt_len)
 
 
 def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -190,6 +190,10 @@ def sample_responses(
     batch = PromptCollator(pad_id)(prompts)
     prompt_ids, prompt_mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
     P = prompt_ids.shape[1]
+    # a fresh config: a checkpoint's own generation_config (repetition penalty, min_p, ...) would make
+    # the samples come from something other than softmax(logits / temperature)
+    gen_config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                  max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
     was_training = lm.training
     lm.eval()
     outs = []
@@ -198,8 +202,7 @@ def sample_responses(
             if seed is not None:
                 torch.manual_seed(seed + k)
             out = lm.generate(input_ids=prompt_ids[i:i + chunk], attention_mask=prompt_mask[i:i + chunk],
-                              do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                              max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+                              generation_config=gen_config, use_cache=True)
             resp = out[:, P:]
             if resp.shape[1] < max_new_tokens:  # every chunk to the same width
                 resp = torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
@@ -268,7 +271,7 @@ class PPOTrainer:
 
     def build_models(self) -> None:
         cfg, p = self.cfg, self.p
-        policy = load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer)
+        policy = disable_dropout(load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer))
         ref_source = cfg.reference.path or cfg.model
         reference = load_causal_lm(ref_source, self.precision, cfg.seed, tokenizer=self.tokenizer)
         # how to rebuild the reference later (eval): a path, or the model config and seed it was built from
@@ -298,7 +301,7 @@ class PPOTrainer:
                 critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
             else:
                 critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
-            critic.requires_grad_(True)  # a copy of the (already frozen) reference would train only its head
+            critic = disable_dropout(critic).requires_grad_(True)  # a copy of the (already frozen) reference would train only its head
             self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.precision, lr=p.actor_lr, **common)
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
@@ -340,17 +343,17 @@ class PPOTrainer:
         if self.reward_model is None:
             texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
             raw = torch.tensor(check_answers(texts, [x["answer"] for x in prompts]), dtype=torch.float32)
-            return raw, raw.clone()
+            return raw.to(input_ids.device), raw.to(input_ids.device)
         raws = []
         mb = self.p.micro_batch_size
         with self.reward_model.autocast():
             for i in range(0, input_ids.shape[0], mb):
                 raws.append(sequence_rewards(self.reward_model.module, input_ids[i:i + mb], attention_mask[i:i + mb]).float())
-        raw = torch.cat(raws).cpu()
+        raw = torch.cat(raws)
         norm = raw
         if self.p.normalize_reward and self.reward_stats is not None:
             mean, std = self.reward_stats
-            norm = (raw - mean) / max(std, 1e-6)
+            norm = (raw - mean) / (std if std > 1e-6 else 1.0)  # a constant RM has std 0: only centre
         return raw, norm
 
     @torch.no_grad()
@@ -456,7 +459,8 @@ class PPOTrainer:
                     if shared:
                         actor_loss = actor_loss + p.c1 * vf_loss
                     critic_loss = p.c1 * vf_loss
-                    if not (torch.isfinite(actor_loss) and torch.isfinite(critic_loss)):
+                    finite = torch.isfinite(actor_loss.detach()) & torch.isfinite(critic_loss.detach())
+                    if engine.all_reduce_sum((~finite).float().cpu()).item() > 0:  # every rank skips together
                         self.bad_steps += 1
                         log.warning("non-finite loss at iteration %d (bad steps: %d)", iteration + 1, self.bad_steps)
                         if self.bad_steps > p.max_bad_steps:
@@ -489,6 +493,20 @@ class PPOTrainer:
         stats["policy/grad_norm"] = self.actor.grad_norm()
         stats["lr/actor"] = self.actor.lr()
         return engine.reduce_stats(stats)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0 so that the rollout's old logprobs and values and the
+    training forward see the same function (TRL and OpenRLHF do the same)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention modules
+            module.attention_dropout = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
+            setattr(model.config, key, 0.0)
+    return model
 
 
 def _zero_loss(model: torch.nn.Module) -> torch.Tensor:

@@ -8,7 +8,6 @@ and checkpoints → final eval and reward statistics → `final/` in HF format �
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -61,12 +60,18 @@ def score_pairs(model: Any, pairs: Sequence[Dict[str, Any]], pad_id: int, batch_
     was_training = model.training
     model.eval()
     collate = PairCollator(pad_id)
-    mine = list(range(engine.rank(), len(pairs), engine.world_size()))
+    ws = engine.world_size()
+    mine = list(range(engine.rank(), len(pairs), ws))
+    # every rank runs the same number of forwards (ZeRO-3 gathers weights collectively): pad the
+    # shard with a repeat of pair 0 and drop its scores
+    per_rank = -(-len(pairs) // ws)
+    padded = mine + [0] * (per_rank - len(mine))
     out: List[Tuple[int, float, float]] = []
-    for i in range(0, len(mine), batch_size):
-        idx = mine[i:i + batch_size]
+    for i in range(0, len(padded), batch_size):
+        idx = padded[i:i + batch_size]
         c, r = _forward_pairs(model, collate([pairs[j] for j in idx]), precision)
-        out += list(zip(idx, c.cpu().tolist(), r.cpu().tolist()))
+        real = len(mine) - i
+        out += list(zip(idx[:max(real, 0)], c.cpu().tolist(), r.cpu().tolist()))
     if was_training:
         model.train()
     merged = sorted(x for part in engine.all_gather_object(out) for x in part)

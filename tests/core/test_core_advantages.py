@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core_helpers import right_padded_mask, with_garbage
 from rlhf_cli.core import (
     compute_gae,
     compute_gae_vectorized,
@@ -19,19 +20,6 @@ PROPERTY = settings(max_examples=30, deadline=None)
 GARBAGE = [1e6, -1e6, math.inf, -math.inf, math.nan]
 SHAPES = [(1, 1), (2, 5), (4, 7), (3, 16)]
 GAE_FNS = [compute_gae, compute_gae_vectorized]
-
-
-def right_padded_mask(gen, B, T):
-    """(B, T) bool mask with ragged lengths in [0, T]; the first row is full, the second empty."""
-    lengths = torch.randint(0, T + 1, (B,), generator=gen)
-    lengths[0] = T
-    if B > 1:
-        lengths[1] = 0
-    return torch.arange(T) < lengths[:, None]
-
-
-def with_garbage(x, mask, value):
-    return torch.where(mask, x, torch.full_like(x, value))
 
 
 # ---------------------------------------------------------------- plain-Python references

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core_helpers import right_padded_mask, with_garbage
 from rlhf_cli.core import (
     entropy_bonus,
     entropy_from_logits,
@@ -24,20 +25,6 @@ AGGREGATIONS = ["token-mean", "seq-mean-token-mean"]
 POLICY_KEYS = {"policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/ratio_mean"}
 VALUE_KEYS = {"val/loss", "val/clipfrac", "val/explained_var"}
 RM_KEYS = {"rm/loss", "rm/accuracy", "rm/margin", "rm/chosen_mean", "rm/rejected_mean"}
-
-
-def right_padded_mask(gen, B, T):
-    """(B, T) bool mask with ragged lengths in [0, T]; the first row is full, the second empty."""
-    lengths = torch.randint(0, T + 1, (B,), generator=gen)
-    lengths[0] = T
-    if B > 1:
-        lengths[1] = 0
-    return torch.arange(T) < lengths[:, None]
-
-
-def with_garbage(x, mask, value):
-    m = mask if x.dim() == mask.dim() else mask[..., None]
-    return torch.where(m, x, torch.full_like(x, value))
 
 
 def rand_ppo_batch(seed, B, T, V=5, dtype=torch.float64):

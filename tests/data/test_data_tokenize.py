@@ -117,3 +117,11 @@ def test_builtin_pairs_rendering(chat, make_cfg, tokenizer):
         assert prompt.startswith("Question: ") and prompt.endswith("\nAnswer:")
         assert tokenizer.decode(ex["chosen_ids"]).startswith(" ")
     assert tokenizer.decode(ex["chosen_ids"]).endswith(".<|im_end|>")
+
+
+def test_system_prompt_replaces_the_template_default(make_cfg, tokenizer):
+    default = load_prompt_data(make_cfg(max_samples=2), tokenizer, split="eval")
+    short = load_prompt_data(make_cfg(max_samples=2, system_prompt="Solve it."), tokenizer, split="eval")
+    assert "You are a helpful AI assistant" in default[0]["prompt_text"]
+    assert short[0]["prompt_text"].startswith("<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n")
+    assert len(short[0]["prompt_ids"]) < len(default[0]["prompt_ids"])

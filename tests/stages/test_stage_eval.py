@@ -16,15 +16,6 @@ TEMPERATURE = 0.7
 MAX_NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's matmuls are far faster on one thread than on two contended ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def read_results(eval_dir):
     return json.loads((eval_dir / "eval.json").read_text())["results"]
 

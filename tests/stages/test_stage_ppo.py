@@ -42,15 +42,6 @@ TINY_PPO = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Intra-op threads spin against each other on a shared 2-core box (10x slower); one is plenty here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def build_trainer(tmp_path, overrides=()):
     """A PPOTrainer with data and models built, as `ppo.run` builds it before its loop."""
     cfg = compose("train_ppo", [*TINY_PPO, f"paths.root={tmp_path / 'runs'}", *overrides])

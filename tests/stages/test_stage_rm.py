@@ -19,15 +19,6 @@ TOY_SAVE_EVERY = 4  # ds/step-4 survives pruning (keep=2) next to the final ds/s
 TOPICS = ["cats", "rain", "tea", "maps", "jazz", "bread", "stars", "chess", "boats", "snow", "glass", "paper"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's matmuls are far faster on one thread than on two contended ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def toy_rows(n, seed):
     """Pairs that differ only in their last words: chosen ends "no no no", rejected "yes yes yes".
 
