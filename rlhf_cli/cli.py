@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -65,6 +66,23 @@ def _override_value(overrides: List[str], key: str) -> Optional[str]:
     return None
 
 
+def _composed_paths_root(command: str, overrides: List[str]) -> str:
+    """`paths.root` as the command's config composes it (an experiment file may set it)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlhf_cli.config import register_configs
+
+    register_configs()
+    keep = [o for o in overrides if not o.lstrip("+").startswith(("resume=", "hydra.", "hydra/")) and not o.startswith("-")]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
+            return str(compose(config_name=COMMANDS[command][0], overrides=keep).paths.root)
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def resume_overrides(command: str, overrides: List[str]) -> List[str]:
     """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place)."""
     from rlhf_cli.config import ConfigError
@@ -74,7 +92,7 @@ def resume_overrides(command: str, overrides: List[str]) -> List[str]:
     if value is None or value.lower() in ("null", "none", "false", "") or "-m" in overrides or "--multirun" in overrides:
         return overrides
     stage = STAGES[COMMANDS[command][0]]
-    root = _override_value(overrides, "paths.root") or "./runs"
+    root = _composed_paths_root(command, overrides)
     if value.lower() == "true":
         run = find_resumable(root, stage)
         if run is None:
@@ -146,10 +164,18 @@ def run_command(command: str, cfg) -> Optional[float]:
             _err(f"`rlhf {command}` is not built yet (config is valid)")
             sys.exit(2)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
+        signal.signal(signal.SIGTERM, _terminate)  # SIGTERM takes Ctrl-C's path: checkpoint, then exit
         return module.run(cfg, run_dir)
     except errors as e:
         _err(str(e))
         sys.exit(2)
+    except KeyboardInterrupt:
+        _err("interrupted (training stages checkpoint before exiting: continue with resume=true)")
+        sys.exit(130)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -194,11 +194,11 @@ class RMConfig:
 class PPOConfig:
     """PPO (Schulman et al. 2017) with a KL-shaped reward (Ziegler et al. 2019)."""
 
-    iterations: int = 8
+    iterations: int = 4
     """Rollout/update iterations."""
-    rollout_batch_size: int = 32
+    rollout_batch_size: int = 16
     """Prompts sampled per iteration across all ranks (one response each)."""
-    mini_batch_size: int = 16
+    mini_batch_size: int = 8
     """Rollouts per optimizer step (global); rollout_batch_size must be divisible by it."""
     micro_batch_size: int = 8
     """Rollouts per forward pass per rank; mini_batch_size must be divisible by micro × world size."""
@@ -229,7 +229,7 @@ class PPOConfig:
     """Adaptive-KL horizon (episodes)."""
     kl_estimator: str = "k1"
     """Per-token KL estimator of the penalty: `k1`, `k2` or `k3` (Schulman's note)."""
-    max_new_tokens: int = 48
+    max_new_tokens: int = 32
     """Max response tokens per rollout."""
     temperature: float = 0.7
     """Sampling temperature (> 0); logprobs are computed from logits / temperature."""

@@ -1,5 +1,6 @@
 """The command line: dispatch, Hydra composition, typed config errors, sweeps."""
 
+import json
 import os
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def test_wrong_type_is_rejected_readably(tmp_path):
 @pytest.mark.parametrize("override,needle", [
     ("ppo.clip=-1", "ppo.clip (ε) must be > 0"),
     ("ppo.gamma=1.5", "ppo.gamma (γ) must be in [0, 1]"),
-    ("ppo.mini_batch_size=12", "ppo.rollout_batch_size=32 is not divisible by ppo.mini_batch_size=12"),
+    ("ppo.mini_batch_size=12", "ppo.rollout_batch_size=16 is not divisible by ppo.mini_batch_size=12"),
     ("precision=fp16", "precision='fp16' is not one of"),
 ])
 def test_out_of_range_value_one_line_error(tmp_path, override, needle):
@@ -123,3 +124,53 @@ def test_multirun_dry_run_gives_one_run_dir_per_job(tmp_path):
     assert [p.name for p in jobs] == ["0", "1"]
     lrs = sorted(yaml.safe_load((p / "config.yaml").read_text())["rm"]["lr"] for p in jobs)
     assert lrs == [1e-5, 2e-5]
+
+
+def test_resume_true_continues_the_newest_unfinished_run_in_place(tmp_path):
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=4", "rm.max_steps=8", "tensorboard=false"]
+    out = rlhf("train-rm", *common)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = [p for p in (tmp_path / "rm").iterdir()]
+    # a crash after the step-4 checkpoint: the newest complete checkpoint is step-4, the run is unfinished
+    (run / "ds" / "latest").write_text("step-4\n")
+    (run / "status.json").write_text('{"state": "running"}')
+    out = rlhf("train-rm", *common, "resume=true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "rm").iterdir()] == [run.name]  # resumed in place, no new run dir
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 8]  # each training step once, then the final eval record
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    out = rlhf("train-rm", *common, "resume=true")  # nothing left to resume
+    assert out.returncode == 2 and "no unfinished `train-rm` run" in out.stderr
+
+
+def test_sigterm_checkpoints_and_resume_finishes(tmp_path):
+    import signal
+    import time
+
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.max_steps=400", "rm.epochs=50", "tensorboard=false",
+              "rm.log_every=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli", "train-rm", *common], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    metrics = None
+    while time.time() < deadline and proc.poll() is None:
+        found = list(tmp_path.glob("rm/*/metrics.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 3:
+            metrics = found[0]
+            break
+        time.sleep(0.5)
+    assert metrics is not None, "the run never logged 3 steps"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    run = metrics.parent
+    tag = (run / "ds" / "latest").read_text().strip()
+    assert tag.startswith("step-") and (run / "ds" / tag).is_dir()
+    assert json.loads((run / "status.json").read_text())["state"] == "running"
+    done = int(tag.split("-")[1])
+    # finish soon after the checkpoint (a shorter schedule; resume still starts from the checkpoint)
+    resumed = [a for a in common if not a.startswith("rm.max_steps=")] + [f"rm.max_steps={done + 2}", "resume=true"]
+    out = rlhf("train-rm", *resumed)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
