@@ -72,8 +72,11 @@ def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
     When resuming (`cfg.resume` names this dir) the saved config is kept beside the new one as
     `config.prev.yaml`. Raises PermissionError when the dir cannot be written.
     """
-    # every rank made its own time-stamped dir name; rank 0's is the run's
-    run_dir = Path(engine.broadcast_object(str(run_dir)))
+    # under a launcher every rank's Hydra made its own time-stamped dir; rank 0's is the run's
+    own = Path(run_dir)
+    run_dir = Path(engine.broadcast_object(str(own)))
+    if own != run_dir and own.is_dir() and not (own / "config.yaml").exists():
+        shutil.rmtree(own, ignore_errors=True)  # only Hydra's files for this rank were in it
     cfg.precision = engine.resolve_precision(cfg.precision)
     if engine.is_main():
         check_writable(run_dir)
