@@ -203,7 +203,11 @@ class Progress:
             transient=False,
         )
         self._task = self._p.add_task(description, total=total, completed=start, stats="")
-        self._p.start()
+        # without a terminal (a log file, CI) a live bar draws nothing until the end: log lines instead
+        self._lines = not self._p.console.is_terminal
+        self._desc, self._total, self._start, self._done, self._t0 = description, total, start, start, time.time()
+        if not self._lines:
+            self._p.start()
 
     def update(self, advance: int = 1, metrics: Optional[Dict[str, Any]] = None) -> None:
         if not self.enabled:
@@ -213,7 +217,12 @@ class Progress:
             stats = " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.keys
                              if isinstance(metrics.get(k), (int, float)))
         self._p.update(self._task, advance=advance, stats=stats)
+        if self._lines:
+            self._done += advance
+            elapsed = time.time() - self._t0
+            eta = elapsed / max(self._done - self._start, 1e-9) * (self._total - self._done)
+            log.info("%s %d/%d  %s  elapsed %.0fs eta %.0fs", self._desc, self._done, self._total, stats, elapsed, eta)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and not self._lines:
             self._p.stop()

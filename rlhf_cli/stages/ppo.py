@@ -193,7 +193,8 @@ def sample_responses(
     # a fresh config: a checkpoint's own generation_config (repetition penalty, min_p, ...) would make
     # the samples come from something other than softmax(logits / temperature)
     gen_config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+                                  max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                                  use_cache=True)
     was_training = lm.training
     lm.eval()
     outs = []
@@ -202,7 +203,7 @@ def sample_responses(
             if seed is not None:
                 torch.manual_seed(seed + k)
             out = lm.generate(input_ids=prompt_ids[i:i + chunk], attention_mask=prompt_mask[i:i + chunk],
-                              generation_config=gen_config, use_cache=True)
+                              generation_config=gen_config)
             resp = out[:, P:]
             if resp.shape[1] < max_new_tokens:  # every chunk to the same width
                 resp = torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
