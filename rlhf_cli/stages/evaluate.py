@@ -190,7 +190,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
     results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
     results["kl_k3"], results["kl_k3_ci95"] = mean_ci95(pol["kl_k3"])
 
-    samples = [[prompt_texts[i][-300:], pol["text"][i], _get(pol, "score", i), ref["text"][i], _get(ref, "score", i)]
+    samples = [[_last_user_turn(prompt_texts[i])[-300:], pol["text"][i], _get(pol, "score", i), ref["text"][i], _get(ref, "score", i)]
                for i in range(min(e.num_samples, len(prompt_texts)))]
     results["samples"] = [dict(zip(["prompt", "policy", "policy_score", "reference", "reference_score"], s)) for s in samples]
     if engine.is_main():
@@ -204,6 +204,16 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
             Section("results", tables=[Table(["metric", "value"], numbers)], images=images),
             Section("samples", tables=[Table(["prompt", "policy", "score", "reference", "score"], samples)])])
     return results
+
+
+def _last_user_turn(rendered: str) -> str:
+    """The readable question inside a chat-rendered prompt: the text after the last `user` header,
+    with the template's special tokens removed (raw-text prompts come back unchanged)."""
+    import re
+
+    parts = re.split(r"<\|im_start\|>user\n|\[INST\]|<start_of_turn>user\n", rendered)
+    text = re.sub(r"<\|im_start\|>\w+\n?|<start_of_turn>\w+\n?", "", parts[-1])  # the assistant header
+    return re.sub(r"<\|[^|>]*\|>|<[a-z_]+_of_turn>|\[/INST\]", "", text).strip()
 
 
 def _get(d: Dict[str, Any], key: str, i: int) -> Optional[float]:
