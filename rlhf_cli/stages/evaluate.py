@@ -29,11 +29,10 @@ from rlhf_cli.models import (
     load_tokenizer,
     require_scalar_model_dir,
     resolve_hf_dir,
-    sequence_rewards,
 )
 from rlhf_cli.report import Section, Table, build_report, plot_rewards, print_summary, summary_table, write_html
 from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
-from rlhf_cli.stages.common import console, prepare_run_dir, print_table, seed_everything
+from rlhf_cli.stages.common import batched_rewards, console, prepare_run_dir, print_table, seed_everything
 from rlhf_cli.stages.ppo import policy_forward, sample_responses
 from rlhf_cli.stages.rm import pair_metrics, score_pairs
 
@@ -151,9 +150,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         mask = am[:, P:].float()
         out: Dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float()}
         if reward_model is not None:
-            out["score"] = torch.cat([
-                _rm_scores(reward_model, ids[i:i + e.batch_size], am[i:i + e.batch_size], cfg.precision)
-                for i in range(0, ids.shape[0], e.batch_size)])
+            out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, cfg.precision).cpu()
         if all(x.get("answer") is not None for x in mine):
             out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
         if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
@@ -226,11 +223,6 @@ def _merge(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
         vals = [p[k] for p in parts]
         out[k] = torch.cat([v.cpu() for v in vals]) if torch.is_tensor(vals[0]) else [x for v in vals for x in v]
     return out
-
-
-def _rm_scores(model: Any, ids: torch.Tensor, am: torch.Tensor, precision: str) -> torch.Tensor:
-    with engine.autocast(precision):
-        return sequence_rewards(model, ids, am).float().cpu()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,10 +52,10 @@ from rlhf_cli.models import (
     resolve_hf_dir,
     response_values,
     save_hf,
-    sequence_rewards,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status, write_pointer
 from rlhf_cli.stages.common import (
+    batched_rewards,
     ckpt_dir,
     commit_checkpoint,
     epoch_order,
@@ -345,12 +345,8 @@ class PPOTrainer:
             texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
             raw = torch.tensor(check_answers(texts, [x["answer"] for x in prompts]), dtype=torch.float32)
             return raw.to(input_ids.device), raw.to(input_ids.device)
-        raws = []
-        mb = self.p.micro_batch_size
-        with self.reward_model.autocast():
-            for i in range(0, input_ids.shape[0], mb):
-                raws.append(sequence_rewards(self.reward_model.module, input_ids[i:i + mb], attention_mask[i:i + mb]).float())
-        raw = torch.cat(raws)
+        raw = batched_rewards(self.reward_model.module, input_ids, attention_mask, self.p.micro_batch_size,
+                              self.precision)
         norm = raw
         if self.p.normalize_reward and self.reward_stats is not None:
             mean, std = self.reward_stats
