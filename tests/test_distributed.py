@@ -1,4 +1,14 @@
-"""Two processes under torchrun (gloo, CPU) train the same model as one process on the same global batch."""
+"""Two processes under torchrun (gloo, CPU) train the same models as one process on the same global batch.
+
+Reward model: ZeRO-2 and ZeRO-3 on two ranks match one rank step for step. PPO: rollouts are seeded per
+prompt position, so two ranks sample the same responses as one, and ZeRO-2 training on two ranks matches
+one rank; a ZeRO-3 chain (reward model trained under ZeRO-3, loaded as the PPO critic, generation from
+partitioned weights) runs and writes loadable checkpoints.
+
+PPO runs here use one minibatch per epoch (`ppo.mini_batch_size == ppo.rollout_batch_size`): each rank
+shuffles its own rows, so with smaller minibatches their composition (not their statistics) depends on
+the world size.
+"""
 
 import json
 import os
@@ -7,35 +17,104 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-ARGS = ["train-rm", "experiment=smoke", "deepspeed=zero2", "tensorboard=false", "rm.max_steps=6"]
+COMMON = ["experiment=smoke", "tensorboard=false"]
+RM_ARGS = ["train-rm", *COMMON, "rm.max_steps=6"]
+PPO_ARGS = ["train-ppo", *COMMON, "ppo.iterations=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8",
+            "ppo.micro_batch_size=2", "ppo.epochs=2", "ppo.max_new_tokens=8", "ppo.kl_target=1.0", "ppo.kl_horizon=100"]
+PPO_KEYS = ("objective/scores", "objective/kl", "objective/kl_beta", "objective/entropy_sampled", "response/length_mean",
+            "response/eos_frac", "policy/loss", "policy/approx_kl", "policy/clipfrac", "val/loss", "val/explained_var")
+RM_KEYS = ("rm/loss", "rm/accuracy", "grad_norm", "eval/rm/loss", "eval/rm/accuracy")
 
 
-def _metrics(root):
-    (path,) = list(root.glob("rm/*/metrics.jsonl"))
+def launch(args, root, ranks=1):
+    cmd = [sys.executable, "-m", "rlhf_cli"]
+    if ranks > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}",
+               "-m", "rlhf_cli"]
+    out = subprocess.run([*cmd, *args, f"paths.root={root}"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def metrics(root, stage):
+    (path,) = list(root.glob(f"{stage}/*/metrics.jsonl"))
     return [json.loads(ln) for ln in path.read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_two_ranks_match_one_rank_zero2(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    out = subprocess.run([sys.executable, "-m", "rlhf_cli", *ARGS, f"paths.root={one}"], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-                          "-m", "rlhf_cli", *ARGS, f"paths.root={two}"], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert len(list((two / "rm").iterdir())) == 1  # one run dir for both ranks
-    a, b = _metrics(one), _metrics(two)
+def assert_same_metrics(a, b, keys):
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
-        for key in ("rm/loss", "rm/accuracy", "grad_norm", "eval/rm/loss", "eval/rm/accuracy"):
+        for key in keys:
             if ra.get(key) is not None:
                 assert rb[key] == pytest.approx(ra[key], abs=1e-4, rel=1e-4), (ra["step"], key)
-    assert (two / "latest_rm").is_file()
+
+
+def assert_same_weights(dir_a, dir_b):
+    a, b = load_file(dir_a / "model.safetensors"), load_file(dir_b / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4, msg=lambda m: f"{dir_b}/{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """One-process reference runs: the reward model (ZeRO-0) and PPO against it."""
+    root = tmp_path_factory.mktemp("one")
+    launch([*RM_ARGS, "deepspeed=zero0"], root)
+    launch([*PPO_ARGS, "deepspeed=zero0"], root)
+    return root
+
+
+def final_dir(root, stage):
+    (run,) = list((root / stage).iterdir())
+    return run / "final"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_two_ranks_reward_model_matches_one_rank(one_rank, tmp_path, zero):
+    launch([*RM_ARGS, f"deepspeed={zero}"], tmp_path, ranks=2)
+    assert len(list((tmp_path / "rm").iterdir())) == 1  # one run dir for both ranks
+    assert_same_metrics(metrics(one_rank, "rm"), metrics(tmp_path, "rm"), RM_KEYS)
+    assert_same_weights(final_dir(one_rank, "rm"), final_dir(tmp_path, "rm"))  # ZeRO-3: gathered on save
+    assert (tmp_path / "latest_rm").is_file()
+
+
+@pytest.mark.slow
+def test_two_ranks_ppo_matches_one_rank_zero2(one_rank, tmp_path):
+    rm = f"reward_model.path={final_dir(one_rank, 'rm')}"
+    launch([*PPO_ARGS, "deepspeed=zero2", rm], tmp_path, ranks=2)
+    a, b = metrics(one_rank, "ppo"), metrics(tmp_path, "ppo")
+    assert a[-1]["objective/kl"] != 0  # the policy moved: iteration 2 compares a trained policy
+    assert_same_metrics(a, b, PPO_KEYS)
+    for name in ("", "critic"):
+        assert_same_weights(final_dir(one_rank, "ppo") / name, final_dir(tmp_path, "ppo") / name)
+
+
+@pytest.mark.slow
+def test_zero3_chain_reward_model_into_ppo_critic(tmp_path):
+    """train-rm under ZeRO-3 (2 ranks) -> train-ppo under ZeRO-3 (2 ranks), critic initialised from that RM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    launch([*RM_ARGS, "deepspeed=zero3"], tmp_path, ranks=2)
+    launch([*PPO_ARGS, "deepspeed=zero3", "ppo.critic_init=reward_model"], tmp_path, ranks=2)
+    policy = final_dir(tmp_path, "ppo")
+    assert len(metrics(tmp_path, "ppo")) == 2
+    AutoModelForCausalLM.from_pretrained(policy)
+    critic = AutoModelForSequenceClassification.from_pretrained(policy / "critic")
+    rm = load_file(final_dir(tmp_path, "rm") / "model.safetensors")
+    # the critic started from the reward model (trunk and head): 4 PPO steps at lr 1e-5 move it < 1e-3,
+    # while a critic from the policy would carry a fresh random head
+    got = critic.state_dict()
+    assert got.keys() >= rm.keys()
+    for k, v in rm.items():
+        assert (got[k] - v).abs().max() < 1e-3, k
+    assert (tmp_path / "latest_policy").is_file()

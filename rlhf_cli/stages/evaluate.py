@@ -33,7 +33,7 @@ from rlhf_cli.models import (
 from rlhf_cli.report import Section, Table, build_report, plot_rewards, print_summary, summary_table, write_html
 from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
 from rlhf_cli.stages.common import batched_rewards, console, prepare_run_dir, print_table, seed_everything
-from rlhf_cli.stages.ppo import policy_forward, sample_responses
+from rlhf_cli.stages.ppo import policy_forward, prompt_seed, sample_responses
 from rlhf_cli.stages.rm import pair_metrics, score_pairs
 
 log = logging.getLogger(__name__)
@@ -142,10 +142,12 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         reward_model.to(dev).eval()
 
     rows: List[Dict[str, Any]] = []
-    seed = cfg.seed * 1_000_003 + engine.rank()
+    # one noise stream per prompt, shared by policy and reference (common random numbers): the same
+    # samples whatever the world size, and identical responses wherever the two models agree
+    seeds = [prompt_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
     for who, lm in (("policy", policy), ("reference", reference)):
         ids, am, P, has_eos = sample_responses(lm, mine, pad_id, eos_id, e.max_new_tokens, e.temperature, e.top_p,
-                                               cfg.precision, chunk=e.batch_size, seed=seed)
+                                               cfg.precision, chunk=e.batch_size, seeds=seeds)
         texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
         mask = am[:, P:].float()
         out: Dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float()}

@@ -21,11 +21,12 @@ import math
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError
@@ -175,35 +176,69 @@ def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> Tuple[to
 
 
 @torch.no_grad()
+def prompt_seed(*keys: int) -> int:
+    """A 63-bit seed from integer keys, e.g. (run seed, iteration, prompt index); any keys, any order of calls."""
+    return int(np.random.SeedSequence([int(k) % 2**63 for k in keys]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class PerRowSampler(LogitsProcessor):
+    """Sampling with one random stream per row, run inside HF `generate`'s greedy loop (Gumbel-max).
+
+    argmax(logits / T + g), g ~ Gumbel(0, 1) i.i.d., is a sample from softmax(logits / T) (Gumbel 1954;
+    Maddison et al. 2014); tokens a top-p filter set to -inf are never drawn. Each row draws its noise from
+    its own `torch.Generator`, so a prompt's sample depends only on its seed, not on which rows share its
+    batch, the chunk size or the number of ranks (up to float differences in the logits).
+
+    seeds: one int per row of the `generate` batch. Scores (B, V) float; returns scores + noise, same shape.
+    """
+
+    def __init__(self, seeds: Sequence[int]) -> None:
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if scores.shape[0] != len(self.generators):
+            raise ValueError(f"PerRowSampler: {scores.shape[0]} rows but {len(self.generators)} seeds")
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators])
+        gumbel = -torch.log(-torch.log(u.clamp(min=1e-300)))
+        return scores + gumbel.to(scores.device, scores.dtype)
+
+
 def sample_responses(
     lm: Any, prompts: List[Dict[str, Any]], pad_id: int, eos_id: int, max_new_tokens: int, temperature: float,
-    top_p: float, precision: str, chunk: int = 32, seed: Optional[int] = None,
+    top_p: float, precision: str, chunk: int = 32, seeds: Optional[Sequence[int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample one response per prompt (HF generate with KV cache), cut at the first EOS.
 
     prompts: dicts with `prompt_ids`. Returns input_ids (B, P+R) `[left-padded prompt | right-padded
     response]`, attention_mask (B, P+R) (response part 1 up to and including the first EOS), P, and
-    has_eos (B,) bool. R is the longest response (<= max_new_tokens). With `seed`, chunk k is sampled
-    after `torch.manual_seed(seed + k)`, so two models given the same seed draw the same noise.
+    has_eos (B,) bool. R is the longest response (<= max_new_tokens).
+
+    Tokens are drawn from softmax(logits / temperature) after top-p filtering, with one random stream per
+    prompt (`PerRowSampler`): `seeds` (one int per prompt) make a prompt's response independent of the batch
+    it is in and of the world size, and give two models the same noise (common random numbers). Without
+    `seeds`, they are drawn from torch's global generator.
     """
     dev = engine.device()
     batch = PromptCollator(pad_id)(prompts)
     prompt_ids, prompt_mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
     P = prompt_ids.shape[1]
-    # a fresh config: a checkpoint's own generation_config (repetition penalty, min_p, ...) would make
-    # the samples come from something other than softmax(logits / temperature)
-    gen_config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-                                  use_cache=True)
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+    elif len(seeds) != len(prompts):
+        raise ValueError(f"sample_responses: {len(seeds)} seeds for {len(prompts)} prompts")
+    # greedy decoding over warped, noised scores == sampling; a fresh config: a checkpoint's own
+    # generation_config (repetition penalty, min_p, ...) would change the distribution sampled
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
+                                  pad_token_id=pad_id, use_cache=True)
+    warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
     was_training = lm.training
     lm.eval()
     outs = []
     with engine.autocast(precision):
-        for k, i in enumerate(range(0, len(prompts), chunk)):
-            if seed is not None:
-                torch.manual_seed(seed + k)
+        for i in range(0, len(prompts), chunk):
+            processors = LogitsProcessorList([*warpers, PerRowSampler(seeds[i:i + chunk])])
             out = lm.generate(input_ids=prompt_ids[i:i + chunk], attention_mask=prompt_mask[i:i + chunk],
-                              generation_config=gen_config)
+                              generation_config=gen_config, logits_processor=processors)
             resp = out[:, P:]
             if resp.shape[1] < max_new_tokens:  # every chunk to the same width
                 resp = torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
@@ -216,24 +251,46 @@ def sample_responses(
     return input_ids, attention_mask, P, has_eos
 
 
-def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean)/std over real tokens of ALL ranks (unbiased std), 0 on padding.
+def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, float, float, float]:
+    """(x − mean masked to 0 (float64), n, mean, unbiased var) over the real tokens of ALL ranks.
 
-    x, mask: (B, T); mask 1 = real token. Returns (B, T) float32. Two passes in float64 (the mean,
-    then the squared deviations), so a large mean does not swamp the variance. Equals
-    `core.masked_whiten(x, mask)` on one rank (tested); with one real token the std is taken as 1,
-    like masked_whiten's documented fallback.
+    Two passes in float64 (the mean, then the squared deviations), so a large mean does not swamp the
+    variance; var is 1.0 with a single real token and 0.0 with none.
     """
     m = mask.bool()
     xd = torch.where(m, x.double(), torch.zeros_like(x, dtype=torch.float64))
     n, s = engine.all_reduce_sum(torch.stack([m.double().sum(), xd.sum()])).tolist()
     if n < 1:
-        return torch.zeros_like(xd, dtype=torch.float32)
+        return torch.zeros_like(xd), 0.0, 0.0, 0.0
     mean = s / n
     centred = torch.where(m, xd - mean, torch.zeros_like(xd))
     ss = engine.all_reduce_sum(centred.square().sum()).item()
-    var = ss / (n - 1) if n > 1 else 1.0
+    return centred, n, mean, (ss / (n - 1) if n > 1 else 1.0)
+
+
+def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean)/std over real tokens of ALL ranks (unbiased std), 0 on padding.
+
+    x, mask: (B, T); mask 1 = real token. Returns (B, T) float32. Equals `core.masked_whiten(x, mask)`
+    on one rank (tested); with one real token the std is taken as 1, like masked_whiten's documented
+    fallback.
+    """
+    centred, n, _, var = _moments_across_ranks(x, mask)
+    if n < 1:
+        return centred.float()
     return (centred / math.sqrt(var + eps)).float()
+
+
+def explained_variance_across_ranks(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var[returns − values] / Var[returns] over the real tokens of the whole rollout (all ranks).
+
+    values, returns, mask: (B, T). 1 is a perfect critic, 0 one no better than the mean return, < 0
+    worse; 0 when the returns do not vary (as `core.value_loss`). Computed once per rollout on the critic's old values, so
+    it does not depend on how the rollout is split into micro-batches or ranks.
+    """
+    _, n, _, var_r = _moments_across_ranks(returns, mask)
+    _, _, _, var_d = _moments_across_ranks(returns - values, mask)
+    return 1.0 - var_d / var_r if n > 1 and var_r > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,8 +374,13 @@ class PPOTrainer:
                               f"({len(rm_tok)} vs {len(self.tokenizer)} tokens): train the reward model from the same base model")
 
     # -- rollout -----------------------------------------------------------------------------
-    def prompt_batch(self, iteration: int) -> List[Dict[str, Any]]:
-        """This rank's prompts of an iteration: a seeded walk through epochs of shuffled prompts."""
+    def prompt_batch(self, iteration: int) -> Tuple[List[Dict[str, Any]], List[int]]:
+        """This rank's prompts of an iteration and their sampling seeds.
+
+        Prompts: a seeded walk through epochs of shuffled prompts (the same on every rank). Seeds: one
+        per (run seed, iteration, position in the rollout), so a prompt's response is the same whatever
+        the world size.
+        """
         n, R = len(self.prompts), self.p.rollout_batch_size
         idx = []
         for k in range(iteration * R, (iteration + 1) * R):
@@ -327,15 +389,16 @@ class PPOTrainer:
                 self._order, self._order_epoch = epoch_order(n, self.cfg.data.seed + self.cfg.seed, epoch), epoch
             idx.append(self._order[pos])
         per_rank = R // engine.world_size()
-        mine = idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]
-        return [self.prompts[i] for i in mine]
+        lo = engine.rank() * per_rank
+        seeds = [prompt_seed(self.cfg.seed, iteration, k) for k in range(lo, lo + per_rank)]
+        return [self.prompts[i] for i in idx[lo:lo + per_rank]], seeds
 
-    def generate(self, prompts: List[Dict[str, Any]]) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    def generate(self, prompts: List[Dict[str, Any]], seeds: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """Sample one response per prompt with the current policy (see `sample_responses`)."""
         p = self.p
         with self.actor.gathered_params():
             return sample_responses(_lm(self.actor.module), prompts, self.pad_id, self.eos_id, p.max_new_tokens,
-                                    p.temperature, p.top_p, self.precision, chunk=p.micro_batch_size * 4)
+                                    p.temperature, p.top_p, self.precision, chunk=p.micro_batch_size * 4, seeds=seeds)
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
@@ -373,9 +436,9 @@ class PPOTrainer:
 
     def make_experience(self, iteration: int) -> Tuple[Experience, Dict[str, float], Dict[str, Any]]:
         p = self.p
-        prompts = self.prompt_batch(iteration)
+        prompts, seeds = self.prompt_batch(iteration)
         t0 = time.perf_counter()
-        input_ids, attention_mask, P, has_eos = self.generate(prompts)
+        input_ids, attention_mask, P, has_eos = self.generate(prompts, seeds)
         t1 = time.perf_counter()
         raw, score = self.score(input_ids, attention_mask, P, prompts)
         mask = attention_mask[:, P:].float()
@@ -406,6 +469,7 @@ class PPOTrainer:
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": has_eos.float().mean().item(),
             "val/values_mean": ((values * mask).sum() / mask.sum().clamp(min=1)).item(),
+            "val/explained_var": explained_variance_across_ranks(values, returns, loss_mask),
             "time/generation": t1 - t0,
             "time/scoring": t2 - t1,
             "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
@@ -474,6 +538,7 @@ class PPOTrainer:
                         self.critic.step()
                     # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
                     step_stats = {**pg_stats, **vf_stats, **ent_stats}
+                    step_stats.pop("val/explained_var", None)  # per rollout, in make_experience
                     for k, val in step_stats.items():
                         sums[k] = sums.get(k, 0.0) + val
                     sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + pg_loss.item()

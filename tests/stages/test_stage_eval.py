@@ -188,7 +188,7 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
     seen = {}
 
     def fake_sample_responses(lm, prompts, pad_id, eos_id, max_new_tokens, temperature, top_p, precision,
-                              chunk=32, seed=None):
+                              chunk=32, seeds=None):
         # the layout sample_responses returns: [left-padded prompt | right-padded response], width P + R
         role = "policy" if str(lm.name_or_path) == str(tiny_dirs["policy"]) else "reference"
         responses = fixed_responses(prompts, tokenizer)[role]
