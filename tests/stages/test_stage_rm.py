@@ -121,6 +121,7 @@ def crashed_copy(run_dir, dest, tag):
 def test_resume_from_step_n_reproduces_the_uninterrupted_run(toy_run, run_stage, toy_overrides, tmp_path):
     _, run_dir, _ = toy_run
     n = TOY_SAVE_EVERY
+    assert n == STEPS_PER_EPOCH  # resume exactly at the epoch boundary: epoch 2's order must be drawn afresh
     crashed = crashed_copy(run_dir, tmp_path / "runs" / "rm" / "crashed", f"step-{n}")
     result, _, cfg = run_stage("train_rm", [*toy_overrides, f"resume={crashed}"], run_dir=crashed)
     assert cfg.resume == str(crashed)
