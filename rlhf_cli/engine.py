@@ -339,16 +339,36 @@ class TrainEngine:
 
 class FrozenModel:
     """A model used only for inference (reference policy, reward model): no optimizer, no grads,
-    eval mode, on the device. It is not partitioned under ZeRO-3 (each rank holds a full copy)."""
+    eval mode, on the device. It is not partitioned under ZeRO-3 (each rank holds a full copy).
 
-    def __init__(self, model: torch.nn.Module, precision: str) -> None:
+    offload=True keeps the weights in CPU memory and moves them to the device only inside `on_device()`
+    (one copy in and out per rollout): device memory for the trained models, at the cost of a transfer.
+    On a CPU-only machine it changes nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module, precision: str, offload: bool = False) -> None:
         model.requires_grad_(False)
         model.eval()
-        self.module = model.to(device())
+        self.offload = offload and device().type != "cpu"
+        self.module = model.to("cpu" if self.offload else device())
         self.precision = precision
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.precision)
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[torch.nn.Module]:
+        """The module on the device for the block (moved there and back when offloaded)."""
+        if not self.offload:
+            yield self.module
+            return
+        self.module.to(device())
+        try:
+            yield self.module
+        finally:
+            self.module.to("cpu")
+            if device().type == "cuda":
+                torch.cuda.empty_cache()
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:

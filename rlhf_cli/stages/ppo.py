@@ -340,9 +340,10 @@ class PPOTrainer:
         self.reward_stats = None
         if self.rm_path is not None:
             self._check_same_tokenizer(self.rm_path)
-            self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed), self.precision)
+            self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed), self.precision,
+                                                   offload=p.offload_reference)
             self.reward_stats = read_reward_stats(self.rm_path)
-        self.reference = engine.FrozenModel(reference, self.precision)
+        self.reference = engine.FrozenModel(reference, self.precision, offload=p.offload_reference)
 
         steps_per_iter = p.epochs * (p.rollout_batch_size // p.mini_batch_size)
         total = p.iterations * steps_per_iter
@@ -408,8 +409,8 @@ class PPOTrainer:
             texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
             raw = torch.tensor(check_answers(texts, [x["answer"] for x in prompts]), dtype=torch.float32)
             return raw.to(input_ids.device), raw.to(input_ids.device)
-        raw = batched_rewards(self.reward_model.module, input_ids, attention_mask, self.p.micro_batch_size,
-                              self.precision)
+        with self.reward_model.on_device() as rm:
+            raw = batched_rewards(rm, input_ids, attention_mask, self.p.micro_batch_size, self.precision)
         norm = raw
         if self.p.normalize_reward and self.reward_stats is not None:
             mean, std = self.reward_stats
@@ -419,6 +420,11 @@ class PPOTrainer:
     @torch.no_grad()
     def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int) -> Tuple[torch.Tensor, ...]:
         """Old logprobs, ref logprobs and old values, micro-batch by micro-batch, as training computes them."""
+        with self.reference.on_device() as reference:
+            return self._forward_no_grad(input_ids, attention_mask, P, reference)
+
+    def _forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
+                         reference: torch.nn.Module) -> Tuple[torch.Tensor, ...]:
         mb, T = self.p.micro_batch_size, self.p.temperature
         lps, refs, vals = [], [], []
         shared = self.critic is None
@@ -427,7 +433,7 @@ class PPOTrainer:
             with self.actor.autocast():
                 lp, _, v = policy_forward(self.actor.module, ids, am, P, T, with_values=shared)
             with self.reference.autocast():
-                ref, _, _ = policy_forward(self.reference.module, ids, am, P, T)
+                ref, _, _ = policy_forward(reference, ids, am, P, T)
             if not shared:
                 with self.critic.autocast():
                     v = critic_values(self.critic.module, ids, am, P)

@@ -180,6 +180,16 @@ def test_old_logprobs_use_the_sampling_temperature(tmp_path):
     torch.testing.assert_close(exp.ref_logprobs[m], lp[m], rtol=0, atol=1e-5)  # reference == initial policy
 
 
+def test_offload_reference_reaches_the_frozen_models(tmp_path):
+    """ppo.offload_reference is wired to the reference and reward model (a no-op on a CPU-only machine)."""
+    tr = build_trainer(tmp_path, ["ppo.offload_reference=true"])
+    assert tr.reference.offload is False  # CPU: nothing to offload to
+    with tr.reference.on_device() as m:
+        assert m is tr.reference.module
+    exp, stats, _ = tr.make_experience(0)
+    assert stats["objective/kl"] == pytest.approx(0.0, abs=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------
 # per-prompt sampling
 
