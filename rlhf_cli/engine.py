@@ -14,6 +14,7 @@ DeepSpeed averages gradients over data-parallel ranks; a per-micro-batch mean (R
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import socket
@@ -32,6 +33,8 @@ if not _has_gpu():
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -224,6 +227,19 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int],
     return f
 
 
+def _adamw(groups: List[Dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
+    """torch's AdamW, fused (one kernel over all tensors) where torch has it for the parameters' device.
+
+    On CPU the default implementation loops over tensors in Python: on SmolLM2-135M that is ~1.9 s per
+    step against ~0.25 s fused (2 cores). Same update rule; results differ only by float rounding.
+    """
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kw)
+    except (RuntimeError, ValueError) as e:  # a device or dtype without a fused kernel
+        log.info("fused AdamW unavailable (%s): using foreach", e)
+        return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
 class TrainEngine:
     """A trainable model on DeepSpeed: AdamW, LR schedule, clipping, ZeRO stage, precision.
 
@@ -256,7 +272,7 @@ class TrainEngine:
         no_decay = [p for p in params if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=1e-8)
+        optimizer = _adamw(groups, lr=lr, betas=tuple(betas), eps=1e-8)
         scheduler_ = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(scheduler, warmup_steps, total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler_, config=self.config,
