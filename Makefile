@@ -4,7 +4,7 @@ PY ?= python
 # with an NVIDIA driver keeps pip's ordinary (CUDA) torch. Override with `make install TORCH_SPEC=...`.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test test-fast lint demo bench
+.PHONY: install test test-fast lint demo bench bench-deps bench-rm bench-ppo
 
 install:
 	$(PY) -m pip install --upgrade pip
@@ -25,5 +25,16 @@ lint:
 demo:
 	bash scripts/demo.sh
 
+# `make bench` stays cheap (seconds); the comparisons with TRL take ~10 minutes each on a 2-core CPU (estimated).
+# BENCH_ARGS passes options through, e.g. `make bench-rm BENCH_ARGS="--out results/rm_bench.json"`.
 bench:
 	$(PY) benchmarks/gae_bench.py
+
+bench-deps:
+	$(PY) -m pip install -e '.[bench]'
+
+bench-rm:
+	$(PY) benchmarks/rm_bench.py $(BENCH_ARGS)
+
+bench-ppo:
+	$(PY) benchmarks/ppo_bench.py $(BENCH_ARGS)

