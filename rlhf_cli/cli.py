@@ -104,6 +104,21 @@ def resume_overrides(command: str, overrides: List[str]) -> List[str]:
     return [o for o in overrides if not o.lstrip("+").startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
 
 
+def check_output_root(command: str, overrides: List[str]) -> None:
+    """Fail before Hydra makes the run dir when `paths.root` cannot be created or written (one line,
+    PermissionError). Skipped for Hydra's informational flags and when the overrides do not compose
+    (Hydra then reports that itself)."""
+    from rlhf_cli.runs import check_writable
+
+    if any(o in ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i") for o in overrides):
+        return
+    try:
+        root = _composed_paths_root(command, overrides)
+    except Exception:  # noqa: BLE001 - a bad override: Hydra's own message follows
+        return
+    check_writable(root)
+
+
 def _task_for(command: str) -> Callable:
     import hydra
     from omegaconf import DictConfig
@@ -122,7 +137,9 @@ def user_errors() -> tuple:
     from rlhf_cli.config import ConfigError
     from rlhf_cli.models.loading import ModelSourceError
 
-    errs: List[type] = [ConfigError, ModelSourceError, PermissionError]
+    from rlhf_cli.runs import SaveError
+
+    errs: List[type] = [ConfigError, ModelSourceError, PermissionError, SaveError]
     try:
         from rlhf_cli.data import DataError
 
@@ -193,7 +210,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         check_override_keys(COMMANDS[command][0], rest)
         rest = resume_overrides(command, rest)
-    except ConfigError as e:
+        check_output_root(command, rest)
+    except (ConfigError, PermissionError) as e:
         _err(str(e))
         sys.exit(2)
     register_configs()

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -398,6 +400,76 @@ def _one_of(name: str, value: Any, choices: tuple) -> None:
     _check(value in choices, f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
+def _check_finite(prefix: str, section: Any) -> None:
+    """Every float of a config section (and of its float lists) is finite: `inf`/`nan` parse as floats but
+    make no learning rate, coefficient or clip range."""
+    from omegaconf import ListConfig
+
+    items = dataclasses.asdict(section).items() if dataclasses.is_dataclass(section) else section.items()
+    for key, value in items:
+        for v in (value if isinstance(value, (list, tuple, ListConfig)) else [value]):
+            _check(not isinstance(v, float) or math.isfinite(v),
+                   f"{prefix}.{key} must be a finite number (got {value})")
+
+
+def _model_path_keys(cfg: Any, command: str) -> List[tuple]:
+    """(key, kind, what to set instead) of the model paths `command` loads; kind `reward` (scalar head) or `lm`."""
+    root = Path(str(cfg.paths.root))
+    from_run = "run dir, its final/ dir"
+    keys = [("model.name_or_path", None, "set it to a hub id, an HF model dir or a run dir")]
+    if command == "train_ppo":
+        if cfg.reward.type == "model":
+            keys.append(("reward_model.path", "reward", f"set it to a `rlhf train-rm` {from_run} or an HF reward-model "
+                                                        f"dir, or leave it unset for {root / 'latest_rm'}"))
+        keys.append(("reference.path", "lm", f"set it to a causal LM (a {from_run} or an HF dir), or leave it "
+                                             f"unset for the policy's initial weights"))
+    elif command == "eval":
+        keys += [("policy.path", "lm", f"set it to a `rlhf train-ppo` {from_run} or an HF causal-LM dir, or leave "
+                                       f"it unset for {root / 'latest_policy'}"),
+                 ("reward_model.path", "reward", f"set it to a `rlhf train-rm` {from_run} or an HF reward-model dir, "
+                                                 f"or leave it unset for the one the policy recorded"),
+                 ("reference.path", "lm", f"set it to a causal LM (a {from_run} or an HF dir), or leave it unset "
+                                          f"for the one the policy recorded")]
+    return keys
+
+
+def check_model_paths(cfg: Any, command: str) -> None:
+    """Every local model path `command` will load exists, holds a model, and the right kind of model: a
+    reward model has a scalar head (`*ForSequenceClassification`), a policy or reference has not.
+
+    Runs before anything is loaded or trained; reads config.json files only. Hub ids are left to the
+    loader. Raises ConfigError naming the key, what is wrong and what to set instead.
+    """
+    from omegaconf.errors import MissingMandatoryValue
+
+    from rlhf_cli.models.checkpoint import model_architectures
+    from rlhf_cli.models.loading import ModelSourceError, looks_like_hub_id
+
+    for key, kind, hint in _model_path_keys(cfg, command):
+        section, name = key.split(".")
+        try:
+            value = getattr(getattr(cfg, section), name)
+        except MissingMandatoryValue:  # `???`: Hydra reports it where it is read
+            continue
+        if value is None:
+            continue
+        value = str(value)
+        if not Path(value).expanduser().exists():
+            _check(looks_like_hub_id(value), f"{key}={value} does not exist; {hint}")
+            continue
+        try:
+            archs = model_architectures(value)
+        except ModelSourceError as e:
+            raise ConfigError(f"{key}={value}: {e}; {hint}") from None
+        scalar = any(a.endswith("ForSequenceClassification") for a in archs)
+        if kind == "reward" and archs and not scalar:
+            what = "a causal LM" if any(a.endswith("ForCausalLM") for a in archs) else "a model"
+            raise ConfigError(f"{key}={value} holds {what} ({', '.join(archs)}), not a reward model with a "
+                              f"scalar head: {hint}")
+        if kind == "lm" and scalar:
+            raise ConfigError(f"{key}={value} holds a reward model ({', '.join(archs)}), not a causal LM: {hint}")
+
+
 def validate_common(cfg: Any) -> None:
     """Checks shared by every command. Raises ConfigError."""
     _one_of("precision", cfg.precision, PRECISIONS)
@@ -430,22 +502,31 @@ def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_n
 def validate_rm(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
     r = cfg.rm
+    _check_finite("rm", r)
     _check(r.lr > 0, f"rm.lr must be > 0 (got {r.lr})")
     _check(0 <= r.warmup_ratio < 1, f"rm.warmup_ratio must be in [0, 1) (got {r.warmup_ratio})")
     _one_of("rm.lr_scheduler", r.lr_scheduler, ("cosine", "linear", "constant"))
     _check(r.epochs >= 1, f"rm.epochs must be >= 1 (got {r.epochs})")
     _check(r.max_steps is None or r.max_steps >= 1, f"rm.max_steps must be >= 1 or null (got {r.max_steps})")
     _check(r.max_grad_norm >= 0, f"rm.max_grad_norm must be >= 0 (got {r.max_grad_norm})")
+    _check(r.weight_decay >= 0, f"rm.weight_decay must be >= 0 (got {r.weight_decay})")
+    _check(len(r.betas) == 2 and all(0 <= b < 1 for b in r.betas),
+           f"rm.betas must be two AdamW decay rates in [0, 1) (got {list(r.betas)})")
+    _check(r.eval_every >= 0, f"rm.eval_every must be >= 0 (0 = only at the end; got {r.eval_every})")
+    _check(r.save_every >= 0, f"rm.save_every must be >= 0 (0 = only at the end; got {r.save_every})")
+    _check(r.log_every >= 1, f"rm.log_every must be >= 1 (got {r.log_every})")
     _check_batches("rm", r.batch_size, r.micro_batch_size, world_size, "batch_size")
     _check(r.eval_batch_size > 0, f"rm.eval_batch_size must be > 0 (got {r.eval_batch_size})")
     _check(not r.margin or cfg.data.margin_key, "rm.margin=true needs data.margin_key (the column holding the margin)")
     _check(r.center_rewards_coef is None or r.center_rewards_coef >= 0,
            f"rm.center_rewards_coef must be >= 0 or null (got {r.center_rewards_coef})")
+    check_model_paths(cfg, "train_rm")
 
 
 def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
     p = cfg.ppo
+    _check_finite("ppo", p)
     _check(0 <= p.gamma <= 1, f"ppo.gamma (γ) must be in [0, 1] (got {p.gamma})")
     _check(0 <= p.lam <= 1, f"ppo.lam (λ) must be in [0, 1] (got {p.lam})")
     _check(p.clip > 0, f"ppo.clip (ε) must be > 0 (got {p.clip})")
@@ -474,11 +555,17 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _one_of("ppo.critic_init", p.critic_init, ("reward_model", "policy"))
     _one_of("ppo.aggregation", p.aggregation, ("token-mean", "seq-mean-token-mean"))
     _check(p.actor_lr > 0 and p.critic_lr > 0, f"ppo.actor_lr ({p.actor_lr}) and ppo.critic_lr ({p.critic_lr}) must be > 0")
+    _check(p.weight_decay >= 0, f"ppo.weight_decay must be >= 0 (got {p.weight_decay})")
+    _check(p.warmup_steps >= 0, f"ppo.warmup_steps must be >= 0 (got {p.warmup_steps})")
+    _check(p.max_grad_norm >= 0, f"ppo.max_grad_norm must be >= 0 (0 disables clipping; got {p.max_grad_norm})")
+    _check(p.sample_every >= 0, f"ppo.sample_every must be >= 0 (0 = never; got {p.sample_every})")
+    _check(p.save_every >= 0, f"ppo.save_every must be >= 0 (0 = only at the end; got {p.save_every})")
     _check(p.max_bad_steps >= 0, f"ppo.max_bad_steps must be >= 0 (got {p.max_bad_steps})")
     _check(p.max_kl is None or p.max_kl > 0, f"ppo.max_kl must be > 0 or null (got {p.max_kl})")
     _one_of("reward.type", cfg.reward.type, ("model", "checker"))
     _check(cfg.reward.type != "checker" or cfg.data.path is None,
            "reward.type=checker needs the built-in task's prompts (leave data.path null)")
+    check_model_paths(cfg, "train_ppo")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:
@@ -490,6 +577,7 @@ def validate_eval(cfg: Any, world_size: int = 1) -> None:
     _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")
     _one_of("reward.type", cfg.reward.type, ("model", "checker"))
     _one_of("eval.split", e.split, ("eval", "train", "all"))
+    check_model_paths(cfg, "eval")
 
 
 VALIDATORS = {"train_rm": validate_rm, "train_ppo": validate_ppo, "eval": validate_eval}

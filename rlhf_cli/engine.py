@@ -327,7 +327,12 @@ class TrainEngine:
 
     def save(self, ckpt_dir: str, tag: str, client_state: Optional[Dict[str, Any]] = None) -> None:
         """Collective: every rank writes its shard of model, optimizer and scheduler state under ckpt_dir/tag."""
-        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+        from rlhf_cli.runs import save_error
+
+        try:
+            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+        except OSError as e:  # disk full, quota...: one line; ds/latest still names the previous checkpoint
+            raise save_error(f"the DeepSpeed checkpoint {tag}", os.path.join(ckpt_dir, tag), e) from e
 
     def load(self, ckpt_dir: str, tag: str) -> Dict[str, Any]:
         """Collective: restore model, optimizer, scheduler; returns the client_state saved with them."""

@@ -16,6 +16,7 @@ Layout shared by every stage::
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -60,9 +61,13 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
 
 
 def write_pointer(root: Path | str, stage: str, final_dir: Path | str) -> Path:
-    """Atomically point `<root>/latest_rm` (or latest_policy) at `final_dir`; returns the pointer path."""
+    """Atomically point `<root>/latest_rm` (or latest_policy) at `final_dir`; returns the pointer path.
+    Raises SaveError when it cannot be written (the old pointer is then unchanged)."""
     pointer = Path(root) / POINTERS[stage]
-    atomic_write_text(pointer, str(Path(final_dir).resolve()) + "\n")
+    try:
+        atomic_write_text(pointer, str(Path(final_dir).resolve()) + "\n")
+    except OSError as e:
+        raise save_error(f"the pointer {POINTERS[stage]}", pointer, e) from e
     return pointer
 
 
@@ -75,15 +80,46 @@ def read_pointer(root: Path | str, stage: str) -> Optional[Path]:
 
 
 def check_writable(path: Path | str) -> None:
-    """Fail before training when the output dir cannot be written (raises PermissionError naming it)."""
+    """Fail before training when the output dir cannot be made or written: creates it (and its
+    parents), then creates and removes a probe file in it. Raises PermissionError (a user error: one
+    line, exit status 2) naming the dir, the reason and the fix."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise PermissionError(f"output dir '{path}' cannot be created: '{blocker}' is a file, not a directory "
+                              f"(set paths.root to a writable directory)")
     try:
+        path.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".write-test.", dir=path)
         os.close(fd)
         os.unlink(tmp)
     except OSError as e:
-        raise PermissionError(f"output dir '{path}' is not writable: {e.strerror}") from None
+        raise PermissionError(f"output dir '{path}' is not writable: {e.strerror or e} "
+                              f"(set paths.root to a writable directory)") from None
+
+
+class SaveError(OSError):
+    """An output (checkpoint, final model, pointer file) could not be written: disk full, quota,
+    read-only file system... The message is one line for the user; `errno` is the cause's. Whatever the
+    write would have replaced is left as it was (atomic writes), so the previous checkpoint stays good."""
+
+
+_SAVE_FIXES = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk quota",
+               errno.EROFS: "move paths.root to a writable file system", errno.EACCES: "fix the permissions"}
+
+
+def save_error(what: str, path: Path | str, cause: OSError) -> SaveError:
+    """A SaveError for a failed write of `what` at `path`, e.g.
+
+        could not write the final model at runs/rm/x/final: No space left on device; nothing was replaced
+        (free disk space, then rerun with resume=true)
+    """
+    fix = _SAVE_FIXES.get(cause.errno, "fix the cause")
+    reason = cause.strerror or (os.strerror(cause.errno) if cause.errno else str(cause))
+    err = SaveError(f"could not write {what} at {path}: {reason}; nothing was replaced "
+                    f"({fix}, then rerun with resume=true)")
+    err.errno = cause.errno
+    return err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,6 +16,23 @@ Steps, in order:
   4. tokenise see tokenize.py (chat template, exact prompt/response boundary, EOS, left truncation)
 
 Every row is accounted for in the summary: rows_read = sum(kept) + sum(dropped) + unused.
+
+Hostile input, decided once:
+  - A row the file gets wrong is INVALID: a JSON-lines line that is not UTF-8, not JSON or not an object
+    (`bad_json`), a missing/null field, a wrong type, an empty response, an HH transcript without an
+    assistant turn, a lone surrogate ("\\ud800", `invalid_unicode`)... and a pair whose chosen and rejected
+    texts are identical (`identical_responses`: it carries no preference signal). Invalid rows fail the
+    load with one DataError naming the file, row and field, or are skipped and counted per reason with
+    `data.skip_invalid=true`.
+  - A VALID row the config cannot use is always dropped and counted, whatever `skip_invalid` says: a
+    response longer than `data.max_length` (`response_too_long`), a pair whose different texts
+    tokenise identically (`identical_after_truncation`, e.g. one ends in the EOS string), a repeated
+    prompt in prompt data (`duplicate_prompt`). Too-long prompts are cut from the left and counted in
+    `truncated`.
+  - Exact duplicate pairs are KEPT (a repeated row is a legitimate up-weighting) and counted in
+    `DataSummary.duplicates`.
+  - Damage to a whole file (empty, only blank lines, a truncated gzip stream, no valid row at all)
+    raises DataError in both modes: there is no row to skip.
 """
 
 from __future__ import annotations
@@ -31,8 +48,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rlhf_cli.data import builtin as builtin_task
-from rlhf_cli.data.formats import (DUPLICATE_PROMPT, PREFERENCE_FORMATS, SKIP_HINT, TEMPLATE_ERROR, DataError, Keys,
-                                   Pair, Prompt, RowError, detect_format, parse_pair, parse_prompt, required_columns)
+from rlhf_cli.data.formats import (BAD_JSON, DUPLICATE_PROMPT, PREFERENCE_FORMATS, SKIP_HINT, TEMPLATE_ERROR, DataError,
+                                   Keys, Pair, Prompt, RowError, detect_format, parse_pair, parse_prompt,
+                                   required_columns)
 from rlhf_cli.data.tokenize import Encoder, fit_pair, lengths_summary, truncate_left
 
 logger = logging.getLogger(__name__)
@@ -69,12 +87,16 @@ class DataSummary:
     lengths: Dict[str, int] = field(default_factory=dict)
     """Token-length percentiles {p50, p90, max} of prompt + longer response (prompt alone for prompt
     data), before truncation."""
+    duplicates: int = 0
+    """Kept pairs identical to an earlier kept pair (same prompt, chosen and rejected tokens), in any
+    split: kept, and counted here (prompt data drops repeated prompts instead, as `duplicate_prompt`)."""
 
     def line(self) -> str:
         kept = " / ".join(f"{k} {v}" for k, v in self.kept.items())
         dropped = ", ".join(f"{v} {k}" for k, v in sorted(self.dropped.items())) or "none"
         ln = self.lengths or lengths_summary([])
-        return (f"data: {self.source} ({self.format}, {self.rendering}): {self.rows_read} rows read, kept {kept}; "
+        dup = f" (incl. {self.duplicates} duplicate pairs)" if self.duplicates else ""
+        return (f"data: {self.source} ({self.format}, {self.rendering}): {self.rows_read} rows read, kept {kept}{dup}; "
                 f"dropped {dropped}; unused {self.unused}; prompts truncated {self.truncated}; "
                 f"tokens p50/p90/max {ln['p50']}/{ln['p90']}/{ln['max']}")
 
@@ -141,29 +163,118 @@ def _builder(path: str) -> Optional[str]:
     return next((b for ext, b in LOCAL_BUILDERS.items() if low.endswith(ext)), None)
 
 
-def _find_bad_json_line(path: str) -> Optional[str]:
-    """For a JSON-lines file that `datasets` cannot read: the first line that is not valid JSON."""
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+@dataclass
+class _BadRow:
+    """A row of a JSON file that is not a JSON object (not UTF-8, not JSON, or another JSON value).
+
+    It stays in the row list, so row numbers stay those of the file, and the loader reports it as its
+    row's error or counts it under `bad_json` like any other invalid row."""
+
+    detail: str
+
+
+@dataclass
+class _Raw:
+    """What one source holds before parsing: rows (dicts, or _BadRow for unreadable JSON rows), the
+    union of their columns, and for JSON lines the 1-based file line of each row (blank lines are
+    not rows, so a row's number and its line differ after one)."""
+
+    name: str
+    columns: List[str]
+    rows: List[Any]
+    lines: Optional[List[int]] = None
+
+
+def _json_row(raw: bytes) -> Any:
+    """One JSON-lines line -> its object, or a _BadRow saying why it is not one."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _BadRow(f"not valid UTF-8 (byte {e.start} is {raw[e.start:e.start + 1]!r})")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        return _BadRow("not valid JSON (nested too deeply)")
+    except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
+        where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        return _BadRow(f"not valid JSON ({getattr(e, 'msg', str(e))}{where})")
+    if not isinstance(value, dict):
+        return _BadRow(f"not a JSON object (a JSON {_json_type(value)})")
+    return value
+
+
+def _read_json(path: str, name: str) -> _Raw:
+    """Read a .json/.jsonl file (optionally gzip-compressed) with the json module.
+
+    JSON lines are parsed one line at a time, so a bad line is one bad row (reported with its row
+    number, or skipped and counted) instead of a failure of the whole file as with `datasets`; a UTF-8
+    BOM at the start is ignored; blank lines are not rows. A `.json` file whose content starts with `[`
+    is one array of row objects. Damage to the file as a whole (a truncated or corrupt gzip stream, a
+    broken array) raises DataError.
+    """
     import gzip
+    import zlib
 
     opener = gzip.open if path.lower().endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        json.loads(line)
-                    except json.JSONDecodeError as e:
-                        return f"row {i}: not valid JSON ({e.msg})"
-    except (OSError, UnicodeDecodeError) as e:
-        return f"cannot read it ({e})"
-    return None
+        with opener(path, "rb") as fh:
+            data = fh.read()
+    except EOFError:
+        raise DataError(name, "the compressed file is truncated (it ends before the end of its gzip stream); "
+                              "download or compress it again") from None
+    except (OSError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise DataError(name, f"cannot read the file ({e})") from None
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    json_lines = path.lower().endswith((".jsonl", ".jsonl.gz"))
+    if not json_lines and data.lstrip()[:1] == b"[":
+        return _read_json_array(data, name)
+    rows, lines = [], []
+    for i, raw in enumerate(data.split(b"\n"), 1):
+        if raw.strip():
+            rows.append(_json_row(raw))
+            lines.append(i)
+    if not json_lines and len(rows) > 1 and isinstance(rows[0], _BadRow) and _is_one_object(data):
+        raise DataError(name, "holds a single JSON object spread over several lines; write an array of row "
+                              "objects, or one object per line (JSON lines)")
+    columns = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
+    return _Raw(name, columns, rows, lines)
 
 
-def read_rows(path: str, split: str = "train") -> Tuple[str, List[str], List[Dict[str, Any]]]:
-    """Read a local data file or a hub dataset through `datasets`: (name for messages, columns, rows).
+def _is_one_object(data: bytes) -> bool:
+    try:
+        return isinstance(json.loads(data.decode("utf-8")), dict)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return False
 
-    Local files have a single `train` split; `split` applies to hub datasets. Raises DataError.
-    """
+
+def _read_json_array(data: bytes, name: str) -> _Raw:
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(name, f"not valid UTF-8 (byte {e.start})") from None
+    except RecursionError:
+        raise DataError(name, "not valid JSON (nested too deeply)") from None
+    except ValueError as e:
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise DataError(name, f"not valid JSON ({getattr(e, 'msg', str(e))}{where})") from None
+    if not isinstance(value, list):
+        raise DataError(name, "expected an array of row objects, or one JSON object per line")
+    rows = [v if isinstance(v, dict) else _BadRow(f"not a JSON object (a JSON {_json_type(v)})") for v in value]
+    return _Raw(name, list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r)), rows)
+
+
+def _read(path: str, split: str = "train") -> _Raw:
+    """Read a local file or directory, or a hub dataset: see `read_rows`. JSON files keep unreadable
+    rows as _BadRow entries."""
     from datasets import load_dataset
 
     local = os.path.expanduser(path)
@@ -172,12 +283,13 @@ def read_rows(path: str, split: str = "train") -> Tuple[str, List[str], List[Dic
         builder = _builder(local)
         if builder is None:
             raise DataError(name, f"unsupported file type; use one of {', '.join(LOCAL_BUILDERS)}")
+        if builder == "json":
+            return _read_json(local, name)
         try:
             with _quiet_datasets():
                 ds = load_dataset(builder, data_files=local, split="train")
         except Exception as e:  # datasets wraps parser errors in several exception types
-            where = _find_bad_json_line(local) if builder == "json" else None
-            raise DataError(name, where or f"cannot read the file: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            raise DataError(name, f"cannot read the file: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     elif os.path.isdir(local):
         name = os.path.basename(os.path.normpath(local))
         try:
@@ -195,7 +307,21 @@ def read_rows(path: str, split: str = "train") -> Tuple[str, List[str], List[Dic
         except Exception as e:
             raise DataError(path, f"not a local file, and loading it from the hub failed "
                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
-    return name, list(ds.column_names), ds.to_list()
+    return _Raw(name, list(ds.column_names), ds.to_list())
+
+
+def read_rows(path: str, split: str = "train") -> Tuple[str, List[str], List[Dict[str, Any]]]:
+    """Read a local data file or a hub dataset: (name for messages, columns, rows).
+
+    .json/.jsonl(.gz) files are read with the json module, parquet/csv files, directories and hub
+    datasets through `datasets`. Local files have a single `train` split; `split` applies to hub
+    datasets. Raises DataError, also for the first row of a JSON file that is not a JSON object.
+    """
+    raw = _read(path, split)
+    for i, row in enumerate(raw.rows, 1):
+        if isinstance(row, _BadRow):
+            raise DataError(raw.name, row.detail, row=i, reason=BAD_JSON, hint=SKIP_HINT)
+    return raw.name, raw.columns, raw.rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,8 +331,16 @@ def read_rows(path: str, split: str = "train") -> Tuple[str, List[str], List[Dic
 def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
     """Read and validate one source; `want` is `pairs` or `prompts`."""
     keys = Keys.from_cfg(data_cfg)
-    name, columns, rows = read_rows(path, data_cfg.split)
-    fmt = data_cfg.format if data_cfg.format != "auto" else detect_format(columns, rows, keys, name)
+    raw = _read(path, data_cfg.split)
+    name, columns, rows = raw.name, raw.columns, raw.rows
+    if not rows:
+        raise DataError(name, "holds no rows (the file is empty or has only blank lines)")
+    records = [r for r in rows if isinstance(r, dict)]
+    if not records:  # not one readable row: report the first, or say that all were skipped
+        if not data_cfg.skip_invalid:
+            raise DataError(name, rows[0].detail, row=1, reason=BAD_JSON, hint=SKIP_HINT)
+        raise DataError(name, f"no valid rows: all {len(rows)} rows are skipped as {BAD_JSON}")
+    fmt = data_cfg.format if data_cfg.format != "auto" else detect_format(columns, records, keys, name)
     if want == "pairs" and fmt not in PREFERENCE_FORMATS:
         raise DataError(name, f"format '{fmt}' holds prompts only; reward-model training needs chosen/rejected "
                               f"pairs (data.format one of {', '.join(PREFERENCE_FORMATS)} or auto)")
@@ -218,6 +352,8 @@ def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
     items, dropped = [], Counter()
     for i, row in enumerate(rows, 1):
         try:
+            if isinstance(row, _BadRow):
+                raise RowError(None, BAD_JSON, row.detail)
             if want == "pairs":
                 item = parse_pair(row, fmt, keys)
                 item.row = i
@@ -225,10 +361,15 @@ def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
                 item = (i, parse_prompt(row, fmt, keys))
         except RowError as e:
             if not data_cfg.skip_invalid:
-                raise DataError(name, e.detail, row=i, field=e.field, reason=e.reason, hint=SKIP_HINT) from None
+                line = raw.lines[i - 1] if raw.lines else i
+                detail = e.detail if line == i else f"{e.detail} (line {line} of the file)"
+                raise DataError(name, detail, row=i, field=e.field, reason=e.reason, hint=SKIP_HINT) from None
             dropped[e.reason] += 1
             continue
         items.append(item)
+    if not items:
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(dropped.items()))
+        raise DataError(name, f"no valid rows: all {len(rows)} rows are skipped ({counts})")
     return _Parsed(name, fmt, len(rows), items, dropped)
 
 
@@ -394,10 +535,19 @@ def load_preference_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str]
     for split, pairs in chosen.items():
         out[split] = _tokenize_pairs(pairs, encoder, data_cfg, drops, lengths, summary)
         summary.kept[split] = len(out[split])
+    summary.duplicates = count_duplicates(out["train"] + out["eval"])
     summary.dropped = dict(drops)
     summary.lengths = lengths_summary(lengths)
     logger.info(summary.line())
     return PreferenceData(train=out["train"], eval=out["eval"], summary=summary)
+
+
+def count_duplicates(examples: Sequence[Dict[str, Any]]) -> int:
+    """How many tokenised pairs repeat an earlier one exactly (prompt, chosen and rejected ids)."""
+    seen = set()
+    for ex in examples:
+        seen.add((tuple(ex["prompt_ids"]), tuple(ex["chosen_ids"]), tuple(ex["rejected_ids"])))
+    return len(examples) - len(seen)
 
 
 def _render(encoder: Encoder, rows_prompts: List[Tuple[int, Prompt]], data_cfg: Any, drops: Counter,

@@ -22,6 +22,8 @@ is the same text stripped of surrounding whitespace, used as the assistant messa
 
 Invalid rows raise `RowError(field, reason, detail)`; the loader turns it into a `DataError` naming the
 file, the 1-based row and the field, or (with `data.skip_invalid=true`) counts it under `reason`.
+Every string that reaches the tokenizer is checked to be encodable text: JSON can spell a lone UTF-16
+surrogate ("\\ud800"), which Python keeps but no tokenizer accepts (`invalid_unicode`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ ASSISTANT = "\n\nAssistant:"
 _TURN_RE = re.compile(r"\n\n(Human|Assistant):")
 _HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 _RAW_ROLES = {"user": "Human", "assistant": "Assistant", "system": "System"}
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 # reasons a row is rejected (the keys of the drop counters)
+BAD_JSON = "bad_json"
+"""A line of a JSON-lines file that is not valid UTF-8, not valid JSON, or not a JSON object."""
 MISSING_FIELD = "missing_field"
 NOT_STRING = "not_string"
 BAD_MESSAGES = "bad_messages"
@@ -51,6 +56,7 @@ IDENTICAL_RESPONSES = "identical_responses"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 PREFIX_MISMATCH = "prefix_mismatch"
 BAD_MARGIN = "bad_margin"
+INVALID_UNICODE = "invalid_unicode"
 # reasons a valid row is dropped later (tokenisation / selection)
 RESPONSE_TOO_LONG = "response_too_long"
 IDENTICAL_AFTER_TRUNCATION = "identical_after_truncation"
@@ -66,6 +72,8 @@ class DataError(ValueError):
 
         harmless-base-test.jsonl.gz row 87, field 'chosen': empty final assistant response
         (set data.skip_invalid=true to skip such rows)
+
+    A row-level problem without a field (a line that is not JSON) reads `data.jsonl: row 3: not valid JSON ...`.
     """
 
     def __init__(self, source: str, detail: str, *, row: Optional[int] = None, field: Optional[str] = None,
@@ -73,7 +81,7 @@ class DataError(ValueError):
         self.source, self.detail, self.row, self.field, self.reason = source, detail, row, field, reason
         where = source
         if row is not None:
-            where += f" row {row}"
+            where += f" row {row}" if field is not None else f": row {row}"
         if field is not None:
             where += f", field '{field}'" if row is not None else f" field '{field}'"
         msg = f"{where}: {detail}"
@@ -83,9 +91,10 @@ class DataError(ValueError):
 
 
 class RowError(Exception):
-    """One row is invalid: `field` (column name), `reason` (counter key) and a human `detail`."""
+    """One row is invalid: `field` (column name; None when the row itself is unreadable), `reason`
+    (counter key) and a human `detail`."""
 
-    def __init__(self, field: str, reason: str, detail: str):
+    def __init__(self, field: Optional[str], reason: str, detail: str):
         super().__init__(detail)
         self.field, self.reason, self.detail = field, reason, detail
 
@@ -183,13 +192,23 @@ def required_columns(fmt: str, keys: Keys, columns: Sequence[str]) -> List[str]:
 # field helpers
 
 
+def _text(value: str, key: str) -> str:
+    """`value` unchanged, or RowError(invalid_unicode) when it holds a lone surrogate (from a JSON
+    escape such as "\\ud800"): Python keeps such strings, but they are not text a tokenizer can encode."""
+    bad = _SURROGATE_RE.search(value)
+    if bad:
+        raise RowError(key, INVALID_UNICODE, f"unpaired UTF-16 surrogate \\u{ord(bad.group()):04x} at character "
+                                             f"{bad.start()}: not valid Unicode text")
+    return value
+
+
 def _string(row: Dict[str, Any], key: str) -> str:
     value = row.get(key)
     if value is None:
         raise RowError(key, MISSING_FIELD, "missing or null")
     if not isinstance(value, str):
         raise RowError(key, NOT_STRING, f"expected a string, got {type(value).__name__}")
-    return value
+    return _text(value, key)
 
 
 def _messages(value: Any, key: str) -> List[Dict[str, str]]:
@@ -201,7 +220,7 @@ def _messages(value: Any, key: str) -> List[Dict[str, str]]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise RowError(key, BAD_MESSAGES, f"message {i} is not a {{role: str, content: str}} dict")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": _text(m["role"], key), "content": _text(m["content"], key)})
     return out
 
 
@@ -333,7 +352,7 @@ def _conversation_prompt(row: Dict[str, Any], keys: Keys) -> List[Dict[str, str]
         return []
     value = row[keys.prompt]
     if isinstance(value, str):
-        return text_prompt(value).messages
+        return text_prompt(_text(value, keys.prompt)).messages
     return _messages(value, keys.prompt)
 
 

@@ -4,6 +4,7 @@
     read_reward_stats(path) -> (mean, std) | None            reward normalisation stored by train-rm
     is_scalar_model_dir(path) -> bool                          reward model / critic, or not
     require_scalar_model_dir(path, what)                       the same, as a one-line error
+    model_architectures(path) -> list[str]                     what a local model path holds, without loading it
 
 A saved policy loads with `AutoModelForCausalLM.from_pretrained(dir)`, a saved reward model with
 `AutoModelForSequenceClassification.from_pretrained(dir)` (num_labels=1, pad_token_id set); the
@@ -19,7 +20,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from rlhf_cli.models.loading import ModelSourceError, atomic_dir, fix_pad_token, resolve_hf_dir
+from rlhf_cli.models.loading import ModelSourceError, atomic_dir, fix_pad_token, looks_like_hub_id, resolve_hf_dir
+from rlhf_cli.runs import save_error
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,8 @@ def save_hf(
     """Write `model` (safetensors + config.json [+ generation_config.json]) and `tokenizer` to `out_dir`.
 
     The dir is written as a temp sibling and renamed into place, so a crash leaves any previous
-    `out_dir` intact. The saved config has no `quantization_config`, `pad_token_id` = the
+    `out_dir` intact, and a failed write (disk full, quota...) raises runs.SaveError, one line, with
+    nothing replaced. The saved config has no `quantization_config`, `pad_token_id` = the
     tokenizer's pad, and for scalar models `num_labels=1`; `extra_config` entries (JSON values, e.g.
     `{"rlhf_reward_mean": 0.1, "rlhf_reward_std": 1.3}`) become config.json keys. The live model's
     config is not changed. `state_dict` overrides the weights written (e.g. gathered ZeRO-3 ones).
@@ -71,6 +74,8 @@ def save_hf(
         with atomic_dir(out) as tmp:
             model.save_pretrained(str(tmp), state_dict=state_dict)
             tokenizer.save_pretrained(str(tmp))
+    except OSError as e:  # disk full, quota, read-only: one line; the previous `out` is untouched
+        raise save_error(f"the {type(model).__name__} checkpoint", out, e) from e
     finally:
         model.config = live_config
         if live_gen is not None:
@@ -113,11 +118,33 @@ def is_scalar_model_dir(path: str | os.PathLike) -> bool:
     return bool(config) and any(_is_scalar_class(a) for a in config.get("architectures") or [])
 
 
+def model_architectures(path: str | os.PathLike) -> list[str]:
+    """The `architectures` of the model at a local path (run dir, `final/` dir, model dir or pointer
+    file), read from its config.json: e.g. ["LlamaForCausalLM"]; [] when the config names none.
+
+    Raises ModelSourceError (one line) when the path does not exist, holds no model, or its config.json
+    is not readable JSON. Hub ids are not looked up here.
+    """
+    resolved = Path(resolve_hf_dir(str(path)))
+    cfg_file = resolved / "config.json"
+    if not cfg_file.is_file():
+        raise ModelSourceError(f"'{path}' holds a tokenizer but no model (no config.json)")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"{cfg_file} is not readable JSON ({e})") from None
+    return list(config.get("architectures") or []) if isinstance(config, dict) else []
+
+
 def require_scalar_model_dir(path: str | os.PathLike, what: str = "reward model") -> str:
     """The resolved dir of a scalar model, or a one-line ModelSourceError saying what `path` holds."""
     config = _read_config(path)
     if config is None:
-        raise ModelSourceError(f"{what} '{path}' holds no model (no config.json)")
+        local = Path(str(path)).expanduser()
+        why = ("no config.json" if local.exists() else "the path does not exist" if not looks_like_hub_id(str(path))
+               else "not a local path, and not a model in the hub cache")
+        raise ModelSourceError(f"{what} '{path}' holds no model ({why}); point it at the output of `rlhf train-rm` "
+                               f"(a run dir or its final/) or an HF reward-model dir")
     archs = config.get("architectures") or []
     if not any(_is_scalar_class(a) for a in archs):
         kind = ", ".join(archs) or "no architecture"

@@ -128,18 +128,26 @@ def load_tokenizer(model_cfg: Any) -> Any:
     return fix_pad_token(tok)
 
 
+def looks_like_hub_id(spec: str) -> bool:
+    """Whether a path that does not exist locally may be a hub id (`name` or `org/name`)."""
+    return not spec.startswith((".", "/", "~")) and spec.count("/") <= 1
+
+
 def resolve_hf_dir(spec: str) -> str:
     """A local HF model dir for `spec`: a run dir (→ its `final/`), a model dir, or a hub id as-is."""
     p = Path(spec).expanduser()
     if p.is_file() and p.name.startswith("latest_"):  # pointer file
         p = Path(p.read_text().strip())
+        if not p.exists():
+            raise ModelSourceError(f"pointer '{spec}' names '{p}', which does not exist")
     if p.is_dir():
         if (p / "final" / "config.json").is_file():
             return str(p / "final")
         if (p / "config.json").is_file() or (p / "tokenizer_config.json").is_file():
             return str(p)
-        raise ModelSourceError(f"'{spec}' is a directory but holds no model (no config.json, no final/config.json)")
-    if p.exists() or spec.startswith((".", "/", "~")):
+        raise ModelSourceError(f"'{spec}' is a directory but holds no model (no config.json, no final/config.json; "
+                               f"a run that has not finished has no final/ yet)")
+    if p.exists() or not looks_like_hub_id(spec):
         raise ModelSourceError(f"model path '{spec}' does not exist")
     return spec  # a hub id
 
@@ -173,8 +181,13 @@ def atomic_dir(target: Path, overwrite: bool = True) -> Iterator[Path]:
                 return
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / target.name)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(old / target.name, target)  # put the previous dir back
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
     finally:

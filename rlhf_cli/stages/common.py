@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlhf_cli import engine
-from rlhf_cli.runs import atomic_write_text, check_writable, get_status, set_status
+from rlhf_cli.runs import atomic_write_text, check_writable, get_status, save_error, set_status
 
 log = logging.getLogger(__name__)
 console = Console(stderr=False)
@@ -103,17 +103,29 @@ def latest_tag(run_dir: Path) -> Optional[str]:
     return tag if (ckpt_dir(run_dir) / tag).is_dir() else None
 
 
+def _tag_step(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
 def commit_checkpoint(run_dir: Path, tag: str, keep: int = 2) -> None:
     """After every rank has written `tag`, point `ds/latest` at it atomically and prune old tags.
 
-    A crash before this leaves the previous `latest` (and its files) intact and loadable.
+    A crash or a failed save before this leaves the previous `latest` (and its files) intact and
+    loadable. Tags past `tag` are leftovers of an abandoned attempt (a save that failed half-way, or
+    later checkpoints of a run since resumed from an earlier one) and are removed. Raises
+    runs.SaveError when `ds/latest` cannot be written (it then still names the previous tag).
     """
     engine.barrier()
     if engine.is_main():
-        atomic_write_text(ckpt_dir(run_dir) / "latest", tag + "\n")
+        latest = ckpt_dir(run_dir) / "latest"
+        try:
+            atomic_write_text(latest, tag + "\n")
+        except OSError as e:
+            raise save_error(f"the checkpoint pointer for {tag}", latest, e) from e
+        step = int(tag.split("-")[1])
         tags = sorted((p for p in ckpt_dir(run_dir).iterdir() if p.is_dir() and p.name.startswith("step-")),
-                      key=lambda p: int(p.name.split("-")[1]))
-        for old in tags[:-keep]:
+                      key=_tag_step)
+        for old in [p for p in tags if _tag_step(p) > step] + [p for p in tags if _tag_step(p) <= step][:-keep]:
             if old.name != tag:
                 shutil.rmtree(old, ignore_errors=True)
     engine.barrier()
@@ -141,3 +153,23 @@ def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     with engine.autocast(precision):
         return torch.cat([sequence_rewards(model, input_ids[i:i + batch_size], attention_mask[i:i + batch_size]).float()
                           for i in range(0, input_ids.shape[0], batch_size)])
+
+
+def check_same_tokenizer(tokenizer: Any, model_path: str, what: str) -> None:
+    """Raise ConfigError when the model at `model_path` was trained with another tokenizer than `tokenizer`
+    (its scores of our token ids would be meaningless): a different vocabulary, or the same tokens under
+    different ids. The message names the first tokens that differ."""
+    from transformers import AutoTokenizer
+
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.models import resolve_hf_dir
+
+    theirs, ours = AutoTokenizer.from_pretrained(resolve_hf_dir(model_path)).get_vocab(), tokenizer.get_vocab()
+    if theirs == ours:
+        return
+    only = sorted(set(theirs) ^ set(ours))[:3]
+    moved = sorted(t for t in set(theirs) & set(ours) if theirs[t] != ours[t])[:3]
+    detail = (f"tokens in one but not the other: {only}" if only else
+              f"same tokens under different ids: {[(t, ours[t], theirs[t]) for t in moved]}")
+    raise ConfigError(f"the {what} at {model_path} uses a different tokenizer than the policy ({len(theirs)} vs "
+                      f"{len(ours)} tokens; {detail}): train the {what} from the same base model as the policy")

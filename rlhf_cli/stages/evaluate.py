@@ -32,7 +32,14 @@ from rlhf_cli.models import (
 )
 from rlhf_cli.report import Section, Table, build_report, plot_rewards, print_summary, summary_table, write_html
 from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
-from rlhf_cli.stages.common import batched_rewards, console, prepare_run_dir, print_table, seed_everything
+from rlhf_cli.stages.common import (
+    batched_rewards,
+    check_same_tokenizer,
+    console,
+    prepare_run_dir,
+    print_table,
+    seed_everything,
+)
 from rlhf_cli.stages.ppo import policy_forward, prompt_seed, sample_responses
 from rlhf_cli.stages.rm import pair_metrics, score_pairs
 
@@ -135,7 +142,9 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
     reference = load_causal_lm(ref_cfg, cfg.precision, ref_seed, tokenizer=tokenizer)
     reward_model = None
     if rm_path is not None and cfg.reward.type == "model":
-        reward_model = load_scalar_model(require_scalar_model_dir(rm_path, "reward model"), cfg.precision, cfg.seed)
+        rm_dir = require_scalar_model_dir(rm_path, "reward model")
+        check_same_tokenizer(tokenizer, rm_dir, "reward model")
+        reward_model = load_scalar_model(rm_dir, cfg.precision, cfg.seed)
     dev = engine.device()
     policy.to(dev).eval(); reference.to(dev).eval()
     if reward_model is not None:

@@ -57,6 +57,7 @@ from rlhf_cli.models import (
 from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status, write_pointer
 from rlhf_cli.stages.common import (
     batched_rewards,
+    check_same_tokenizer,
     ckpt_dir,
     commit_checkpoint,
     epoch_order,
@@ -339,7 +340,7 @@ class PPOTrainer:
         self.reward_model = None
         self.reward_stats = None
         if self.rm_path is not None:
-            self._check_same_tokenizer(self.rm_path)
+            check_same_tokenizer(self.tokenizer, self.rm_path, "reward model")
             self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed), self.precision,
                                                    offload=p.offload_reference)
             self.reward_stats = read_reward_stats(self.rm_path)
@@ -365,14 +366,6 @@ class PPOTrainer:
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
-
-    def _check_same_tokenizer(self, rm_path: str) -> None:
-        from transformers import AutoTokenizer
-
-        rm_tok = AutoTokenizer.from_pretrained(resolve_hf_dir(rm_path))
-        if rm_tok.get_vocab() != self.tokenizer.get_vocab():
-            raise ConfigError(f"the reward model at {rm_path} uses a different tokenizer than the policy "
-                              f"({len(rm_tok)} vs {len(self.tokenizer)} tokens): train the reward model from the same base model")
 
     # -- rollout -----------------------------------------------------------------------------
     def prompt_batch(self, iteration: int) -> Tuple[List[Dict[str, Any]], List[int]]:
