@@ -325,8 +325,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
     notes = [f"hardware: a ({rows} x {init['hidden_size']}) @ ({init['hidden_size']} x {init['intermediate_size']}) "
              f"matmul (a micro-batch's tokens through an MLP projection) timed on this machine just before the runs; "
              f"model FLOP/s = 6 x N x real tokens/s (forward + backward, N = non-embedding params)",
-             f"held-out accuracy: both final models scored by rlhf_cli.stages.rm.score_pairs (ours inside "
-             f"`rlhf train-rm`, TRL's saved model here); ties count as wrong",
+             "held-out accuracy: both final models scored by rlhf_cli.stages.rm.score_pairs (ours inside "
+             "`rlhf train-rm`, TRL's saved model here); ties count as wrong",
              f"benchmark preparation (init model, data) {prep_s:.0f} s; logs and runs under {work}"]
     print("\n".join(header + [""] + table.lines() + [""] + notes))
     C.write_outputs(args.out, header, table, notes, {

@@ -50,7 +50,6 @@ from rlhf_cli.models import (
     load_tokenizer,
     read_reward_stats,
     require_scalar_model_dir,
-    resolve_hf_dir,
     response_values,
     save_hf,
 )
