@@ -51,6 +51,8 @@ def metrics(root, stage):
 
 def assert_same_metrics(a, b, keys):
     assert [r["step"] for r in a] == [r["step"] for r in b]
+    for key in keys:  # a renamed metric must not pass by being absent
+        assert any(r.get(key) is not None for r in a), key
     for ra, rb in zip(a, b):
         for key in keys:
             if ra.get(key) is not None:

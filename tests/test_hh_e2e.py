@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import HH_PATH, REPO, require
+from conftest import HH_PATH, REPO, SMOLLM2, require
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
 SMALL = ["experiment=hh_smollm2", "tensorboard=false", "data.max_samples=40", "data.max_length=192",
@@ -36,6 +36,12 @@ def only_run(root, stage):
 @pytest.mark.slow
 def test_hh_smollm2_chain_few_steps(tmp_path):
     require(os.path.isfile(HH_PATH), f"HH data not found at {HH_PATH}")
+    from rlhf_cli.models.loading import ModelSourceError, resolve_gguf
+
+    try:
+        resolve_gguf(SMOLLM2)
+    except ModelSourceError as e:
+        require(False, str(e))
     root = f"paths.root={tmp_path}"
     rlhf("train-rm", *SMALL, root, "rm.max_steps=2", "rm.batch_size=4", "rm.micro_batch_size=4",
          "rm.eval_every=0", "rm.save_every=0", "rm.eval_batch_size=8")

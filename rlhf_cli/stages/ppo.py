@@ -16,12 +16,15 @@ response token t; values[:, t] is the critic's head at the same column (see mode
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -175,10 +178,17 @@ def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> Tuple[to
     return cleaned, mask, is_eos.any(dim=1)
 
 
-@torch.no_grad()
 def prompt_seed(*keys: int) -> int:
-    """A 63-bit seed from integer keys, e.g. (run seed, iteration, prompt index); any keys, any order of calls."""
-    return int(np.random.SeedSequence([int(k) % 2**63 for k in keys]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    """A 63-bit seed from non-negative integer keys, e.g. (run seed, iteration, position in the rollout).
+
+    Each key is encoded as two 32-bit words after a tag and the key count, so (s, j) and (s, j, 0), or keys
+    that differ only across a 32-bit boundary, give different seeds.
+    """
+    words = [0x5EED, len(keys)]
+    for k in keys:
+        k = int(k) % 2**64
+        words += [k & 0xFFFFFFFF, k >> 32]
+    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 class PerRowSampler(LogitsProcessor):
@@ -186,23 +196,30 @@ class PerRowSampler(LogitsProcessor):
 
     argmax(logits / T + g), g ~ Gumbel(0, 1) i.i.d., is a sample from softmax(logits / T) (Gumbel 1954;
     Maddison et al. 2014); tokens a top-p filter set to -inf are never drawn. Each row draws its noise from
-    its own `torch.Generator`, so a prompt's sample depends only on its seed, not on which rows share its
-    batch, the chunk size or the number of ranks (up to float differences in the logits).
+    its own `torch.Generator` on the scores' device, so a prompt's sample depends only on its seed, not on
+    which rows share its batch, the chunk size or the number of ranks (up to float differences in the
+    logits). The noise is float32: u in [2^-24, 1 - 2^-24] truncates the Gumbel tail at ~16.6 (an event of
+    probability ~6e-8 per token and row).
 
     seeds: one int per row of the `generate` batch. Scores (B, V) float; returns scores + noise, same shape.
     """
 
     def __init__(self, seeds: Sequence[int]) -> None:
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.seeds = [int(s) for s in seeds]
+        self.generators: List[torch.Generator] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if scores.shape[0] != len(self.generators):
-            raise ValueError(f"PerRowSampler: {scores.shape[0]} rows but {len(self.generators)} seeds")
-        u = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators])
-        gumbel = -torch.log(-torch.log(u.clamp(min=1e-300)))
-        return scores + gumbel.to(scores.device, scores.dtype)
+        if scores.shape[0] != len(self.seeds):
+            raise ValueError(f"PerRowSampler: {scores.shape[0]} rows but {len(self.seeds)} seeds")
+        if not self.generators:
+            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        V, dev = scores.shape[-1], scores.device
+        u = torch.stack([torch.rand(V, generator=g, device=dev) for g in self.generators])
+        u = u.clamp(2.0**-24, 1.0 - 2.0**-24)
+        return scores + (-torch.log(-torch.log(u))).to(scores.dtype)
 
 
+@torch.no_grad()
 def sample_responses(
     lm: Any, prompts: List[Dict[str, Any]], pad_id: int, eos_id: int, max_new_tokens: int, temperature: float,
     top_p: float, precision: str, chunk: int = 32, seeds: Optional[Sequence[int]] = None,
@@ -226,24 +243,29 @@ def sample_responses(
         seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
     elif len(seeds) != len(prompts):
         raise ValueError(f"sample_responses: {len(seeds)} seeds for {len(prompts)} prompts")
-    # greedy decoding over warped, noised scores == sampling; a fresh config: a checkpoint's own
-    # generation_config (repetition penalty, min_p, ...) would change the distribution sampled
+    # greedy decoding over warped, noised scores == sampling
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
                                   pad_token_id=pad_id, use_cache=True)
     warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
-    was_training = lm.training
+    was_training, model_gen_config = lm.training, lm.generation_config
     lm.eval()
+    # HF fills every option our config leaves unset from the model's own generation_config (repetition
+    # penalty, suppressed tokens, beams...): a blank one for the duration, so nothing but ours applies
+    lm.generation_config = GenerationConfig()
     outs = []
-    with engine.autocast(precision):
-        for i in range(0, len(prompts), chunk):
-            processors = LogitsProcessorList([*warpers, PerRowSampler(seeds[i:i + chunk])])
-            out = lm.generate(input_ids=prompt_ids[i:i + chunk], attention_mask=prompt_mask[i:i + chunk],
-                              generation_config=gen_config, logits_processor=processors)
-            resp = out[:, P:]
-            if resp.shape[1] < max_new_tokens:  # every chunk to the same width
-                resp = torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
-            outs.append(resp)
-    lm.train(was_training)
+    try:
+        with engine.autocast(precision):
+            for i in range(0, len(prompts), chunk):
+                processors = LogitsProcessorList([*warpers, PerRowSampler(seeds[i:i + chunk])])
+                out = lm.generate(input_ids=prompt_ids[i:i + chunk], attention_mask=prompt_mask[i:i + chunk],
+                                  generation_config=gen_config, logits_processor=processors)
+                resp = out[:, P:]
+                if resp.shape[1] < max_new_tokens:  # every chunk to the same width
+                    resp = torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
+                outs.append(resp)
+    finally:
+        lm.generation_config = model_gen_config
+        lm.train(was_training)
     responses, rmask, has_eos = response_mask(torch.cat(outs), eos_id, pad_id)
     R = max(int(rmask.sum(1).max().item()), 1)  # drop all-pad columns
     input_ids = torch.cat([prompt_ids, responses[:, :R]], dim=1)
@@ -555,6 +577,32 @@ class PPOTrainer:
         return engine.reduce_stats(stats)
 
 
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[List[int]]:
+    """SIGINT/SIGTERM inside the block are recorded (in the yielded list), not raised, so the block runs to
+    its end; a second signal raises KeyboardInterrupt at once. Outside the main thread: no change."""
+    pending: List[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
+
+    def record(signum: int, frame: Any) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+        log.warning("interrupt received: finishing this iteration's update, then saving a checkpoint "
+                    "(interrupt again to stop now, without one)")
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, record)
+    try:
+        yield pending
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Set every dropout probability to 0 so that the rollout's old logprobs and values and the
     training forward see the same function (TRL and OpenRLHF do the same)."""
@@ -620,7 +668,8 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
 
     # 3. loop
     progress = Progress(p.iterations, "train-ppo", PROGRESS_KEYS, enabled=engine.is_main(), start=start)
-    it = start
+    done = start  # iterations complete: the weights of a checkpoint taken now
+    updating = False
     record: Dict[str, float] = {}
     try:
         for it in range(start, p.iterations):
@@ -628,19 +677,31 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
             if p.max_kl is not None and roll_stats["objective/kl"] > p.max_kl:
                 raise FloatingPointError(f"aborting at iteration {it + 1}: KL to the reference is "
                                          f"{roll_stats['objective/kl']:.2f} nats/sequence > ppo.max_kl={p.max_kl}")
-            train_stats = tr.train_on(exp, it)
+            # a checkpoint mid-update would hold half an iteration's weights: a Ctrl-C/SIGTERM here lets
+            # the update finish (a second one stops at once, without a checkpoint)
+            with deferred_interrupts() as pending:
+                updating = True
+                train_stats = tr.train_on(exp, it)
+                updating = False
             tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size)
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
             metrics.log(it + 1, record)
             if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:
                 _log_samples(run_dir, it + 1, samples)
             progress.update(1, record)
-            if p.save_every and (it + 1) % p.save_every == 0 and it + 1 < p.iterations:
-                save_checkpoint(tr, run_dir, it + 1)
+            done = it + 1
+            if p.save_every and done % p.save_every == 0 and done < p.iterations:
+                save_checkpoint(tr, run_dir, done)
+            if engine.all_reduce_sum(torch.tensor(float(bool(pending)))).item() > 0:  # every rank stops together
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         progress.close()
-        log.warning("interrupted at iteration %d: saving a checkpoint before exit", it)
-        save_checkpoint(tr, run_dir, it)
+        if updating:
+            log.warning("stopped in the middle of iteration %d's update: no checkpoint of it (resume=true "
+                        "continues from the last one)", done + 1)
+            raise
+        log.warning("interrupted after %d iterations: saving a checkpoint before exit", done)
+        save_checkpoint(tr, run_dir, done)
         raise
     except FloatingPointError as e:
         progress.close()
@@ -650,7 +711,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     progress.close()
 
     # 4. save
-    save_checkpoint(tr, run_dir, p.iterations)
+    save_checkpoint(tr, run_dir, done)  # done > ppo.iterations when a longer run is resumed with fewer
     final = run_dir / "final"
     actor_sd = tr.actor.consolidated_state_dict()
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
@@ -675,7 +736,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
             os.replace(run_dir / "critic", final / "critic")
         (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         pointer = write_pointer(cfg.paths.root, "ppo", final)
-        set_status(run_dir, "finished", final=str(final.resolve()), iterations=p.iterations)
+        set_status(run_dir, "finished", final=str(final.resolve()), iterations=done)
         print_table("train-ppo finished", {k: record.get(k) for k in
                                            ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")}
                     | {"checkpoint": str(final), "pointer": str(pointer)})
@@ -701,8 +762,11 @@ def _log_samples(run_dir: Path, iteration: int, samples: Dict[str, Any]) -> None
 
 
 def save_checkpoint(tr: PPOTrainer, run_dir: Path, iteration: int) -> None:
-    """Resumable checkpoint `ds/step-<iteration>/{actor,critic}`; `ds/latest` moves once both are written."""
+    """Resumable checkpoint `ds/step-<iteration>/{actor,critic}`; `ds/latest` moves once both are written.
+    A no-op when `ds/latest` already is that iteration (nothing changed since: never rewrite the good one)."""
     tag = f"step-{iteration}"
+    if latest_tag(run_dir) == tag:
+        return
     state = {"iteration": iteration, "kl_ctl": tr.kl_ctl.state_dict(), "rng": rng_state(), "bad_steps": tr.bad_steps}
     tr.actor.save(str(ckpt_dir(run_dir) / tag), "actor", state)
     if tr.critic is not None:

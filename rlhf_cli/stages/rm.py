@@ -227,7 +227,10 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
 
 
 def save_checkpoint(eng: engine.TrainEngine, run_dir: Path, step: int) -> None:
-    """Resumable DeepSpeed checkpoint `ds/step-<step>`; `ds/latest` moves only once it is complete."""
+    """Resumable DeepSpeed checkpoint `ds/step-<step>`; `ds/latest` moves only once it is complete.
+    A no-op when `ds/latest` already is that step (nothing changed since: never rewrite the good one)."""
     tag = f"step-{step}"
+    if latest_tag(run_dir) == tag:
+        return
     eng.save(str(ckpt_dir(run_dir)), tag, {"step": step, "rng": rng_state()})
     commit_checkpoint(run_dir, tag)

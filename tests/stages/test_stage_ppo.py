@@ -226,9 +226,35 @@ def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     assert sample([4, 1, 5], chunk=2) == {i: full[i] for i in (4, 1, 5)}
     assert sample([3], chunk=1) == {3: full[3]}
     assert len({tuple(r) for r in full.values()}) > 1  # different seeds, different samples
-    other = ppo.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", chunk=6,
-                                 seeds=[s + 1 for s in seeds])
-    assert other[0][:, other[2]:].tolist() != [full[i] + [tr.pad_id] * 0 for i in range(6)]
+    ids, am, P, _ = ppo.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", chunk=6,
+                                         seeds=[s + 1 for s in seeds])
+    assert {i: ids[i, P:][am[i, P:].bool()].tolist() for i in range(6)} != full  # the seed decides
+
+
+def test_prompt_seeds_do_not_collide():
+    keys = [(s, i, k) for s in (0, 42) for i in range(20) for k in range(32)] + [(s, j) for s in (0, 42) for j in range(640)]
+    seeds = {ppo.prompt_seed(*k) for k in keys}
+    assert len(seeds) == len(keys)
+    assert ppo.prompt_seed(7, 3) != ppo.prompt_seed(7, 3, 0) and ppo.prompt_seed(2**32, 5) != ppo.prompt_seed(0, 1, 5)
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_the_models_own_generation_config_does_not_change_the_samples(tmp_path):
+    """A checkpoint's generation_config (repetition penalty, suppressed tokens, beams) must not leak into PPO sampling."""
+    tr = build_trainer(tmp_path, ["ppo.max_new_tokens=10"])
+    lm = ppo._lm(tr.actor.module)
+    prompts, seeds = tr.prompts[:4], [ppo.prompt_seed(1, k) for k in range(4)]
+
+    def sample():
+        ids, am, P, _ = ppo.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", seeds=seeds)
+        return ids[:, P:].tolist()
+
+    plain = sample()
+    lm.generation_config.repetition_penalty = 5.0
+    lm.generation_config.suppress_tokens = sorted({t for row in plain for t in row})[:20]
+    lm.generation_config.num_beams = 2
+    assert sample() == plain
+    assert lm.generation_config.repetition_penalty == 5.0  # the model's config is restored afterwards
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,6 +548,42 @@ def test_resume_reproduces_the_next_iteration(run_stage):
     for name, weights in final_weights.items():  # policy and critic
         for k, v in load_safetensors(run_dir / "final" / name / "model.safetensors").items():
             torch.testing.assert_close(v, weights[k], rtol=0, atol=1e-6, msg=lambda m: f"{name}/{k}: {m}")
+
+
+def test_interrupt_mid_update_finishes_the_iteration_then_resume_matches(run_stage, monkeypatch, tmp_path):
+    """Ctrl-C during iteration 1's update: the update finishes, `ds/step-1` holds exactly iteration 1's
+    weights, and the resumed run's iteration 2 and final weights equal an uninterrupted run's."""
+    import os
+    import signal
+
+    overrides = [*RUN, "ppo.iterations=2", "ppo.kl_target=1.0", "ppo.kl_horizon=100"]
+    _, whole, _ = run_stage("train_ppo", overrides)
+    real, calls = ppo.policy_loss, []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second of iteration 1's 4 micro-batches
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppo, "policy_loss", interrupting)
+    run_dir = tmp_path / "runs" / "ppo" / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("train_ppo", overrides, run_dir=run_dir)
+    assert len(calls) == 4  # the update ran to its end
+    assert (run_dir / "ds" / "latest").read_text().strip() == "step-1"
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]
+    monkeypatch.undo()
+
+    run_stage("train_ppo", [*overrides, f"resume={run_dir}"], run_dir=run_dir)
+    a, b = read_metrics(whole), read_metrics(run_dir)
+    assert [r["step"] for r in b] == [1, 2]
+    for k in ("objective/scores", "objective/kl", "objective/kl_beta", "policy/loss", "val/loss"):
+        assert b[1][k] == pytest.approx(a[1][k], rel=1e-5, abs=1e-7), k
+    for name in ("", "critic"):
+        want = load_safetensors(whole / "final" / name / "model.safetensors")
+        for k, v in load_safetensors(run_dir / "final" / name / "model.safetensors").items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=1e-6)
 
 
 def test_checker_run_with_shared_critic_trains_the_value_head(run_stage):
