@@ -361,7 +361,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         f"lambda {args.lam}, clip {args.clip}/{args.value_clip}, c1 {args.vf_coef}, "
         f"lr {args.lr:g} betas {tuple(betas)}, "
         f"no grad clipping, EOS penalty {args.missing_eos_penalty}, seed {args.seed}",
-        f"optimizers: ours torch AdamW (engine default) for policy and critic on DeepSpeed ZeRO-"
+        f"optimizers: ours torch AdamW (fused where torch has it) for policy and critic on DeepSpeed ZeRO-"
         f"{cfg.deepspeed.zero_stage}; TRL optim={t_res['optim']} over policy+value; gradient checkpointing: "
         f"ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
         f"timing: {measured}",

@@ -317,7 +317,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         f"{'checked (real tokens of every step equal)' if same_batches else 'MISMATCH in per-step token counts'}",
         f"optimizer: AdamW lr {args.lr:g} betas {tuple(args.betas)} wd {args.weight_decay:g}, {warmup} warm-up steps "
         f"then {args.lr_scheduler}, clip {args.max_grad_norm:g}; batch {B} (micro {m} x {B // m} accumulation), "
-        f"{args.steps} steps, seed {args.seed}; ours torch AdamW (engine default) on DeepSpeed ZeRO-"
+        f"{args.steps} steps, seed {args.seed}; ours torch AdamW (fused where torch has it) on DeepSpeed ZeRO-"
         f"{cfg.deepspeed.zero_stage}, TRL {t_res['optimizer']}",
         f"timing: training steps only, {measured}; model load, de-quantisation, data prep, eval and saving excluded; "
         f"gradient checkpointing: ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
