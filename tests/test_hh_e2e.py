@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import HH_PATH, REPO, SMOLLM2, require
+from stage_helpers import HH_PATH, REPO, SMOLLM2, require
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
 SMALL = ["experiment=hh_smollm2", "tensorboard=false", "data.max_samples=40", "data.max_length=192",
