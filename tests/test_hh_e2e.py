@@ -50,8 +50,10 @@ def test_hh_smollm2_chain_few_steps(tmp_path):
     assert [r["step"] for r in records if "rm/loss" in r] == [1, 2]
     final_eval = [r for r in records if "eval/rm/accuracy" in r][-1]
     assert 0.0 <= final_eval["eval/rm/accuracy"] <= 1.0
-    config = json.loads((rm / "final" / "config.json").read_text())
-    assert config["num_labels"] == 1 and config["rlhf_reward_std"] > 0
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(rm / "final")
+    assert config.num_labels == 1 and config.rlhf_reward_std > 0
     assert (tmp_path / "latest_rm").read_text().strip() == str(rm / "final")
 
     rlhf("train-ppo", *SMALL, root, "ppo.iterations=1", "ppo.rollout_batch_size=4", "ppo.mini_batch_size=4",
