@@ -55,6 +55,26 @@ def init_distributed() -> None:
     if _has_gpu():
         torch.cuda.set_device(local_rank())
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    _unlink_shm_buffers()
+
+
+def _unlink_shm_buffers() -> None:
+    """Remove the names of DeepSpeed's CPU shared-memory all-reduce buffers once every rank has mapped them.
+
+    On CPU, DeepSpeed's shm comm op creates `/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`
+    (~67 MB each) during init_distributed and never unlinks it: every run leaked that much RAM-backed
+    tmpfs until the machine ran out of memory. Each rank opens the others' buffers inside init, so after a
+    barrier the names can go; the mappings stay valid until the process exits.
+    """
+    if _has_gpu() or not os.path.isdir("/dev/shm"):
+        return
+    barrier()
+    import glob
+
+    port = os.environ.get("MASTER_PORT", "")
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank()}"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def rank() -> int:
