@@ -21,13 +21,15 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 HH_PATH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
@@ -320,3 +322,19 @@ def write_outputs(out: Optional[str], header: List[str], table: Table, notes: Li
     md.write_text("\n".join([f"**{header[0]}**", ""] + [f"- {h}" for h in header[1:]] + [""] + table.markdown()
                             + [""] + [f"- {n}" for n in notes]) + "\n")
     print(f"results: {path} and {md}")
+
+
+def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, Path], None], prefix: str) -> None:
+    """The shared entry point: a TRL child process (`--trl-child SPEC`) or the comparison itself, in
+    `--workdir` (kept) or a temp dir (removed afterwards)."""
+    if args.trl_child:
+        trl_child(args.trl_child)
+        return
+    require_trl()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix=f"{prefix}-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        run(args, work)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -197,18 +195,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    args = parse_args()
-    if args.trl_child:
-        trl_child(args.trl_child)
-        return
-    C.require_trl()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="rm_bench-")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        run(args, work)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
+    C.bench_main(parse_args(), trl_child, run, "rm_bench")
 
 
 def run(args: argparse.Namespace, work: Path) -> None:
