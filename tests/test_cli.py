@@ -5,8 +5,11 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import yaml
+from stage_helpers import compose
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,6 +64,26 @@ def test_cfg_job_has_every_key_and_launcher_form(command):
             assert k in cfg[section], f"{section}.{k} missing"
     for k in ("precision", "seed", "model", "deepspeed"):
         assert k in cfg
+
+
+EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "rlhf_cli" / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("command", ["train_rm", "train_ppo", "eval"])
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_shipped_experiment_composes_and_validates(command, experiment, tmp_path):
+    from rlhf_cli import config
+
+    cfg = compose(command, [f"experiment={experiment}", f"paths.root={tmp_path}"])
+    config.validate_common(cfg)
+    {"train_rm": config.validate_rm, "train_ppo": config.validate_ppo, "eval": config.validate_eval}[command](cfg)
+
+
+def test_checker_experiment_sets_what_docs_results_records():
+    cfg = compose("train_ppo", ["experiment=checker"])
+    assert cfg.reward.type == "checker" and cfg.ppo.lam == 1.0 and cfg.ppo.epochs == 1
+    assert (cfg.ppo.rollout_batch_size, cfg.ppo.iterations, cfg.ppo.max_new_tokens) == (32, 10, 48)
+    assert compose("eval", ["experiment=checker"]).eval.max_new_tokens == 48
 
 
 def test_overrides_land_in_composed_config():

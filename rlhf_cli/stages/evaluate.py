@@ -27,6 +27,7 @@ from rlhf_cli.models import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    read_reward_stats,
     require_scalar_model_dir,
     resolve_hf_dir,
 )
@@ -192,9 +193,18 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
             results[f"{name}/score_mean"], results[f"{name}/score_ci95"] = mean_ci95(t["score"])
         if "correct" in t:
             results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95"] = mean_ci95(t["correct"].float())
+    # paired differences: policy and reference answer the same prompts with the same noise, so the
+    # per-prompt difference has a much tighter interval than the two means side by side
     if "score" in pol:
         results["win_rate"] = win_rate(pol["score"], ref["score"])
         results["win_rate_ci95"] = 1.96 * (results["win_rate"] * (1 - results["win_rate"]) / len(prompt_texts)) ** 0.5
+        results["score_gain"], results["score_gain_ci95"] = mean_ci95(pol["score"] - ref["score"])
+        stats = read_reward_stats(rm_dir)
+        if stats is not None and stats[1] > 1e-6:  # the gain in units of the RM's score std (train-rm stores it)
+            results["score_gain_rm_std"] = results["score_gain"] / stats[1]
+            results["score_gain_rm_std_ci95"] = results["score_gain_ci95"] / stats[1]
+    if "correct" in pol:
+        results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(pol["correct"].float() - ref["correct"].float())
     results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
     results["kl_k3"], results["kl_k3_ci95"] = mean_ci95(pol["kl_k3"])
 

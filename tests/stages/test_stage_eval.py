@@ -24,6 +24,9 @@ def read_results(eval_dir):
 # models saved once per module
 
 
+RM_STD = 0.25  # the score std recorded in the tiny reward model's config.json (as train-rm writes it)
+
+
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, tiny_model_cfg, tokenizer):
     """HF dirs of two different tiny causal LMs (policy seed 1, reference seed 2) and a tiny
@@ -34,7 +37,8 @@ def tiny_dirs(tmp_path_factory, tiny_model_cfg, tokenizer):
     dirs = {}
     for name, seed in (("policy", 1), ("reference", 2)):
         dirs[name] = save_hf(load_causal_lm(tiny_model_cfg, "fp32", seed, tokenizer=tokenizer), tokenizer, root / name)
-    dirs["rm"] = save_hf(load_scalar_model(tiny_model_cfg, "fp32", 3), tokenizer, root / "rm")
+    dirs["rm"] = save_hf(load_scalar_model(tiny_model_cfg, "fp32", 3), tokenizer, root / "rm",
+                         extra_config={"rlhf_reward_mean": 0.5, "rlhf_reward_std": RM_STD})
     return dirs
 
 
@@ -251,6 +255,13 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
         assert out[f"{role}/eos_rate"] == pytest.approx(sum(eos) / len(eos), rel=1e-6)
     assert out["policy/accuracy"] == 1 / 6
     assert out["reference/accuracy"] == 1 / 6  # row 0 is shared
+    # paired differences, prompt by prompt (the same prompts and noise for both models)
+    diffs = [p - r for p, r in zip(scores["policy"], scores["reference"])]
+    assert out["score_gain"] == pytest.approx(statistics.mean(diffs), abs=1e-5)
+    assert out["score_gain_ci95"] == pytest.approx(1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5, rel=1e-3)
+    assert out["score_gain_rm_std"] == pytest.approx(out["score_gain"] / RM_STD, rel=1e-6)
+    assert out["score_gain_rm_std_ci95"] == pytest.approx(out["score_gain_ci95"] / RM_STD, rel=1e-6)
+    assert out["accuracy_gain"] == 0.0 and out["accuracy_gain_ci95"] == 0.0
     assert out["reference"] == str(tiny_dirs["reference"])
 
 

@@ -161,7 +161,7 @@ def test_first_minibatch_ratio_is_one(tmp_path, monkeypatch, precision):
             assert stats["policy/approx_kl"] < 1e-10
         else:  # exactly 1 on CPU; old logprobs from an fp32 pass (no autocast) are off by ~1e-3
             assert (ratio - 1).abs().max().item() < 1e-4
-    # after a step (lr 1e-6) the ratio moves, so the check above is not vacuous
+    # after a step the ratio moves, so the check above is not vacuous
     assert any((torch.exp(lp - old)[mask.bool()] - 1).abs().max() > 0 for lp, old, mask, _ in calls[2:])
 
 
