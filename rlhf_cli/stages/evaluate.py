@@ -68,12 +68,14 @@ def win_rate(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> flo
 
 
 def mean_ci95(x: torch.Tensor) -> tuple:
-    """Mean and the half-width of its normal-approximation 95% interval (in float64: 1 of 6 is 1/6)."""
+    """Mean and the half-width of its normal-approximation 95% interval (in float64: 1 of 6 is 1/6).
+
+    The half-width is NaN below 2 values (no spread to estimate), the mean NaN for none."""
     n = x.numel()
     if n == 0:
         return float("nan"), float("nan")
     x = x.double()
-    return float(x.mean()), 1.96 * _std(x) / max(n, 1) ** 0.5
+    return float(x.mean()), (1.96 * _std(x) / n ** 0.5 if n > 1 else float("nan"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,11 +143,12 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
     policy = load_causal_lm(_model_cfg(policy_dir, cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)
     ref_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), ref_spec)
     reference = load_causal_lm(ref_cfg, cfg.precision, ref_seed, tokenizer=tokenizer)
-    reward_model = None
+    reward_model, rm_stats = None, None
     if rm_path is not None and cfg.reward.type == "model":
         rm_dir = require_scalar_model_dir(rm_path, "reward model")
         check_same_tokenizer(tokenizer, rm_dir, "reward model")
         reward_model = load_scalar_model(rm_dir, cfg.precision, cfg.seed)
+        rm_stats = read_reward_stats(rm_dir)  # (mean, std) of its held-out scores, stored by train-rm
     dev = engine.device()
     policy.to(dev).eval(); reference.to(dev).eval()
     if reward_model is not None:
@@ -194,15 +197,14 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         if "correct" in t:
             results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95"] = mean_ci95(t["correct"].float())
     # paired differences: policy and reference answer the same prompts with the same noise, so the
-    # per-prompt difference has a much tighter interval than the two means side by side
+    # interval of the per-prompt difference leaves out the variance the two sides share (prompt difficulty)
     if "score" in pol:
         results["win_rate"] = win_rate(pol["score"], ref["score"])
         results["win_rate_ci95"] = 1.96 * (results["win_rate"] * (1 - results["win_rate"]) / len(prompt_texts)) ** 0.5
         results["score_gain"], results["score_gain_ci95"] = mean_ci95(pol["score"] - ref["score"])
-        stats = read_reward_stats(rm_dir)
-        if stats is not None and stats[1] > 1e-6:  # the gain in units of the RM's score std (train-rm stores it)
-            results["score_gain_rm_std"] = results["score_gain"] / stats[1]
-            results["score_gain_rm_std_ci95"] = results["score_gain_ci95"] / stats[1]
+        if rm_stats is not None and rm_stats[1] > 1e-6:  # the gain in units of the RM's held-out score std
+            results["score_gain_rm_std"] = results["score_gain"] / rm_stats[1]
+            results["score_gain_rm_std_ci95"] = results["score_gain_ci95"] / rm_stats[1]
     if "correct" in pol:
         results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(pol["correct"].float() - ref["correct"].float())
     results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
@@ -281,7 +283,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         if is_scalar_model_dir(policy_path):
             raise ConfigError(f"policy.path={policy_path} is a reward model (scalar head), not a policy")
         results = eval_policy(cfg, policy_path, run_dir)
-        headline = results.get("win_rate", results.get("policy/score_mean"))
+        headline = results.get("win_rate", results.get("policy/score_mean", results.get("policy/accuracy")))
     else:
         results = eval_reward_model(cfg, rm_path, run_dir)
         headline = results["accuracy"]

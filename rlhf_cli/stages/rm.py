@@ -194,7 +194,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
 
     # 6. final eval, reward statistics, HF checkpoint, pointer
     final_stats: Dict[str, float] = {}
-    reward_mean, reward_std = 0.0, 1.0
+    reward_mean = reward_std = None  # no held-out pairs: nothing measured, so no normalisation is stored
     if heldout:
         chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size, cfg.precision)
         final_stats = pair_metrics(chosen, rejected)
@@ -207,9 +207,9 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     final = run_dir / "final"
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():
+        stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
         save_hf(eng.module, tokenizer, final, state_dict=state_dict, extra_config={
-            "rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std,
-            "rlhf_stage": "rm", "rlhf_eval_accuracy": final_stats.get("rm/accuracy"),
+            **stats, "rlhf_stage": "rm", "rlhf_eval_accuracy": final_stats.get("rm/accuracy"),
         })
         atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,
                                                      "reward_std": reward_std, "steps": step})
@@ -219,7 +219,8 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         pointer = write_pointer(cfg.paths.root, "rm", final)
         set_status(run_dir, "finished", final=str(final.resolve()), steps=step)
         print_table("train-rm finished", {**{f"eval {k}": v for k, v in final_stats.items()},
-                                          "reward mean/std": f"{reward_mean:.4g} / {reward_std:.4g}",
+                                          "reward mean/std": ("none (no held-out pairs)" if reward_mean is None
+                                                              else f"{reward_mean:.4g} / {reward_std:.4g}"),
                                           "checkpoint": str(final), "pointer": str(pointer)})
     engine.barrier()
     metrics.close()

@@ -39,6 +39,7 @@ def tiny_dirs(tmp_path_factory, tiny_model_cfg, tokenizer):
         dirs[name] = save_hf(load_causal_lm(tiny_model_cfg, "fp32", seed, tokenizer=tokenizer), tokenizer, root / name)
     dirs["rm"] = save_hf(load_scalar_model(tiny_model_cfg, "fp32", 3), tokenizer, root / "rm",
                          extra_config={"rlhf_reward_mean": 0.5, "rlhf_reward_std": RM_STD})
+    dirs["rm_no_stats"] = save_hf(load_scalar_model(tiny_model_cfg, "fp32", 3), tokenizer, root / "rm_no_stats")
     return dirs
 
 
@@ -165,7 +166,8 @@ def fixed_responses(prompts, tokenizer):
 
     Rows 0, 2 and 5 are identical for both roles (RM ties); with 3 untied rows the win rate cannot be
     0.5, so swapping policy and reference changes it. Row 4 of the policy is cut at max_new_tokens
-    without EOS; row 0 gives the right answer, no other response contains a digit.
+    without EOS. Right answers: row 0 for both, row 1 for the reference only; no other response
+    contains a digit.
     """
     eos = tokenizer.eos_token_id
 
@@ -176,17 +178,14 @@ def fixed_responses(prompts, tokenizer):
     a0 = prompts[0]["answer"]
     policy = [enc(f" The answer is {a0}"), enc(" I am not sure"), enc(" no idea"), enc(" Let me think"),
               enc(" well" * MAX_NEW_TOKENS, end=False)[:MAX_NEW_TOKENS], enc(" many")]
-    reference = [policy[0], enc(" A few apples"), policy[2], enc(" seven"), enc(" ok then"), policy[5]]
+    reference = [policy[0], enc(f" It is {prompts[1]['answer']}"), policy[2], enc(" seven"), enc(" ok then"), policy[5]]
     for ids in policy + reference:
         assert 1 <= len(ids) <= MAX_NEW_TOKENS
     return {"policy": policy, "reference": reference}
 
 
-def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
-        run_stage, tiny_dirs, tokenizer, monkeypatch):
-    """eval_policy on fixed "samples" (sampling replaced; scoring, KL, batching and aggregation real)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
+def fake_sampling(monkeypatch, tiny_dirs, tokenizer):
+    """Replace eval's sampling with `fixed_responses`; returns {role: (prompt ids, responses)} as filled."""
     import rlhf_cli.stages.evaluate as evaluate
 
     seen = {}
@@ -208,6 +207,15 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
         return ids, mask, P, has_eos
 
     monkeypatch.setattr(evaluate, "sample_responses", fake_sample_responses)
+    return seen
+
+
+def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
+        run_stage, tiny_dirs, tokenizer, monkeypatch):
+    """eval_policy on fixed "samples" (sampling replaced; scoring, KL, batching and aggregation real)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    seen = fake_sampling(monkeypatch, tiny_dirs, tokenizer)
     _, eval_dir, _ = run_stage("eval", [
         f"policy.path={tiny_dirs['policy']}", f"reference.path={tiny_dirs['reference']}",
         f"reward_model.path={tiny_dirs['rm']}", "data.builtin.ppo_eval=6", f"eval.max_new_tokens={MAX_NEW_TOKENS}",
@@ -254,15 +262,45 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
         eos = [r[-1] == tokenizer.eos_token_id for r in seen[role][1]]
         assert out[f"{role}/eos_rate"] == pytest.approx(sum(eos) / len(eos), rel=1e-6)
     assert out["policy/accuracy"] == 1 / 6
-    assert out["reference/accuracy"] == 1 / 6  # row 0 is shared
+    assert out["reference/accuracy"] == 2 / 6  # row 0 is shared
     # paired differences, prompt by prompt (the same prompts and noise for both models)
     diffs = [p - r for p, r in zip(scores["policy"], scores["reference"])]
     assert out["score_gain"] == pytest.approx(statistics.mean(diffs), abs=1e-5)
     assert out["score_gain_ci95"] == pytest.approx(1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5, rel=1e-3)
     assert out["score_gain_rm_std"] == pytest.approx(out["score_gain"] / RM_STD, rel=1e-6)
     assert out["score_gain_rm_std_ci95"] == pytest.approx(out["score_gain_ci95"] / RM_STD, rel=1e-6)
-    assert out["accuracy_gain"] == 0.0 and out["accuracy_gain_ci95"] == 0.0
+    correct_diffs = [0, -1, 0, 0, 0, 0]  # only row 1 differs: the reference is right there
+    assert out["accuracy_gain"] == pytest.approx(statistics.mean(correct_diffs), abs=1e-12)
+    assert out["accuracy_gain_ci95"] == pytest.approx(1.96 * statistics.stdev(correct_diffs) / 6 ** 0.5, rel=1e-9)
     assert out["reference"] == str(tiny_dirs["reference"])
+
+
+@pytest.mark.parametrize("reward", ["model without stored stats", "checker"])
+def test_policy_eval_gains_without_rm_stats_or_without_rm(run_stage, tiny_dirs, tokenizer, monkeypatch, reward):
+    """An RM without stored score stats gives no `score_gain_rm_std`; the checker gives no scores at all."""
+    fake_sampling(monkeypatch, tiny_dirs, tokenizer)
+    rm = [f"reward_model.path={tiny_dirs['rm_no_stats']}"] if reward != "checker" else ["reward.type=checker"]
+    headline, eval_dir, _ = run_stage("eval", [
+        f"policy.path={tiny_dirs['policy']}", f"reference.path={tiny_dirs['reference']}", *rm,
+        "data.builtin.ppo_eval=6", f"eval.max_new_tokens={MAX_NEW_TOKENS}", f"eval.temperature={TEMPERATURE}"])
+    out = read_results(eval_dir)
+    assert "score_gain_rm_std" not in out and "score_gain_rm_std_ci95" not in out
+    assert out["accuracy_gain"] == pytest.approx(-1 / 6) and out["policy/accuracy"] == pytest.approx(1 / 6)
+    if reward == "checker":
+        assert not any(k.startswith(("score_gain", "win_rate")) or k.endswith("score_mean") for k in out)
+        assert headline == out["policy/accuracy"]
+    else:
+        assert math.isfinite(out["score_gain"]) and out["score_gain_ci95"] > 0
+        assert headline == out["win_rate"]
+
+
+def test_mean_ci95_has_no_interval_below_two_values():
+    from rlhf_cli.stages.evaluate import mean_ci95
+
+    assert mean_ci95(torch.tensor([2.0]))[0] == 2.0 and math.isnan(mean_ci95(torch.tensor([2.0]))[1])
+    assert all(math.isnan(v) for v in mean_ci95(torch.tensor([])))
+    mean, half = mean_ci95(torch.tensor([1.0, 3.0]))
+    assert mean == 2.0 and half == pytest.approx(1.96 * 2 ** 0.5 / 2 ** 0.5)
 
 
 def test_policy_eval_end_to_end_on_the_smoke_pipeline(pipeline):

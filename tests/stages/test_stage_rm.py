@@ -229,3 +229,15 @@ def test_resume_before_the_first_checkpoint_starts_over_without_duplicate_record
         for key in ("rm/loss", "eval/rm/loss"):
             if key in want:
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (want["step"], key)
+
+
+def test_without_held_out_pairs_no_reward_stats_are_stored(run_stage):
+    """No held-out pairs: nothing was measured, so `final/config.json` carries no reward mean/std
+    (PPO then uses raw scores, eval reports no gain in RM-std units) rather than a 0/1 stand-in."""
+    from rlhf_cli.models import read_reward_stats
+
+    _, run_dir, _ = run_stage("train_rm", ["data.builtin.rm_eval=0", "rm.max_steps=1", "rm.eval_every=0"])
+    config = json.loads((run_dir / "final" / "config.json").read_text())
+    assert "rlhf_reward_mean" not in config and "rlhf_reward_std" not in config
+    assert config["rlhf_stage"] == "rm" and config["rlhf_eval_accuracy"] is None
+    assert read_reward_stats(run_dir / "final") is None
