@@ -240,7 +240,8 @@ class PPOConfig:
     whiten_advantages: bool = True
     """Whiten advantages over the whole rollout batch before minibatching."""
     normalize_reward: bool = True
-    """Normalise RM scores with the mean/std stored in the RM checkpoint."""
+    """Normalise RM scores with the mean/std stored in the RM checkpoint (raw scores when it stores none:
+    trained without held-out pairs, or not by `rlhf train-rm`)."""
     truncated: str = "penalize"
     """Responses that end without EOS: `penalize` (score − missing_eos_penalty), `mask` (no loss) or `keep`."""
     missing_eos_penalty: float = 1.0
