@@ -5,13 +5,11 @@ import os
 import subprocess
 import sys
 
-from pathlib import Path
-
 import pytest
 import yaml
-from stage_helpers import compose
+from stage_helpers import REPO, compose
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from rlhf_cli.config import VALIDATORS
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HYDRA_FULL_ERROR": "0"}
 
@@ -66,17 +64,14 @@ def test_cfg_job_has_every_key_and_launcher_form(command):
         assert k in cfg
 
 
-EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "rlhf_cli" / "conf" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(f[:-len(".yaml")] for f in os.listdir(os.path.join(REPO, "rlhf_cli", "conf", "experiment"))
+                     if f.endswith(".yaml"))
 
 
-@pytest.mark.parametrize("command", ["train_rm", "train_ppo", "eval"])
+@pytest.mark.parametrize("command", sorted(VALIDATORS))
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_shipped_experiment_composes_and_validates(command, experiment, tmp_path):
-    from rlhf_cli import config
-
-    cfg = compose(command, [f"experiment={experiment}", f"paths.root={tmp_path}"])
-    config.validate_common(cfg)
-    {"train_rm": config.validate_rm, "train_ppo": config.validate_ppo, "eval": config.validate_eval}[command](cfg)
+    VALIDATORS[command](compose(command, [f"experiment={experiment}", f"paths.root={tmp_path}"]))
 
 
 def test_checker_experiment_sets_what_docs_results_records():

@@ -12,11 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from stage_helpers import compose
+from stage_helpers import REPO, compose
 
 from rlhf_cli.config import VALIDATORS, ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model=tiny", "precision=fp32", "tensorboard=false"]
 # the smallest train-ppo run that gets to build its models (reward model from reward_model.path); run_stage adds TINY
 TINY_PPO = ["ppo.rollout_batch_size=4", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
