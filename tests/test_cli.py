@@ -162,6 +162,19 @@ def test_resume_true_continues_the_newest_unfinished_run_in_place(tmp_path):
     assert out.returncode == 2 and "no unfinished `train-rm` run" in out.stderr
 
 
+def test_keep_checkpoints_0_deletes_ds_after_final_and_resume_says_why(tmp_path):
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=2", "rm.max_steps=4", "tensorboard=false",
+              "paths.keep_checkpoints=0"]
+    out = rlhf("train-rm", *common)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = [p for p in (tmp_path / "rm").iterdir()]
+    assert (run / "final" / "model.safetensors").is_file() and not (run / "ds").exists()
+    out = rlhf("train-rm", *common, f"resume={run}")
+    assert out.returncode == 2 and "kept no DeepSpeed checkpoint (paths.keep_checkpoints=0)" in out.stderr
+    out = rlhf("train-rm", *common[:-1], "paths.keep_checkpoints=-1")
+    assert out.returncode == 2 and "paths.keep_checkpoints must be >= 0" in out.stderr
+
+
 def test_sigterm_checkpoints_and_resume_finishes(tmp_path):
     import signal
     import time

@@ -108,6 +108,9 @@ def test_failed_commit_keeps_ds_latest_and_stale_tags_are_pruned(tmp_path, monke
     (ds / "step-5").mkdir()
     commit_checkpoint(tmp_path, "step-5")
     assert files_under(ds) == ["latest", "step-4", "step-5"]  # the two newest are kept
+    (ds / "step-6").mkdir()
+    commit_checkpoint(tmp_path, "step-6", keep=0)  # paths.keep_checkpoints=0 still keeps the newest while training
+    assert files_under(ds) == ["latest", "step-6"]
 
 
 # ----------------------------------------------------------------------------------------------

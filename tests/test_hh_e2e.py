@@ -18,7 +18,8 @@ from stage_helpers import HH_PATH, REPO, SMOLLM2, require
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
 SMALL = ["experiment=hh_smollm2", "tensorboard=false", "data.max_samples=40", "data.max_length=192",
-         "data.max_prompt_length=160"]
+         "data.max_prompt_length=160",
+         "paths.keep_checkpoints=0"]  # else ~5 GB of SmolLM2 DeepSpeed state stays on disk
 
 
 def rlhf(*args):
@@ -55,6 +56,7 @@ def test_hh_smollm2_chain_few_steps(tmp_path):
     config = AutoConfig.from_pretrained(rm / "final")
     assert config.num_labels == 1 and config.rlhf_reward_std > 0
     assert (tmp_path / "latest_rm").read_text().strip() == str(rm / "final")
+    assert not (rm / "ds").exists()
 
     rlhf("train-ppo", *SMALL, root, "ppo.iterations=1", "ppo.rollout_batch_size=4", "ppo.mini_batch_size=4",
          "ppo.micro_batch_size=4", "ppo.epochs=1", "ppo.max_new_tokens=16")
@@ -63,6 +65,7 @@ def test_hh_smollm2_chain_few_steps(tmp_path):
     for key in ("objective/scores", "objective/kl", "policy/loss", "val/loss", "response/length_mean"):
         assert it[key] == it[key], key  # logged and not NaN
     assert (tmp_path / "latest_policy").read_text().strip() == str(ppo / "final")
+    assert not (ppo / "ds").exists()
 
     rlhf("eval", *SMALL, root, "eval.num_prompts=4", "eval.max_new_tokens=16", "eval.batch_size=4")
     results = json.loads((only_run(tmp_path, "eval") / "eval.json").read_text())["results"]

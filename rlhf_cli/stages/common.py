@@ -108,7 +108,8 @@ def _tag_step(path: Path) -> int:
 
 
 def commit_checkpoint(run_dir: Path, tag: str, keep: int = 2) -> None:
-    """After every rank has written `tag`, point `ds/latest` at it atomically and prune old tags.
+    """After every rank has written `tag`, point `ds/latest` at it atomically and prune old tags, keeping
+    the `keep` newest (`paths.keep_checkpoints`; at least 1, `tag` itself).
 
     A crash or a failed save before this leaves the previous `latest` (and its files) intact and
     loadable. Tags past `tag` are leftovers of an abandoned attempt (a save that failed half-way, or
@@ -125,10 +126,17 @@ def commit_checkpoint(run_dir: Path, tag: str, keep: int = 2) -> None:
         step = int(tag.split("-")[1])
         tags = sorted((p for p in ckpt_dir(run_dir).iterdir() if p.is_dir() and p.name.startswith("step-")),
                       key=_tag_step)
-        for old in [p for p in tags if _tag_step(p) > step] + [p for p in tags if _tag_step(p) <= step][:-keep]:
+        for old in [p for p in tags if _tag_step(p) > step] + [p for p in tags if _tag_step(p) <= step][:-max(1, keep)]:
             if old.name != tag:
                 shutil.rmtree(old, ignore_errors=True)
     engine.barrier()
+
+
+def drop_checkpoints(run_dir: Path, keep: int) -> None:
+    """With `paths.keep_checkpoints=0`, delete the run's `ds/` (rank 0, after `final/` and the finished status
+    are written: the HF model is then the run's only output and the run can no longer be resumed)."""
+    if keep == 0:
+        shutil.rmtree(ckpt_dir(run_dir), ignore_errors=True)
 
 
 def print_table(title: str, rows: Dict[str, Any]) -> None:

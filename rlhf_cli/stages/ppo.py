@@ -62,6 +62,7 @@ from rlhf_cli.stages.common import (
     check_same_tokenizer,
     ckpt_dir,
     commit_checkpoint,
+    drop_checkpoints,
     epoch_order,
     latest_tag,
     prepare_run_dir,
@@ -691,7 +692,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
             progress.update(1, record)
             done = it + 1
             if p.save_every and done % p.save_every == 0 and done < p.iterations:
-                save_checkpoint(tr, run_dir, done)
+                save_checkpoint(tr, run_dir, done, cfg.paths.keep_checkpoints)
             if engine.all_reduce_sum(torch.tensor(float(bool(pending)))).item() > 0:  # every rank stops together
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -701,7 +702,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
                         "continues from the last one)", done + 1)
             raise
         log.warning("interrupted after %d iterations: saving a checkpoint before exit", done)
-        save_checkpoint(tr, run_dir, done)
+        save_checkpoint(tr, run_dir, done, cfg.paths.keep_checkpoints)
         raise
     except FloatingPointError as e:
         progress.close()
@@ -711,7 +712,8 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     progress.close()
 
     # 4. save
-    save_checkpoint(tr, run_dir, done)  # done > ppo.iterations when a longer run is resumed with fewer
+    # done > ppo.iterations when a longer run is resumed with fewer
+    save_checkpoint(tr, run_dir, done, cfg.paths.keep_checkpoints)
     final = run_dir / "final"
     actor_sd = tr.actor.consolidated_state_dict()
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
@@ -737,6 +739,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         pointer = write_pointer(cfg.paths.root, "ppo", final)
         set_status(run_dir, "finished", final=str(final.resolve()), iterations=done)
+        drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)
         print_table("train-ppo finished", {k: record.get(k) for k in
                                            ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")}
                     | {"checkpoint": str(final), "pointer": str(pointer)})
@@ -761,7 +764,7 @@ def _log_samples(run_dir: Path, iteration: int, samples: Dict[str, Any]) -> None
     log.info("sample (iteration %d, score %.3f): %r", iteration, samples["scores"][0], samples["responses"][0][:200])
 
 
-def save_checkpoint(tr: PPOTrainer, run_dir: Path, iteration: int) -> None:
+def save_checkpoint(tr: PPOTrainer, run_dir: Path, iteration: int, keep: int) -> None:
     """Resumable checkpoint `ds/step-<iteration>/{actor,critic}`; `ds/latest` moves once both are written.
     A no-op when `ds/latest` already is that iteration (nothing changed since: never rewrite the good one)."""
     tag = f"step-{iteration}"
@@ -771,4 +774,4 @@ def save_checkpoint(tr: PPOTrainer, run_dir: Path, iteration: int) -> None:
     tr.actor.save(str(ckpt_dir(run_dir) / tag), "actor", state)
     if tr.critic is not None:
         tr.critic.save(str(ckpt_dir(run_dir) / tag), "critic", {})
-    commit_checkpoint(run_dir, tag)
+    commit_checkpoint(run_dir, tag, keep)

@@ -22,6 +22,7 @@ from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 from rlhf_cli.stages.common import (
     ckpt_dir,
     commit_checkpoint,
+    drop_checkpoints,
     epoch_order,
     latest_tag,
     prepare_run_dir,
@@ -184,11 +185,11 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
                 metrics.log(step, record)
             progress.update(1, record)
             if rmc.save_every and step % rmc.save_every == 0 and step < total_steps:
-                save_checkpoint(eng, run_dir, step)
+                save_checkpoint(eng, run_dir, step, cfg.paths.keep_checkpoints)
     except KeyboardInterrupt:
         progress.close()
         log.warning("interrupted at step %d: saving a checkpoint before exit", step)
-        save_checkpoint(eng, run_dir, step)
+        save_checkpoint(eng, run_dir, step, cfg.paths.keep_checkpoints)
         raise
     progress.close()
 
@@ -203,7 +204,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
         if engine.is_main():
             atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
-    save_checkpoint(eng, run_dir, step)
+    save_checkpoint(eng, run_dir, step, cfg.paths.keep_checkpoints)
     final = run_dir / "final"
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():
@@ -218,6 +219,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         pointer = write_pointer(cfg.paths.root, "rm", final)
         set_status(run_dir, "finished", final=str(final.resolve()), steps=step)
+        drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)
         print_table("train-rm finished", {**{f"eval {k}": v for k, v in final_stats.items()},
                                           "reward mean/std": ("none (no held-out pairs)" if reward_mean is None
                                                               else f"{reward_mean:.4g} / {reward_std:.4g}"),
@@ -227,11 +229,11 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     return final_stats.get("rm/accuracy")
 
 
-def save_checkpoint(eng: engine.TrainEngine, run_dir: Path, step: int) -> None:
+def save_checkpoint(eng: engine.TrainEngine, run_dir: Path, step: int, keep: int) -> None:
     """Resumable DeepSpeed checkpoint `ds/step-<step>`; `ds/latest` moves only once it is complete.
     A no-op when `ds/latest` already is that step (nothing changed since: never rewrite the good one)."""
     tag = f"step-{step}"
     if latest_tag(run_dir) == tag:
         return
     eng.save(str(ckpt_dir(run_dir)), tag, {"step": step, "rng": rng_state()})
-    commit_checkpoint(run_dir, tag)
+    commit_checkpoint(run_dir, tag, keep)
