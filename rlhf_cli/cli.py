@@ -87,6 +87,7 @@ def resume_overrides(command: str, overrides: List[str]) -> List[str]:
     """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place)."""
     from rlhf_cli.config import ConfigError
     from rlhf_cli.runs import STAGES, find_resumable, get_status
+    from rlhf_cli.stages.common import latest_tag
 
     value = _override_value(overrides, "resume")
     if value is None or value.lower() in ("null", "none", "false", "") or "-m" in overrides or "--multirun" in overrides:
@@ -101,9 +102,9 @@ def resume_overrides(command: str, overrides: List[str]) -> List[str]:
         run = Path(value)
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"resume={value}: not a run dir (no config.yaml there)")
-        if get_status(run).get("state") == "finished" and not (run / "ds" / "latest").is_file():
-            raise ConfigError(f"resume={value}: the run finished and kept no DeepSpeed checkpoint "
-                              f"(paths.keep_checkpoints=0): nothing to continue from; its model is {run / 'final'}")
+        if command != "eval" and get_status(run).get("state") == "finished" and latest_tag(run) is None:
+            raise ConfigError(f"resume={value}: the run finished and its DeepSpeed checkpoint in ds/ is gone (e.g. "
+                              f"paths.keep_checkpoints=0): nothing to continue from; its model is {run / 'final'}")
     return [o for o in overrides if not o.lstrip("+").startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
 
 

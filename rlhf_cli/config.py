@@ -158,10 +158,12 @@ class PathsConfig:
     root: str = "./runs"
     """Where run dirs (`<root>/<stage>/<run-id>/`) and pointer files (`latest_rm`, `latest_policy`) go."""
     keep_checkpoints: int = 2
-    """DeepSpeed checkpoints kept in a run's `ds/`, newest first (OpenRLHF's --max_ckpt_num, TRL's
-    save_total_limit). Each holds weights plus optimizer state: ~1.6 GB per trained 135M model in fp32.
-    0 keeps only the newest while the run trains and deletes `ds/` once `final/` is written: a finished
-    run can then no longer be resumed or extended."""
+    """How many DeepSpeed checkpoints a training run keeps in `ds/`: the newest N (OpenRLHF's
+    --max_ckpt_num, TRL's save_total_limit). Each holds weights plus Adam state, ~1.6 GB per trained
+    135M model in fp32 (PPO's has actor and critic: ~3.2 GB); during a save the previous one stays until
+    the new one is complete, so the peak is one more. 0 keeps one while training and deletes `ds/` once
+    `final/` is written (the final DeepSpeed save still happens first, for crash safety): a finished run
+    can then no longer be resumed or extended. Not read back from the run on resume: pass it again."""
 
 
 @dataclass

@@ -175,7 +175,9 @@ def test_disk_full_during_a_deepspeed_checkpoint(root, run_stage, monkeypatch):
     assert (root / "latest_rm").read_text().strip() == str((run / "final").resolve())
 
 
-def test_disk_full_during_the_final_save(root, run_stage, monkeypatch):
+@pytest.mark.parametrize("keep", [2, 0])
+def test_disk_full_during_the_final_save(keep, root, run_stage, monkeypatch):
+    """With paths.keep_checkpoints=0 too: ds/ is only deleted once final/ is written."""
     import transformers.modeling_utils as modeling_utils
 
     def safe_save_file(tensors, filename, *args, **kwargs):
@@ -185,8 +187,9 @@ def test_disk_full_during_the_final_save(root, run_stage, monkeypatch):
 
     run = root / "rm" / "second"
     monkeypatch.setattr(modeling_utils, "safe_save_file", safe_save_file)
+    args = [*TINY_RM, f"paths.keep_checkpoints={keep}"]
     with pytest.raises(SaveError) as err:
-        run_stage("train_rm", TINY_RM, run_dir=run, root=root)
+        run_stage("train_rm", args, run_dir=run, root=root)
     assert err.value.errno == errno.ENOSPC
     assert str(err.value) == (f"could not write the LlamaForSequenceClassification checkpoint at {run / 'final'}: "
                               f"No space left on device; nothing was replaced (free disk space, then rerun with "
@@ -197,10 +200,21 @@ def test_disk_full_during_the_final_save(root, run_stage, monkeypatch):
     assert json.loads((run / "status.json").read_text())["state"] == "running"
 
     monkeypatch.undo()
-    run_stage("train_rm", [*TINY_RM, f"resume={run}"], run_dir=run, root=root)
+    run_stage("train_rm", [*args, f"resume={run}"], run_dir=run, root=root)
     assert _steps(run) == [1, 2, 3, 4]  # nothing trained again: the run resumed at its last step
     assert (root / "latest_rm").read_text().strip() == str((run / "final").resolve())
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    if keep:
+        assert sorted(p.name for p in (run / "ds").iterdir()) == ["latest", "step-2", "step-4"]
+    else:
+        assert not (run / "ds").exists()
+
+
+def test_keep_checkpoints_1_keeps_only_the_newest(run_stage):
+    _, run, _ = run_stage("train_rm", [*TINY_RM, "rm.save_every=1", "paths.keep_checkpoints=1"])
+    assert sorted(p.name for p in (run / "ds").iterdir()) == ["latest", "step-4"] and latest_tag(run) == "step-4"
+    _, run, _ = run_stage("train_rm", [*TINY_RM, "rm.save_every=1", "paths.keep_checkpoints=3"])
+    assert sorted(p.name for p in (run / "ds").iterdir()) == ["latest", "step-2", "step-3", "step-4"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,7 +225,8 @@ TINY_PPO = ["reward.type=checker", "ppo.rollout_batch_size=4", "ppo.mini_batch_s
             "data.builtin.ppo_eval=4"]
 
 
-def test_ppo_disk_full_during_the_final_save(run_stage, tmp_path, monkeypatch):
+@pytest.mark.parametrize("keep", [2, 0])
+def test_ppo_disk_full_during_the_final_save(keep, run_stage, tmp_path, monkeypatch):
     import transformers.modeling_utils as modeling_utils
 
     root = tmp_path / "runs"
@@ -223,11 +238,13 @@ def test_ppo_disk_full_during_the_final_save(run_stage, tmp_path, monkeypatch):
 
     monkeypatch.setattr(modeling_utils, "safe_save_file", safe_save_file)
     run = root / "ppo" / "second"
+    args = [*TINY_PPO, f"paths.keep_checkpoints={keep}"]
     with pytest.raises(SaveError, match=r"^could not write the .* checkpoint at .*: No space left on device"):
-        run_stage("train_ppo", TINY_PPO, run_dir=run, root=root)
+        run_stage("train_ppo", args, run_dir=run, root=root)
     assert not (run / "final").exists() and latest_tag(run) == "step-1"
     assert (root / "latest_policy").read_text().strip() == str((first / "final").resolve())
 
     monkeypatch.undo()
-    run_stage("train_ppo", [*TINY_PPO, f"resume={run}"], run_dir=run, root=root)
+    run_stage("train_ppo", [*args, f"resume={run}"], run_dir=run, root=root)
     assert (root / "latest_policy").read_text().strip() == str((run / "final").resolve())
+    assert (latest_tag(run) == "step-1") if keep else not (run / "ds").exists()

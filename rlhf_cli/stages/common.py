@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
@@ -133,10 +134,21 @@ def commit_checkpoint(run_dir: Path, tag: str, keep: int = 2) -> None:
 
 
 def drop_checkpoints(run_dir: Path, keep: int) -> None:
-    """With `paths.keep_checkpoints=0`, delete the run's `ds/` (rank 0, after `final/` and the finished status
-    are written: the HF model is then the run's only output and the run can no longer be resumed)."""
-    if keep == 0:
-        shutil.rmtree(ckpt_dir(run_dir), ignore_errors=True)
+    """With `paths.keep_checkpoints=0`, delete the run's `ds/` (call after `final/` and the finished status
+    are written: the HF model is then the run's only output and the run can no longer be resumed).
+
+    Rank 0 only. Everything written so far is flushed to disk first, so a power loss cannot keep the
+    deletion and lose `final/`; `ds/latest` goes first, so a deletion cut short leaves no pointer to a
+    half-deleted checkpoint (a later `resume=<run dir>` then says there is nothing to continue from).
+    """
+    if keep != 0 or not engine.is_main():
+        return
+    os.sync()
+    ds = ckpt_dir(run_dir)
+    (ds / "latest").unlink(missing_ok=True)
+    shutil.rmtree(ds, ignore_errors=True)
+    if ds.exists():
+        log.warning("paths.keep_checkpoints=0: could not delete all of %s", ds)
 
 
 def print_table(title: str, rows: Dict[str, Any]) -> None:
