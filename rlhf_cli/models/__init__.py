@@ -15,8 +15,10 @@ from rlhf_cli.models.loading import (
     torch_dtype_for,
 )
 from rlhf_cli.models.scalar import (
+    Float32Head,
     last_token_index,
     load_scalar_model,
+    new_scalar_head,
     response_values,
     scalar_from_causal_lm,
     sequence_rewards,
@@ -24,6 +26,7 @@ from rlhf_cli.models.scalar import (
 )
 
 __all__ = [
+    "Float32Head",
     "ModelSourceError",
     "count_parameters",
     "is_scalar_model_dir",
@@ -31,6 +34,7 @@ __all__ = [
     "load_causal_lm",
     "load_scalar_model",
     "load_tokenizer",
+    "new_scalar_head",
     "read_reward_stats",
     "require_scalar_model_dir",
     "resolve_hf_dir",

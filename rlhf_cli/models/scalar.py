@@ -5,6 +5,7 @@ exactly transformers' `*ForSequenceClassification` layout with `num_labels=1`, s
 model loads with plain `AutoModelForSequenceClassification.from_pretrained(dir)`.
 
     load_scalar_model(source, precision, seed, init_from=None)   build or load one
+    new_scalar_head(hidden, seed, like)                           a seeded float32-computing head `score`
     token_values(model, input_ids, attention_mask)                head output at every position (B, T)
     sequence_rewards(model, input_ids, attention_mask)            head output at the last real token (B,)
     response_values(model, input_ids, attention_mask, response_start)   critic values (B, T_resp)
@@ -27,6 +28,11 @@ token t is the head output at the same position P-1+t:
 
 so values[:, t] = V(s_t), the state after the prompt and response tokens < t, and logprobs[:, t] is
 the log-prob of the action taken from that state.
+
+Precision. The head always computes in float32 (`Float32Head`), whatever `precision` says: under
+bf16 autocast or with bf16 weights a bf16 head output keeps 8 significant bits, so nearby rewards
+collapse onto the bf16 grid (the demo reward model gave 68 distinct scores over 256 sequences, and
+tied pairs). The trunk keeps the run's precision.
 """
 
 from __future__ import annotations
@@ -51,6 +57,45 @@ from rlhf_cli.models.loading import (
 log = logging.getLogger(__name__)
 
 
+class Float32Head(torch.nn.Linear):
+    """`nn.Linear` that computes in float32 whatever autocast or its weight's dtype say.
+
+    x: (..., in_features) any float dtype. Returns (..., out_features) float32. Input, weight and bias
+    are upcast (exact) and autocast is off for this one matmul; the parameters keep their own dtype
+    (bfloat16 under `precision=bf16`). Call it as a module, never read `.weight` directly: under
+    DeepSpeed ZeRO-3 the forward hooks gather the partitioned weight before `forward` runs. State-dict
+    keys are those of `nn.Linear`, so checkpoints load with plain transformers classes.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+def float32_head(linear: torch.nn.Linear) -> Float32Head:
+    """The same parameters behind a `Float32Head` (no copy); a Float32Head is returned as is."""
+    if isinstance(linear, Float32Head):
+        return linear
+    head = Float32Head(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    head.weight = linear.weight
+    if linear.bias is not None:
+        head.bias = linear.bias
+    head.train(linear.training)
+    return head
+
+
+def new_scalar_head(hidden: int, seed: int, like: torch.Tensor) -> Float32Head:
+    """A new head `Linear(hidden, 1, bias=False)` computing in float32, weight ~ N(0, 1/(hidden+1)) drawn
+    from a CPU generator seeded with `seed` (the same numbers on any device), on `like`'s device and dtype.
+    The one initialisation of every scalar head: reward model, separate critic and `ppo.critic=shared`."""
+    head = Float32Head(hidden, 1, bias=False, device=like.device, dtype=like.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1, hidden, generator=gen) / math.sqrt(hidden + 1))
+    return head
+
+
 def load_scalar_model(
     source: Any = None,
     precision: str = "fp32",
@@ -67,13 +112,15 @@ def load_scalar_model(
     `init_from`, an in-memory model, replaces `source` (which may then be None): a causal LM gives
     a copy of its trunk and a new head; a scalar model is copied whole. The original is untouched.
 
-    Weights get `torch_dtype_for(precision)`; the result has `config.num_labels == 1` and
-    `config.pad_token_id` set (from the tokenizer, via the causal LM's config).
+    Weights get `torch_dtype_for(precision)`; the head `score` is a `Float32Head` (float32 output
+    under every precision). The result has `config.num_labels == 1` and `config.pad_token_id` set
+    (from the tokenizer, via the causal LM's config).
     """
     dtype = torch_dtype_for(precision)
     if init_from is not None:
         if _is_scalar(init_from):
             model = copy.deepcopy(init_from).to(dtype)
+            model.score = float32_head(model.score)
             log.info("scalar model: copied from an in-memory %s", type(init_from).__name__)
             return model
         return scalar_from_causal_lm(copy.deepcopy(init_from).to(dtype), seed)
@@ -88,6 +135,7 @@ def load_scalar_model(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation)
         if model.config.num_labels != 1:
             raise ValueError(f"'{path}' has {model.config.num_labels} labels; a reward model or critic has 1")
+        model.score = float32_head(model.score)
         configure_training(model, cfg.gradient_checkpointing)
         log.info("scalar model: loaded %s", path)
         return model
@@ -110,12 +158,7 @@ def scalar_from_causal_lm(causal: Any, seed: int = 0) -> Any:
         model = cls(config)
     trunk = getattr(causal, causal.base_model_prefix)
     setattr(model, model.base_model_prefix, trunk)
-    ref = next(trunk.parameters())
-    hidden = config.get_text_config().hidden_size
-    model.score = torch.nn.Linear(hidden, 1, bias=False, device=ref.device, dtype=ref.dtype)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        model.score.weight.copy_(torch.randn(1, hidden, generator=gen) / math.sqrt(hidden + 1))
+    model.score = new_scalar_head(config.get_text_config().hidden_size, seed, next(trunk.parameters()))
     model.train(causal.training)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"tensors left on the meta device: {left}"
@@ -139,6 +182,7 @@ def _trunk_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 
 def _score(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Head output (..., ) float32 of hidden states (..., H); the head computes in float32 itself."""
     return getattr(model, "module", model).score(hidden).squeeze(-1).float()
 
 
@@ -189,6 +233,9 @@ def response_values(
 
 
 __all__ = [
+    "Float32Head",
+    "float32_head",
+    "new_scalar_head",
     "load_scalar_model",
     "scalar_from_causal_lm",
     "token_values",

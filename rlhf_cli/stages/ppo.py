@@ -51,6 +51,7 @@ from rlhf_cli.models import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    new_scalar_head,
     read_reward_stats,
     require_scalar_model_dir,
     response_values,
@@ -114,12 +115,7 @@ class PolicyWithValueHead(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module, seed: int) -> None:
         super().__init__()
         self.lm = lm
-        hidden = lm.config.get_text_config().hidden_size
-        ref = next(lm.parameters())
-        self.score = torch.nn.Linear(hidden, 1, bias=False, device=ref.device, dtype=ref.dtype)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(seed)
-            self.score.weight.copy_(torch.randn(1, hidden, generator=g) / math.sqrt(hidden + 1))
+        self.score = new_scalar_head(lm.config.get_text_config().hidden_size, seed, next(lm.parameters()))
 
     @property
     def config(self) -> Any:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlhf_cli.models import (
+    Float32Head,
     last_token_index,
     load_scalar_model,
     response_values,
@@ -137,3 +138,44 @@ def test_init_from_in_memory_models_copies(tiny_causal, tiny_scalar):
     assert critic.score.weight.dtype is torch.bfloat16
     assert torch.equal(critic.score.weight.float(), tiny_scalar.score.weight.to(torch.bfloat16).float())
     assert tiny_scalar.score.weight.dtype is torch.float32
+
+
+@pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
+def test_bf16_scores_are_as_distinct_and_rank_pairs_as_fp32(tiny_model_cfg, tokenizer, pad_batch, precision):
+    """The head computes in float32 under every precision: a bf16 head output (8 significant bits) put
+    many of 256 scores on the same bf16 value, and a tied pair counts as wrong in accuracy."""
+    from rlhf_cli.stages.common import batched_rewards
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 2000, (int(torch.randint(6, 20, (1,), generator=g)),), generator=g).tolist()
+            + [tokenizer.eos_token_id] for _ in range(256)]
+    ids, mask = pad_batch(rows, tokenizer.pad_token_id, "right")
+    fp32 = load_scalar_model(tiny_model_cfg, "fp32", seed=0).eval()
+    low = load_scalar_model(tiny_model_cfg, precision, seed=0).eval()
+    assert isinstance(low.score, Float32Head)
+    want = batched_rewards(fp32, ids, mask, 64, "fp32")
+    got = batched_rewards(low, ids, mask, 64, precision)
+    assert got.dtype is torch.float32
+    assert want.unique().numel() == 256 and got.unique().numel() == 256
+    chosen, rejected = got[0::2], got[1::2]  # 128 pairs
+    assert torch.equal(chosen > rejected, want[0::2] > want[1::2])
+    assert (got - want).abs().max() < 0.1 * want.std()  # bf16 trunk, same function
+
+
+def test_float32_head_is_a_plain_linear_on_disk(tmp_path, tiny_model_cfg):
+    """The head's float32 compute changes no state-dict key: the saved model loads with plain transformers."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = load_scalar_model(tiny_model_cfg, "bf16", seed=0)
+    assert model.score.weight.dtype is torch.bfloat16  # parameters keep the run's dtype
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.score(x)
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out, x.float() @ model.score.weight.float().T, rtol=1e-6, atol=1e-6)
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert type(plain.score) is torch.nn.Linear
+    assert torch.equal(plain.score.weight.to(torch.bfloat16), model.score.weight)
+    again = load_scalar_model(str(tmp_path), "fp32")
+    assert isinstance(again.score, Float32Head)
