@@ -151,6 +151,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         rm_stats = read_reward_stats(rm_dir)  # (mean, std) of its held-out scores, stored by train-rm
     dev = engine.device()
     policy.to(dev).eval(); reference.to(dev).eval()
+    lp_precision = engine.logprob_precision(cfg.precision, cfg.logprob_precision)  # of the KL passes
     if reward_model is not None:
         reward_model.to(dev).eval()
 
@@ -172,7 +173,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
             kl1, kl3 = [], []
             for i in range(0, ids.shape[0], e.batch_size):
                 sl = slice(i, i + e.batch_size)
-                with engine.autocast(cfg.precision):
+                with engine.autocast(lp_precision):
                     lp, _, _ = policy_forward(policy, ids[sl], am[sl], P, e.temperature)
                     ref_lp, _, _ = policy_forward(reference, ids[sl], am[sl], P, e.temperature)
                 kl1.append((kl_estimate(lp, ref_lp, "k1") * mask[sl]).sum(1))

@@ -9,6 +9,10 @@ Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017):
                entropy bonus, aggregated over the minibatch's real tokens (all micro-batches, ranks)
   5. adapt     update the KL controller with the rollout's per-sequence KL
 
+Precision: sampling, the reward model and a separate critic run in `precision`; the policy's and the
+reference's log-prob passes (old logprobs, ref_logprobs, the training forward) in `logprob_precision`'s
+(fp32 under bf16-autocast by default: bf16 rounding of the moved weights swamps the KL of small updates).
+
 Batch layout: `[prompt | response]`, prompts left-padded to P columns, responses right-padded to R
 columns, the response mask ending at the first EOS (inclusive). logits at column P-1+t predict
 response token t; values[:, t] is the critic's head at the same column (see models/scalar.py).
@@ -321,7 +325,9 @@ class PPOTrainer:
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg, self.p, self.run_dir = cfg, cfg.ppo, run_dir
-        self.precision = cfg.precision
+        self.precision = cfg.precision  # sampling, reward model, separate critic
+        # the policy's and reference's log-prob passes (old logprobs, training forward, ref_logprobs)
+        self.lp_precision = engine.logprob_precision(cfg.precision, cfg.logprob_precision)
         self.tokenizer = load_tokenizer(cfg.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.bad_steps = 0  # micro-steps skipped for NaN/inf losses
@@ -362,7 +368,7 @@ class PPOTrainer:
             self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed), self.precision,
                                                    offload=p.offload_reference)
             self.reward_stats = read_reward_stats(self.rm_path)
-        self.reference = engine.FrozenModel(reference, self.precision, offload=p.offload_reference)
+        self.reference = engine.FrozenModel(reference, self.lp_precision, offload=p.offload_reference)
 
         steps_per_iter = p.epochs * (p.rollout_batch_size // p.mini_batch_size)
         total = p.iterations * steps_per_iter
@@ -372,7 +378,7 @@ class PPOTrainer:
         self.n_params = count_parameters(policy)
         if p.critic == "shared":
             model = PolicyWithValueHead(policy, cfg.seed)
-            self.actor = engine.TrainEngine(model, cfg.deepspeed, self.precision, lr=p.actor_lr, **common)
+            self.actor = engine.TrainEngine(model, cfg.deepspeed, self.lp_precision, lr=p.actor_lr, **common)
             self.critic = None
         else:
             if p.critic_init == "reward_model" and self.reward_model is not None:
@@ -380,7 +386,7 @@ class PPOTrainer:
             else:
                 critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
             critic = disable_dropout(critic).requires_grad_(True)  # a copy of the (already frozen) reference would train only its head
-            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.precision, lr=p.actor_lr, **common)
+            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.lp_precision, lr=p.actor_lr, **common)
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
@@ -451,6 +457,22 @@ class PPOTrainer:
             lps.append(lp); refs.append(ref); vals.append(v.float())
         return torch.cat(lps), torch.cat(refs), torch.cat(vals)
 
+    @torch.no_grad()
+    def kl_fp32_check(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
+                      kl_seq: torch.Tensor) -> Dict[str, float]:
+        """The noise floor of bf16 log-probs: `objective/kl_fp32`, the KL (k1, nats/seq) of this rank's first
+        `ppo.kl_check_rows` rollout rows computed in fp32, and `objective/kl_check`, the reported KL of the same
+        rows. Only when the log-prob passes run under bf16 autocast (`logprob_precision=same`); else {}."""
+        k = min(self.p.kl_check_rows, input_ids.shape[0])
+        if k == 0 or self.lp_precision != "bf16-autocast":
+            return {}
+        ids, am = input_ids[:k], attention_mask[:k]
+        with self.reference.on_device() as reference:  # no autocast: the weights are fp32 under bf16-autocast
+            lp, _, _ = policy_forward(self.actor.module, ids, am, P, self.p.temperature)
+            ref, _, _ = policy_forward(reference, ids, am, P, self.p.temperature)
+        kl_fp32 = (kl_estimate(lp, ref, "k1") * am[:, P:].float()).sum(1)
+        return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
+
     def make_experience(self, iteration: int) -> Tuple[Experience, Dict[str, float], Dict[str, Any]]:
         p = self.p
         prompts, seeds = self.prompt_batch(iteration)
@@ -490,6 +512,7 @@ class PPOTrainer:
             "time/generation": t1 - t0,
             "time/scoring": t2 - t1,
             "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+            **self.kl_fp32_check(input_ids, attention_mask, P, kl_seq),
         }
         stats = engine.reduce_stats(stats)
         samples = {"prompts": [x.get("prompt_text", "") for x in prompts[:3]],
@@ -645,7 +668,8 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         "reward normalisation": tr.reward_stats if p.normalize_reward else None, "critic": f"{p.critic} ({p.critic_init})",
         "prompts": len(tr.prompts), "iterations": p.iterations,
         "rollout / mini / micro / world": f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}",
-        "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta}", "precision": cfg.precision})
+        "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta}",
+        "precision": f"{cfg.precision} (log-prob passes: {tr.lp_precision})"})
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
 
     # 2. resume

@@ -137,14 +137,16 @@ def test_one_iteration_changes_policy_and_critic_weights(tmp_path, monkeypatch):
 # old logprobs == the training forward's logprobs
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
-def test_first_minibatch_ratio_is_one(tmp_path, monkeypatch, precision):
-    """Old logprobs come from the same distribution, padding, position ids and precision as training.
+@pytest.mark.parametrize("precision,logprobs", [("fp32", "fp32"), ("bf16-autocast", "fp32"),
+                                                ("bf16-autocast", "same"), ("bf16", "fp32")])
+def test_first_minibatch_ratio_is_exactly_one(tmp_path, monkeypatch, precision, logprobs):
+    """Old logprobs come from the same code path as the training forward: distribution, padding, position
+    ids and precision, so the ratio of the first minibatch is exactly 1 in every precision.
 
     Rows of different lengths (two end early) put padding into the micro-batches; the temperature is
     0.7, so old logprobs at T = 1 (or a generate-time log-softmax without / T) would fail this.
     """
-    tr = build_trainer(tmp_path, [f"precision={precision}", "ppo.epochs=2"])
+    tr = build_trainer(tmp_path, [f"precision={precision}", f"logprob_precision={logprobs}", "ppo.epochs=2"])
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.make_experience(0)
     assert exp.mask.sum(1).tolist().count(6.0) == 6
@@ -154,15 +156,43 @@ def test_first_minibatch_ratio_is_one(tmp_path, monkeypatch, precision):
 
     for lp, old, mask, stats in calls[:2]:  # the first minibatch: no optimizer step yet
         m = mask.bool()
-        ratio = torch.exp(lp - old)[m]
-        assert stats["policy/clipfrac"] == 0.0
-        if precision == "fp32":
-            assert (ratio - 1).abs().max().item() < 1e-5
-            assert stats["policy/approx_kl"] < 1e-10
-        else:  # exactly 1 on CPU; old logprobs from an fp32 pass (no autocast) are off by ~1e-3
-            assert (ratio - 1).abs().max().item() < 1e-4
+        assert torch.equal(lp[m], old[m]), (lp - old)[m].abs().max()
+        assert stats["policy/clipfrac"] == 0.0 and stats["policy/approx_kl"] == 0.0
     # after a step the ratio moves, so the check above is not vacuous
     assert any((torch.exp(lp - old)[mask.bool()] - 1).abs().max() > 0 for lp, old, mask, _ in calls[2:])
+
+
+def fp32_kl(tr, exp):
+    """(B,) k1 KL, nats per sequence, of the trainer's policy vs reference on `exp`'s tokens, computed in fp32."""
+    with torch.no_grad():
+        lp, _, _ = policy_forward(tr.actor.module, exp.input_ids, exp.attention_mask, exp.prompt_len, tr.p.temperature)
+        ref, _, _ = policy_forward(tr.reference.module, exp.input_ids, exp.attention_mask, exp.prompt_len,
+                                   tr.p.temperature)
+    return ((lp - ref) * exp.attention_mask[:, exp.prompt_len:].float()).sum(1)
+
+
+@pytest.mark.parametrize("logprobs", ["fp32", "same"])
+def test_kl_after_one_small_step_is_the_fp32_kl_of_the_same_weights(tmp_path, logprobs):
+    """bf16-autocast: after one optimizer step at lr 1e-6 the reported KL is the fp32 KL of the same weights
+    and samples (default `logprob_precision=fp32`). With `same` the bf16 log-probs carry the rounding of the
+    moved weights, and `objective/kl_fp32` beside `objective/kl_check` shows by how much."""
+    tr = build_trainer(tmp_path, ["precision=bf16-autocast", f"logprob_precision={logprobs}", "ppo.actor_lr=1e-6",
+                                  "ppo.mini_batch_size=8", "ppo.max_grad_norm=0", "ppo.max_new_tokens=16",
+                                  "ppo.kl_check_rows=8"])
+    exp, before, _ = tr.make_experience(0)
+    assert before["objective/kl"] == 0.0  # policy == reference, computed alike
+    tr.train_on(exp, 0)
+    assert tr.actor.global_steps == 1
+    exp, stats, _ = tr.make_experience(1)
+    want = fp32_kl(tr, exp).mean().item()
+    assert want != 0.0  # the step moved the policy
+    if logprobs == "fp32":
+        assert stats["objective/kl"] == pytest.approx(want, abs=1e-6)
+        assert "objective/kl_fp32" not in stats  # nothing to check: the reported KL is fp32
+    else:
+        assert stats["objective/kl_fp32"] == pytest.approx(want, abs=1e-6)  # kl_check_rows = every row
+        assert stats["objective/kl_check"] == pytest.approx(stats["objective/kl"], abs=1e-6)
+        assert abs(stats["objective/kl"] - want) > 1e-4  # the noise floor the check exists to show
 
 
 def test_old_logprobs_use_the_sampling_temperature(tmp_path):
