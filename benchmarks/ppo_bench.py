@@ -79,7 +79,7 @@ def trl_child(spec_path: str) -> None:
         adam_beta1=spec["betas"][0], adam_beta2=spec["betas"][1], adam_epsilon=1e-8, weight_decay=0.0,
         activation_checkpointing=False, bf16=spec["bf16"], num_sample_generations=0, seed=spec["seed"],
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-        dataloader_pin_memory=torch.cuda.is_available())
+        dataloader_pin_memory=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
     prompts = Dataset.from_dict({"input_ids": spec["prompts"]})
 
     # timers at TRL's seams: batch_generation (generation), the first grad-enabled forward of an
@@ -131,6 +131,8 @@ def trl_child(spec_path: str) -> None:
     trainer.dataloader = DataLoader(prompts, batch_size=R, shuffle=False, drop_last=True,
                                     collate_fn=DataCollatorWithPadding(tokenizer))
     trainer.train()
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    getattr(unwrapped, "policy", unwrapped).save_pretrained(spec["model_out"])  # the policy alone (no value head)
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     Path(spec["result"]).write_text(json.dumps({
         "mixed_precision": str(trainer.accelerator.mixed_precision), "iterations": iterations,
@@ -142,6 +144,33 @@ def trl_child(spec_path: str) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # preparation (this process)
+
+
+def fp32_kl(policy_path: str, reference_path: str, prompts: List[Dict[str, Any]], pad_id: int, eos_id: int,
+            max_new_tokens: int, temperature: float, seed: int) -> float:
+    """KL(policy ‖ reference), k1, nats per sequence averaged over `prompts`, all in fp32: one response per
+    prompt sampled from the policy (per-prompt seeds, so both tools' policies get the same noise), log-probs of
+    both models at `temperature`. The sanity reference for the KL each tool reports in its own precision."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_cli.core import kl_estimate
+    from rlhf_cli.engine import device
+    from rlhf_cli.stages.ppo import policy_forward, prompt_seed, sample_responses
+
+    policy, reference = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device()).eval()
+                         for p in (policy_path, reference_path))
+    seeds = [prompt_seed(seed, 10**6, k) for k in range(len(prompts))]
+    ids, am, P, _ = sample_responses(policy, prompts, pad_id, eos_id, max_new_tokens, temperature, 1.0, "fp32",
+                                     chunk=8, seeds=seeds)
+    kl = []
+    with torch.no_grad():
+        for i in range(0, ids.shape[0], 8):
+            sl = slice(i, i + 8)
+            lp, _, _ = policy_forward(policy, ids[sl], am[sl], P, temperature)
+            ref, _, _ = policy_forward(reference, ids[sl], am[sl], P, temperature)
+            kl.append((kl_estimate(lp, ref, "k1") * am[sl, P:].float()).sum(1))
+    return float(torch.cat(kl).mean())
 
 
 def iteration_prompts(prompts: List[Dict[str, Any]], iterations: int, rollout: int, seed: int) -> List[List[int]]:
@@ -218,6 +247,9 @@ def parse_args() -> argparse.Namespace:
                    help="an HF *ForSequenceClassification dir or `rlhf train-rm` run dir (default: the base model "
                         "with a new seeded scalar head); also the critic's initial weights")
     p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
+                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, else fp32; "
+                        "bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically real, ~7-25x slower)")
     p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -262,7 +294,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         "ppo.weight_decay=0.0", "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.normalize_reward=false",
         "ppo.whiten_advantages=true", "ppo.truncated=penalize", f"ppo.missing_eos_penalty={args.missing_eos_penalty}",
         "ppo.critic=separate", "ppo.critic_init=reward_model", "ppo.sample_every=1", "ppo.save_every=0",
-        f"seed={args.seed}", "tensorboard=false", f"paths.root={work / 'runs'}"]
+        f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}"]
     cfg = C.compose("train_ppo", overrides)
     tokenizer = load_tokenizer(cfg.model)
     prompts = load_prompt_data(cfg.data, tokenizer, split="train")
@@ -290,6 +322,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
             "clip": args.clip, "value_clip": args.value_clip, "vf_coef": args.vf_coef, "gamma": args.gamma,
             "lam": args.lam, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
             "bf16": bf16, "seed": args.seed, "output_dir": str(work / "trl_ppo"),
+            "model_out": str(work / "trl_ppo" / "final"),
             "result": str(work / "trl_ppo_result.json")}
     (work / "trl_ppo_spec.json").write_text(json.dumps(spec))
     env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
@@ -307,7 +340,13 @@ def run(args: argparse.Namespace, work: Path) -> None:
     same_prompts = ([t["prompt_tokens"] for t in t_its] == want_tokens
                     and all(o_samples.get(k) == v for k, v in want_first.items()))
 
-    # 5. the table (first iteration dropped when there are two or more)
+    # 5. sanity: each tool's final policy against the reference, measured in fp32 on the last iteration's prompts
+    last = [prompts[i] for i in order[-1]]
+    kl_fp32 = {who: fp32_kl(str(path), str(policy), last, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                            args.max_new_tokens, args.temperature, args.seed)
+               for who, path in (("ours", ours_dir / "final"), ("trl", spec["model_out"]))}
+
+    # 6. the table (first iteration dropped when there are two or more)
     o_st, t_st = C.steady(o_its), C.steady(t_its)
     avg = lambda its, key: C.mean([x[key] for x in its])  # noqa: E731
     rate = lambda its, tok, sec: sum(x[tok] for x in its) / sum(x[sec] for x in its)  # noqa: E731
@@ -329,8 +368,12 @@ def run(args: argparse.Namespace, work: Path) -> None:
     table.add("peak_rss_gib", "peak RSS (GiB, whole process)", ours.peak_rss_bytes / gib, trl.peak_rss_bytes / gib)
     table.add("score", "mean score incl. EOS penalty (sanity)", C.mean([x["score"] for x in o_its]),
               C.mean(t_res["scores"]), "{:.3f}", ratio=False)
-    table.add("kl", "KL to reference, nats/seq (sanity)", C.mean([x["kl"] for x in o_its]), C.mean(t_res["kl"]),
-              "{:.3f}", ratio=False)
+    table.add("kl", "KL to reference, nats/seq, mean of iterations (sanity)", C.mean([x["kl"] for x in o_its]),
+              C.mean(t_res["kl"]), "{:.3f}", ratio=False)
+    table.add("kl_last", f"KL reported at iteration {I}, nats/seq (sanity)", o_its[-1]["kl"], t_res["kl"][-1],
+              "{:.4f}", ratio=False)
+    table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {I}'s prompts (sanity)",
+              kl_fp32["ours"], kl_fp32["trl"], "{:.4f}", ratio=False)
     table.add("process_wall_s", "process wall s (incl. load and saving)", ours.wall_s, trl.wall_s, "{:.0f}")
 
     header = C.header_lines("ppo_bench: PPO, rlhf_cli `rlhf train-ppo` vs TRL trl.experimental.ppo.PPOTrainer",
@@ -360,6 +403,9 @@ def run(args: argparse.Namespace, work: Path) -> None:
         "num_mini_batches says, so the only minibatch it can match is the whole rollout: both use minibatch = rollout",
         "TRL's policy and value model share one AdamW and one loss (pg + c1 * vf); "
         "ours are two engines with the same lr",
+        "KL sanity rows: what each tool reports at its last rollout (its own precision; ours computes log-probs in "
+        "fp32 unless logprob_precision=same), and the final policy (one update later) measured in fp32 by "
+        "benchmarks/ppo_bench.py:fp32_kl; a reported KL far above the fp32 one is bf16 rounding, not movement",
         f"benchmark preparation (reward model init, prompts) {prep_s:.0f} s; logs and runs under {work}",
     ]
     print("\n".join(header + [""] + table.lines() + [""] + notes))
@@ -367,6 +413,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         "args": vars(args), "machine": info, "versions": C.versions(), "precision": cfg.precision,
         "trl_mixed_precision": t_res["mixed_precision"], "same_prompts": same_prompts,
         "ours": {"iterations": o_its, "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
+        "kl_fp32": kl_fp32,
         "trl": {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"],
                 "peak_rss_bytes": trl.peak_rss_bytes, "wall_s": trl.wall_s}})
 

@@ -80,7 +80,7 @@ def trl_child(spec_path: str) -> None:
         adam_epsilon=1e-8, max_grad_norm=spec["max_grad_norm"], activation_checkpointing=False, bf16=spec["bf16"],
         max_length=spec["max_length"], train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
         eval_strategy="no", report_to="none", disable_tqdm=True, seed=spec["seed"], disable_dropout=True,
-        dataloader_pin_memory=torch.cuda.is_available())
+        dataloader_pin_memory=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
     train = Dataset.from_dict({"chosen_ids": spec["chosen_ids"], "rejected_ids": spec["rejected_ids"]})
     timer = StepTimer()
     trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
@@ -183,6 +183,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trl-adamw", default="fused", choices=["fused", "plain"],
                    help="TRL's AdamW: fused (TRL's default optim adamw_torch_fused, as our engine) or plain (the per-tensor loop)")
     p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
+                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, else fp32; "
+                        "bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically real, ~7-25x slower)")
     p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -213,6 +216,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     base = C.compose("train_rm", [f"model={args.model}", f"seed={args.seed}"])
     init = C.save_reward_model_init(base.model, args.seed, work / "rm_init")
     overrides = ["model=hf", f"model.name_or_path={init['path']}", *select_pairs(args, work),
+                 f"precision={args.precision}",
                  f"rm.batch_size={B}", f"rm.micro_batch_size={m}", f"rm.max_steps={args.steps}", f"rm.lr={args.lr}",
                  f"rm.betas=[{args.betas[0]},{args.betas[1]}]", f"rm.weight_decay={args.weight_decay}",
                  f"rm.warmup_ratio={args.warmup_ratio}", f"rm.lr_scheduler={args.lr_scheduler}",
@@ -265,6 +269,13 @@ def run(args: argparse.Namespace, work: Path) -> None:
     del trl_model
     o_eval = heldout_metrics(o_rewards["chosen"], o_rewards["rejected"])
     t_eval = heldout_metrics(t_chosen.tolist(), t_rejected.tolist())
+    # sanity: the same two models scored in fp32 (where the run was not fp32, ties and flipped pairs show here)
+    fp32_eval = {}
+    for who, path in (("ours", ours_dir / "final"), ("trl", spec["model_out"])):
+        model = load_scalar_model(str(path), "fp32", cfg.seed).to(device())
+        fp32_eval[who] = heldout_metrics(*(x.tolist() for x in score_pairs(
+            model, data.eval, tokenizer.pad_token_id, cfg.rm.eval_batch_size, "fp32")))
+        del model
 
     # 6. the table
     same_batches = ([round(s["tokens"]) for s in o_steps] == step_tokens
@@ -284,6 +295,12 @@ def run(args: argparse.Namespace, work: Path) -> None:
     table.add("heldout_accuracy", f"held-out accuracy ({args.eval_pairs} pairs)", o_eval["rm/accuracy"],
               t_eval["rm/accuracy"])
     table.add("heldout_loss", "held-out loss", o_eval["rm/loss"], t_eval["rm/loss"])
+    table.add("heldout_accuracy_fp32", "held-out accuracy, same models scored in fp32 (sanity)",
+              fp32_eval["ours"]["rm/accuracy"], fp32_eval["trl"]["rm/accuracy"], ratio=False)
+    table.add("heldout_ties", f"tied held-out pairs, scored in {cfg.precision} (sanity)", o_eval["rm/ties"],
+              t_eval["rm/ties"], "{:.0f}", ratio=False)
+    table.add("heldout_ties_fp32", "tied held-out pairs, scored in fp32 (sanity)", fp32_eval["ours"]["rm/ties"],
+              fp32_eval["trl"]["rm/ties"], "{:.0f}", ratio=False)
     table.add("first_step_loss", "training loss, step 1", o_steps[0]["loss"], t_res["losses"][0], "{:.4f}")
     table.add("last_step_loss", f"training loss, step {args.steps}", o_steps[-1]["loss"], t_res["losses"][-1], "{:.4f}")
     table.add("model_gflops", "model GFLOP/s (6 N tokens/s)", 6 * N * o_tps / 1e9, 6 * N * t_tps / 1e9)
@@ -313,7 +330,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
              f"matmul (a micro-batch's tokens through an MLP projection) timed on this machine just before the runs; "
              f"model FLOP/s = 6 x N x real tokens/s (forward + backward, N = non-embedding params)",
              "held-out accuracy: both final models scored by rlhf_cli.stages.rm.score_pairs (ours inside "
-             "`rlhf train-rm`, TRL's saved model here); ties count as wrong",
+             "`rlhf train-rm`, TRL's saved model here) in the run's precision, and both again in fp32 (the sanity "
+             "rows: a bf16 score head ties pairs and flips close ones); ties count as wrong",
              f"benchmark preparation (init model, data) {prep_s:.0f} s; logs and runs under {work}"]
     print("\n".join(header + [""] + table.lines() + [""] + notes))
     C.write_outputs(args.out, header, table, notes, {
@@ -321,8 +339,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
         "trl_mixed_precision": t_res["mixed_precision"], "matmul_gflops": peak,
         "matmul_shape": list(shape),
         "non_embedding_params": N, "same_batches": same_batches, "step_tokens": step_tokens,
-        "ours": {"steps": o_steps, "heldout": o_eval, "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
-        "trl": {"steps": t_res["steps"], "losses": t_res["losses"], "heldout": t_eval,
+        "ours": {"steps": o_steps, "heldout": o_eval, "heldout_fp32": fp32_eval["ours"], "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
+        "trl": {"steps": t_res["steps"], "losses": t_res["losses"], "heldout": t_eval, "heldout_fp32": fp32_eval["trl"],
                 "peak_rss_bytes": trl.peak_rss_bytes, "wall_s": trl.wall_s}})
 
 
