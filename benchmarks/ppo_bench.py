@@ -404,7 +404,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         "TRL's policy and value model share one AdamW and one loss (pg + c1 * vf); "
         "ours are two engines with the same lr",
         "KL sanity rows: what each tool reports at its last rollout (its own precision; ours computes log-probs in "
-        "fp32 unless logprob_precision=same), and the final policy (one update later) measured in fp32 by "
+        "fp32 unless scoring_precision=same), and the final policy (one update later) measured in fp32 by "
         "benchmarks/ppo_bench.py:fp32_kl; a reported KL far above the fp32 one is bf16 rounding, not movement",
         f"benchmark preparation (reward model init, prompts) {prep_s:.0f} s; logs and runs under {work}",
     ]

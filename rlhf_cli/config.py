@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
-LOGPROB_PRECISIONS = ("fp32", "same")
+SCORING_PRECISIONS = ("fp32", "same")
 
 
 class ConfigError(ValueError):
@@ -246,7 +246,7 @@ class PPOConfig:
     top_p: float = 1.0
     """Nucleus sampling; keep 1.0 for on-policy logprobs."""
     kl_check_rows: int = 4
-    """When the log-prob passes are not fp32 (`logprob_precision=same` under bf16-autocast): each
+    """When the scoring passes are not fp32 (`scoring_precision=same` under bf16-autocast): each
     iteration, the KL of this many rollout rows per rank is also computed in fp32 and logged as
     `objective/kl_fp32` beside `objective/kl_check` (the reported KL of the same rows), so the bf16 noise
     floor shows. 0 disables; never computed when the passes are fp32 already, or with bf16 weights."""
@@ -342,17 +342,19 @@ class RunConfig:
     (bf16 weights, DeepSpeed's bf16 optimizer with fp32 master copies); `auto` (default): bf16-autocast
     where bf16 matmuls are native (bf16 GPUs, CPUs with AVX512-BF16/AMX), else fp32 — on an AVX2-only
     CPU bf16 is emulated and ~25x slower than fp32. The resolved value is written to config.yaml."""
-    logprob_precision: str = "fp32"
-    """train-ppo and eval: precision of the passes whose log-probs enter the RL math: the policy's old
-    logprobs and its training forward/backward (one code path, so the first ratio is exactly 1), and the
-    reference's ref_logprobs (so the KL penalty, `objective/kl` and eval's KL). `fp32` (default): computed
-    in fp32 under `precision=bf16-autocast`, whose weights are fp32; sampling, the reward model and a
-    separate critic keep `precision`. `same`: as `precision`. Why: after one AdamW step at lr 1e-6,
-    SmolLM2 in bf16 autocast shows a policy-reference KL ~400x the fp32 KL of the same weights
-    (docs/results.md, bf16 ablation): the bf16 rounding of the moved weights, not their movement, and
-    the same noise enters the ratio. The cost: these passes run at fp32 speed where bf16 is native. No
-    effect under `precision=fp32`; under `precision=bf16` (bf16 weights) the passes stay bf16, which the
-    run says once."""
+    scoring_precision: str = "fp32"
+    """Precision of the passes whose numbers are measured or enter the RL math: the policy's log-probs (old
+    logprobs and its training forward: one code path, so the first ratio is exactly 1), the reference's
+    ref_logprobs (so the KL penalty, `objective/kl` and eval's KL), and reward-model scores (train-ppo's reward,
+    train-rm's held-out accuracy and reward statistics, `rlhf eval`). `fp32` (default): these run in fp32 under
+    `precision=bf16-autocast`, whose weights are fp32; sampling, the critic and train-rm's training forward
+    keep `precision`. `same`: as `precision`. Why (docs/results.md, bf16): after one AdamW step at lr 1e-6,
+    SmolLM2 in bf16 autocast shows a policy-reference KL ~400x the fp32 KL of the same weights (the bf16
+    rounding of the moved weights, not their movement, and the same noise enters the ratio); and bf16 moves
+    the demo reward model's scores by 0.28 (std of the pair gap) where half its held-out pairs differ by
+    < 0.09, so its accuracy read 0.633 instead of 0.672. The cost: these passes at fp32 speed where bf16 is
+    native. No effect under `precision=fp32`; under `precision=bf16` (bf16 weights) they stay bf16, which
+    the run says once."""
     seed: int = 42
     dry_run: bool = False
     """Compose, validate, build data and model, write the run dir and config, print a summary, exit 0."""
@@ -501,7 +503,7 @@ def check_model_paths(cfg: Any, command: str) -> None:
 def validate_common(cfg: Any) -> None:
     """Checks shared by every command. Raises ConfigError."""
     _one_of("precision", cfg.precision, PRECISIONS)
-    _one_of("logprob_precision", cfg.logprob_precision, LOGPROB_PRECISIONS)
+    _one_of("scoring_precision", cfg.scoring_precision, SCORING_PRECISIONS)
     _one_of("model.init", cfg.model.init, ("pretrained", "random"))
     _one_of("deepspeed.zero_stage", cfg.deepspeed.zero_stage, (0, 1, 2, 3))
     _check(not cfg.deepspeed.offload_param or cfg.deepspeed.zero_stage == 3,

@@ -165,8 +165,9 @@ def resolve_precision(precision: str) -> str:
     return "bf16-autocast" if bf16_is_fast() else "fp32"
 
 
-def logprob_precision(precision: str, choice: str) -> str:
-    """The precision of the RL log-prob passes (config `logprob_precision`) under a run's resolved `precision`.
+def scoring_precision(precision: str, choice: str) -> str:
+    """The precision of the scoring passes (config `scoring_precision`: log-probs, KL, reward-model scores)
+    under a run's resolved `precision`.
 
     `choice="fp32"` under `bf16-autocast` gives `fp32` (the weights are fp32 there: the passes just run
     without autocast); otherwise the run's `precision`. Under `bf16` (bf16 weights) an fp32 pass would need
@@ -175,9 +176,9 @@ def logprob_precision(precision: str, choice: str) -> str:
     if choice == "fp32" and precision == "bf16-autocast":
         return "fp32"
     if choice == "fp32" and precision == "bf16":
-        log.warning("logprob_precision=fp32 does not apply under precision=bf16 (bf16 weights): log-probs, the KL "
-                    "and the ratio carry the bf16 rounding of the updated weights (docs/results.md, bf16 "
-                    "ablation); precision=bf16-autocast computes them in fp32")
+        log.warning("scoring_precision=fp32 does not apply under precision=bf16 (bf16 weights): log-probs, the KL, "
+                    "the ratio and reward scores carry bf16 rounding (docs/results.md, bf16); "
+                    "precision=bf16-autocast computes them in fp32")
     return precision
 
 

@@ -94,16 +94,16 @@ def test_no_shared_memory_buffer_is_left_behind(tmp_path):
     assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
 
 
-def test_logprob_precision_is_fp32_only_where_the_weights_are(caplog):
-    """`logprob_precision=fp32` computes the RL log-probs in fp32 under bf16-autocast (fp32 weights); bf16
+def test_scoring_precision_is_fp32_only_where_the_weights_are(caplog):
+    """`scoring_precision=fp32` computes the RL log-probs in fp32 under bf16-autocast (fp32 weights); bf16
     weights stay bf16, and the run is told so."""
-    from rlhf_cli.engine import logprob_precision
+    from rlhf_cli.engine import scoring_precision
 
-    assert logprob_precision("bf16-autocast", "fp32") == "fp32"
-    assert logprob_precision("bf16-autocast", "same") == "bf16-autocast"
-    assert logprob_precision("fp32", "fp32") == logprob_precision("fp32", "same") == "fp32"
+    assert scoring_precision("bf16-autocast", "fp32") == "fp32"
+    assert scoring_precision("bf16-autocast", "same") == "bf16-autocast"
+    assert scoring_precision("fp32", "fp32") == scoring_precision("fp32", "same") == "fp32"
     assert not caplog.records
     with caplog.at_level("WARNING"):
-        assert logprob_precision("bf16", "fp32") == "bf16"
+        assert scoring_precision("bf16", "fp32") == "bf16"
     assert len(caplog.records) == 1 and "precision=bf16-autocast" in caplog.records[0].getMessage()
-    assert logprob_precision("bf16", "same") == "bf16" and len(caplog.records) == 1
+    assert scoring_precision("bf16", "same") == "bf16" and len(caplog.records) == 1

@@ -93,7 +93,8 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> Dict[str, Any]:
     if not pairs:
         raise ConfigError(f"no preference pairs in split eval.split={cfg.eval.split} of data.path={cfg.data.path}")
     model = load_scalar_model(rm_dir, cfg.precision, cfg.seed).to(engine.device())
-    chosen, rejected = score_pairs(model, pairs, tokenizer.pad_token_id, cfg.eval.batch_size, cfg.precision)
+    chosen, rejected = score_pairs(model, pairs, tokenizer.pad_token_id, cfg.eval.batch_size,
+                                   engine.scoring_precision(cfg.precision, cfg.scoring_precision))
     stats = pair_metrics(chosen, rejected)
     acc = (chosen > rejected).float()
     results = {
@@ -151,7 +152,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         rm_stats = read_reward_stats(rm_dir)  # (mean, std) of its held-out scores, stored by train-rm
     dev = engine.device()
     policy.to(dev).eval(); reference.to(dev).eval()
-    lp_precision = engine.logprob_precision(cfg.precision, cfg.logprob_precision)  # of the KL passes
+    score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)  # KL and reward passes
     if reward_model is not None:
         reward_model.to(dev).eval()
 
@@ -166,14 +167,14 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         mask = am[:, P:].float()
         out: Dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float()}
         if reward_model is not None:
-            out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, cfg.precision).cpu()
+            out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, score_precision).cpu()
         if all(x.get("answer") is not None for x in mine):
             out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
         if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
             kl1, kl3 = [], []
             for i in range(0, ids.shape[0], e.batch_size):
                 sl = slice(i, i + e.batch_size)
-                with engine.autocast(lp_precision):
+                with engine.autocast(score_precision):
                     lp, _, _ = policy_forward(policy, ids[sl], am[sl], P, e.temperature)
                     ref_lp, _, _ = policy_forward(reference, ids[sl], am[sl], P, e.temperature)
                 kl1.append((kl_estimate(lp, ref_lp, "k1") * mask[sl]).sum(1))

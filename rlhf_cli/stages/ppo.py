@@ -9,8 +9,8 @@ Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017):
                entropy bonus, aggregated over the minibatch's real tokens (all micro-batches, ranks)
   5. adapt     update the KL controller with the rollout's per-sequence KL
 
-Precision: sampling, the reward model and a separate critic run in `precision`; the policy's and the
-reference's log-prob passes (old logprobs, ref_logprobs, the training forward) in `logprob_precision`'s
+Precision: sampling and a separate critic run in `precision`; the policy's and the reference's log-prob
+passes (old logprobs, ref_logprobs, the training forward) and the reward model in `scoring_precision`'s
 (fp32 under bf16-autocast by default: bf16 rounding of the moved weights swamps the KL of small updates).
 
 Batch layout: `[prompt | response]`, prompts left-padded to P columns, responses right-padded to R
@@ -325,9 +325,9 @@ class PPOTrainer:
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg, self.p, self.run_dir = cfg, cfg.ppo, run_dir
-        self.precision = cfg.precision  # sampling, reward model, separate critic
-        # the policy's and reference's log-prob passes (old logprobs, training forward, ref_logprobs)
-        self.lp_precision = engine.logprob_precision(cfg.precision, cfg.logprob_precision)
+        self.precision = cfg.precision  # sampling, separate critic
+        # log-prob passes of policy (old logprobs, training forward) and reference, reward-model scores
+        self.score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
         self.tokenizer = load_tokenizer(cfg.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.bad_steps = 0  # micro-steps skipped for NaN/inf losses
@@ -365,10 +365,10 @@ class PPOTrainer:
         self.reward_stats = None
         if self.rm_path is not None:
             check_same_tokenizer(self.tokenizer, self.rm_path, "reward model")
-            self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed), self.precision,
-                                                   offload=p.offload_reference)
+            self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed),
+                                                   self.score_precision, offload=p.offload_reference)
             self.reward_stats = read_reward_stats(self.rm_path)
-        self.reference = engine.FrozenModel(reference, self.lp_precision, offload=p.offload_reference)
+        self.reference = engine.FrozenModel(reference, self.score_precision, offload=p.offload_reference)
 
         steps_per_iter = p.epochs * (p.rollout_batch_size // p.mini_batch_size)
         total = p.iterations * steps_per_iter
@@ -378,7 +378,7 @@ class PPOTrainer:
         self.n_params = count_parameters(policy)
         if p.critic == "shared":
             model = PolicyWithValueHead(policy, cfg.seed)
-            self.actor = engine.TrainEngine(model, cfg.deepspeed, self.lp_precision, lr=p.actor_lr, **common)
+            self.actor = engine.TrainEngine(model, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
             self.critic = None
         else:
             if p.critic_init == "reward_model" and self.reward_model is not None:
@@ -386,7 +386,7 @@ class PPOTrainer:
             else:
                 critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
             critic = disable_dropout(critic).requires_grad_(True)  # a copy of the (already frozen) reference would train only its head
-            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.lp_precision, lr=p.actor_lr, **common)
+            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
@@ -427,7 +427,7 @@ class PPOTrainer:
             raw = torch.tensor(check_answers(texts, [x["answer"] for x in prompts]), dtype=torch.float32)
             return raw.to(input_ids.device), raw.to(input_ids.device)
         with self.reward_model.on_device() as rm:
-            raw = batched_rewards(rm, input_ids, attention_mask, self.p.micro_batch_size, self.precision)
+            raw = batched_rewards(rm, input_ids, attention_mask, self.p.micro_batch_size, self.score_precision)
         norm = raw
         if self.p.normalize_reward and self.reward_stats is not None:
             mean, std = self.reward_stats
@@ -462,9 +462,9 @@ class PPOTrainer:
                       kl_seq: torch.Tensor) -> Dict[str, float]:
         """The noise floor of bf16 log-probs: `objective/kl_fp32`, the KL (k1, nats/seq) of this rank's first
         `ppo.kl_check_rows` rollout rows computed in fp32, and `objective/kl_check`, the reported KL of the same
-        rows. Only when the log-prob passes run under bf16 autocast (`logprob_precision=same`); else {}."""
+        rows. Only when the scoring passes run under bf16 autocast (`scoring_precision=same`); else {}."""
         k = min(self.p.kl_check_rows, input_ids.shape[0])
-        if k == 0 or self.lp_precision != "bf16-autocast":
+        if k == 0 or self.score_precision != "bf16-autocast":
             return {}
         ids, am = input_ids[:k], attention_mask[:k]
         with self.reference.on_device() as reference:  # no autocast: the weights are fp32 under bf16-autocast
@@ -669,7 +669,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         "prompts": len(tr.prompts), "iterations": p.iterations,
         "rollout / mini / micro / world": f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}",
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta}",
-        "precision": f"{cfg.precision} (log-prob passes: {tr.lp_precision})"})
+        "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})"})
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
 
     # 2. resume

@@ -104,15 +104,17 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
 
         raise ConfigError(f"only {len(train)} training pairs, fewer than rm.batch_size={rmc.batch_size}")
 
-    # 2. model
+    # 2. model; held-out pairs are scored in `scoring_precision` (fp32 under bf16-autocast by default)
     model = load_scalar_model(cfg.model, cfg.precision, cfg.seed)
+    score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
     steps_per_epoch = len(train) // rmc.batch_size
     total_steps = rmc.max_steps or steps_per_epoch * rmc.epochs
     print_table(f"train-rm: {run_dir}", {
         "model": cfg.model.name, "params (non-embedding)": count_parameters(model),
         "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
         "batch / micro / world": f"{rmc.batch_size} / {rmc.micro_batch_size} / {engine.world_size()}",
-        "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+        "precision": f"{cfg.precision} (held-out scoring: {score_precision})",
+        "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
     })
     if cfg.dry_run:
         set_status(run_dir, "dry_run") if engine.is_main() else None
@@ -179,7 +181,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
                            "throughput/pairs_per_s": rmc.batch_size / dt, "throughput/tokens_per_s": tok_total / dt})
             if rmc.eval_every and step % rmc.eval_every == 0 and step < total_steps and heldout:
                 eval_stats = pair_metrics(*score_pairs(eng.module, heldout, tokenizer.pad_token_id,
-                                                       rmc.eval_batch_size, cfg.precision))
+                                                       rmc.eval_batch_size, score_precision))
                 record.update({f"eval/{k}": v for k, v in eval_stats.items()})
             if step % rmc.log_every == 0 or step == total_steps:
                 metrics.log(step, record)
@@ -197,7 +199,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     final_stats: Dict[str, float] = {}
     reward_mean = reward_std = None  # no held-out pairs: nothing measured, so no normalisation is stored
     if heldout:
-        chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size, cfg.precision)
+        chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size, score_precision)
         final_stats = pair_metrics(chosen, rejected)
         both = torch.cat([chosen, rejected])
         reward_mean, reward_std = float(both.mean()), float(both.std()) if both.numel() > 1 else 1.0

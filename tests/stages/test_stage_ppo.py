@@ -146,7 +146,7 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path, monkeypatch, precision, 
     Rows of different lengths (two end early) put padding into the micro-batches; the temperature is
     0.7, so old logprobs at T = 1 (or a generate-time log-softmax without / T) would fail this.
     """
-    tr = build_trainer(tmp_path, [f"precision={precision}", f"logprob_precision={logprobs}", "ppo.epochs=2"])
+    tr = build_trainer(tmp_path, [f"precision={precision}", f"scoring_precision={logprobs}", "ppo.epochs=2"])
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.make_experience(0)
     assert exp.mask.sum(1).tolist().count(6.0) == 6
@@ -174,9 +174,9 @@ def fp32_kl(tr, exp):
 @pytest.mark.parametrize("logprobs", ["fp32", "same"])
 def test_kl_after_one_small_step_is_the_fp32_kl_of_the_same_weights(tmp_path, logprobs):
     """bf16-autocast: after one optimizer step at lr 1e-6 the reported KL is the fp32 KL of the same weights
-    and samples (default `logprob_precision=fp32`). With `same` the bf16 log-probs carry the rounding of the
+    and samples (default `scoring_precision=fp32`). With `same` the bf16 log-probs carry the rounding of the
     moved weights, and `objective/kl_fp32` beside `objective/kl_check` shows by how much."""
-    tr = build_trainer(tmp_path, ["precision=bf16-autocast", f"logprob_precision={logprobs}", "ppo.actor_lr=1e-6",
+    tr = build_trainer(tmp_path, ["precision=bf16-autocast", f"scoring_precision={logprobs}", "ppo.actor_lr=1e-6",
                                   "ppo.mini_batch_size=8", "ppo.max_grad_norm=0", "ppo.max_new_tokens=16",
                                   "ppo.kl_check_rows=8"])
     exp, before, _ = tr.make_experience(0)

@@ -241,3 +241,28 @@ def test_without_held_out_pairs_no_reward_stats_are_stored(run_stage):
     assert "rlhf_reward_mean" not in config and "rlhf_reward_std" not in config
     assert config["rlhf_stage"] == "rm" and config["rlhf_eval_accuracy"] is None
     assert read_reward_stats(run_dir / "final") is None
+
+
+@pytest.mark.parametrize("scoring", ["fp32", "same"])
+def test_bf16_autocast_run_scores_held_out_pairs_in_fp32(run_stage, toy_overrides, scoring):
+    """Under bf16-autocast the held-out scores (accuracy, reward statistics) come from an fp32 pass by
+    default (`scoring_precision=fp32`): exactly what the saved model scores in fp32 with plain transformers.
+    `scoring_precision=same` scores with the bf16 trunk, which moves every score."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_cli.data import PairCollator, load_preference_data
+
+    _, run_dir, cfg = run_stage("train_rm", [*toy_overrides, "precision=bf16-autocast", f"scoring_precision={scoring}",
+                                             "rm.max_steps=2", "rm.eval_every=0", "rm.save_every=0"])
+    final = run_dir / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
+    batch = PairCollator(tokenizer.pad_token_id)(load_preference_data(cfg.data, tokenizer).eval)
+    with torch.no_grad():
+        fp32 = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    rewards = json.loads((run_dir / "rewards.json").read_text())
+    got = torch.tensor(rewards["chosen"] + rewards["rejected"])
+    if scoring == "fp32":
+        assert torch.allclose(got, fp32, rtol=0, atol=1e-5)
+    else:
+        assert (got - fp32).abs().max() > 1e-4
