@@ -103,7 +103,8 @@ def header_lines(title: str, info: Dict[str, Any], precision: str, trl_precision
         " | ".join(f"{k} {v[k]}" for k in PACKAGES),
         f"machine: {device}; bf16 {bf16}",
         f"precision in force: rlhf_cli precision={precision}, TRL accelerator.mixed_precision={trl_mp} "
-        f"(bf16 mixed precision for both only where bf16 is native)",
+        f"(bf16 mixed precision for both only where bf16 is native; ours scores, and trains the PPO policy, in "
+        f"fp32 under bf16-autocast: scoring_precision=fp32, its default)",
     ]
 
 

@@ -203,7 +203,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, work: Path) -> None:
     from rlhf_cli.data import load_preference_data
-    from rlhf_cli.engine import device, lr_lambda
+    from rlhf_cli.engine import device, lr_lambda, scoring_precision
     from rlhf_cli.models import load_scalar_model, load_tokenizer
     from rlhf_cli.stages.rm import score_pairs
 
@@ -263,9 +263,10 @@ def run(args: argparse.Namespace, work: Path) -> None:
     t_res = json.loads(Path(spec["result"]).read_text())
 
     # 5. held-out accuracy of both final models with the same scoring code
+    scoring = scoring_precision(cfg.precision, cfg.scoring_precision)  # as `rlhf train-rm` scored ours
     trl_model = load_scalar_model(spec["model_out"], cfg.precision, cfg.seed).to(device())
     t_chosen, t_rejected = score_pairs(trl_model, data.eval, tokenizer.pad_token_id, cfg.rm.eval_batch_size,
-                                       cfg.precision)
+                                       scoring)
     del trl_model
     o_eval = heldout_metrics(o_rewards["chosen"], o_rewards["rejected"])
     t_eval = heldout_metrics(t_chosen.tolist(), t_rejected.tolist())
@@ -297,7 +298,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     table.add("heldout_loss", "held-out loss", o_eval["rm/loss"], t_eval["rm/loss"])
     table.add("heldout_accuracy_fp32", "held-out accuracy, same models scored in fp32 (sanity)",
               fp32_eval["ours"]["rm/accuracy"], fp32_eval["trl"]["rm/accuracy"], ratio=False)
-    table.add("heldout_ties", f"tied held-out pairs, scored in {cfg.precision} (sanity)", o_eval["rm/ties"],
+    table.add("heldout_ties", f"tied held-out pairs, scored in {scoring} (sanity)", o_eval["rm/ties"],
               t_eval["rm/ties"], "{:.0f}", ratio=False)
     table.add("heldout_ties_fp32", "tied held-out pairs, scored in fp32 (sanity)", fp32_eval["ours"]["rm/ties"],
               fp32_eval["trl"]["rm/ties"], "{:.0f}", ratio=False)
@@ -330,7 +331,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
              f"matmul (a micro-batch's tokens through an MLP projection) timed on this machine just before the runs; "
              f"model FLOP/s = 6 x N x real tokens/s (forward + backward, N = non-embedding params)",
              "held-out accuracy: both final models scored by rlhf_cli.stages.rm.score_pairs (ours inside "
-             "`rlhf train-rm`, TRL's saved model here) in the run's precision, and both again in fp32 (the sanity "
+             "`rlhf train-rm`, TRL's saved model here) in our scoring precision (`scoring_precision`: fp32 by default, "
+             "also under bf16-autocast), and both again in fp32 (the sanity "
              "rows: a bf16 score head ties pairs and flips close ones); ties count as wrong",
              f"benchmark preparation (init model, data) {prep_s:.0f} s; logs and runs under {work}"]
     print("\n".join(header + [""] + table.lines() + [""] + notes))

@@ -183,7 +183,7 @@ def _trunk_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 def _score(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     """Head output (..., ) float32 of hidden states (..., H); the head computes in float32 itself."""
-    return getattr(model, "module", model).score(hidden).squeeze(-1).float()
+    return getattr(model, "module", model).score(hidden).squeeze(-1)
 
 
 def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

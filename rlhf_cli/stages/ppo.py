@@ -10,8 +10,9 @@ Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017):
   5. adapt     update the KL controller with the rollout's per-sequence KL
 
 Precision: sampling and a separate critic run in `precision`; the policy's and the reference's log-prob
-passes (old logprobs, ref_logprobs, the training forward) and the reward model in `scoring_precision`'s
-(fp32 under bf16-autocast by default: bf16 rounding of the moved weights swamps the KL of small updates).
+passes (old logprobs, ref_logprobs, the training forward, with a shared critic's values) and the reward
+model in the precision `scoring_precision` gives (fp32 under bf16-autocast by default: bf16 rounding of the
+moved weights swamps the KL of small updates).
 
 Batch layout: `[prompt | response]`, prompts left-padded to P columns, responses right-padded to R
 columns, the response mask ending at the first EOS (inclusive). logits at column P-1+t predict
@@ -658,7 +659,8 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
             "policy": cfg.model.name, "params (non-embedding)": count_parameters(policy),
             "reward": tr.rm_path or "checker", "prompts": len(tr.prompts), "iterations": p.iterations,
             "rollout / mini / micro / world": f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}",
-            "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage})
+            "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
+            "zero stage": cfg.deepspeed.zero_stage})
         if engine.is_main():
             set_status(run_dir, "dry_run")
         return None

