@@ -12,8 +12,8 @@ command(s), exit codes, seconds and numbers:
   tests        the precision tests (pytest -k ...) on this machine: passed / failed counts and the summary line
   chain        train-rm -> train-ppo -> eval, tiny model, precision=auto: exit codes, final metrics
   rm_step      SmolLM2-shaped RM steps in bf16-autocast: s/step, tokens/s (steps after the first)
-  ppo_iter     SmolLM2-shaped PPO iterations in bf16-autocast, log-prob passes in fp32 (the default) and in
-               bf16 (`logprob_precision=same`): generation/scoring/training s per iteration, reported KL and,
+  ppo_iter     SmolLM2-shaped PPO iterations in bf16-autocast, scoring passes in fp32 (the default) and in
+               bf16 (`scoring_precision=same`): generation/scoring/training s per iteration, reported KL and,
                for `same`, the fp32 KL of the same rows (the noise floor)
 """
 
@@ -33,8 +33,9 @@ from typing import Any, Dict, List, Sequence
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_SHAPE = ["model.arch.num_hidden_layers=30", "model.arch.hidden_size=576", "model.arch.intermediate_size=1536",
                  "model.arch.num_attention_heads=9", "model.arch.num_key_value_heads=3"]
-PRECISION_TESTS = ["tests/models/test_models_scalar.py", "tests/stages/test_stage_ppo.py", "tests/test_engine.py"]
-PRECISION_K = "bf16 or ratio_is_exactly_one or small_step or logprob_precision"
+PRECISION_TESTS = ["tests/models/test_models_scalar.py", "tests/stages/test_stage_ppo.py", "tests/stages/test_stage_rm.py",
+                   "tests/test_engine.py"]
+PRECISION_K = "bf16 or ratio_is_exactly_one or small_step or scoring_precision or its_precision"
 
 
 def parse_args() -> argparse.Namespace:
@@ -138,7 +139,7 @@ def main() -> None:
     out["ppo_iter"] = {}
     for lp in ("fp32", "same"):
         root = work / f"ppo_{lp}"
-        res = rlhf("train-ppo", [*shape, f"logprob_precision={lp}", "reward.type=checker",
+        res = rlhf("train-ppo", [*shape, f"scoring_precision={lp}", "reward.type=checker",
                                  f"ppo.iterations={args.ppo_iterations}", "ppo.rollout_batch_size=16",
                                  "ppo.mini_batch_size=8", "ppo.micro_batch_size=8", "ppo.max_new_tokens=32",
                                  "ppo.actor_lr=1e-6", "ppo.kl_check_rows=16", "paths.keep_checkpoints=0"],
