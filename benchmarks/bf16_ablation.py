@@ -237,7 +237,8 @@ def main() -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"header": header, "rows": rows, "machine": info}, indent=2))
-        md = ["| " + " | ".join(names) + " |", "|" + " --- |" * len(names)] + ["| " + " | ".join(r) + " |" for r in table]
+        md = ["| " + " | ".join(names) + " |", "|" + " --- |" * len(names)]
+        md += ["| " + " | ".join(r) + " |" for r in table]
         out.with_suffix(".md").write_text("\n".join([*(f"<!-- {h} -->" for h in header), *md]) + "\n")
 
 

@@ -33,8 +33,8 @@ from typing import Any, Dict, List, Sequence
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_SHAPE = ["model.arch.num_hidden_layers=30", "model.arch.hidden_size=576", "model.arch.intermediate_size=1536",
                  "model.arch.num_attention_heads=9", "model.arch.num_key_value_heads=3"]
-PRECISION_TESTS = ["tests/models/test_models_scalar.py", "tests/stages/test_stage_ppo.py", "tests/stages/test_stage_rm.py",
-                   "tests/test_engine.py"]
+PRECISION_TESTS = ["tests/models/test_models_scalar.py", "tests/stages/test_stage_ppo.py",
+                   "tests/stages/test_stage_rm.py", "tests/test_engine.py"]
 PRECISION_K = "bf16 or ratio_is_exactly_one or small_step or scoring_precision or its_precision"
 
 

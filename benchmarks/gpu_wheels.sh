@@ -14,7 +14,11 @@ DIR=${1:-.whl}
 PYVER=${2:-3.12}
 PY=${PYTHON:-python}
 rm -rf "$DIR" && mkdir -p "$DIR"
-pin() { for name in "$@"; do "$PY" -c 'import importlib.metadata as m, sys; print(f"{sys.argv[1]}=={m.version(sys.argv[1])}")' "$name" || return 1; done; }
+pin() {
+  for name in "$@"; do
+    "$PY" -c 'import importlib.metadata as m, sys; print(f"{sys.argv[1]}=={m.version(sys.argv[1])}")' "$name" || return 1
+  done
+}
 
 # versions of this virtualenv (an assignment, so a package missing here stops the script)
 built=$(pin deepspeed antlr4-python3-runtime)

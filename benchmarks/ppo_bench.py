@@ -248,8 +248,9 @@ def parse_args() -> argparse.Namespace:
                         "with a new seeded scalar head); also the critic's initial weights")
     p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
-                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, else fp32; "
-                        "bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically real, ~7-25x slower)")
+                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, "
+                        "else fp32; bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically "
+                        "real, ~7-25x slower)")
     p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

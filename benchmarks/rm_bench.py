@@ -184,8 +184,9 @@ def parse_args() -> argparse.Namespace:
                    help="TRL's AdamW: fused (TRL's default optim adamw_torch_fused, as our engine) or plain (the per-tensor loop)")
     p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
-                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, else fp32; "
-                        "bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically real, ~7-25x slower)")
+                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, "
+                        "else fp32; bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically "
+                        "real, ~7-25x slower)")
     p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -341,7 +342,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
         "trl_mixed_precision": t_res["mixed_precision"], "matmul_gflops": peak,
         "matmul_shape": list(shape),
         "non_embedding_params": N, "same_batches": same_batches, "step_tokens": step_tokens,
-        "ours": {"steps": o_steps, "heldout": o_eval, "heldout_fp32": fp32_eval["ours"], "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
+        "ours": {"steps": o_steps, "heldout": o_eval, "heldout_fp32": fp32_eval["ours"],
+                 "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
         "trl": {"steps": t_res["steps"], "losses": t_res["losses"], "heldout": t_eval, "heldout_fp32": fp32_eval["trl"],
                 "peak_rss_bytes": trl.peak_rss_bytes, "wall_s": trl.wall_s}})
 

@@ -2,7 +2,14 @@ import os
 
 import pytest
 
-from stage_helpers import HH_PATH, REPO, SMOLLM2, TINY_TOKENIZER, compose, require  # noqa: E402,F401  (tests/ is on sys.path)
+from stage_helpers import (  # noqa: E402,F401  (tests/ is on sys.path)
+    HH_PATH,
+    REPO,
+    SMOLLM2,
+    TINY_TOKENIZER,
+    compose,
+    require,
+)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -199,7 +199,8 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     final_stats: Dict[str, float] = {}
     reward_mean = reward_std = None  # no held-out pairs: nothing measured, so no normalisation is stored
     if heldout:
-        chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size, score_precision)
+        chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size,
+                                       score_precision)
         final_stats = pair_metrics(chosen, rejected)
         both = torch.cat([chosen, rejected])
         reward_mean, reward_std = float(both.mean()), float(both.std()) if both.numel() > 1 else 1.0
