@@ -138,19 +138,9 @@ def _task_for(command: str) -> Callable:
 
 def user_errors() -> tuple:
     """Exception types that are the user's mistake: printed as one line, exit status 2."""
-    from rlhf_cli.config import ConfigError
-    from rlhf_cli.models.loading import ModelSourceError
+    from rlhf_cli.errors import USER_ERRORS
 
-    from rlhf_cli.runs import SaveError
-
-    errs: List[type] = [ConfigError, ModelSourceError, PermissionError, SaveError]
-    try:
-        from rlhf_cli.data import DataError
-
-        errs.append(DataError)
-    except ImportError:  # pragma: no cover - data layer not importable
-        pass
-    return tuple(errs)
+    return USER_ERRORS
 
 
 def quiet_libraries() -> None:

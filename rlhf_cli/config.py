@@ -30,12 +30,10 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from rlhf_cli.errors import ConfigError
+
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 SCORING_PRECISIONS = ("fp32", "same")
-
-
-class ConfigError(ValueError):
-    """A user's configuration is invalid. The message is one line meant for the user."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,7 +472,8 @@ def check_model_paths(cfg: Any, command: str) -> None:
     from omegaconf.errors import MissingMandatoryValue
 
     from rlhf_cli.models.checkpoint import model_architectures
-    from rlhf_cli.models.loading import ModelSourceError, looks_like_hub_id
+    from rlhf_cli.errors import ModelSourceError
+    from rlhf_cli.models.loading import looks_like_hub_id
 
     for key, kind, hint in _model_path_keys(cfg, command):
         section, name = key.split(".")

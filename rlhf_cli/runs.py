@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from rlhf_cli.errors import SaveError
+
 log = logging.getLogger(__name__)
 
 STAGES = {"train_rm": "rm", "train_ppo": "ppo", "eval": "eval"}
@@ -96,12 +98,6 @@ def check_writable(path: Path | str) -> None:
     except OSError as e:
         raise PermissionError(f"output dir '{path}' is not writable: {e.strerror or e} "
                               f"(set paths.root to a writable directory)") from None
-
-
-class SaveError(OSError):
-    """An output (checkpoint, final model, pointer file) could not be written: disk full, quota,
-    read-only file system... The message is one line for the user; `errno` is the cause's. Whatever the
-    write would have replaced is left as it was (atomic writes), so the previous checkpoint stays good."""
 
 
 _SAVE_FIXES = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk quota",

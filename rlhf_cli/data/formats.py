@@ -34,6 +34,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
+from rlhf_cli.errors import DataError
+
 FORMATS = ("explicit", "implicit", "hh", "conversation", "prompt")
 PREFERENCE_FORMATS = ("explicit", "implicit", "hh", "conversation")
 
@@ -64,30 +66,6 @@ DUPLICATE_PROMPT = "duplicate_prompt"
 TEMPLATE_ERROR = "chat_template_error"
 
 SKIP_HINT = "set data.skip_invalid=true to skip such rows"
-
-
-class DataError(ValueError):
-    """Unusable data. The message is one line for the user naming the file, and for a bad row the
-    1-based row number and the field, e.g.
-
-        harmless-base-test.jsonl.gz row 87, field 'chosen': empty final assistant response
-        (set data.skip_invalid=true to skip such rows)
-
-    A row-level problem without a field (a line that is not JSON) reads `data.jsonl: row 3: not valid JSON ...`.
-    """
-
-    def __init__(self, source: str, detail: str, *, row: Optional[int] = None, field: Optional[str] = None,
-                 reason: Optional[str] = None, hint: Optional[str] = None):
-        self.source, self.detail, self.row, self.field, self.reason = source, detail, row, field, reason
-        where = source
-        if row is not None:
-            where += f" row {row}" if field is not None else f": row {row}"
-        if field is not None:
-            where += f", field '{field}'" if row is not None else f" field '{field}'"
-        msg = f"{where}: {detail}"
-        if hint:
-            msg += f" ({hint})"
-        super().__init__(msg)
 
 
 class RowError(Exception):

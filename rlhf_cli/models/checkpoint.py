@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from rlhf_cli.models.loading import ModelSourceError, atomic_dir, fix_pad_token, looks_like_hub_id, resolve_hf_dir
+from rlhf_cli.errors import ModelSourceError
+from rlhf_cli.models.loading import atomic_dir, fix_pad_token, looks_like_hub_id, resolve_hf_dir
 from rlhf_cli.runs import save_error
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+from rlhf_cli.errors import ConfigError, ModelSourceError
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -35,10 +37,6 @@ log = logging.getLogger(__name__)
 # land one token before the EOS, so we reuse an existing unused special token as pad instead of
 # adding one (adding one resizes the embeddings and breaks policy/RM/critic compatibility).
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "<unk>")
-
-
-class ModelSourceError(FileNotFoundError):
-    """A model or tokenizer source cannot be found; the message says what to do."""
 
 
 def cache_root(cache_dir: Optional[str] = None) -> Path:
@@ -208,8 +206,6 @@ def torch_dtype_for(precision: str) -> "torch.dtype":
     import torch
 
     if precision not in _DTYPES:
-        from rlhf_cli.config import ConfigError
-
         raise ConfigError(f"precision={precision!r} is not one of {', '.join(_DTYPES)}")
     return getattr(torch, _DTYPES[precision])
 

@@ -1,0 +1,55 @@
+"""Every error that is the user's mistake, in one place: the CLI prints it as one line and exits with status 2.
+
+    ConfigError        an invalid configuration (a key, a value, a combination)        ValueError
+    DataError          unusable data: names the file, and for a bad row its number and field   ValueError
+    ModelSourceError   a model or tokenizer source that cannot be found                  FileNotFoundError
+    SaveError          an output that could not be written (disk full, quota, read-only)  OSError
+
+`USER_ERRORS` (these and PermissionError, an unwritable output dir) is what `rlhf_cli.cli` catches. This
+module imports nothing from the package, so every layer can raise these.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A user's configuration is invalid. The message is one line meant for the user."""
+
+
+class DataError(ValueError):
+    """Unusable data. The message is one line for the user naming the file, and for a bad row the
+    1-based row number and the field, e.g.
+
+        harmless-base-test.jsonl.gz row 87, field 'chosen': empty final assistant response
+        (set data.skip_invalid=true to skip such rows)
+
+    A row-level problem without a field (a line that is not JSON) reads `data.jsonl: row 3: not valid JSON ...`.
+    """
+
+    def __init__(self, source: str, detail: str, *, row: Optional[int] = None, field: Optional[str] = None,
+                 reason: Optional[str] = None, hint: Optional[str] = None):
+        self.source, self.detail, self.row, self.field, self.reason = source, detail, row, field, reason
+        where = source
+        if row is not None:
+            where += f" row {row}" if field is not None else f": row {row}"
+        if field is not None:
+            where += f", field '{field}'" if row is not None else f" field '{field}'"
+        msg = f"{where}: {detail}"
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(msg)
+
+
+class ModelSourceError(FileNotFoundError):
+    """A model or tokenizer source cannot be found; the message says what to do."""
+
+
+class SaveError(OSError):
+    """An output (checkpoint, final model, pointer file) could not be written: disk full, quota,
+    read-only file system... The message is one line for the user; `errno` is the cause's. Whatever the
+    write would have replaced is left as it was (atomic writes), so the previous checkpoint stays good."""
+
+
+USER_ERRORS = (ConfigError, DataError, ModelSourceError, SaveError, PermissionError)

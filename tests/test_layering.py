@@ -1,0 +1,78 @@
+"""The package's layers, checked over the AST of every module (function-local imports included).
+
+    core/       torch and the standard library only (and core itself)
+    errors.py   the standard library only: every layer raises its errors
+    config.py   the package's errors only
+    engine.py   the only module that imports deepspeed
+    stages/     no stage imports another stage
+
+`KNOWN` lists the imports that break a rule today, each with the step of issue 15 that removes it. The test
+fails on a new one, and also when a known one is gone (so that its line is deleted with it).
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_cli"
+
+KNOWN = {
+    # config.check_model_paths reads models' config.json files; it moves out of config.py (config leaf step)
+    ("config.py", "rlhf_cli.models.checkpoint"),
+    ("config.py", "rlhf_cli.models.loading"),
+    # evaluate reuses PPO's sampling and RM's pair scoring; they move to a rollout library (rollout step)
+    ("stages/evaluate.py", "rlhf_cli.stages.ppo"),
+    ("stages/evaluate.py", "rlhf_cli.stages.rm"),
+}
+
+
+def imports(path: Path):
+    """Absolute names of every module `path` imports, at any depth (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    parts = ("rlhf_cli", *path.relative_to(PACKAGE).with_suffix("").parts)
+    package = parts[:-1]  # the package a relative import starts from (for __init__.py: itself)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            yield module
+            for alias in node.names:  # `from rlhf_cli import engine`: a submodule, not a name
+                sub = PACKAGE.parent.joinpath(*f"{module}.{alias.name}".split("."))
+                if sub.with_suffix(".py").is_file() or sub.is_dir():
+                    yield f"{module}.{alias.name}"
+
+
+def violation(rel: str, name: str) -> bool:
+    top = name.split(".")[0]
+    ours = top == "rlhf_cli"
+    stdlib = top in sys.stdlib_module_names or top == "__future__"
+    if rel.startswith("core/"):
+        return not (stdlib or top == "torch" or name.startswith("rlhf_cli.core"))
+    if rel == "errors.py":
+        return not stdlib
+    if rel == "config.py" and ours:
+        return name not in ("rlhf_cli.errors", "rlhf_cli")
+    if top == "deepspeed":
+        return rel != "engine.py"
+    if rel.startswith("stages/") and name.startswith("rlhf_cli.stages."):
+        other = name.split(".")[2]
+        return other != "common" and other != Path(rel).stem
+    return False
+
+
+def test_layers_import_only_what_they_may():
+    found = {(str(p.relative_to(PACKAGE)), name) for p in sorted(PACKAGE.rglob("*.py")) for name in imports(p)
+             if violation(str(p.relative_to(PACKAGE)), name)}
+    assert found - KNOWN == set(), "imports across layers (see this file's docstring)"
+    assert KNOWN - found == set(), "a known violation is gone: delete its line from KNOWN"
+
+
+def test_the_rules_catch_what_they_should():
+    assert violation("core/ops.py", "numpy") and violation("core/ops.py", "rlhf_cli.engine")
+    assert not violation("core/ops.py", "torch.nn.functional") and not violation("core/ops.py", "math")
+    assert violation("models/loading.py", "deepspeed") and not violation("engine.py", "deepspeed.zero")
+    assert violation("stages/ppo.py", "rlhf_cli.stages.rm") and not violation("stages/ppo.py", "rlhf_cli.stages.common")
+    assert violation("config.py", "rlhf_cli.runs") and not violation("config.py", "rlhf_cli.errors")
+    assert violation("errors.py", "rlhf_cli.config") and not violation("errors.py", "typing")
