@@ -121,7 +121,8 @@ def compose(config_name: str, overrides: Sequence[str]) -> Any:
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from rlhf_cli.config import VALIDATORS, ConfigError, check_override_keys, register_configs
+    from rlhf_cli.config import ConfigError, check_override_keys, register_configs
+    from rlhf_cli.preflight import VALIDATORS
     from rlhf_cli.engine import resolve_precision
 
     keep = [o for o in overrides if not o.startswith("hydra.")]

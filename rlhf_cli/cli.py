@@ -163,7 +163,7 @@ def run_command(command: str, cfg) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
 
     from rlhf_cli import engine
-    from rlhf_cli.config import VALIDATORS
+    from rlhf_cli.preflight import VALIDATORS
 
     config_name, module_name, _ = COMMANDS[command]
     quiet_libraries()

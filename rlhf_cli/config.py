@@ -14,8 +14,9 @@ Paper symbols map to config keys (the user's vocabulary) and to the long names u
     c2      ppo.c2           ent_coef         entropy-bonus weight
     β       ppo.kl_beta      kl_coef          per-token KL penalty weight
 
-`validate_*` functions do the range checks that a type system cannot; they raise `ConfigError`,
-which the CLI prints as one line (no traceback) and exits with status 2.
+`validate_*` functions (`CHECKS`) do the range checks that a type system cannot; they raise `ConfigError`,
+which the CLI prints as one line (no traceback) and exits with status 2. This module imports nothing of the
+package but its errors; `rlhf_cli.preflight.VALIDATORS` adds the checks of the model paths a config names.
 """
 
 from __future__ import annotations
@@ -441,7 +442,7 @@ def _check_finite(prefix: str, section: Any) -> None:
                    f"{prefix}.{key} must be a finite number (got {value})")
 
 
-def _model_path_keys(cfg: Any, command: str) -> List[tuple]:
+def model_path_keys(cfg: Any, command: str) -> List[tuple]:
     """(key, kind, what to set instead) of the model paths `command` loads; kind `reward` (scalar head) or `lm`."""
     root = Path(str(cfg.paths.root))
     from_run = "run dir, its final/ dir"
@@ -460,44 +461,6 @@ def _model_path_keys(cfg: Any, command: str) -> List[tuple]:
                  ("reference.path", "lm", f"set it to a causal LM (a {from_run} or an HF dir), or leave it unset "
                                           f"for the one the policy recorded")]
     return keys
-
-
-def check_model_paths(cfg: Any, command: str) -> None:
-    """Every local model path `command` will load exists, holds a model, and the right kind of model: a
-    reward model has a scalar head (`*ForSequenceClassification`), a policy or reference has not.
-
-    Runs before anything is loaded or trained; reads config.json files only. Hub ids are left to the
-    loader. Raises ConfigError naming the key, what is wrong and what to set instead.
-    """
-    from omegaconf.errors import MissingMandatoryValue
-
-    from rlhf_cli.models.checkpoint import model_architectures
-    from rlhf_cli.errors import ModelSourceError
-    from rlhf_cli.models.loading import looks_like_hub_id
-
-    for key, kind, hint in _model_path_keys(cfg, command):
-        section, name = key.split(".")
-        try:
-            value = getattr(getattr(cfg, section), name)
-        except MissingMandatoryValue:  # `???`: Hydra reports it where it is read
-            continue
-        if value is None:
-            continue
-        value = str(value)
-        if not Path(value).expanduser().exists():
-            _check(looks_like_hub_id(value), f"{key}={value} does not exist; {hint}")
-            continue
-        try:
-            archs = model_architectures(value)
-        except ModelSourceError as e:
-            raise ConfigError(f"{key}={value}: {e}; {hint}") from None
-        scalar = any(a.endswith("ForSequenceClassification") for a in archs)
-        if kind == "reward" and archs and not scalar:
-            what = "a causal LM" if any(a.endswith("ForCausalLM") for a in archs) else "a model"
-            raise ConfigError(f"{key}={value} holds {what} ({', '.join(archs)}), not a reward model with a "
-                              f"scalar head: {hint}")
-        if kind == "lm" and scalar:
-            raise ConfigError(f"{key}={value} holds a reward model ({', '.join(archs)}), not a causal LM: {hint}")
 
 
 def validate_common(cfg: Any) -> None:
@@ -553,7 +516,6 @@ def validate_rm(cfg: Any, world_size: int = 1) -> None:
     _check(not r.margin or cfg.data.margin_key, "rm.margin=true needs data.margin_key (the column holding the margin)")
     _check(r.center_rewards_coef is None or r.center_rewards_coef >= 0,
            f"rm.center_rewards_coef must be >= 0 or null (got {r.center_rewards_coef})")
-    check_model_paths(cfg, "train_rm")
 
 
 def validate_ppo(cfg: Any, world_size: int = 1) -> None:
@@ -599,7 +561,6 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _one_of("reward.type", cfg.reward.type, ("model", "checker"))
     _check(cfg.reward.type != "checker" or cfg.data.path is None,
            "reward.type=checker needs the built-in task's prompts (leave data.path null)")
-    check_model_paths(cfg, "train_ppo")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:
@@ -611,7 +572,8 @@ def validate_eval(cfg: Any, world_size: int = 1) -> None:
     _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")
     _one_of("reward.type", cfg.reward.type, ("model", "checker"))
     _one_of("eval.split", e.split, ("eval", "train", "all"))
-    check_model_paths(cfg, "eval")
 
 
-VALIDATORS = {"train_rm": validate_rm, "train_ppo": validate_ppo, "eval": validate_eval}
+CHECKS = {"train_rm": validate_rm, "train_ppo": validate_ppo, "eval": validate_eval}
+"""The config's own checks per command (values, ranges, combinations); `rlhf_cli.preflight.VALIDATORS` adds the
+model paths they name."""

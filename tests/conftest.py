@@ -65,7 +65,7 @@ def run_stage(tmp_path):
     """Run a stage in-process: run_stage("train_rm", [overrides]) -> (result, run_dir, cfg)."""
     import importlib
 
-    from rlhf_cli.config import VALIDATORS
+    from rlhf_cli.preflight import VALIDATORS
 
     modules = {"train_rm": "rlhf_cli.stages.rm", "train_ppo": "rlhf_cli.stages.ppo", "eval": "rlhf_cli.stages.evaluate"}
     counter = {"n": 0}

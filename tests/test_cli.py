@@ -9,7 +9,7 @@ import pytest
 import yaml
 from stage_helpers import REPO, compose
 
-from rlhf_cli.config import VALIDATORS
+from rlhf_cli.preflight import VALIDATORS
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HYDRA_FULL_ERROR": "0"}
 

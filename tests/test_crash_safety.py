@@ -122,7 +122,7 @@ def finished_root(tmp_path_factory):
     """A paths.root holding one finished tiny train-rm run (its `latest_rm` points at its final/)."""
     from stage_helpers import compose
 
-    from rlhf_cli.config import VALIDATORS
+    from rlhf_cli.preflight import VALIDATORS
     from rlhf_cli.stages import rm
 
     root = tmp_path_factory.mktemp("finished")

@@ -14,7 +14,8 @@ import sys
 import pytest
 from stage_helpers import REPO, compose
 
-from rlhf_cli.config import VALIDATORS, ConfigError
+from rlhf_cli.config import ConfigError
+from rlhf_cli.preflight import VALIDATORS
 
 TINY = ["model=tiny", "precision=fp32", "tensorboard=false"]
 # the smallest train-ppo run that gets to build its models (reward model from reward_model.path); run_stage adds TINY

@@ -17,9 +17,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_cli"
 
 KNOWN = {
-    # config.check_model_paths reads models' config.json files; it moves out of config.py (config leaf step)
-    ("config.py", "rlhf_cli.models.checkpoint"),
-    ("config.py", "rlhf_cli.models.loading"),
     # evaluate reuses PPO's sampling and RM's pair scoring; they move to a rollout library (rollout step)
     ("stages/evaluate.py", "rlhf_cli.stages.ppo"),
     ("stages/evaluate.py", "rlhf_cli.stages.rm"),

@@ -19,7 +19,8 @@ import torch
 from stage_helpers import compose
 
 from rlhf_cli import engine
-from rlhf_cli.config import VALIDATORS, ConfigError
+from rlhf_cli.config import ConfigError
+from rlhf_cli.preflight import VALIDATORS
 from rlhf_cli.core import compute_gae, kl_penalized_rewards, masked_whiten
 from rlhf_cli.runs import read_metrics, set_status
 from rlhf_cli.stages import ppo

@@ -1,0 +1,61 @@
+"""Every check that runs before a command loads anything: the config's own (`rlhf_cli.config.CHECKS`), then
+the local model paths it names, read from their config.json files. `config.py` stays a leaf; this module
+knows where models live.
+
+    VALIDATORS[command](cfg, world_size=1)   raises ConfigError (one line) on the first problem
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+from omegaconf.errors import MissingMandatoryValue
+
+from rlhf_cli.config import CHECKS, model_path_keys
+from rlhf_cli.errors import ConfigError, ModelSourceError
+from rlhf_cli.models.checkpoint import model_architectures
+from rlhf_cli.models.loading import looks_like_hub_id
+
+
+def check_model_paths(cfg: Any, command: str) -> None:
+    """Every local model path `command` will load exists, holds a model, and the right kind of model: a
+    reward model has a scalar head (`*ForSequenceClassification`), a policy or reference has not.
+
+    Runs before anything is loaded or trained; reads config.json files only. Hub ids are left to the
+    loader. Raises ConfigError naming the key, what is wrong and what to set instead.
+    """
+    for key, kind, hint in model_path_keys(cfg, command):
+        section, name = key.split(".")
+        try:
+            value = getattr(getattr(cfg, section), name)
+        except MissingMandatoryValue:  # `???`: Hydra reports it where it is read
+            continue
+        if value is None:
+            continue
+        value = str(value)
+        if not Path(value).expanduser().exists():
+            if not looks_like_hub_id(value):
+                raise ConfigError(f"{key}={value} does not exist; {hint}")
+            continue
+        try:
+            archs = model_architectures(value)
+        except ModelSourceError as e:
+            raise ConfigError(f"{key}={value}: {e}; {hint}") from None
+        scalar = any(a.endswith("ForSequenceClassification") for a in archs)
+        if kind == "reward" and archs and not scalar:
+            what = "a causal LM" if any(a.endswith("ForCausalLM") for a in archs) else "a model"
+            raise ConfigError(f"{key}={value} holds {what} ({', '.join(archs)}), not a reward model with a "
+                              f"scalar head: {hint}")
+        if kind == "lm" and scalar:
+            raise ConfigError(f"{key}={value} holds a reward model ({', '.join(archs)}), not a causal LM: {hint}")
+
+
+def validate(command: str, cfg: Any, world_size: int = 1) -> None:
+    """`command`'s config checks, then its model paths. Raises ConfigError."""
+    CHECKS[command](cfg, world_size=world_size)
+    check_model_paths(cfg, command)
+
+
+VALIDATORS: Dict[str, Callable[..., None]] = {command: partial(validate, command) for command in CHECKS}
