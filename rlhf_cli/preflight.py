@@ -1,5 +1,5 @@
-"""Every check that runs before a command loads anything: the config's own (`rlhf_cli.config.CHECKS`), then
-the local model paths it names, read from their config.json files. `config.py` stays a leaf; this module
+"""A command's config checks: the config's own (`rlhf_cli.config.CHECKS`), then the local model paths it
+names, read from their config.json files; both before any model loads. `config.py` stays a leaf; this module
 knows where models live.
 
     VALIDATORS[command](cfg, world_size=1)   raises ConfigError (one line) on the first problem
