@@ -30,7 +30,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+REPO = C.REPO
 SMOLLM2_SHAPE = ["model.arch.num_hidden_layers=30", "model.arch.hidden_size=576", "model.arch.intermediate_size=1536",
                  "model.arch.num_attention_heads=9", "model.arch.num_key_value_heads=3"]
 PRECISION_TESTS = ["tests/models/test_models_scalar.py", "tests/stages/test_stage_ppo.py",
@@ -75,14 +79,16 @@ def rlhf(command: str, overrides: Sequence[str], root: Path, log: Path, env: Dic
 
 
 def records(root: Path, stage: str) -> List[Dict[str, Any]]:
-    """metrics.jsonl of the newest run of `stage` under `root`."""
+    """metrics.jsonl records of the newest run of `stage` under `root` ([] when there is none)."""
+    from rlhf_cli.runs import read_metrics
+
     runs = sorted((root / stage).glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
-    return [json.loads(line) for line in runs[-1].read_text().splitlines() if line.strip()] if runs else []
+    return read_metrics(runs[-1]) if runs else []
 
 
-def mean(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else float("nan")
+def mean(xs: Sequence[Any]) -> float:
+    """Mean of the values that were logged (None: a metric missing from a record)."""
+    return C.mean([x for x in xs if x is not None])
 
 
 def main() -> None:

@@ -154,23 +154,15 @@ def fp32_kl(policy_path: str, reference_path: str, prompts: List[Dict[str, Any]]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf_cli.core import kl_estimate
     from rlhf_cli.engine import device
-    from rlhf_cli.stages.ppo import policy_forward, prompt_seed, sample_responses
+    from rlhf_cli.stages.ppo import prompt_seed, sample_responses, sequence_kl
 
     policy, reference = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device()).eval()
                          for p in (policy_path, reference_path))
     seeds = [prompt_seed(seed, 10**6, k) for k in range(len(prompts))]
     ids, am, P, _ = sample_responses(policy, prompts, pad_id, eos_id, max_new_tokens, temperature, 1.0, "fp32",
                                      chunk=8, seeds=seeds)
-    kl = []
-    with torch.no_grad():
-        for i in range(0, ids.shape[0], 8):
-            sl = slice(i, i + 8)
-            lp, _, _ = policy_forward(policy, ids[sl], am[sl], P, temperature)
-            ref, _, _ = policy_forward(reference, ids[sl], am[sl], P, temperature)
-            kl.append((kl_estimate(lp, ref, "k1") * am[sl, P:].float()).sum(1))
-    return float(torch.cat(kl).mean())
+    return float(sequence_kl(policy, reference, ids, am, P, temperature, 8, "fp32")["k1"].mean())
 
 
 def iteration_prompts(prompts: List[Dict[str, Any]], iterations: int, rollout: int, seed: int) -> List[List[int]]:

@@ -136,13 +136,6 @@ def _task_for(command: str) -> Callable:
     return app
 
 
-def user_errors() -> tuple:
-    """Exception types that are the user's mistake: printed as one line, exit status 2."""
-    from rlhf_cli.errors import USER_ERRORS
-
-    return USER_ERRORS
-
-
 def quiet_libraries() -> None:
     """Keep DeepSpeed's op-build chatter and transformers' per-file progress bars off the console."""
     import logging
@@ -167,7 +160,7 @@ def run_command(command: str, cfg) -> Optional[float]:
 
     config_name, module_name, _ = COMMANDS[command]
     quiet_libraries()
-    errors = user_errors()
+    from rlhf_cli.errors import USER_ERRORS as errors  # the user's mistakes: one line, exit status 2
     try:
         VALIDATORS[config_name](cfg, world_size=engine.world_size())
         module = importlib.import_module(module_name)

@@ -352,9 +352,8 @@ class RunConfig:
     shows a policy-reference KL ~400x the fp32 KL of the same weights (the bf16 rounding of the moved
     weights, not their movement, and the same noise enters the ratio); and bf16 moves the demo reward
     model's pair gaps by 0.28 (std) where half its held-out pairs differ by < 0.09, so its accuracy read
-    0.633 instead of 0.672. The cost: these passes at fp32 speed where bf16 is
-    native. No effect under `precision=fp32`; under `precision=bf16` (bf16 weights) they stay bf16, which
-    the run says once."""
+    0.633 instead of 0.672. The cost: these passes at fp32 speed where bf16 is native. No effect under
+    `precision=fp32`; under `precision=bf16` (bf16 weights) they stay bf16, which the run says once."""
     seed: int = 42
     dry_run: bool = False
     """Compose, validate, build data and model, write the run dir and config, print a summary, exit 0."""

@@ -20,7 +20,6 @@ from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError, ModelConfig
-from rlhf_cli.core import kl_estimate
 from rlhf_cli.data import check_answers, load_preference_data, load_prompt_data
 from rlhf_cli.models import (
     is_scalar_model_dir,
@@ -41,7 +40,7 @@ from rlhf_cli.stages.common import (
     print_table,
     seed_everything,
 )
-from rlhf_cli.stages.ppo import policy_forward, prompt_seed, sample_responses
+from rlhf_cli.stages.ppo import prompt_seed, sample_responses, sequence_kl
 from rlhf_cli.stages.rm import pair_metrics, score_pairs
 
 log = logging.getLogger(__name__)
@@ -171,15 +170,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         if all(x.get("answer") is not None for x in mine):
             out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
         if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
-            kl1, kl3 = [], []
-            for i in range(0, ids.shape[0], e.batch_size):
-                sl = slice(i, i + e.batch_size)
-                with engine.autocast(score_precision):
-                    lp, _, _ = policy_forward(policy, ids[sl], am[sl], P, e.temperature)
-                    ref_lp, _, _ = policy_forward(reference, ids[sl], am[sl], P, e.temperature)
-                kl1.append((kl_estimate(lp, ref_lp, "k1") * mask[sl]).sum(1))
-                kl3.append((kl_estimate(lp, ref_lp, "k3") * mask[sl]).sum(1))
-            out["kl_k1"], out["kl_k3"] = torch.cat(kl1), torch.cat(kl3)
+            kl = sequence_kl(policy, reference, ids, am, P, e.temperature, e.batch_size, score_precision, ("k1", "k3"))
+            out["kl_k1"], out["kl_k3"] = kl["k1"], kl["k3"]
         rows.append(out)
     pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
     gathered = engine.all_gather_object((pol, ref, [x.get("prompt_text", "") for x in mine]))

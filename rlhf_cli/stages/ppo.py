@@ -161,6 +161,28 @@ def policy_forward(
     return logprobs, entropy, values
 
 
+@torch.no_grad()
+def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                temperature: float, batch_size: int, precision: str,
+                estimators: Sequence[str] = ("k1",)) -> Dict[str, torch.Tensor]:
+    """KL(policy ‖ reference) per sequence, nats: {estimator: (B,) float32}, the per-token estimate (`core.
+    kl_estimate`) summed over each response's real tokens, on tokens the policy sampled at `temperature`.
+
+    input_ids, attention_mask: (B, P+R) laid out as `policy_forward` reads them; both models run `batch_size`
+    rows at a time under `engine.autocast(precision)`.
+    """
+    out: Dict[str, List[torch.Tensor]] = {k: [] for k in estimators}
+    for i in range(0, input_ids.shape[0], batch_size):
+        ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
+        with engine.autocast(precision):
+            lp, _, _ = policy_forward(policy, ids, am, prompt_len, temperature)
+            ref_lp, _, _ = policy_forward(reference, ids, am, prompt_len, temperature)
+        mask = am[:, prompt_len:].float()
+        for k in estimators:
+            out[k].append((kl_estimate(lp, ref_lp, k) * mask).sum(1))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
 def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """(B, R) float32 values of a separate critic, aligned with `policy_forward`'s logprobs."""
     return response_values(critic, input_ids, attention_mask, prompt_len)
@@ -467,11 +489,9 @@ class PPOTrainer:
         k = min(self.p.kl_check_rows, input_ids.shape[0])
         if k == 0 or self.score_precision != "bf16-autocast":
             return {}
-        ids, am = input_ids[:k], attention_mask[:k]
-        with self.reference.on_device() as reference:  # no autocast: the weights are fp32 under bf16-autocast
-            lp, _, _ = policy_forward(self.actor.module, ids, am, P, self.p.temperature)
-            ref, _, _ = policy_forward(reference, ids, am, P, self.p.temperature)
-        kl_fp32 = (kl_estimate(lp, ref, "k1") * am[:, P:].float()).sum(1)
+        with self.reference.on_device() as reference:  # the weights are fp32 under bf16-autocast
+            kl_fp32 = sequence_kl(self.actor.module, reference, input_ids[:k], attention_mask[:k], P,
+                                  self.p.temperature, k, "fp32")["k1"]
         return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
 
     def make_experience(self, iteration: int) -> Tuple[Experience, Dict[str, float], Dict[str, Any]]:
