@@ -162,7 +162,7 @@ def main() -> None:
     from rlhf_cli import engine
     from rlhf_cli.data import load_prompt_data
     from rlhf_cli.models import load_causal_lm, load_tokenizer
-    from rlhf_cli.stages.ppo import disable_dropout, prompt_seed, sample_responses
+    from rlhf_cli.rollout import disable_dropout, prompt_seed, sample_responses
 
     C.quiet()
     cfg = C.compose("train_ppo", [f"model={args.model}", "precision=fp32", f"seed={args.seed}"])

@@ -155,7 +155,7 @@ def fp32_kl(policy_path: str, reference_path: str, prompts: List[Dict[str, Any]]
     from transformers import AutoModelForCausalLM
 
     from rlhf_cli.engine import device
-    from rlhf_cli.stages.ppo import prompt_seed, sample_responses, sequence_kl
+    from rlhf_cli.rollout import prompt_seed, sample_responses, sequence_kl
 
     policy, reference = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device()).eval()
                          for p in (policy_path, reference_path))

@@ -163,18 +163,6 @@ def print_table(title: str, rows: Dict[str, Any]) -> None:
     console.print(table)
 
 
-@torch.no_grad()
-def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
-                    precision: str) -> torch.Tensor:
-    """Reward-model scores (N,) float32 of N sequences, `batch_size` rows per forward, under the run's
-    precision; on the inputs' device. See models.sequence_rewards for where each score is read."""
-    from rlhf_cli.models import sequence_rewards
-
-    with engine.autocast(precision):
-        return torch.cat([sequence_rewards(model, input_ids[i:i + batch_size], attention_mask[i:i + batch_size]).float()
-                          for i in range(0, input_ids.shape[0], batch_size)])
-
-
 def check_same_tokenizer(tokenizer: Any, model_path: str, what: str) -> None:
     """Raise ConfigError when the model at `model_path` was trained with another tokenizer than `tokenizer`
     (its scores of our token ids would be meaningless): a different vocabulary, or the same tokens under

@@ -31,17 +31,15 @@ from rlhf_cli.models import (
     resolve_hf_dir,
 )
 from rlhf_cli.report import Section, Table, build_report, plot_rewards, print_summary, summary_table, write_html
+from rlhf_cli.rollout import batched_rewards, pair_metrics, prompt_seed, sample_responses, score_pairs, sequence_kl
 from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
 from rlhf_cli.stages.common import (
-    batched_rewards,
     check_same_tokenizer,
     console,
     prepare_run_dir,
     print_table,
     seed_everything,
 )
-from rlhf_cli.stages.ppo import prompt_seed, sample_responses, sequence_kl
-from rlhf_cli.stages.rm import pair_metrics, score_pairs
 
 log = logging.getLogger(__name__)
 

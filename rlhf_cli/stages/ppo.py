@@ -14,9 +14,7 @@ passes (old logprobs, ref_logprobs, the training forward, with a shared critic's
 model in the precision `scoring_precision` gives (fp32 under bf16-autocast by default: bf16 rounding of the
 moved weights swamps the KL of small updates).
 
-Batch layout: `[prompt | response]`, prompts left-padded to P columns, responses right-padded to R
-columns, the response mask ending at the first EOS (inclusive). logits at column P-1+t predict
-response token t; values[:, t] is the critic's head at the same column (see models/scalar.py).
+Batch layout: see `rlhf_cli/rollout/__init__.py`.
 """
 
 from __future__ import annotations
@@ -27,14 +25,11 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError
@@ -43,28 +38,37 @@ from rlhf_cli.core import (
     FixedKLController,
     compute_gae,
     entropy_bonus,
-    entropy_from_logits,
     kl_estimate,
     kl_penalized_rewards,
-    logprobs_from_logits,
     policy_loss,
     value_loss,
 )
-from rlhf_cli.data import PromptCollator, check_answers, load_prompt_data
+from rlhf_cli.data import check_answers, load_prompt_data
 from rlhf_cli.models import (
     count_parameters,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
-    new_scalar_head,
     read_reward_stats,
     require_scalar_model_dir,
-    response_values,
     save_hf,
+)
+from rlhf_cli.rollout import (
+    Experience,
+    PolicyWithValueHead,
+    batched_rewards,
+    critic_values,
+    disable_dropout,
+    explained_variance_across_ranks,
+    lm_of,
+    policy_forward,
+    prompt_seed,
+    sample_responses,
+    sequence_kl,
+    whiten_across_ranks,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status, write_pointer
 from rlhf_cli.stages.common import (
-    batched_rewards,
     check_same_tokenizer,
     ckpt_dir,
     commit_checkpoint,
@@ -82,265 +86,6 @@ log = logging.getLogger(__name__)
 
 PROGRESS_KEYS = ["objective/scores", "objective/kl", "policy/clipfrac", "response/length_mean"]
 
-
-# ----------------------------------------------------------------------------------------------
-# the rollout record
-
-
-@dataclass
-class Experience:
-    """One rollout batch on one rank. B rows, P prompt columns, R response columns."""
-
-    input_ids: torch.Tensor  # (B, P+R) long, [left-padded prompt | right-padded response]
-    attention_mask: torch.Tensor  # (B, P+R) long, 1 = real token
-    mask: torch.Tensor  # (B, R) float, 1 = real response token (EOS included) that enters the loss
-    logprobs: torch.Tensor  # (B, R) float32, old log π(a_t|s_t) at temperature, 0 on padding
-    ref_logprobs: torch.Tensor  # (B, R) float32, log π_ref(a_t|s_t) at temperature
-    values: torch.Tensor  # (B, R) float32, old V(s_t)
-    rewards: torch.Tensor  # (B, R) float32, −β·kl_t plus the score at the last real token
-    advantages: torch.Tensor  # (B, R) float32, GAE (whitened if ppo.whiten_advantages)
-    returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
-    scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
-
-    def rows(self, idx: torch.Tensor) -> "Experience":
-        return Experience(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
-
-    @property
-    def prompt_len(self) -> int:
-        return self.input_ids.shape[1] - self.mask.shape[1]
-
-
-# ----------------------------------------------------------------------------------------------
-# models
-
-
-class PolicyWithValueHead(torch.nn.Module):
-    """`ppo.critic=shared`: the policy's trunk carries a scalar value head `score` next to its LM head."""
-
-    def __init__(self, lm: torch.nn.Module, seed: int) -> None:
-        super().__init__()
-        self.lm = lm
-        self.score = new_scalar_head(lm.config.get_text_config().hidden_size, seed, next(lm.parameters()))
-
-    @property
-    def config(self) -> Any:
-        return self.lm.config
-
-
-def _unwrap(model: Any) -> Any:
-    return getattr(model, "module", model)
-
-
-def _lm(model: Any) -> Any:
-    model = _unwrap(model)
-    return model.lm if isinstance(model, PolicyWithValueHead) else model
-
-
-def policy_forward(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
-    with_entropy: bool = False, with_values: bool = False,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Log-probs of the response tokens under the policy at `temperature`.
-
-    input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) nats or
-    None, and, for a shared critic, values (B, R) float32 or None. Only the R response positions go
-    through the LM head; position ids count real tokens, so padding side does not matter.
-    """
-    lm = _lm(model)
-    trunk = getattr(lm, lm.base_model_prefix)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).last_hidden_state[:, prompt_len - 1:-1]  # (B, R, H)
-    logits = lm.lm_head(hidden).float() / temperature  # (B, R, V)
-    labels = input_ids[:, prompt_len:]
-    logprobs = logprobs_from_logits(logits, labels)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    values = None
-    if with_values:
-        values = _unwrap(model).score(hidden).squeeze(-1).float()
-    return logprobs, entropy, values
-
-
-@torch.no_grad()
-def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                temperature: float, batch_size: int, precision: str,
-                estimators: Sequence[str] = ("k1",)) -> Dict[str, torch.Tensor]:
-    """KL(policy ‖ reference) per sequence, nats: {estimator: (B,) float32}, the per-token estimate (`core.
-    kl_estimate`) summed over each response's real tokens, on tokens the policy sampled at `temperature`.
-
-    input_ids, attention_mask: (B, P+R) laid out as `policy_forward` reads them; both models run `batch_size`
-    rows at a time under `engine.autocast(precision)`.
-    """
-    out: Dict[str, List[torch.Tensor]] = {k: [] for k in estimators}
-    for i in range(0, input_ids.shape[0], batch_size):
-        ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
-        with engine.autocast(precision):
-            lp, _, _ = policy_forward(policy, ids, am, prompt_len, temperature)
-            ref_lp, _, _ = policy_forward(reference, ids, am, prompt_len, temperature)
-        mask = am[:, prompt_len:].float()
-        for k in estimators:
-            out[k].append((kl_estimate(lp, ref_lp, k) * mask).sum(1))
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
-def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """(B, R) float32 values of a separate critic, aligned with `policy_forward`'s logprobs."""
-    return response_values(critic, input_ids, attention_mask, prompt_len)
-
-
-def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cut generated tokens at the first EOS.
-
-    responses: (B, R) long as returned by generate (anything after the EOS is filler).
-    Returns (responses with everything after the first EOS set to pad, mask (B, R) float with 1 up
-    to and including the first EOS, has_eos (B,) bool).
-    """
-    is_eos = responses == eos_id
-    before_or_at = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0  # no EOS strictly before t
-    mask = before_or_at.float()
-    cleaned = torch.where(before_or_at, responses, torch.full_like(responses, pad_id))
-    return cleaned, mask, is_eos.any(dim=1)
-
-
-def prompt_seed(*keys: int) -> int:
-    """A 63-bit seed from non-negative integer keys, e.g. (run seed, iteration, position in the rollout).
-
-    Each key is encoded as two 32-bit words after a tag and the key count, so (s, j) and (s, j, 0), or keys
-    that differ only across a 32-bit boundary, give different seeds.
-    """
-    words = [0x5EED, len(keys)]
-    for k in keys:
-        k = int(k) % 2**64
-        words += [k & 0xFFFFFFFF, k >> 32]
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-class PerRowSampler(LogitsProcessor):
-    """Sampling with one random stream per row, run inside HF `generate`'s greedy loop (Gumbel-max).
-
-    argmax(logits / T + g), g ~ Gumbel(0, 1) i.i.d., is a sample from softmax(logits / T) (Gumbel 1954;
-    Maddison et al. 2014); tokens a top-p filter set to -inf are never drawn. Each row draws its noise from
-    its own `torch.Generator` on the scores' device, so a prompt's sample depends only on its seed, not on
-    which rows share its batch, the chunk size or the number of ranks (up to float differences in the
-    logits). The noise is float32: u in [2^-24, 1 - 2^-24] truncates the Gumbel tail at ~16.6 (an event of
-    probability ~6e-8 per token and row).
-
-    seeds: one int per row of the `generate` batch. Scores (B, V) float; returns scores + noise, same shape.
-    """
-
-    def __init__(self, seeds: Sequence[int]) -> None:
-        self.seeds = [int(s) for s in seeds]
-        self.generators: List[torch.Generator] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if scores.shape[0] != len(self.seeds):
-            raise ValueError(f"PerRowSampler: {scores.shape[0]} rows but {len(self.seeds)} seeds")
-        if not self.generators:
-            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
-        V, dev = scores.shape[-1], scores.device
-        u = torch.stack([torch.rand(V, generator=g, device=dev) for g in self.generators])
-        u = u.clamp(2.0**-24, 1.0 - 2.0**-24)
-        return scores + (-torch.log(-torch.log(u))).to(scores.dtype)
-
-
-@torch.no_grad()
-def sample_responses(
-    lm: Any, prompts: List[Dict[str, Any]], pad_id: int, eos_id: int, max_new_tokens: int, temperature: float,
-    top_p: float, precision: str, chunk: int = 32, seeds: Optional[Sequence[int]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """Sample one response per prompt (HF generate with KV cache), cut at the first EOS.
-
-    prompts: dicts with `prompt_ids`. Returns input_ids (B, P+R) `[left-padded prompt | right-padded
-    response]`, attention_mask (B, P+R) (response part 1 up to and including the first EOS), P, and
-    has_eos (B,) bool. R is the longest response (<= max_new_tokens).
-
-    Tokens are drawn from softmax(logits / temperature) after top-p filtering, with one random stream per
-    prompt (`PerRowSampler`): `seeds` (one int per prompt) make a prompt's response independent of the batch
-    it is in and of the world size, and give two models the same noise (common random numbers). Without
-    `seeds`, they are drawn from torch's global generator.
-    """
-    dev = engine.device()
-    batch = PromptCollator(pad_id)(prompts)
-    prompt_ids, prompt_mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
-    P = prompt_ids.shape[1]
-    if seeds is None:
-        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
-    elif len(seeds) != len(prompts):
-        raise ValueError(f"sample_responses: {len(seeds)} seeds for {len(prompts)} prompts")
-    # greedy decoding over warped, noised scores == sampling
-    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-                                  pad_token_id=pad_id, use_cache=True)
-    warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
-    was_training, model_gen_config = lm.training, lm.generation_config
-    lm.eval()
-    # HF fills every option our config leaves unset from the model's own generation_config (repetition
-    # penalty, suppressed tokens, beams...): a blank one for the duration, so nothing but ours applies
-    lm.generation_config = GenerationConfig()
-    outs = []
-    try:
-        with engine.autocast(precision):
-            for i in range(0, len(prompts), chunk):
-                processors = LogitsProcessorList([*warpers, PerRowSampler(seeds[i:i + chunk])])
-                out = lm.generate(input_ids=prompt_ids[i:i + chunk], attention_mask=prompt_mask[i:i + chunk],
-                                  generation_config=gen_config, logits_processor=processors)
-                resp = out[:, P:]
-                if resp.shape[1] < max_new_tokens:  # every chunk to the same width
-                    resp = torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
-                outs.append(resp)
-    finally:
-        lm.generation_config = model_gen_config
-        lm.train(was_training)
-    responses, rmask, has_eos = response_mask(torch.cat(outs), eos_id, pad_id)
-    R = max(int(rmask.sum(1).max().item()), 1)  # drop all-pad columns
-    input_ids = torch.cat([prompt_ids, responses[:, :R]], dim=1)
-    attention_mask = torch.cat([prompt_mask, rmask[:, :R].long()], dim=1)
-    return input_ids, attention_mask, P, has_eos
-
-
-def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, float, float, float]:
-    """(x − mean masked to 0 (float64), n, mean, unbiased var) over the real tokens of ALL ranks.
-
-    Two passes in float64 (the mean, then the squared deviations), so a large mean does not swamp the
-    variance; var is 1.0 with a single real token and 0.0 with none.
-    """
-    m = mask.bool()
-    xd = torch.where(m, x.double(), torch.zeros_like(x, dtype=torch.float64))
-    n, s = engine.all_reduce_sum(torch.stack([m.double().sum(), xd.sum()])).tolist()
-    if n < 1:
-        return torch.zeros_like(xd), 0.0, 0.0, 0.0
-    mean = s / n
-    centred = torch.where(m, xd - mean, torch.zeros_like(xd))
-    ss = engine.all_reduce_sum(centred.square().sum()).item()
-    return centred, n, mean, (ss / (n - 1) if n > 1 else 1.0)
-
-
-def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean)/std over real tokens of ALL ranks (unbiased std), 0 on padding.
-
-    x, mask: (B, T); mask 1 = real token. Returns (B, T) float32. Equals `core.masked_whiten(x, mask)`
-    on one rank (tested); with one real token the std is taken as 1, like masked_whiten's documented
-    fallback.
-    """
-    centred, n, _, var = _moments_across_ranks(x, mask)
-    if n < 1:
-        return centred.float()
-    return (centred / math.sqrt(var + eps)).float()
-
-
-def explained_variance_across_ranks(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 − Var[returns − values] / Var[returns] over the real tokens of the whole rollout (all ranks).
-
-    values, returns, mask: (B, T). 1 is a perfect critic, 0 one no better than the mean return, < 0
-    worse; 0 when the returns do not vary (as `core.value_loss`). Computed once per rollout on the critic's old values, so
-    it does not depend on how the rollout is split into micro-batches or ranks.
-    """
-    _, n, _, var_r = _moments_across_ranks(returns, mask)
-    _, _, _, var_d = _moments_across_ranks(returns - values, mask)
-    return 1.0 - var_d / var_r if n > 1 and var_r > 0 else 0.0
-
-
-# ----------------------------------------------------------------------------------------------
-# the stage
 
 
 class PPOTrainer:
@@ -438,7 +183,7 @@ class PPOTrainer:
         """Sample one response per prompt with the current policy (see `sample_responses`)."""
         p = self.p
         with self.actor.gathered_params():
-            return sample_responses(_lm(self.actor.module), prompts, self.pad_id, self.eos_id, p.max_new_tokens,
+            return sample_responses(lm_of(self.actor.module), prompts, self.pad_id, self.eos_id, p.max_new_tokens,
                                     p.temperature, p.top_p, self.precision, chunk=p.micro_batch_size * 4, seeds=seeds)
 
     @torch.no_grad()
@@ -644,20 +389,6 @@ def deferred_interrupts() -> Iterator[List[int]]:
             signal.signal(sig, handler)
 
 
-def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Set every dropout probability to 0 so that the rollout's old logprobs and values and the
-    training forward see the same function (TRL and OpenRLHF do the same)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention modules
-            module.attention_dropout = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
-            setattr(model.config, key, 0.0)
-    return model
-
-
 def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
     """A zero loss attached to every trainable parameter (keeps DeepSpeed's accumulation in step)."""
     return sum((p.float() * 0).sum() for p in model.parameters() if p.requires_grad)
@@ -763,7 +494,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         extra = {"rlhf_stage": "ppo", "rlhf_reference_model": tr.reference_spec,
                  "rlhf_reward_model_path": _abs(tr.rm_path), "rlhf_reward_type": cfg.reward.type}
         if tr.critic is None:
-            lm = _lm(tr.actor.module)
+            lm = lm_of(tr.actor.module)
             lm_sd = {k[len("lm."):]: v for k, v in actor_sd.items() if k.startswith("lm.")}
             save_hf(lm, tr.tokenizer, final, extra_config=extra, state_dict=lm_sd)
             from safetensors.torch import save_file

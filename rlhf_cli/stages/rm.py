@@ -10,14 +10,15 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 
 from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PairCollator, load_preference_data
-from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf, sequence_rewards
+from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf
+from rlhf_cli.rollout import forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status, write_pointer
 from rlhf_cli.stages.common import (
     ckpt_dir,
@@ -39,54 +40,6 @@ PROGRESS_KEYS = ["rm/loss", "rm/accuracy", "throughput/pairs_per_s"]
 
 def _pair_length(ex: Dict[str, Any]) -> int:
     return len(ex["prompt_ids"]) + max(len(ex["chosen_ids"]), len(ex["rejected_ids"]))
-
-
-def _forward_pairs(model: Any, batch: Dict[str, torch.Tensor], precision: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rewards (B,) of chosen and of rejected from ONE forward over the concatenated batch (2B, L)."""
-    dev = engine.device()
-    ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
-    with engine.autocast(precision):
-        rewards = sequence_rewards(model, ids, mask).float()
-    b = ids.shape[0] // 2
-    return rewards[:b], rewards[b:]
-
-
-@torch.no_grad()
-def score_pairs(model: Any, pairs: Sequence[Dict[str, Any]], pad_id: int, batch_size: int,
-                precision: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rewards of every pair's chosen and rejected response, sharded over ranks, gathered in order.
-
-    Returns two float32 tensors of shape (N,) on CPU, identical on every rank.
-    """
-    was_training = model.training
-    model.eval()
-    collate = PairCollator(pad_id)
-    ws = engine.world_size()
-    mine = list(range(engine.rank(), len(pairs), ws))
-    # every rank runs the same number of forwards (ZeRO-3 gathers weights collectively): pad the
-    # shard with a repeat of pair 0 and drop its scores
-    per_rank = -(-len(pairs) // ws)
-    padded = mine + [0] * (per_rank - len(mine))
-    out: List[Tuple[int, float, float]] = []
-    for i in range(0, len(padded), batch_size):
-        idx = padded[i:i + batch_size]
-        c, r = _forward_pairs(model, collate([pairs[j] for j in idx]), precision)
-        real = len(mine) - i
-        out += list(zip(idx[:max(real, 0)], c.cpu().tolist(), r.cpu().tolist()))
-    if was_training:
-        model.train()
-    merged = sorted(x for part in engine.all_gather_object(out) for x in part)
-    chosen = torch.tensor([x[1] for x in merged], dtype=torch.float32)
-    rejected = torch.tensor([x[2] for x in merged], dtype=torch.float32)
-    return chosen, rejected
-
-
-def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> Dict[str, float]:
-    """Loss, accuracy (ties not correct), tie count, margin and reward means of scored pairs."""
-    _, stats = pairwise_loss(chosen, rejected)
-    stats["rm/ties"] = float((chosen == rejected).sum())
-    stats["rm/count"] = float(chosen.numel())
-    return stats
 
 
 def run(cfg: Any, run_dir: Path) -> Optional[float]:
@@ -162,7 +115,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
                 exs = [train[j] for j in mine[m:m + rmc.micro_batch_size]]
                 batch = collate(exs)
                 tokens += int(batch["attention_mask"].sum())
-                chosen, rejected = _forward_pairs(eng.module, batch, cfg.precision)
+                chosen, rejected = forward_pairs(eng.module, batch, cfg.precision)
                 margin = batch["margin"].to(chosen.device) if rmc.margin and "margin" in batch else None
                 loss, stats = pairwise_loss(chosen, rejected, margin)
                 if rmc.center_rewards_coef:

@@ -83,7 +83,7 @@ SCORE_RE = re.compile(r"score=(-?\d+(?:\.\d+)?)")
 def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, tokenizer, tmp_path, monkeypatch):
     """A hand-made file whose responses carry their score ("score=1.5"); the model's scores are replaced
     by that number, everything else (loading, batching, gathering, metrics, eval.json) is the real code."""
-    import rlhf_cli.stages.rm as rm_stage
+    import rlhf_cli.rollout.scoring as scoring
 
     rows = [{"prompt": f"Question {i}: which reply is better?",
              "chosen": f"Chosen reply number {i}. score={c}", "rejected": f"Another reply {i}. score={r}"}
@@ -95,7 +95,7 @@ def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, to
         texts = [tokenizer.decode(ids[m.bool()]) for ids, m in zip(input_ids, attention_mask)]
         return torch.tensor([float(SCORE_RE.findall(t)[-1]) for t in texts])
 
-    monkeypatch.setattr(rm_stage, "sequence_rewards", known_rewards)
+    monkeypatch.setattr(scoring, "sequence_rewards", known_rewards)
     result, eval_dir, _ = run_stage("eval", [f"reward_model.path={tiny_dirs['rm']}", f"data.path={path}",
                                              f"data.eval_path={path}", "data.format=explicit", "eval.batch_size=3"])
 

@@ -23,16 +23,11 @@ from rlhf_cli.config import ConfigError
 from rlhf_cli.preflight import VALIDATORS
 from rlhf_cli.core import compute_gae, kl_penalized_rewards, masked_whiten
 from rlhf_cli.runs import read_metrics, set_status
+from rlhf_cli import rollout
+from rlhf_cli.rollout import Experience, critic_values, policy_forward, response_mask, whiten_across_ranks
 from rlhf_cli.stages import ppo
 from rlhf_cli.stages.common import seed_everything
-from rlhf_cli.stages.ppo import (
-    Experience,
-    PPOTrainer,
-    critic_values,
-    policy_forward,
-    response_mask,
-    whiten_across_ranks,
-)
+from rlhf_cli.stages.ppo import PPOTrainer
 
 # 8 rollouts, minibatches of 4, micro-batches of 2 (two accumulation steps per optimizer step),
 # 6 new tokens, a sampling temperature != 1 so a missing `/ T` anywhere shows up.
@@ -61,7 +56,7 @@ def edit_generate(monkeypatch, tr, edit):
 
     The rest of `sample_responses` (cut at the first EOS, pad after, drop all-pad columns) runs as is.
     """
-    lm = ppo._lm(tr.actor.module)
+    lm = rollout.lm_of(tr.actor.module)
     generate = lm.generate
 
     def edited_generate(*args, **kwargs):
@@ -222,7 +217,7 @@ def test_old_logprobs_use_the_sampling_temperature(tmp_path):
     tr = build_trainer(tmp_path)
     exp, _, _ = tr.make_experience(0)
     P, T = exp.prompt_len, tr.p.temperature
-    lm = ppo._lm(tr.actor.module)
+    lm = rollout.lm_of(tr.actor.module)
     with torch.no_grad():
         pos = (exp.attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = lm(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=pos).logits
@@ -253,24 +248,24 @@ def test_per_row_sampler_draws_from_softmax_over_temperature_after_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     n, T = 20000, 0.7
     scores = TemperatureLogitsWarper(T)(None, logits.repeat(n, 1))
-    draws = ppo.PerRowSampler(range(n))(None, scores).argmax(-1)
+    draws = rollout.PerRowSampler(range(n))(None, scores).argmax(-1)
     freq = torch.bincount(draws, minlength=6).float() / n
     want = torch.softmax(logits[0] / T, -1)
     assert (freq - want).abs().max() < 4 * (want * (1 - want) / n).sqrt().max()  # 4 standard errors
     kept = TopPLogitsWarper(0.8)(None, scores)
-    draws = ppo.PerRowSampler(range(n))(None, kept).argmax(-1)
+    draws = rollout.PerRowSampler(range(n))(None, kept).argmax(-1)
     assert set(draws.tolist()) == set(torch.nonzero(torch.isfinite(kept[0])).flatten().tolist())
 
 
 def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     """The same (prompt, seed) gives the same response alone, in another order, or in another chunk size."""
     tr = build_trainer(tmp_path, ["ppo.max_new_tokens=10"])
-    lm = ppo._lm(tr.actor.module)
+    lm = rollout.lm_of(tr.actor.module)
     prompts = tr.prompts[:6]
-    seeds = [ppo.prompt_seed(42, 0, k) for k in range(6)]
+    seeds = [rollout.prompt_seed(42, 0, k) for k in range(6)]
 
     def sample(rows, chunk):
-        ids, am, P, _ = ppo.sample_responses(lm, [prompts[i] for i in rows], tr.pad_id, tr.eos_id, 10, 0.7, 1.0,
+        ids, am, P, _ = rollout.sample_responses(lm, [prompts[i] for i in rows], tr.pad_id, tr.eos_id, 10, 0.7, 1.0,
                                              "fp32", chunk=chunk, seeds=[seeds[i] for i in rows])
         return {i: ids[j, P:][am[j, P:].bool()].tolist() for j, i in enumerate(rows)}
 
@@ -278,27 +273,27 @@ def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     assert sample([4, 1, 5], chunk=2) == {i: full[i] for i in (4, 1, 5)}
     assert sample([3], chunk=1) == {3: full[3]}
     assert len({tuple(r) for r in full.values()}) > 1  # different seeds, different samples
-    ids, am, P, _ = ppo.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", chunk=6,
+    ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", chunk=6,
                                          seeds=[s + 1 for s in seeds])
     assert {i: ids[i, P:][am[i, P:].bool()].tolist() for i in range(6)} != full  # the seed decides
 
 
 def test_prompt_seeds_do_not_collide():
     keys = [(s, i, k) for s in (0, 42) for i in range(20) for k in range(32)] + [(s, j) for s in (0, 42) for j in range(640)]
-    seeds = {ppo.prompt_seed(*k) for k in keys}
+    seeds = {rollout.prompt_seed(*k) for k in keys}
     assert len(seeds) == len(keys)
-    assert ppo.prompt_seed(7, 3) != ppo.prompt_seed(7, 3, 0) and ppo.prompt_seed(2**32, 5) != ppo.prompt_seed(0, 1, 5)
+    assert rollout.prompt_seed(7, 3) != rollout.prompt_seed(7, 3, 0) and rollout.prompt_seed(2**32, 5) != rollout.prompt_seed(0, 1, 5)
     assert all(0 <= s < 2**63 for s in seeds)
 
 
 def test_the_models_own_generation_config_does_not_change_the_samples(tmp_path):
     """A checkpoint's generation_config (repetition penalty, suppressed tokens, beams) must not leak into PPO sampling."""
     tr = build_trainer(tmp_path, ["ppo.max_new_tokens=10"])
-    lm = ppo._lm(tr.actor.module)
-    prompts, seeds = tr.prompts[:4], [ppo.prompt_seed(1, k) for k in range(4)]
+    lm = rollout.lm_of(tr.actor.module)
+    prompts, seeds = tr.prompts[:4], [rollout.prompt_seed(1, k) for k in range(4)]
 
     def sample():
-        ids, am, P, _ = ppo.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", seeds=seeds)
+        ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", seeds=seeds)
         return ids[:, P:].tolist()
 
     plain = sample()
@@ -398,7 +393,7 @@ def test_policy_gradient_equals_hand_built_surrogate(tmp_path, monkeypatch, crit
     micro_rows, steps = [], []
     rows_of = Experience.rows
     monkeypatch.setattr(Experience, "rows", lambda self, idx: (micro_rows.append(idx.clone()), rows_of(self, idx))[1])
-    policy = ppo._lm(tr.actor.module)
+    policy = rollout.lm_of(tr.actor.module)
     real_step = tr.actor.step
 
     def step():
@@ -546,9 +541,9 @@ def test_explained_variance_across_ranks_on_one_rank_is_the_plain_formula():
     mask = (torch.arange(7) < torch.tensor([[7], [3], [1], [5]])).float()
     m = mask.bool()
     want = 1 - (returns - values)[m].var() / returns[m].var()
-    assert ppo.explained_variance_across_ranks(values, returns, mask) == pytest.approx(want.item(), rel=1e-6)
-    assert ppo.explained_variance_across_ranks(returns, returns, mask) == pytest.approx(1.0)
-    assert ppo.explained_variance_across_ranks(values, torch.ones(4, 7), mask) == 0.0
+    assert rollout.explained_variance_across_ranks(values, returns, mask) == pytest.approx(want.item(), rel=1e-6)
+    assert rollout.explained_variance_across_ranks(returns, returns, mask) == pytest.approx(1.0)
+    assert rollout.explained_variance_across_ranks(values, torch.ones(4, 7), mask) == 0.0
 
 
 def test_whiten_across_ranks_degenerate_masks():
@@ -650,7 +645,7 @@ def test_checker_run_with_shared_critic_trains_the_value_head(run_stage):
     assert record["step"] == 1 and record["val/loss"] > 0
 
     initial = load_causal_lm(cfg.model, "fp32", cfg.seed)
-    head0 = ppo.PolicyWithValueHead(initial, cfg.seed).score.weight.detach()
+    head0 = rollout.PolicyWithValueHead(initial, cfg.seed).score.weight.detach()
     head = load_safetensors(final / "value_head.safetensors")["score.weight"]
     assert head.shape == head0.shape and not torch.equal(head, head0)
     trained = AutoModelForCausalLM.from_pretrained(final)

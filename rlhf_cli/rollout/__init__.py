@@ -1,0 +1,51 @@
+"""The rollout library: what a training stage or `rlhf eval` does with models around a batch of responses.
+
+    experience.py   `Experience`, the record a rollout hands to the learner
+    sampling.py     per-prompt seeds, per-row sampling inside HF `generate`, the cut at the first EOS
+    policy.py       response log-probs / entropy / values of a policy (and its shared value head), a separate
+                    critic's values, the per-sequence KL of two policies, dropout switched off
+    scoring.py      reward-model scores of sequences and of preference pairs
+    stats.py        whitening and explained variance over the real tokens of all ranks
+
+It sits between the components (`core/` math, `models/`, `data/`, `engine.py`) and the stages: a stage
+imports it, it imports no stage.
+
+Batch layout: `[prompt | response]`, prompts left-padded to P columns, responses right-padded to R columns,
+the response mask ending at the first EOS (inclusive). logits at column P-1+t predict response token t;
+values[:, t] is the critic's head at the same column (see models/scalar.py).
+"""
+
+from rlhf_cli.rollout.experience import Experience
+from rlhf_cli.rollout.policy import (
+    PolicyWithValueHead,
+    critic_values,
+    disable_dropout,
+    lm_of,
+    policy_forward,
+    sequence_kl,
+    unwrap,
+)
+from rlhf_cli.rollout.sampling import PerRowSampler, prompt_seed, response_mask, sample_responses
+from rlhf_cli.rollout.scoring import batched_rewards, forward_pairs, pair_metrics, score_pairs
+from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks
+
+__all__ = [
+    "Experience",
+    "PerRowSampler",
+    "PolicyWithValueHead",
+    "batched_rewards",
+    "critic_values",
+    "disable_dropout",
+    "explained_variance_across_ranks",
+    "forward_pairs",
+    "lm_of",
+    "pair_metrics",
+    "policy_forward",
+    "prompt_seed",
+    "response_mask",
+    "sample_responses",
+    "score_pairs",
+    "sequence_kl",
+    "unwrap",
+    "whiten_across_ranks",
+]

@@ -1,0 +1,31 @@
+"""The rollout record PPO (and every estimator after it) learns from: one batch of sampled responses with what
+the no-grad passes computed for them, all in the training forward's layout (see `rollout/__init__.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class Experience:
+    """One rollout batch on one rank. B rows, P prompt columns, R response columns."""
+
+    input_ids: torch.Tensor  # (B, P+R) long, [left-padded prompt | right-padded response]
+    attention_mask: torch.Tensor  # (B, P+R) long, 1 = real token
+    mask: torch.Tensor  # (B, R) float, 1 = real response token (EOS included) that enters the loss
+    logprobs: torch.Tensor  # (B, R) float32, old log π(a_t|s_t) at temperature, 0 on padding
+    ref_logprobs: torch.Tensor  # (B, R) float32, log π_ref(a_t|s_t) at temperature
+    values: torch.Tensor  # (B, R) float32, old V(s_t)
+    rewards: torch.Tensor  # (B, R) float32, −β·kl_t plus the score at the last real token
+    advantages: torch.Tensor  # (B, R) float32, GAE (whitened if ppo.whiten_advantages)
+    returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
+    scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
+
+    def rows(self, idx: torch.Tensor) -> "Experience":
+        return Experience(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1] - self.mask.shape[1]

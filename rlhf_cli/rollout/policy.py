@@ -1,0 +1,102 @@
+"""The forwards of a policy and its critic over `[prompt | response]` batches: response log-probs at the
+sampling temperature (with entropy and a shared value head's values), a separate critic's values, and the
+per-sequence KL of two policies. Also the model wrappers these forwards read: the shared value head and
+dropout switched off."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from rlhf_cli import engine
+from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits
+from rlhf_cli.models import new_scalar_head, response_values
+
+
+class PolicyWithValueHead(torch.nn.Module):
+    """`ppo.critic=shared`: the policy's trunk carries a scalar value head `score` next to its LM head."""
+
+    def __init__(self, lm: torch.nn.Module, seed: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.score = new_scalar_head(lm.config.get_text_config().hidden_size, seed, next(lm.parameters()))
+
+    @property
+    def config(self) -> Any:
+        return self.lm.config
+
+
+def unwrap(model: Any) -> Any:
+    return getattr(model, "module", model)
+
+
+def lm_of(model: Any) -> Any:
+    model = unwrap(model)
+    return model.lm if isinstance(model, PolicyWithValueHead) else model
+
+
+def policy_forward(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
+    with_entropy: bool = False, with_values: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Log-probs of the response tokens under the policy at `temperature`.
+
+    input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) nats or
+    None, and, for a shared critic, values (B, R) float32 or None. Only the R response positions go
+    through the LM head; position ids count real tokens, so padding side does not matter.
+    """
+    lm = lm_of(model)
+    trunk = getattr(lm, lm.base_model_prefix)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).last_hidden_state[:, prompt_len - 1:-1]  # (B, R, H)
+    logits = lm.lm_head(hidden).float() / temperature  # (B, R, V)
+    labels = input_ids[:, prompt_len:]
+    logprobs = logprobs_from_logits(logits, labels)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    values = None
+    if with_values:
+        values = unwrap(model).score(hidden).squeeze(-1).float()
+    return logprobs, entropy, values
+
+
+@torch.no_grad()
+def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                temperature: float, batch_size: int, precision: str,
+                estimators: Sequence[str] = ("k1",)) -> Dict[str, torch.Tensor]:
+    """KL(policy ‖ reference) per sequence, nats: {estimator: (B,) float32}, the per-token estimate (`core.
+    kl_estimate`) summed over each response's real tokens, on tokens the policy sampled at `temperature`.
+
+    input_ids, attention_mask: (B, P+R) laid out as `policy_forward` reads them; both models run `batch_size`
+    rows at a time under `engine.autocast(precision)`.
+    """
+    out: Dict[str, List[torch.Tensor]] = {k: [] for k in estimators}
+    for i in range(0, input_ids.shape[0], batch_size):
+        ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
+        with engine.autocast(precision):
+            lp, _, _ = policy_forward(policy, ids, am, prompt_len, temperature)
+            ref_lp, _, _ = policy_forward(reference, ids, am, prompt_len, temperature)
+        mask = am[:, prompt_len:].float()
+        for k in estimators:
+            out[k].append((kl_estimate(lp, ref_lp, k) * mask).sum(1))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """(B, R) float32 values of a separate critic, aligned with `policy_forward`'s logprobs."""
+    return response_values(critic, input_ids, attention_mask, prompt_len)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0 so that the rollout's old logprobs and values and the
+    training forward see the same function (TRL and OpenRLHF do the same)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention modules
+            module.attention_dropout = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
+            setattr(model.config, key, 0.0)
+    return model

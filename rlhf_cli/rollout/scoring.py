@@ -1,0 +1,71 @@
+"""Reward-model scores: of whole sequences (a rollout's, an eval's responses) and of preference pairs
+(train-rm's training forward and held-out eval, `rlhf eval` of a reward model)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from rlhf_cli import engine
+from rlhf_cli.core import pairwise_loss
+from rlhf_cli.data import PairCollator
+from rlhf_cli.models import sequence_rewards
+
+
+@torch.no_grad()
+def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
+                    precision: str) -> torch.Tensor:
+    """Reward-model scores (N,) float32 of N sequences, `batch_size` rows per forward, under the run's
+    precision; on the inputs' device. See models.sequence_rewards for where each score is read."""
+    with engine.autocast(precision):
+        return torch.cat([sequence_rewards(model, input_ids[i:i + batch_size], attention_mask[i:i + batch_size]).float()
+                          for i in range(0, input_ids.shape[0], batch_size)])
+
+
+def forward_pairs(model: Any, batch: Dict[str, torch.Tensor], precision: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rewards (B,) of chosen and of rejected from ONE forward over the concatenated batch (2B, L)."""
+    dev = engine.device()
+    ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+    with engine.autocast(precision):
+        rewards = sequence_rewards(model, ids, mask).float()
+    b = ids.shape[0] // 2
+    return rewards[:b], rewards[b:]
+
+
+@torch.no_grad()
+def score_pairs(model: Any, pairs: Sequence[Dict[str, Any]], pad_id: int, batch_size: int,
+                precision: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of every pair's chosen and rejected response, sharded over ranks, gathered in order.
+
+    Returns two float32 tensors of shape (N,) on CPU, identical on every rank.
+    """
+    was_training = model.training
+    model.eval()
+    collate = PairCollator(pad_id)
+    ws = engine.world_size()
+    mine = list(range(engine.rank(), len(pairs), ws))
+    # every rank runs the same number of forwards (ZeRO-3 gathers weights collectively): pad the
+    # shard with a repeat of pair 0 and drop its scores
+    per_rank = -(-len(pairs) // ws)
+    padded = mine + [0] * (per_rank - len(mine))
+    out: List[Tuple[int, float, float]] = []
+    for i in range(0, len(padded), batch_size):
+        idx = padded[i:i + batch_size]
+        c, r = forward_pairs(model, collate([pairs[j] for j in idx]), precision)
+        real = len(mine) - i
+        out += list(zip(idx[:max(real, 0)], c.cpu().tolist(), r.cpu().tolist()))
+    if was_training:
+        model.train()
+    merged = sorted(x for part in engine.all_gather_object(out) for x in part)
+    chosen = torch.tensor([x[1] for x in merged], dtype=torch.float32)
+    rejected = torch.tensor([x[2] for x in merged], dtype=torch.float32)
+    return chosen, rejected
+
+
+def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> Dict[str, float]:
+    """Loss, accuracy (ties not correct), tie count, margin and reward means of scored pairs."""
+    _, stats = pairwise_loss(chosen, rejected)
+    stats["rm/ties"] = float((chosen == rejected).sum())
+    stats["rm/count"] = float(chosen.numel())
+    return stats

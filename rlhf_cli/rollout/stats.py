@@ -1,0 +1,53 @@
+"""Statistics over the real tokens of a whole rollout, across data-parallel ranks: whitening and the
+critic's explained variance. On one rank whitening equals `core.masked_whiten` (tested)."""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+from rlhf_cli import engine
+
+
+def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, float, float, float]:
+    """(x − mean masked to 0 (float64), n, mean, unbiased var) over the real tokens of ALL ranks.
+
+    Two passes in float64 (the mean, then the squared deviations), so a large mean does not swamp the
+    variance; var is 1.0 with a single real token and 0.0 with none.
+    """
+    m = mask.bool()
+    xd = torch.where(m, x.double(), torch.zeros_like(x, dtype=torch.float64))
+    n, s = engine.all_reduce_sum(torch.stack([m.double().sum(), xd.sum()])).tolist()
+    if n < 1:
+        return torch.zeros_like(xd), 0.0, 0.0, 0.0
+    mean = s / n
+    centred = torch.where(m, xd - mean, torch.zeros_like(xd))
+    ss = engine.all_reduce_sum(centred.square().sum()).item()
+    return centred, n, mean, (ss / (n - 1) if n > 1 else 1.0)
+
+
+def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean)/std over real tokens of ALL ranks (unbiased std), 0 on padding.
+
+    x, mask: (B, T); mask 1 = real token. Returns (B, T) float32. Equals `core.masked_whiten(x, mask)`
+    on one rank (tested); with one real token the std is taken as 1, like masked_whiten's documented
+    fallback.
+    """
+    centred, n, _, var = _moments_across_ranks(x, mask)
+    if n < 1:
+        return centred.float()
+    return (centred / math.sqrt(var + eps)).float()
+
+
+def explained_variance_across_ranks(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var[returns − values] / Var[returns] over the real tokens of the whole rollout (all ranks).
+
+    values, returns, mask: (B, T). 1 is a perfect critic, 0 one no better than the mean return, < 0
+    worse; 0 when the returns do not vary (as `core.value_loss`). Computed once per rollout on the critic's old values, so
+    it does not depend on how the rollout is split into micro-batches or ranks.
+    """
+    _, n, _, var_r = _moments_across_ranks(returns, mask)
+    _, _, _, var_d = _moments_across_ranks(returns - values, mask)
+    return 1.0 - var_d / var_r if n > 1 and var_r > 0 else 0.0
