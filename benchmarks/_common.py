@@ -27,9 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 HH_PATH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
@@ -60,7 +61,7 @@ def quiet() -> None:
     quiet_libraries()
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     out = {}
     for name in PACKAGES:
         try:
@@ -80,19 +81,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info() -> Dict[str, Any]:
+def machine_info() -> dict[str, Any]:
     """CPU model, cores, torch threads, GPU (if any) and whether bf16 matmuls are native here."""
     import torch
 
     from rlhf_cli.engine import bf16_is_fast
 
-    info: Dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                             "bf16_native": bf16_is_fast()}
     return info
 
 
-def header_lines(title: str, info: Dict[str, Any], precision: str, trl_precision: Optional[str]) -> List[str]:
+def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision: str | None) -> list[str]:
     """The lines every benchmark prints first: what ran, pinned versions, machine, precision in force."""
     v = versions()
     device = info["gpu"] or f"{info['cpu']}, {info['cores']} cores (torch threads {info['torch_threads']})"
@@ -122,8 +123,8 @@ def compose(config_name: str, overrides: Sequence[str]) -> Any:
     from hydra.core.global_hydra import GlobalHydra
 
     from rlhf_cli.config import ConfigError, check_override_keys, register_configs
-    from rlhf_cli.preflight import VALIDATORS
     from rlhf_cli.engine import resolve_precision
+    from rlhf_cli.preflight import VALIDATORS
 
     keep = [o for o in overrides if not o.startswith("hydra.")]
     try:
@@ -146,7 +147,7 @@ def model_label(model_cfg: Any) -> str:
     return f"{model_cfg.name} ({model_cfg.name_or_path or model_cfg.gguf_file})"
 
 
-def save_reward_model_init(model_cfg: Any, seed: int, out_dir: Path) -> Dict[str, Any]:
+def save_reward_model_init(model_cfg: Any, seed: int, out_dir: Path) -> dict[str, Any]:
     """Save the base LM with a new seeded scalar head (our `load_scalar_model`) as an HF
     `*ForSequenceClassification` dir with its tokenizer: the one initial reward model / critic both
     tools load. Returns {path, params, non_embedding_params, hidden_size, intermediate_size}."""
@@ -191,7 +192,7 @@ class ChildResult:
     log_path: Path
 
 
-def run_child(cmd: Sequence[str], log_path: Path, env: Optional[Dict[str, str]] = None) -> ChildResult:
+def run_child(cmd: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> ChildResult:
     """Run `cmd` from the repository root, output to `log_path`; its own peak RSS from wait4().
 
     wait4 reports the max RSS of that one child (and any children it waited for), so two tools run
@@ -227,7 +228,7 @@ def self_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def steady(values: Sequence[float]) -> List[float]:
+def steady(values: Sequence[float]) -> list[float]:
     """Drop the first value (warm-up) when there are at least two."""
     return list(values[1:]) if len(values) >= 2 else list(values)
 
@@ -282,12 +283,12 @@ class Table:
     columns = ("metric", "rlhf_cli", "TRL", "ours/TRL")
 
     def __init__(self) -> None:
-        self.rows: List[List[str]] = []
-        self.data: Dict[str, Dict[str, Any]] = {}
+        self.rows: list[list[str]] = []
+        self.data: dict[str, dict[str, Any]] = {}
 
-    def add(self, key: str, label: str, ours: Optional[float], trl: Optional[float], fmt: str = "{:.3g}",
+    def add(self, key: str, label: str, ours: float | None, trl: float | None, fmt: str = "{:.3g}",
             ratio: bool = True) -> None:
-        def cell(x: Optional[float]) -> str:
+        def cell(x: float | None) -> str:
             return "n/a" if x is None or x != x else fmt.format(x)
 
         r = ours / trl if ratio and ours is not None and trl and ours == ours and trl == trl else None
@@ -297,22 +298,22 @@ class Table:
     def note(self, label: str, text: str) -> None:
         self.rows.append([label, text, "", ""])
 
-    def lines(self) -> List[str]:
+    def lines(self) -> list[str]:
         widths = [max(len(r[i]) for r in [list(self.columns)] + self.rows) for i in range(4)]
 
-        def fmt(r: List[str]) -> str:
+        def fmt(r: list[str]) -> str:
             return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
         return [fmt(self.columns), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in self.rows]
 
-    def markdown(self) -> List[str]:
+    def markdown(self) -> list[str]:
         esc = lambda s: s.replace("|", "\\|")  # noqa: E731
         return (["| " + " | ".join(self.columns) + " |", "| --- | ---: | ---: | ---: |"]
                 + ["| " + " | ".join(esc(c) for c in r) + " |" for r in self.rows])
 
 
-def write_outputs(out: Optional[str], header: List[str], table: Table, notes: List[str],
-                  payload: Dict[str, Any]) -> None:
+def write_outputs(out: str | None, header: list[str], table: Table, notes: list[str],
+                  payload: dict[str, Any]) -> None:
     """Write `<out>` as JSON (header, notes, table data, `payload`) and `<out stem>.md` as markdown."""
     if not out:
         return

@@ -35,7 +35,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -61,13 +61,13 @@ def parse_args() -> argparse.Namespace:
 # the configurations: how both models turn (ids, mask) into response logits
 
 
-def _autocast(dtype: Optional[Any], device: Any) -> contextlib.AbstractContextManager:
+def _autocast(dtype: Any | None, device: Any) -> contextlib.AbstractContextManager:
     import torch
 
     return torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def response_logits(lm: Any, ids: Any, am: Any, P: int, temperature: float, autocast_dtype: Optional[Any],
+def response_logits(lm: Any, ids: Any, am: Any, P: int, temperature: float, autocast_dtype: Any | None,
                     head_fp32: bool) -> Any:
     """(B, R, V) float32 logits / temperature of the response positions, as `policy_forward` lays them out."""
     import torch
@@ -83,7 +83,7 @@ def response_logits(lm: Any, ids: Any, am: Any, P: int, temperature: float, auto
         return torch.nn.functional.linear(hidden.float(), lm.lm_head.weight.float()) / temperature
 
 
-def configurations(device: Any) -> Dict[str, Tuple[Optional[Any], str, bool]]:
+def configurations(device: Any) -> dict[str, tuple[Any | None, str, bool]]:
     """name -> (autocast dtype or None, weight dtype name, head in fp32)."""
     import torch
 
@@ -131,7 +131,7 @@ def small_update(policy: Any, ids: Any, am: Any, P: int, temperature: float, lr:
 
 
 def measure(policy: Any, reference: Any, ids: Any, am: Any, P: int, temperature: float,
-            autocast_dtype: Optional[Any], weight_dtype: str, head_fp32: bool) -> Dict[str, Any]:
+            autocast_dtype: Any | None, weight_dtype: str, head_fp32: bool) -> dict[str, Any]:
     """Per-token log-probs of both models (B, R) float32, per-sequence k1 and exact KL (B,), seconds."""
     import torch
 
@@ -197,14 +197,14 @@ def main() -> None:
             sys.exit(f"error: unknown --configs {unknown}; choose from {list(configs)}")
         configs = {"fp32": configs["fp32"], **{c: configs[c] for c in wanted}}
     measure(policy, reference, ids, am, P, args.temperature, None, "float32", False)  # warm-up, untimed
-    results: Dict[str, Dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, (ac, wd, head) in configs.items():
         results[name] = measure(policy, reference, ids, am, P, args.temperature, ac, wd, head)
         print(f"  measured {name} ({results[name]['seconds']:.1f} s)", file=sys.stderr)
 
     truth = results["fp32"]
     n_tok = float(truth["mask"].sum())
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for name, r in results.items():
         k1, exact = float(r["k1"].mean()), float(r["exact"].mean())
         rows.append({"config": name, "lp_err": float((r["lp"] - truth["lp"]).abs().sum()) / n_tok,

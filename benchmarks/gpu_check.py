@@ -27,8 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -54,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def machine() -> Dict[str, Any]:
+def machine() -> dict[str, Any]:
     import torch
 
     from rlhf_cli.engine import resolve_precision
@@ -65,7 +66,7 @@ def machine() -> Dict[str, Any]:
             "precision_auto": resolve_precision("auto"), "python": sys.version.split()[0]}
 
 
-def run(cmd: Sequence[str], log: Path, env: Dict[str, str]) -> Dict[str, Any]:
+def run(cmd: Sequence[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
     """Run `cmd` from the repository root, output to `log`; returns its exit code and seconds."""
     t0 = time.perf_counter()
     with open(log, "w") as fh:
@@ -73,12 +74,12 @@ def run(cmd: Sequence[str], log: Path, env: Dict[str, str]) -> Dict[str, Any]:
     return {"cmd": " ".join(cmd), "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "log": str(log)}
 
 
-def rlhf(command: str, overrides: Sequence[str], root: Path, log: Path, env: Dict[str, str]) -> Dict[str, Any]:
+def rlhf(command: str, overrides: Sequence[str], root: Path, log: Path, env: dict[str, str]) -> dict[str, Any]:
     return run([sys.executable, "-m", "rlhf_cli", command, *overrides, f"paths.root={root}", "tensorboard=false"],
                log, env)
 
 
-def records(root: Path, stage: str) -> List[Dict[str, Any]]:
+def records(root: Path, stage: str) -> list[dict[str, Any]]:
     """metrics.jsonl records of the newest run of `stage` under `root` ([] when there is none)."""
     from rlhf_cli.runs import read_metrics
 
@@ -99,7 +100,7 @@ def main() -> None:
     tok = str(Path(args.tokenizer).resolve())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "RLHF_TEST_TOKENIZER": tok, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    out: Dict[str, Any] = {"machine": machine(), "work": str(work), "shape": args.shape}
+    out: dict[str, Any] = {"machine": machine(), "work": str(work), "shape": args.shape}
     path = Path(args.out)
 
     def save() -> None:

@@ -28,7 +28,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -45,12 +45,16 @@ def trl_child(spec_path: str) -> None:
     """Train with TRL's PPOTrainer as the spec says; write per-iteration timings to spec["result"]."""
     spec = json.loads(Path(spec_path).read_text())
     import torch
+    import trl.experimental.ppo.ppo_trainer as ppo_module
     from datasets import Dataset
     from torch.utils.data import DataLoader
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              DataCollatorWithPadding, TrainerCallback)
-
-    import trl.experimental.ppo.ppo_trainer as ppo_module
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        TrainerCallback,
+    )
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(spec["rm_dir"])
@@ -84,10 +88,10 @@ def trl_child(spec_path: str) -> None:
 
     # timers at TRL's seams: batch_generation (generation), the first grad-enabled forward of an
     # update (end of scoring, start of training), on_step_end (end of the update)
-    iterations: List[Dict[str, float]] = []
-    state: Dict[str, Any] = {}
+    iterations: list[dict[str, float]] = []
+    state: dict[str, Any] = {}
 
-    def fresh() -> Dict[str, Any]:
+    def fresh() -> dict[str, Any]:
         return {"generation": 0.0, "gen_end": None, "train_start": None, "gen_tokens": 0, "train_tokens": 0,
                 "prompt_tokens": 0}
 
@@ -146,7 +150,7 @@ def trl_child(spec_path: str) -> None:
 # preparation (this process)
 
 
-def fp32_kl(policy_path: str, reference_path: str, prompts: List[Dict[str, Any]], pad_id: int, eos_id: int,
+def fp32_kl(policy_path: str, reference_path: str, prompts: list[dict[str, Any]], pad_id: int, eos_id: int,
             max_new_tokens: int, temperature: float, seed: int) -> float:
     """KL(policy ‖ reference), k1, nats per sequence averaged over `prompts`, all in fp32: one response per
     prompt sampled from the policy (per-prompt seeds, so both tools' policies get the same noise), log-probs of
@@ -165,9 +169,9 @@ def fp32_kl(policy_path: str, reference_path: str, prompts: List[Dict[str, Any]]
     return float(sequence_kl(policy, reference, ids, am, P, temperature, 8, "fp32")["k1"].mean())
 
 
-def iteration_prompts(prompts: List[Dict[str, Any]], iterations: int, rollout: int, seed: int) -> List[List[int]]:
+def iteration_prompts(prompts: list[dict[str, Any]], iterations: int, rollout: int, seed: int) -> list[list[int]]:
     """Indices of each iteration's prompts in `rlhf train-ppo`'s order (PPOTrainer.prompt_batch, one rank)."""
-    from rlhf_cli.stages.common import epoch_order
+    from rlhf_cli.data import epoch_order
 
     n, out, orders = len(prompts), [], {}
     for it in range(iterations):
@@ -181,7 +185,7 @@ def iteration_prompts(prompts: List[Dict[str, Any]], iterations: int, rollout: i
     return out
 
 
-def ours_iterations(run_dir: Path) -> List[Dict[str, float]]:
+def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
     """Per-iteration parts, real tokens, wall time and sanity numbers from `rlhf train-ppo`'s metrics.jsonl."""
     from rlhf_cli.runs import read_metrics
 
@@ -198,9 +202,9 @@ def ours_iterations(run_dir: Path) -> List[Dict[str, float]]:
     return out
 
 
-def ours_sample_prompts(run_dir: Path) -> Dict[int, List[str]]:
+def ours_sample_prompts(run_dir: Path) -> dict[int, list[str]]:
     """The first prompts of every iteration as `rlhf train-ppo` logged them in samples.jsonl."""
-    out: Dict[int, List[str]] = {}
+    out: dict[int, list[str]] = {}
     path = run_dir / "samples.jsonl"
     for line in path.read_text().splitlines() if path.is_file() else []:
         rec = json.loads(line)
@@ -215,7 +219,7 @@ def ours_sample_prompts(run_dir: Path) -> Dict[int, List[str]]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=3, help="PPO iterations of each tool (the first is warm-up)")
-    p.add_argument("--rollout", type=int, default=16, 
+    p.add_argument("--rollout", type=int, default=16,
                    help="prompts per iteration, one response each; also the minibatch")
     p.add_argument("--micro-batch-size", type=int, default=8, help="rollouts per training forward")
     p.add_argument("--epochs", type=int, default=2, help="PPO epochs over each rollout batch")
@@ -262,7 +266,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
 
     C.quiet()
     info = C.machine_info()
-    R, m, I = args.rollout, args.micro_batch_size, args.iterations
+    R, m, n_it = args.rollout, args.micro_batch_size, args.iterations
 
     # 1. one reward model / critic init, one policy dir, one prompt order
     t0 = time.perf_counter()
@@ -279,7 +283,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
                  f"data.max_length={args.max_prompt_length + args.max_new_tokens}"]
     overrides = [
         f"model={args.model}", f"reward_model.path={rm_dir}", *data,
-        f"ppo.iterations={I}", f"ppo.rollout_batch_size={R}", f"ppo.mini_batch_size={R}", f"ppo.micro_batch_size={m}",
+        f"ppo.iterations={n_it}", f"ppo.rollout_batch_size={R}", f"ppo.mini_batch_size={R}",
+        f"ppo.micro_batch_size={m}",
         f"ppo.epochs={args.epochs}", f"ppo.max_new_tokens={args.max_new_tokens}", f"ppo.temperature={args.temperature}",
         "ppo.top_p=1.0", f"ppo.kl_beta={args.kl_coef}", "ppo.kl_target=null", "ppo.kl_estimator=k1",
         f"ppo.gamma={args.gamma}", f"ppo.lam={args.lam}", f"ppo.clip={args.clip}", f"ppo.value_clip={args.value_clip}",
@@ -293,7 +298,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     prompts = load_prompt_data(cfg.data, tokenizer, split="train")
     if len(prompts) < R:
         sys.exit(f"error: only {len(prompts)} prompts, fewer than --rollout {R}")
-    order = iteration_prompts(prompts, I, R, cfg.data.seed + cfg.seed)
+    order = iteration_prompts(prompts, n_it, R, cfg.data.seed + cfg.seed)
     policy = C.policy_dir(cfg.model, cfg.seed, work)
     betas = list(inspect.signature(TrainEngine.__init__).parameters["betas"].default)  # ours: not configurable for PPO
     bf16 = cfg.precision != "fp32"
@@ -310,7 +315,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     # 3. TRL in its own process
     spec = {"policy_dir": str(policy), "rm_dir": str(rm_dir),
             "prompts": [prompts[i]["prompt_ids"] for it in order for i in it],
-            "iterations": I, "rollout": R, "micro_batch_size": m, "epochs": args.epochs,
+            "iterations": n_it, "rollout": R, "micro_batch_size": m, "epochs": args.epochs,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "kl_coef": args.kl_coef,
             "clip": args.clip, "value_clip": args.value_clip, "vf_coef": args.vf_coef, "gamma": args.gamma,
             "lam": args.lam, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
@@ -349,7 +354,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     table.add("seconds_per_iteration", "s / iteration (generation+scoring+training)", o_total, t_total)
     for part in PARTS:
         table.add(f"{part}_s", f"  {part} s", avg(o_st, part), avg(t_st, part))
-    if I >= 2:
+    if n_it >= 2:
         table.add("wall_per_iteration", "s / iteration, wall (end to end)", avg(o_st, "wall"), avg(t_st, "wall"))
     table.add("gen_tokens", "generated tokens / iteration", avg(o_st, "gen_tokens"), avg(t_st, "gen_tokens"), "{:.0f}")
     table.add("gen_tokens_per_s", "generation tokens/s", rate(o_st, "gen_tokens", "generation"),
@@ -363,23 +368,23 @@ def run(args: argparse.Namespace, work: Path) -> None:
               C.mean(t_res["scores"]), "{:.3f}", ratio=False)
     table.add("kl", "KL to reference, nats/seq, mean of iterations (sanity)", C.mean([x["kl"] for x in o_its]),
               C.mean(t_res["kl"]), "{:.3f}", ratio=False)
-    table.add("kl_last", f"KL reported at iteration {I}, nats/seq (sanity)", o_its[-1]["kl"], t_res["kl"][-1],
+    table.add("kl_last", f"KL reported at iteration {n_it}, nats/seq (sanity)", o_its[-1]["kl"], t_res["kl"][-1],
               "{:.4f}", ratio=False)
-    table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {I}'s prompts (sanity)",
+    table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {n_it}'s prompts (sanity)",
               kl_fp32["ours"], kl_fp32["trl"], "{:.4f}", ratio=False)
     table.add("process_wall_s", "process wall s (incl. load and saving)", ours.wall_s, trl.wall_s, "{:.0f}")
 
     header = C.header_lines("ppo_bench: PPO, rlhf_cli `rlhf train-ppo` vs TRL trl.experimental.ppo.PPOTrainer",
                             info, cfg.precision, t_res["mixed_precision"])
     measured = {1: "the single iteration (no warm-up dropped)", 2: "iteration 2 (iteration 1 dropped as warm-up)"}.get(
-        I, f"iterations 2-{I} (iteration 1 dropped as warm-up)")
+        n_it, f"iterations 2-{n_it} (iteration 1 dropped as warm-up)")
     header += [
         f"policy/reference: {C.model_label(base.model)} ({policy}); reward model and critic init: {rm_label}",
         f"prompts: {'built-in task' if args.data == 'builtin' else 'HH-RLHF harmless-base PPO part'}, "
         f"{len(prompts)} available, chat template, <= {cfg.data.max_prompt_length} tokens; "
         f"same prompts in the same order: "
         f"{'checked (per-iteration prompt tokens and first prompts equal)' if same_prompts else 'MISMATCH'}",
-        f"PPO: {I} iterations x {R} rollouts, {args.max_new_tokens} new tokens, T={args.temperature}, "
+        f"PPO: {n_it} iterations x {R} rollouts, {args.max_new_tokens} new tokens, T={args.temperature}, "
         f"{args.epochs} epochs, minibatch {R} (micro {m} x {R // m}), beta {args.kl_coef} (k1), gamma {args.gamma}, "
         f"lambda {args.lam}, clip {args.clip}/{args.value_clip}, c1 {args.vf_coef}, "
         f"lr {args.lr:g} betas {tuple(betas)}, "

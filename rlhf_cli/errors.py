@@ -11,8 +11,6 @@ module imports nothing from the package, so every layer can raise these.
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class ConfigError(ValueError):
     """A user's configuration is invalid. The message is one line meant for the user."""
@@ -28,8 +26,8 @@ class DataError(ValueError):
     A row-level problem without a field (a line that is not JSON) reads `data.jsonl: row 3: not valid JSON ...`.
     """
 
-    def __init__(self, source: str, detail: str, *, row: Optional[int] = None, field: Optional[str] = None,
-                 reason: Optional[str] = None, hint: Optional[str] = None):
+    def __init__(self, source: str, detail: str, *, row: int | None = None, field: str | None = None,
+                 reason: str | None = None, hint: str | None = None):
         self.source, self.detail, self.row, self.field, self.reason = source, detail, row, field, reason
         where = source
         if row is not None:

@@ -7,9 +7,10 @@ knows where models live.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any
 
 from omegaconf.errors import MissingMandatoryValue
 
@@ -58,4 +59,4 @@ def validate(command: str, cfg: Any, world_size: int = 1) -> None:
     check_model_paths(cfg, command)
 
 
-VALIDATORS: Dict[str, Callable[..., None]] = {command: partial(validate, command) for command in CHECKS}
+VALIDATORS: dict[str, Callable[..., None]] = {command: partial(validate, command) for command in CHECKS}

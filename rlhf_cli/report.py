@@ -23,15 +23,16 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from rlhf_cli.runs import atomic_write_text, get_status, read_metrics
 
 log = logging.getLogger(__name__)
 
-Records = List[Dict[str, Any]]
+Records = list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,13 @@ class Panel:
     name: str
     """File stem: `<name>.png`."""
     title: str
-    metrics: Tuple[str, ...]
+    metrics: tuple[str, ...]
     ylabel: str = ""
     smooth: bool = True
     """Overlay an EMA on long series (noisy per-batch statistics); off for schedules such as lr."""
 
 
-PANELS: Tuple[Panel, ...] = (
+PANELS: tuple[Panel, ...] = (
     # reward model (`rlhf train-rm`)
     Panel("rm_loss", "RM loss", ("rm/loss",), "-log σ(r_c - r_r) (nats)"),
     Panel("rm_accuracy", "RM pairwise accuracy", ("rm/accuracy",), "fraction r_c > r_r"),
@@ -88,7 +89,7 @@ def is_run_dir(path: Path | str) -> bool:
     return (Path(path) / "metrics.jsonl").is_file()
 
 
-def job_dirs(sweep: Path | str) -> List[Path]:
+def job_dirs(sweep: Path | str) -> list[Path]:
     """The run dirs directly under a sweep dir, in job order (`0, 1, ..., 10`, then other names)."""
     sweep = Path(sweep)
     if not sweep.is_dir():
@@ -97,7 +98,7 @@ def job_dirs(sweep: Path | str) -> List[Path]:
     return sorted(jobs, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
 
 
-def run_stage(run_dir: Path | str, records: Optional[Records] = None) -> str:
+def run_stage(run_dir: Path | str, records: Records | None = None) -> str:
     """`rm`, `ppo` or `eval` from the run dir's place (`<stage>/<run>` or `<stage>/sweep-*/<job>`),
     else from the metric names (`rm/...` → rm, `objective/...` → ppo), else `""`."""
     run_dir = Path(run_dir).resolve()
@@ -136,7 +137,7 @@ def load_records(run_dir: Path | str) -> Records:
     return records
 
 
-def read_overrides(run_dir: Path | str) -> Dict[str, str]:
+def read_overrides(run_dir: Path | str) -> dict[str, str]:
     """The command-line overrides of a run, `{key: value}`, from `.hydra/overrides.yaml`.
 
     `+key=v` / `++key=v` count as `key`; a deletion `~key` maps to `"~"`; `hydra.*` keys are dropped.
@@ -148,7 +149,7 @@ def read_overrides(run_dir: Path | str) -> Dict[str, str]:
     if not path.is_file():
         return {}
     items = yaml.safe_load(path.read_text()) or []
-    out: Dict[str, str] = {}
+    out: dict[str, str] = {}
     for item in items:
         item = str(item)
         if item.startswith("~"):
@@ -161,7 +162,7 @@ def read_overrides(run_dir: Path | str) -> Dict[str, str]:
     return out
 
 
-def read_config(run_dir: Path | str) -> Dict[str, Any]:
+def read_config(run_dir: Path | str) -> dict[str, Any]:
     """The resolved run config (`config.yaml`) as plain dicts; empty when missing."""
     import yaml
 
@@ -172,7 +173,7 @@ def read_config(run_dir: Path | str) -> Dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def read_rewards(run_dir: Path | str) -> Dict[str, List[float]]:
+def read_rewards(run_dir: Path | str) -> dict[str, list[float]]:
     """The reward lists of `<run_dir>/rewards.json` (`chosen`/`rejected` or `policy`/`reference`);
     keys whose value is not a list of numbers are dropped, nulls and non-finite values removed."""
     path = Path(run_dir) / "rewards.json"
@@ -191,9 +192,9 @@ def read_rewards(run_dir: Path | str) -> Dict[str, List[float]]:
     return out
 
 
-def metric_names(records: Records) -> List[str]:
+def metric_names(records: Records) -> list[str]:
     """Numeric metric names in order of first appearance, each `eval/k` placed right after `k`."""
-    seen: Dict[str, None] = {}
+    seen: dict[str, None] = {}
     for r in records:
         for k, v in r.items():
             if k not in ("step", "time") and (_is_num(v) or v is None):
@@ -208,7 +209,7 @@ def metric_names(records: Records) -> List[str]:
     return out
 
 
-def series(records: Records, name: str) -> Tuple[List[int], List[float]]:
+def series(records: Records, name: str) -> tuple[list[int], list[float]]:
     """(steps, values) of one metric, skipping records without it and null / non-finite values."""
     xs, ys = [], []
     for r in records:
@@ -219,7 +220,7 @@ def series(records: Records, name: str) -> Tuple[List[int], List[float]]:
     return xs, ys
 
 
-def final_metrics(records: Records) -> Dict[str, Dict[str, Any]]:
+def final_metrics(records: Records) -> dict[str, dict[str, Any]]:
     """Per metric: the last non-null value, the step it was logged at, and min/max over the run."""
     out = {}
     for name in metric_names(records):
@@ -241,7 +242,7 @@ def _figure(width: float = 6.4, height: float = 3.6):
     return fig, fig.add_subplot()
 
 
-def _ema(ys: Sequence[float], weight: float) -> List[float]:
+def _ema(ys: Sequence[float], weight: float) -> list[float]:
     """Debiased exponential moving average (as TensorBoard's smoothing slider)."""
     out, acc = [], 0.0
     for i, y in enumerate(ys, 1):
@@ -281,7 +282,7 @@ def _plot_panel(panel: Panel, records: Records, path: Path) -> bool:
     return True
 
 
-def plot_rewards(rewards: Dict[str, List[float]], path: Path | str, title: str = "reward distribution") -> Path:
+def plot_rewards(rewards: dict[str, list[float]], path: Path | str, title: str = "reward distribution") -> Path:
     """Overlaid histograms (shared bins) of each reward list, e.g. `chosen` vs `rejected`; returns `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -293,7 +294,8 @@ def plot_rewards(rewards: Dict[str, List[float]], path: Path | str, title: str =
     fig, ax = _figure()
     for i, (name, vals) in enumerate(rewards.items()):
         mean = sum(vals) / len(vals)
-        ax.hist(vals, bins=bins, range=(lo, hi), alpha=0.5, color=f"C{i}", label=f"{name} (n={len(vals)}, mean={mean:.3g})")
+        ax.hist(vals, bins=bins, range=(lo, hi), alpha=0.5, color=f"C{i}",
+                label=f"{name} (n={len(vals)}, mean={mean:.3g})")
         ax.axvline(mean, color=f"C{i}", linestyle="--", linewidth=1)
     ax.set_title(title)
     ax.set_xlabel("reward")
@@ -303,7 +305,7 @@ def plot_rewards(rewards: Dict[str, List[float]], path: Path | str, title: str =
     return path
 
 
-def plot_run(run_dir: Path | str, out_dir: Path | str) -> List[Path]:
+def plot_run(run_dir: Path | str, out_dir: Path | str) -> list[Path]:
     """Write the run's PNGs into `out_dir` and return their paths, in `PANELS` order.
 
     One PNG per panel of `PANELS` that has data (`rm_loss.png`, `ppo_kl.png`, ...; panels whose
@@ -328,7 +330,7 @@ def plot_run(run_dir: Path | str, out_dir: Path | str) -> List[Path]:
 # tables
 
 
-def summary_table(path: Path | str) -> Tuple[List[str], List[List[Any]]]:
+def summary_table(path: Path | str) -> tuple[list[str], list[list[Any]]]:
     """The table a report leads with, as `(columns, rows)`; cells are raw values (float, int, str, None).
 
     Run dir: a row per metric, columns `metric, final, step, min, max` (`final` = last non-null value).
@@ -386,8 +388,8 @@ def print_summary(console, columns: Sequence[str], rows: Sequence[Sequence[Any]]
 class Table:
     """A table of a report section; cells are raw values, formatted with `fmt`."""
 
-    columns: List[str]
-    rows: List[List[Any]]
+    columns: list[str]
+    rows: list[list[Any]]
     caption: str = ""
 
 
@@ -398,8 +400,8 @@ class Section:
     title: str
     text: str = ""
     """A paragraph of plain text (escaped)."""
-    tables: List[Table] = field(default_factory=list)
-    images: List[Path] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    images: list[Path] = field(default_factory=list)
     """PNG files; embedded as data URIs, and copied beside the HTML when they live elsewhere."""
     collapsed: bool = False
     """Fold the section behind a `<details>` toggle (long config dumps)."""
@@ -469,22 +471,22 @@ def write_html(out_path: Path | str, title: str, sections: Sequence[Section]) ->
 # reports
 
 
-def _flatten(obj: Any, prefix: str = "") -> Dict[str, Any]:
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(obj, dict) and obj:
-        out: Dict[str, Any] = {}
+        out: dict[str, Any] = {}
         for k, v in obj.items():
             out.update(_flatten(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: obj if obj is None or isinstance(obj, (int, float, str)) else json.dumps(obj)}
 
 
-def _config_rows(cfg: Dict[str, Any], stage: str) -> List[List[Any]]:
+def _config_rows(cfg: dict[str, Any], stage: str) -> list[list[Any]]:
     """Flattened `key, value` rows of the config, without the other training stage's section."""
     skip = {"rm", "ppo"} - {stage}
     return [[k, v] for k, v in _flatten({k: v for k, v in cfg.items() if k not in skip}).items()]
 
 
-def _jobs_or_raise(path: Path) -> List[Path]:
+def _jobs_or_raise(path: Path) -> list[Path]:
     if not path.exists():
         raise FileNotFoundError(f"report: '{path}' does not exist")
     jobs = job_dirs(path)
@@ -495,7 +497,7 @@ def _jobs_or_raise(path: Path) -> List[Path]:
     return jobs
 
 
-def _run_sections(run_dir: Path, out_dir: Path, heading: str = "", full: bool = True) -> List[Section]:
+def _run_sections(run_dir: Path, out_dir: Path, heading: str = "", full: bool = True) -> list[Section]:
     """Facts, final metrics, curves, rewards and config of one run, with PNGs written to `out_dir`;
     only the curves and reward histogram when not `full` (a sweep job, whose numbers are in the summary)."""
     records = load_records(run_dir)

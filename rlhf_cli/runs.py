@@ -24,7 +24,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from rlhf_cli.errors import SaveError
 
@@ -73,7 +73,7 @@ def write_pointer(root: Path | str, stage: str, final_dir: Path | str) -> Path:
     return pointer
 
 
-def read_pointer(root: Path | str, stage: str) -> Optional[Path]:
+def read_pointer(root: Path | str, stage: str) -> Path | None:
     pointer = Path(root) / POINTERS[stage]
     if not pointer.is_file():
         return None
@@ -126,7 +126,7 @@ def set_status(run_dir: Path | str, state: str, **extra: Any) -> None:
     atomic_write_json(Path(run_dir) / "status.json", {"state": state, "time": time.time(), **extra})
 
 
-def get_status(run_dir: Path | str) -> Dict[str, Any]:
+def get_status(run_dir: Path | str) -> dict[str, Any]:
     p = Path(run_dir) / "status.json"
     try:
         return json.loads(p.read_text())
@@ -134,7 +134,7 @@ def get_status(run_dir: Path | str) -> Dict[str, Any]:
         return {}
 
 
-def stage_runs(root: Path | str, stage: str) -> List[Path]:
+def stage_runs(root: Path | str, stage: str) -> list[Path]:
     """All run dirs of a stage (plain runs and multirun jobs), oldest first by start time."""
     base = Path(root) / stage
     if not base.is_dir():
@@ -146,10 +146,23 @@ def stage_runs(root: Path | str, stage: str) -> List[Path]:
     return sorted(runs, key=lambda p: (p / "config.yaml").stat().st_mtime)
 
 
-def find_resumable(root: Path | str, stage: str) -> Optional[Path]:
+def find_resumable(root: Path | str, stage: str) -> Path | None:
     """Newest run of `stage` under `root` that started training and did not finish, or None."""
     unfinished = [p for p in stage_runs(root, stage) if get_status(p).get("state") == "running"]
     return unfinished[-1] if unfinished else None
+
+
+def ckpt_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "ds"
+
+
+def latest_tag(run_dir: Path) -> str | None:
+    """Tag of the newest complete DeepSpeed checkpoint of a run (written only after a save completes)."""
+    p = ckpt_dir(run_dir) / "latest"
+    if not p.is_file():
+        return None
+    tag = p.read_text().strip()
+    return tag if (ckpt_dir(run_dir) / tag).is_dir() else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,10 +188,10 @@ class MetricsLogger:
             except Exception:  # tensorboard not installed: JSONL only
                 self.tb = None
 
-    def log(self, step: int, metrics: Dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        rec: Dict[str, Any] = {"step": int(step), "time": time.time()}
+        rec: dict[str, Any] = {"step": int(step), "time": time.time()}
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
                 rec[k] = float(v) if math.isfinite(float(v)) else None
@@ -204,7 +217,7 @@ class MetricsLogger:
             self.tb.close()
 
 
-def read_metrics(path: Path | str) -> List[Dict[str, Any]]:
+def read_metrics(path: Path | str) -> list[dict[str, Any]]:
     """Records of a metrics JSONL file (a run dir or the file itself)."""
     p = Path(path)
     if p.is_dir():
@@ -221,7 +234,7 @@ def read_metrics(path: Path | str) -> List[Dict[str, Any]]:
 class Progress:
     """A rich progress bar with ETA showing the latest few metrics; silent on ranks other than 0."""
 
-    def __init__(self, total: int, description: str, keys: List[str], enabled: bool = True, start: int = 0) -> None:
+    def __init__(self, total: int, description: str, keys: list[str], enabled: bool = True, start: int = 0) -> None:
         self.enabled = enabled
         self.keys = keys
         if not enabled:
@@ -241,7 +254,7 @@ class Progress:
         if not self._lines:
             self._p.start()
 
-    def update(self, advance: int = 1, metrics: Optional[Dict[str, Any]] = None) -> None:
+    def update(self, advance: int = 1, metrics: dict[str, Any] | None = None) -> None:
         if not self.enabled:
             return
         stats = ""

@@ -1,7 +1,6 @@
 import os
 
 import pytest
-
 from stage_helpers import (  # noqa: E402,F401  (tests/ is on sys.path)
     HH_PATH,
     REPO,

@@ -128,7 +128,8 @@ def test_config_module_rejects_bad_batch_split():
     cfg = OmegaConf.structured(RunConfig)
     cfg.rm.batch_size, cfg.rm.micro_batch_size = 16, 8
     validate_rm(cfg, world_size=2)
-    with pytest.raises(ConfigError, match=r"rm.batch_size=16 is not divisible by rm.micro_batch_size × world size = 8 × 4 = 32"):
+    with pytest.raises(ConfigError,
+                       match=r"rm.batch_size=16 is not divisible by rm.micro_batch_size × world size = 8 × 4 = 32"):
         validate_rm(cfg, world_size=4)
 
 

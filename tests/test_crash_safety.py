@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from rlhf_cli.runs import SaveError, check_writable, write_pointer
-from rlhf_cli.stages.common import commit_checkpoint, latest_tag
+from rlhf_cli.lifecycle import commit_checkpoint
+from rlhf_cli.runs import SaveError, check_writable, latest_tag, write_pointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -159,7 +159,8 @@ def test_disk_full_during_a_deepspeed_checkpoint(root, run_stage, monkeypatch):
 
     monkeypatch.setattr(TorchCheckpointEngine, "save", save)
     run = root / "rm" / "second"
-    with pytest.raises(SaveError, match=r"^could not write the DeepSpeed checkpoint step-4 at .*: No space left") as err:
+    with pytest.raises(SaveError,
+                       match=r"^could not write the DeepSpeed checkpoint step-4 at .*: No space left") as err:
         run_stage("train_rm", TINY_RM, run_dir=run, root=root)
     assert err.value.errno == errno.ENOSPC
     # the torn step-4 is on disk but not marked good; the previous run's pointer is untouched

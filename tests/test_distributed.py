@@ -26,8 +26,9 @@ COMMON = ["experiment=smoke", "tensorboard=false"]
 RM_ARGS = ["train-rm", *COMMON, "rm.max_steps=6"]
 PPO_ARGS = ["train-ppo", *COMMON, "ppo.iterations=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8",
             "ppo.micro_batch_size=2", "ppo.epochs=2", "ppo.max_new_tokens=8", "ppo.kl_target=1.0", "ppo.kl_horizon=100"]
-PPO_KEYS = ("objective/scores", "objective/kl", "objective/kl_beta", "objective/entropy_sampled", "response/length_mean",
-            "response/eos_frac", "policy/loss", "policy/approx_kl", "policy/clipfrac", "val/loss", "val/explained_var")
+PPO_KEYS = ("objective/scores", "objective/kl", "objective/kl_beta", "objective/entropy_sampled",
+            "response/length_mean", "response/eos_frac", "policy/loss", "policy/approx_kl", "policy/clipfrac",
+            "val/loss", "val/explained_var")
 RM_KEYS = ("rm/loss", "rm/accuracy", "grad_norm", "eval/rm/loss", "eval/rm/accuracy")
 
 
@@ -63,7 +64,7 @@ def assert_same_weights(dir_a, dir_b):
     a, b = load_file(dir_a / "model.safetensors"), load_file(dir_b / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4, msg=lambda m: f"{dir_b}/{k}: {m}")
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4, msg=lambda m, k=k: f"{dir_b}/{k}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def test_engine_step_changes_weights_and_lowers_loss(zero_stage, precision, tmp_
         with eng.autocast():
             loss = eng(input_ids=x, labels=x).loss
         losses.append(loss.item())
-        eng.backward(loss / eng.grad_accum)
+        eng.backward_mean(loss)
         eng.step()
     assert eng.global_steps == 4
     assert losses[-1] < losses[0]
@@ -44,10 +44,12 @@ def test_engine_step_changes_weights_and_lowers_loss(zero_stage, precision, tmp_
     saved = {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
     with eng.autocast():
         loss = eng(input_ids=x, labels=x).loss
-    eng.backward(loss / eng.grad_accum); eng.step()
+    eng.backward_mean(loss)
+    eng.step()
     with eng.autocast():
         loss = eng(input_ids=x, labels=x).loss
-    eng.backward(loss / eng.grad_accum); eng.step()
+    eng.backward_mean(loss)
+    eng.step()
     assert eng.load(str(tmp_path), "step-4")["step"] == 4
     for k, v in eng.module.state_dict().items():
         assert torch.equal(v, saved[k])

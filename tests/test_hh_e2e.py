@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from stage_helpers import HH_PATH, REPO, SMOLLM2, require
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}

@@ -100,7 +100,8 @@ def test_sweep_report_one_summary_table(tmp_path):
     sweep = tmp_path / "runs" / "rm" / "sweep-2024-01-01_00-00-00"
     only = ("rm/loss", "rm/accuracy", "eval/rm/accuracy")
     write_run(sweep / "0", rm_records(acc_shift=0.0, only=only), overrides=["rm.lr=1e-5", "model=tiny"])
-    write_run(sweep / "1", rm_records(acc_shift=0.1, only=only), overrides=["rm.lr=3e-5", "model=tiny", "+rm.margin=true"])
+    write_run(sweep / "1", rm_records(acc_shift=0.1, only=only),
+              overrides=["rm.lr=3e-5", "model=tiny", "+rm.margin=true"])
     (sweep / "multirun.yaml").write_text("{}\n")
 
     columns, rows = summary_table(sweep)

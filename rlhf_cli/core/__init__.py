@@ -26,6 +26,7 @@ from rlhf_cli.core.advantages import (
     discounted_returns,
     kl_penalized_rewards,
 )
+from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
 from rlhf_cli.core.losses import (
     entropy_bonus,
@@ -45,7 +46,9 @@ from rlhf_cli.core.ops import (
 )
 
 __all__ = [
+    "ESTIMATORS",
     "AdaptiveKLController",
+    "AdvantageEstimator",
     "FixedKLController",
     "compute_gae",
     "compute_gae_vectorized",

@@ -49,7 +49,7 @@ def kl_penalized_rewards(
         ref_logprobs: ``(B, T)`` log pi_ref of the same tokens.
         mask: ``(B, T)``, 1 = real response token. The "last real token" is the last 1 of
             the row; a row with no real token gets no score and is all zeros.
-        kl_beta: KL coefficient beta (``ppo.kl_coef``, e.g. ``kl_controller.value``), >= 0.
+        kl_beta: KL coefficient beta (``ppo.kl_beta``, e.g. ``kl_controller.value``), >= 0.
         estimator: ``"k1"`` (default, as in Ziegler et al.), ``"k2"`` or ``"k3"``; see
             :func:`rlhf_cli.core.ops.kl_estimate`.
 
@@ -104,7 +104,7 @@ def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam
         values: ``(B, T)`` ``values[:, t]`` = V(state before response token t).
         mask: ``(B, T)``, 1 = real response token, 0 = padding.
         gamma: discount factor, in [0, 1].
-        lam: GAE lambda (``ppo.gae_lambda``), in [0, 1].
+        lam: GAE lambda (``ppo.lam``), in [0, 1].
 
     Returns:
         ``(advantages, returns)``, each ``(B, T)``, at least float32, reward units; 0 on

@@ -1,6 +1,6 @@
 """KL-coefficient controllers for the per-token KL penalty ``-beta * KL_t``.
 
-Both expose ``.value`` (the current beta, ``ppo.kl_coef``), ``.update(current_kl, n_steps)``
+Both expose ``.value`` (the current beta, ``ppo.kl_beta``), ``.update(current_kl, n_steps)``
 after each rollout, and ``state_dict()`` / ``load_state_dict()`` for checkpoints.
 
 Units: ``current_kl`` is the mean over sequences of the per-sequence *summed* KL, in nats

@@ -98,7 +98,7 @@ def policy_loss(
         old_logprobs: ``(B, T)`` log pi_old from the rollout (nats).
         advantages: ``(B, T)`` advantage estimates, usually whitened.
         mask: ``(B, T)``, 1 = real response token, 0 = padding (ignored whatever it holds).
-        clip: epsilon (``ppo.clip_range``), >= 0.
+        clip: epsilon (``ppo.clip``), >= 0.
         num_tokens, aggregation, num_seqs: see the module docstring.
 
     Returns:
@@ -276,10 +276,10 @@ def ppo_total_loss(
         logprobs, old_logprobs, advantages: as :func:`policy_loss`.
         values, old_values, returns: as :func:`value_loss`.
         mask: ``(B, T)``, 1 = real response token, 0 = padding.
-        clip: epsilon (``ppo.clip_range``).
+        clip: epsilon (``ppo.clip``).
         value_clip: value clip range (``ppo.value_clip``) or None.
-        c1: value-loss coefficient (``ppo.vf_coef``).
-        c2: entropy coefficient (``ppo.ent_coef``).
+        c1: value-loss coefficient (``ppo.c1``).
+        c2: entropy coefficient (``ppo.c2``).
         num_tokens, aggregation, num_seqs: see the module docstring; shared by all terms.
         logits, entropy: keyword-only, at most one; see :func:`entropy_bonus`.
 

@@ -35,8 +35,9 @@ from __future__ import annotations
 import functools
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 SPLITS = ("rm_train", "rm_eval", "ppo_train", "ppo_eval")
 
@@ -100,10 +101,10 @@ def _make_problem(rng: random.Random) -> BuiltinProblem:
 
 
 @functools.lru_cache(maxsize=8)
-def _generate(seed: int, sizes: tuple) -> Dict[str, tuple]:
+def _generate(seed: int, sizes: tuple) -> dict[str, tuple]:
     rng = random.Random(seed)
     seen: set = set()
-    out: Dict[str, list] = {}
+    out: dict[str, list] = {}
     for split, n in zip(SPLITS, sizes):
         problems: list = []
         tries = 0
@@ -120,7 +121,7 @@ def _generate(seed: int, sizes: tuple) -> Dict[str, tuple]:
     return out
 
 
-def builtin_splits(builtin_cfg: Any) -> Dict[str, List[BuiltinProblem]]:
+def builtin_splits(builtin_cfg: Any) -> dict[str, list[BuiltinProblem]]:
     """The four disjoint splits {rm_train, rm_eval, ppo_train, ppo_eval} for a BuiltinTaskConfig.
 
     Deterministic in `builtin_cfg.seed` and the sizes (no two splits share a question).
@@ -144,7 +145,7 @@ def _to_float(s: str) -> float:
     return float(s.replace(",", ""))
 
 
-def parse_answer(text: str) -> Optional[float]:
+def parse_answer(text: str) -> float | None:
     """The final numeric answer in free text, or None.
 
     The last "answer is N" / "answer: N" wins; otherwise the last number in the text. Handles thousands
@@ -172,7 +173,7 @@ def check_answer(response_text: str, answer: Any) -> float:
     return 1.0 if abs(got - want) < 1e-6 else 0.0
 
 
-def check_answers(responses: Sequence[str], answers: Sequence[Any]) -> List[float]:
+def check_answers(responses: Sequence[str], answers: Sequence[Any]) -> list[float]:
     """`check_answer` over a batch: one 1.0/0.0 per (response, answer) pair."""
     if len(responses) != len(answers):
         raise ValueError(f"check_answers: {len(responses)} responses but {len(answers)} answers")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import random
-from typing import Any, Dict, Iterator, List, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 
-def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> Dict[str, torch.Tensor]:
+def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> dict[str, torch.Tensor]:
     """Pad token-id lists to the longest: {input_ids (N, L) long, attention_mask (N, L) long, 1 = real token}."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right' (got {side!r})")
@@ -37,7 +37,7 @@ class PairCollator:
     def __init__(self, pad_id: int):
         self.pad_id = int(pad_id)
 
-    def __call__(self, examples: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         seqs = [ex["prompt_ids"] + ex["chosen_ids"] for ex in examples]
         seqs += [ex["prompt_ids"] + ex["rejected_ids"] for ex in examples]
         batch = pad_sequences(seqs, self.pad_id, side="right")
@@ -62,15 +62,15 @@ class PromptCollator:
     def __init__(self, pad_id: int):
         self.pad_id = int(pad_id)
 
-    def __call__(self, examples: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-        batch: Dict[str, Any] = pad_sequences([ex["prompt_ids"] for ex in examples], self.pad_id, side="left")
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        batch: dict[str, Any] = pad_sequences([ex["prompt_ids"] for ex in examples], self.pad_id, side="left")
         batch["row"] = [ex.get("row") for ex in examples]
         batch["answer"] = [ex.get("answer") for ex in examples]
         batch["prompt_text"] = [ex.get("prompt_text") for ex in examples]
         return batch
 
 
-def example_length(ex: Dict[str, Any]) -> int:
+def example_length(ex: dict[str, Any]) -> int:
     """Tokens of an example: prompt + longer response for pairs, the prompt for prompt examples."""
     n = len(ex["prompt_ids"])
     if "chosen_ids" in ex:
@@ -78,66 +78,21 @@ def example_length(ex: Dict[str, Any]) -> int:
     return n
 
 
-def length_grouped_order(lengths: Sequence[int], batch_size: int, seed: int, epoch: int = 0,
-                         mega: int = 50) -> List[int]:
-    """A seeded permutation of range(len(lengths)) in which consecutive `batch_size` chunks hold
-    similar lengths (less padding). Every index appears exactly once.
+def epoch_order(n: int, seed: int, epoch: int, lengths: Sequence[int] | None = None,
+                group_size: int = 0) -> list[int]:
+    """A seeded permutation of range(n) for one epoch (the same on every rank and on resume).
 
-    As in transformers' LengthGroupedSampler: shuffle (seed + epoch), cut into mega-batches of
-    `mega * batch_size`, sort each by length (longest first), cut into batches, then shuffle the batch
-    order so an epoch does not run from long to short.
+    With `lengths` and `group_size`, rows are sorted by length inside shuffled windows of
+    `group_size * 8` rows and the resulting groups shuffled again (less padding, every row once).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
-    rng = random.Random(seed * 1_000_003 + epoch)
-    idx = list(range(len(lengths)))
-    rng.shuffle(idx)
-    size = mega * batch_size
-    grouped: List[int] = []
-    for i in range(0, len(idx), size):
-        grouped += sorted(idx[i:i + size], key=lambda j: -lengths[j])
-    batches = [grouped[i:i + batch_size] for i in range(0, len(grouped), batch_size)]
-    rng.shuffle(batches)
-    return [j for b in batches for j in b]
-
-
-class LengthGroupedSampler(torch.utils.data.Sampler):
-    """A torch Sampler yielding `length_grouped_order`; call `set_epoch(e)` for a new order each epoch."""
-
-    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int = 0):
-        self.lengths, self.batch_size, self.seed, self.epoch = list(lengths), int(batch_size), int(seed), 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(length_grouped_order(self.lengths, self.batch_size, self.seed, self.epoch))
-
-
-class SeededRandomSampler(torch.utils.data.Sampler):
-    """A plain seeded shuffle per epoch (seed, epoch), the default when `data.group_by_length=false`."""
-
-    def __init__(self, n: int, seed: int = 0):
-        self.n, self.seed, self.epoch = int(n), int(seed), 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        idx = list(range(self.n))
-        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(idx)
-        return iter(idx)
-
-
-def make_sampler(examples: Sequence[Dict[str, Any]], batch_size: int, *, group_by_length: bool,
-                 seed: int = 0) -> torch.utils.data.Sampler:
-    """The sampler `data.group_by_length` asks for: LengthGroupedSampler or SeededRandomSampler."""
-    if group_by_length:
-        return LengthGroupedSampler([example_length(ex) for ex in examples], batch_size, seed)
-    return SeededRandomSampler(len(examples), seed)
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    order = torch.randperm(n, generator=g).tolist()
+    if lengths is None or group_size <= 0:
+        return order
+    window = group_size * 8
+    chunks = []
+    for i in range(0, n, window):
+        w = sorted(order[i:i + window], key=lambda j: lengths[j])
+        chunks += [w[k:k + group_size] for k in range(0, len(w), group_size)]
+    perm = torch.randperm(len(chunks), generator=g).tolist()
+    return [j for c in perm for j in chunks[c]]

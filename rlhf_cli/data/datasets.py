@@ -44,13 +44,27 @@ import logging
 import os
 import random
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 from rlhf_cli.data import builtin as builtin_task
-from rlhf_cli.data.formats import (BAD_JSON, DUPLICATE_PROMPT, PREFERENCE_FORMATS, SKIP_HINT, TEMPLATE_ERROR, DataError,
-                                   Keys, Pair, Prompt, RowError, detect_format, parse_pair, parse_prompt,
-                                   required_columns)
+from rlhf_cli.data.formats import (
+    BAD_JSON,
+    DUPLICATE_PROMPT,
+    PREFERENCE_FORMATS,
+    SKIP_HINT,
+    TEMPLATE_ERROR,
+    DataError,
+    Keys,
+    Pair,
+    Prompt,
+    RowError,
+    detect_format,
+    parse_pair,
+    parse_prompt,
+    required_columns,
+)
 from rlhf_cli.data.tokenize import Encoder, fit_pair, lengths_summary, truncate_left
 
 logger = logging.getLogger(__name__)
@@ -76,15 +90,15 @@ class DataSummary:
     rendering: str
     """`chat template` or `raw text`."""
     rows_read: int = 0
-    kept: Dict[str, int] = field(default_factory=dict)
+    kept: dict[str, int] = field(default_factory=dict)
     """Examples per split after tokenisation."""
-    dropped: Dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
     """Rows dropped per reason (invalid rows, too-long responses, duplicate prompts...)."""
     unused: int = 0
     """Valid rows left out by `max_samples` or held out for a split that was not requested."""
     truncated: int = 0
     """Kept examples whose prompt was cut from the left."""
-    lengths: Dict[str, int] = field(default_factory=dict)
+    lengths: dict[str, int] = field(default_factory=dict)
     """Token-length percentiles {p50, p90, max} of prompt + longer response (prompt alone for prompt
     data), before truncation."""
     duplicates: int = 0
@@ -102,7 +116,7 @@ class DataSummary:
 
     __str__ = line
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -117,15 +131,15 @@ class PreferenceData:
         margin        float      only when `data.margin_key` is set
     """
 
-    train: List[Dict[str, Any]]
-    eval: List[Dict[str, Any]]
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
     summary: DataSummary
 
 
 class PromptData(list):
     """A list of prompt dicts (prompt_ids, prompt_text, row, and answer when known) with `.summary`."""
 
-    def __init__(self, items: Sequence[Dict[str, Any]], summary: DataSummary):
+    def __init__(self, items: Sequence[dict[str, Any]], summary: DataSummary):
         super().__init__(items)
         self.summary = summary
 
@@ -137,7 +151,7 @@ class _Parsed:
     name: str
     format: str
     rows_read: int
-    items: List[Any]
+    items: list[Any]
     dropped: Counter
 
 
@@ -158,7 +172,7 @@ def _quiet_datasets() -> Iterator[None]:
             enable_progress_bars()
 
 
-def _builder(path: str) -> Optional[str]:
+def _builder(path: str) -> str | None:
     low = path.lower()
     return next((b for ext, b in LOCAL_BUILDERS.items() if low.endswith(ext)), None)
 
@@ -188,9 +202,9 @@ class _Raw:
     not rows, so a row's number and its line differ after one)."""
 
     name: str
-    columns: List[str]
-    rows: List[Any]
-    lines: Optional[List[int]] = None
+    columns: list[str]
+    rows: list[Any]
+    lines: list[int] | None = None
 
 
 def _json_row(raw: bytes) -> Any:
@@ -289,7 +303,9 @@ def _read(path: str, split: str = "train") -> _Raw:
             with _quiet_datasets():
                 ds = load_dataset(builder, data_files=local, split="train")
         except Exception as e:  # datasets wraps parser errors in several exception types
-            raise DataError(name, f"cannot read the file: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            raise DataError(
+                name, f"cannot read the file: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
     elif os.path.isdir(local):
         name = os.path.basename(os.path.normpath(local))
         try:
@@ -310,7 +326,7 @@ def _read(path: str, split: str = "train") -> _Raw:
     return _Raw(name, list(ds.column_names), ds.to_list())
 
 
-def read_rows(path: str, split: str = "train") -> Tuple[str, List[str], List[Dict[str, Any]]]:
+def read_rows(path: str, split: str = "train") -> tuple[str, list[str], list[dict[str, Any]]]:
     """Read a local data file or a hub dataset: (name for messages, columns, rows).
 
     .json/.jsonl(.gz) files are read with the json module, parquet/csv files, directories and hub
@@ -385,7 +401,7 @@ def _dedupe_prompts(parsed: _Parsed) -> None:
     parsed.items = out
 
 
-def _shuffled_cap(items: List[Any], seed: int, max_samples: Optional[int]) -> Tuple[List[Any], int]:
+def _shuffled_cap(items: list[Any], seed: int, max_samples: int | None) -> tuple[list[Any], int]:
     """Seeded shuffle, then at most `max_samples` items: (kept, number left out)."""
     items = list(items)
     random.Random(seed).shuffle(items)
@@ -406,7 +422,7 @@ def _item_row(item: Any) -> int:
     return item.row if hasattr(item, "row") else item[0]
 
 
-def row_parts(rows_read: int, data_cfg: Any, source: str) -> Dict[int, str]:
+def row_parts(rows_read: int, data_cfg: Any, source: str) -> dict[int, str]:
     """Which part each source row (1-based) belongs to: "eval", "ppo", "train" or "unused".
 
     Decided on row numbers by a seeded shuffle (`data.seed`), before any row is parsed, so the pairs
@@ -428,7 +444,7 @@ def row_parts(rows_read: int, data_cfg: Any, source: str) -> Dict[int, str]:
 
 
 def _select(data_cfg: Any, load: Any, splits: Sequence[str], want: str = "pairs"
-            ) -> Tuple[Dict[str, List[Any]], List[_Parsed], int]:
+            ) -> tuple[dict[str, list[Any]], list[_Parsed], int]:
     """Parse the sources and pick each split's records: ({split: items}, parsed sources, unused count).
 
     `load(path)` parses one source. The eval split comes from `data.eval_path` when set, else from the
@@ -443,13 +459,13 @@ def _select(data_cfg: Any, load: Any, splits: Sequence[str], want: str = "pairs"
     train_part = "ppo" if want == "prompts" and float(data_cfg.ppo_size or 0) > 0 else "train"
     train = [it for it in items if parts[_item_row(it)] == train_part]
     if data_cfg.eval_path:
-        evals: List[Any] = []
+        evals: list[Any] = []
         if "eval" in splits:
             other = load(data_cfg.eval_path)
             sources.append(other)
             evals, more = _shuffled_cap(other.items, seed, cap)
             unused += more
-        main_evals: List[Any] = []
+        main_evals: list[Any] = []
     else:
         evals = main_evals = [it for it in items if parts[_item_row(it)] == "eval"]
     unused += len(items) - len(train) - len(main_evals)  # the other part (PPO prompts or RM pairs)
@@ -460,7 +476,7 @@ def _select(data_cfg: Any, load: Any, splits: Sequence[str], want: str = "pairs"
     return {s: chosen[s] for s in splits}, sources, unused
 
 
-def _summary(sources: List[_Parsed], encoder: Encoder) -> DataSummary:
+def _summary(sources: list[_Parsed], encoder: Encoder) -> DataSummary:
     dropped: Counter = Counter()
     for s in sources:
         dropped.update(s.dropped)
@@ -479,12 +495,12 @@ def _check_splits(splits: Sequence[str]) -> None:
 # built-in task as sources
 
 
-def builtin_pair(p: "builtin_task.BuiltinProblem", row: int) -> Pair:
+def builtin_pair(p: builtin_task.BuiltinProblem, row: int) -> Pair:
     """A built-in problem as a Pair (raw form: "Question: ...\\nAnswer:" + " <reply>")."""
     return Pair(prompt=builtin_prompt(p), chosen=" " + p.chosen, rejected=" " + p.rejected, row=row)
 
 
-def builtin_prompt(p: "builtin_task.BuiltinProblem") -> Prompt:
+def builtin_prompt(p: builtin_task.BuiltinProblem) -> Prompt:
     return Prompt(messages=[{"role": "user", "content": p.question}], text=f"Question: {p.question}\nAnswer:",
                   answer=p.answer)
 
@@ -499,8 +515,8 @@ def _builtin_source(data_cfg: Any, split: str, want: str) -> _Parsed:
                    Counter())
 
 
-def _builtin_select(data_cfg: Any, want: str, names: Dict[str, str], splits: Sequence[str]
-                    ) -> Tuple[Dict[str, List[Any]], List[_Parsed], int]:
+def _builtin_select(data_cfg: Any, want: str, names: dict[str, str], splits: Sequence[str]
+                    ) -> tuple[dict[str, list[Any]], list[_Parsed], int]:
     out, sources, unused = {}, [], 0
     for s in splits:
         src = _builtin_source(data_cfg, names[s], want)
@@ -529,8 +545,8 @@ def load_preference_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str]
         chosen, sources, unused = _select(data_cfg, lambda p: _parse_source(p, data_cfg, "pairs"), splits)
     summary = _summary(sources, encoder)
     summary.unused = unused
-    out: Dict[str, List[Dict[str, Any]]] = {"train": [], "eval": []}
-    lengths: List[int] = []
+    out: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
+    lengths: list[int] = []
     drops: Counter = Counter(summary.dropped)
     for split, pairs in chosen.items():
         out[split] = _tokenize_pairs(pairs, encoder, data_cfg, drops, lengths, summary)
@@ -542,7 +558,7 @@ def load_preference_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str]
     return PreferenceData(train=out["train"], eval=out["eval"], summary=summary)
 
 
-def count_duplicates(examples: Sequence[Dict[str, Any]]) -> int:
+def count_duplicates(examples: Sequence[dict[str, Any]]) -> int:
     """How many tokenised pairs repeat an earlier one exactly (prompt, chosen and rejected ids)."""
     seen = set()
     for ex in examples:
@@ -550,8 +566,8 @@ def count_duplicates(examples: Sequence[Dict[str, Any]]) -> int:
     return len(examples) - len(seen)
 
 
-def _render(encoder: Encoder, rows_prompts: List[Tuple[int, Prompt]], data_cfg: Any, drops: Counter,
-            source: str) -> Tuple[List[int], List[str]]:
+def _render(encoder: Encoder, rows_prompts: list[tuple[int, Prompt]], data_cfg: Any, drops: Counter,
+            source: str) -> tuple[list[int], list[str]]:
     """Render prompts; a chat template that rejects a row's messages (some templates demand strictly
     alternating roles) is a bad row: DataError, or counted under `chat_template_error` when skipping.
     Returns (indices of the rendered items, rendered texts)."""
@@ -569,8 +585,8 @@ def _render(encoder: Encoder, rows_prompts: List[Tuple[int, Prompt]], data_cfg: 
     return keep, texts
 
 
-def _tokenize_pairs(pairs: List[Pair], encoder: Encoder, data_cfg: Any, drops: Counter, lengths: List[int],
-                    summary: DataSummary) -> List[Dict[str, Any]]:
+def _tokenize_pairs(pairs: list[Pair], encoder: Encoder, data_cfg: Any, drops: Counter, lengths: list[int],
+                    summary: DataSummary) -> list[dict[str, Any]]:
     keep, rendered = _render(encoder, [(p.row, p.prompt) for p in pairs], data_cfg, drops, summary.source)
     pairs = [pairs[i] for i in keep]
     prompt_ids = encoder.encode_prompts(rendered)
@@ -585,7 +601,7 @@ def _tokenize_pairs(pairs: List[Pair], encoder: Encoder, data_cfg: Any, drops: C
             drops[reason] += 1
             continue
         summary.truncated += len(fitted) < len(p_ids)
-        ex: Dict[str, Any] = {"prompt_ids": fitted, "chosen_ids": c_ids, "rejected_ids": r_ids, "row": pair.row}
+        ex: dict[str, Any] = {"prompt_ids": fitted, "chosen_ids": c_ids, "rejected_ids": r_ids, "row": pair.row}
         if pair.margin is not None:
             ex["margin"] = pair.margin
         examples.append(ex)
@@ -626,7 +642,7 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
     for (row, prompt), text, p_ids in zip(items, rendered, ids):
         cut = truncate_left(p_ids, data_cfg.max_prompt_length, encoder.bos_id)
         summary.truncated += len(cut) < len(p_ids)
-        ex: Dict[str, Any] = {"prompt_ids": cut, "prompt_text": text, "row": row}
+        ex: dict[str, Any] = {"prompt_ids": cut, "prompt_text": text, "row": row}
         if prompt.answer is not None:
             ex["answer"] = prompt.answer
         out.append(ex)

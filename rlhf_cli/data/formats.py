@@ -31,8 +31,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from rlhf_cli.errors import DataError
 
@@ -72,7 +73,7 @@ class RowError(Exception):
     """One row is invalid: `field` (column name; None when the row itself is unreadable), `reason`
     (counter key) and a human `detail`."""
 
-    def __init__(self, field: Optional[str], reason: str, detail: str):
+    def __init__(self, field: str | None, reason: str, detail: str):
         super().__init__(detail)
         self.field, self.reason, self.detail = field, reason, detail
 
@@ -81,7 +82,7 @@ class RowError(Exception):
 class Prompt:
     """A prompt in both forms: chat messages and raw text."""
 
-    messages: List[Dict[str, str]]
+    messages: list[dict[str, str]]
     """[{role, content}, ...] rendered with the chat template and `add_generation_prompt=True`."""
     text: str
     """Raw text, used when there is no chat template or `data.chat_template=false`."""
@@ -96,7 +97,7 @@ class Pair:
     prompt: Prompt
     chosen: str
     rejected: str
-    margin: Optional[float] = None
+    margin: float | None = None
     row: int = 0
     """1-based row number in the source."""
 
@@ -110,10 +111,10 @@ class Keys:
     rejected: str = "rejected"
     messages: str = "messages"
     answer: str = "answer"
-    margin: Optional[str] = None
+    margin: str | None = None
 
     @classmethod
-    def from_cfg(cls, data_cfg: Any) -> "Keys":
+    def from_cfg(cls, data_cfg: Any) -> Keys:
         return cls(prompt=data_cfg.prompt_key, chosen=data_cfg.chosen_key, rejected=data_cfg.rejected_key,
                    messages=data_cfg.messages_key, answer=data_cfg.answer_key, margin=data_cfg.margin_key)
 
@@ -122,19 +123,19 @@ class Keys:
 # format detection
 
 
-def _first_value(rows: Sequence[Dict[str, Any]], key: str, limit: int = 100) -> Any:
+def _first_value(rows: Sequence[dict[str, Any]], key: str, limit: int = 100) -> Any:
     for r in rows[:limit]:
         if r.get(key) is not None:
             return r[key]
     return None
 
 
-def _looks_hh(rows: Sequence[Dict[str, Any]], key: str, limit: int = 100) -> bool:
+def _looks_hh(rows: Sequence[dict[str, Any]], key: str, limit: int = 100) -> bool:
     return any(isinstance(r.get(key), str) and (ASSISTANT in r[key] or r[key].startswith(HUMAN))
                for r in rows[:limit])
 
 
-def detect_format(columns: Sequence[str], rows: Sequence[Dict[str, Any]], keys: Keys, source: str) -> str:
+def detect_format(columns: Sequence[str], rows: Sequence[dict[str, Any]], keys: Keys, source: str) -> str:
     """Guess the format from the column names and the first rows' value types. Raises DataError."""
     cols = set(columns)
     if keys.chosen in cols and keys.rejected in cols:
@@ -151,7 +152,7 @@ def detect_format(columns: Sequence[str], rows: Sequence[Dict[str, Any]], keys: 
                             f"data.prompt_key/chosen_key/rejected_key/messages_key")
 
 
-def required_columns(fmt: str, keys: Keys, columns: Sequence[str]) -> List[str]:
+def required_columns(fmt: str, keys: Keys, columns: Sequence[str]) -> list[str]:
     """The columns a format needs that `columns` lacks (empty when all are there)."""
     if fmt == "explicit":
         need = [keys.prompt, keys.chosen, keys.rejected]
@@ -180,7 +181,7 @@ def _text(value: str, key: str) -> str:
     return value
 
 
-def _string(row: Dict[str, Any], key: str) -> str:
+def _string(row: dict[str, Any], key: str) -> str:
     value = row.get(key)
     if value is None:
         raise RowError(key, MISSING_FIELD, "missing or null")
@@ -189,7 +190,7 @@ def _string(row: Dict[str, Any], key: str) -> str:
     return _text(value, key)
 
 
-def _messages(value: Any, key: str) -> List[Dict[str, str]]:
+def _messages(value: Any, key: str) -> list[dict[str, str]]:
     if value is None:
         raise RowError(key, MISSING_FIELD, "missing or null")
     if not isinstance(value, list):
@@ -202,7 +203,7 @@ def _messages(value: Any, key: str) -> List[Dict[str, str]]:
     return out
 
 
-def _margin(row: Dict[str, Any], key: Optional[str]) -> Optional[float]:
+def _margin(row: dict[str, Any], key: str | None) -> float | None:
     if not key:
         return None
     value = row.get(key)
@@ -219,7 +220,7 @@ def _margin(row: Dict[str, Any], key: Optional[str]) -> Optional[float]:
     return m
 
 
-def hh_messages(text: str) -> List[Dict[str, str]]:
+def hh_messages(text: str) -> list[dict[str, str]]:
     """`\\n\\nHuman: a\\n\\nAssistant: b` -> [{user, a}, {assistant, b}] (contents stripped).
 
     Text before the first turn marker, if any, becomes a user message. A trailing empty assistant turn
@@ -236,7 +237,7 @@ def hh_messages(text: str) -> List[Dict[str, str]]:
     return msgs
 
 
-def raw_transcript(messages: Sequence[Dict[str, str]]) -> str:
+def raw_transcript(messages: Sequence[dict[str, str]]) -> str:
     """Messages as an HH-style raw prompt ending in "\\n\\nAssistant:" (for chat_template=false)."""
     turns = "".join(f"\n\n{_RAW_ROLES.get(m['role'], m['role'].capitalize())}: {m['content'].strip()}"
                     for m in messages)
@@ -274,7 +275,7 @@ def _split_hh(text: str, key: str):
     return text[:i + len(ASSISTANT)], text[i + len(ASSISTANT):]
 
 
-def _parse_hh(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
+def _parse_hh(row: dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
     chosen_text = _string(row, keys.chosen)
     prompt_c, chosen = _split_hh(chosen_text, keys.chosen)
     prompt = Prompt(messages=hh_messages(prompt_c), text=prompt_c)
@@ -303,7 +304,7 @@ def split_common_prefix(chosen: str, rejected: str) -> int:
     return k
 
 
-def _parse_implicit(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
+def _parse_implicit(row: dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
     chosen_text = _string(row, keys.chosen)
     rejected_text = _string(row, keys.rejected)
     if chosen_text.strip() == rejected_text.strip():
@@ -316,7 +317,7 @@ def _parse_implicit(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pa
     return pair
 
 
-def _parse_explicit(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
+def _parse_explicit(row: dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
     prompt = text_prompt(_string(row, keys.prompt))
     if not need_responses:
         return Pair(prompt, "", "")
@@ -325,7 +326,7 @@ def _parse_explicit(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pa
     return Pair(prompt, chosen, rejected)
 
 
-def _conversation_prompt(row: Dict[str, Any], keys: Keys) -> List[Dict[str, str]]:
+def _conversation_prompt(row: dict[str, Any], keys: Keys) -> list[dict[str, str]]:
     if row.get(keys.prompt) is None:
         return []
     value = row[keys.prompt]
@@ -334,7 +335,7 @@ def _conversation_prompt(row: Dict[str, Any], keys: Keys) -> List[Dict[str, str]
     return _messages(value, keys.prompt)
 
 
-def _parse_conversation(row: Dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
+def _parse_conversation(row: dict[str, Any], keys: Keys, need_responses: bool) -> Pair:
     head = _conversation_prompt(row, keys)
     full_c = head + _messages(row.get(keys.chosen), keys.chosen)
     if not full_c or full_c[-1]["role"] != "assistant":
@@ -359,7 +360,7 @@ _PARSERS = {"hh": _parse_hh, "implicit": _parse_implicit, "explicit": _parse_exp
             "conversation": _parse_conversation}
 
 
-def parse_pair(row: Dict[str, Any], fmt: str, keys: Keys) -> Pair:
+def parse_pair(row: dict[str, Any], fmt: str, keys: Keys) -> Pair:
     """One source row -> a validated Pair. Raises RowError naming the field and reason."""
     pair = _PARSERS[fmt](row, keys, True)
     pair.margin = _margin(row, keys.margin)
@@ -367,7 +368,7 @@ def parse_pair(row: Dict[str, Any], fmt: str, keys: Keys) -> Pair:
     return pair
 
 
-def parse_prompt(row: Dict[str, Any], fmt: str, keys: Keys) -> Prompt:
+def parse_prompt(row: dict[str, Any], fmt: str, keys: Keys) -> Prompt:
     """The prompt of one row of any format (responses of preference rows are not validated)."""
     if fmt == "prompt":
         value = row.get(keys.prompt)

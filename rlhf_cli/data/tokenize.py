@@ -4,8 +4,8 @@ Prompt and response are tokenised SEPARATELY and concatenated, so the boundary i
 straddles it, and `ids[:len(prompt_ids)]` is the prompt whatever the tokenizer's merges.
 
     with a chat template (and data.chat_template=true):
-        prompt_ids   = tok(apply_chat_template(messages, add_generation_prompt=True))   # ends "<|im_start|>assistant\\n"
-        response_ids = tok(assistant content) + [eos]                                   # nothing after the EOS
+        prompt_ids   = tok(apply_chat_template(messages, add_generation_prompt=True))  # ends "<|im_start|>assistant\\n"
+        response_ids = tok(assistant content) + [eos]                                  # nothing after the EOS
     raw text:
         prompt_ids   = [bos if the tokenizer adds one] + tok(prompt text)
         response_ids = tok(response text) + [eos]
@@ -22,7 +22,8 @@ identically.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from rlhf_cli.data.formats import IDENTICAL_AFTER_TRUNCATION, RESPONSE_TOO_LONG, Prompt
 
@@ -33,7 +34,7 @@ class Encoder:
     `use_chat` is true when `chat_template` is requested and the tokenizer has a template.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: bool = True, system_prompt: Optional[str] = None):
+    def __init__(self, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.use_chat = bool(chat_template) and bool(getattr(tokenizer, "chat_template", None))
@@ -43,7 +44,7 @@ class Encoder:
         self.eos_token: str = tokenizer.eos_token
         bos = tokenizer.bos_token_id
         probe = tokenizer("a", add_special_tokens=True)["input_ids"]
-        self.bos_id: Optional[int] = bos if bos is not None and probe[:1] == [bos] else None
+        self.bos_id: int | None = bos if bos is not None and probe[:1] == [bos] else None
         """The BOS id when the tokenizer prepends one (at most one is kept at the prompt's start)."""
 
     # -- rendering ----------------------------------------------------------------------------
@@ -66,24 +67,24 @@ class Encoder:
         return text
 
     # -- tokenising (batched: one call into the fast tokenizer) ---------------------------------
-    def _ids(self, texts: Sequence[str]) -> List[List[int]]:
+    def _ids(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
             return []
         return [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
-    def encode_prompts(self, rendered: Sequence[str]) -> List[List[int]]:
+    def encode_prompts(self, rendered: Sequence[str]) -> list[list[int]]:
         """Token ids of rendered prompts, with exactly one leading BOS if the tokenizer uses one."""
         out = self._ids(rendered)
         if self.bos_id is not None:
             out = [ids if ids[:1] == [self.bos_id] else [self.bos_id] + ids for ids in out]
         return out
 
-    def encode_responses(self, raws: Sequence[str]) -> List[List[int]]:
+    def encode_responses(self, raws: Sequence[str]) -> list[list[int]]:
         """Token ids of responses (raw form, see formats.py), each ending in exactly one EOS id."""
         return [ids + [self.eos_id] for ids in self._ids([self.response_text(r) for r in raws])]
 
 
-def truncate_left(ids: List[int], budget: int, bos_id: Optional[int] = None) -> List[int]:
+def truncate_left(ids: list[int], budget: int, bos_id: int | None = None) -> list[int]:
     """The last `budget` tokens of `ids`; a leading BOS stays in front (counted in the budget)."""
     if len(ids) <= budget:
         return ids
@@ -94,8 +95,8 @@ def truncate_left(ids: List[int], budget: int, bos_id: Optional[int] = None) -> 
     return ids[len(ids) - budget:]
 
 
-def fit_pair(prompt_ids: List[int], chosen_ids: List[int], rejected_ids: List[int], max_length: int,
-             max_prompt_length: int, bos_id: Optional[int] = None) -> Tuple[Optional[List[int]], Optional[str]]:
+def fit_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int,
+             max_prompt_length: int, bos_id: int | None = None) -> tuple[list[int] | None, str | None]:
     """Fit a tokenised pair into `max_length` (prompt + longer response) and `max_prompt_length`.
 
     Returns (prompt_ids, None) with the prompt cut from the left as needed, or (None, reason) when the
@@ -111,7 +112,7 @@ def fit_pair(prompt_ids: List[int], chosen_ids: List[int], rejected_ids: List[in
     return truncate_left(prompt_ids, budget, bos_id), None
 
 
-def lengths_summary(lengths: Sequence[int]) -> Dict[str, int]:
+def lengths_summary(lengths: Sequence[int]) -> dict[str, int]:
     """{p50, p90, max} of token lengths (nearest-rank percentiles); zeros when empty."""
     if not lengths:
         return {"p50": 0, "p90": 0, "max": 0}

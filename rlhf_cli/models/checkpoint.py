@@ -18,7 +18,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rlhf_cli.errors import ModelSourceError
 from rlhf_cli.models.loading import atomic_dir, fix_pad_token, looks_like_hub_id, resolve_hf_dir
@@ -34,8 +34,8 @@ def save_hf(
     model: Any,
     tokenizer: Any,
     out_dir: str | os.PathLike,
-    extra_config: Optional[dict] = None,
-    state_dict: Optional[dict] = None,
+    extra_config: dict | None = None,
+    state_dict: dict | None = None,
 ) -> Path:
     """Write `model` (safetensors + config.json [+ generation_config.json]) and `tokenizer` to `out_dir`.
 
@@ -52,7 +52,9 @@ def save_hf(
     if getattr(tokenizer, "chat_template", None) is None:
         log.warning("saving a tokenizer without a chat template to %s", out_dir)
 
-    live_config, live_gen, live_quantizer = model.config, getattr(model, "generation_config", None), getattr(model, "hf_quantizer", None)
+    live_config = model.config
+    live_gen = getattr(model, "generation_config", None)
+    live_quantizer = getattr(model, "hf_quantizer", None)
     config_dict = live_config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(live_config).from_dict(config_dict)
@@ -89,7 +91,7 @@ def save_hf(
     return out
 
 
-def _read_config(path: str | os.PathLike) -> Optional[dict]:
+def _read_config(path: str | os.PathLike) -> dict | None:
     """config.json of a local model dir (run dir / final dir / pointer file resolved), or of a hub
     id through the offline cache; None when there is none."""
     try:
@@ -154,7 +156,7 @@ def require_scalar_model_dir(path: str | os.PathLike, what: str = "reward model"
     return resolve_hf_dir(str(path))
 
 
-def read_reward_stats(path: str | os.PathLike) -> Optional[tuple[float, float]]:
+def read_reward_stats(path: str | os.PathLike) -> tuple[float, float] | None:
     """(mean, std) of the reward model's scores stored by `save_hf(extra_config=...)`, else None."""
     config = _read_config(path) or {}
     if REWARD_MEAN_KEY in config and REWARD_STD_KEY in config:

@@ -23,8 +23,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any
 
 from rlhf_cli.errors import ConfigError, ModelSourceError
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "<unk>")
 
 
-def cache_root(cache_dir: Optional[str] = None) -> Path:
+def cache_root(cache_dir: str | None = None) -> Path:
     """Cache for de-quantised GGUF models: `cache_dir`, else `$RLHF_CLI_CACHE`, else ~/.cache/rlhf_cli."""
     root = cache_dir or os.environ.get("RLHF_CLI_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rlhf_cli")
@@ -81,7 +82,7 @@ def file_digest(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()[:16]
 
 
-def gguf_cache_dir(spec: str, cache_dir: Optional[str] = None) -> Path:
+def gguf_cache_dir(spec: str, cache_dir: str | None = None) -> Path:
     """Directory where the de-quantised copy of a GGUF file lives (may not exist yet)."""
     path = resolve_gguf(spec)
     return cache_root(cache_dir) / "gguf" / f"{path.stem}-{file_digest(path)}"
@@ -112,7 +113,8 @@ def load_tokenizer(model_cfg: Any) -> Any:
 
     spec = model_cfg.tokenizer or model_cfg.name_or_path or model_cfg.gguf_file
     if spec is None:
-        raise ModelSourceError("model config names no tokenizer: set model.tokenizer, model.name_or_path or model.gguf_file")
+        raise ModelSourceError("model config names no tokenizer: "
+                               "set model.tokenizer, model.name_or_path or model.gguf_file")
     if spec == model_cfg.gguf_file or str(spec).endswith(".gguf") or str(spec).startswith("pkg:"):
         cdir = gguf_cache_dir(spec, model_cfg.cache_dir)
         tdir = cdir / "tokenizer"
@@ -200,7 +202,7 @@ def atomic_dir(target: Path, overwrite: bool = True) -> Iterator[Path]:
 _DTYPES = {"fp32": "float32", "bf16-autocast": "float32", "bf16": "bfloat16"}
 
 
-def torch_dtype_for(precision: str) -> "torch.dtype":
+def torch_dtype_for(precision: str) -> torch.dtype:
     """Weight dtype for a run's `precision`: fp32 and bf16-autocast keep float32 weights
     (autocast computes in bf16 on the fly); bf16 stores the weights in bfloat16."""
     import torch
@@ -254,7 +256,8 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
         model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=dtype, attn_implementation=attn)
         source = f"{cfg.gguf_file} ({'cached HF copy' if cached else 'de-quantised now, cached'} at {mdir})"
     else:
-        raise ModelSourceError("model config names no weights: set model.name_or_path, model.gguf_file or model.init=random")
+        raise ModelSourceError("model config names no weights: "
+                               "set model.name_or_path, model.gguf_file or model.init=random")
     set_special_token_ids(model, tok)
     configure_training(model, cfg.gradient_checkpointing)
     log.info("model %s: %s, %s, %.1fM params (%.1fM non-embedding), loaded in %.1fs", cfg.name, source,
@@ -282,7 +285,7 @@ def tiny_llama_config(arch: Any, tokenizer: Any) -> Any:
     )
 
 
-def dequantized_gguf_dir(spec: str, cache_dir: Optional[str] = None) -> tuple[Path, bool]:
+def dequantized_gguf_dir(spec: str, cache_dir: str | None = None) -> tuple[Path, bool]:
     """HF dir holding the de-quantised (float32) weights of a GGUF file, and whether it was cached.
 
     On a miss the GGUF file is de-quantised through transformers (`from_pretrained(gguf_file=)`),

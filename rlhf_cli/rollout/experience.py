@@ -23,7 +23,7 @@ class Experience:
     returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
     scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
 
-    def rows(self, idx: torch.Tensor) -> "Experience":
+    def rows(self, idx: torch.Tensor) -> Experience:
         return Experience(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
 
     @property

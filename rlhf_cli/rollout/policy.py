@@ -5,7 +5,8 @@ dropout switched off."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ def lm_of(model: Any) -> Any:
 def policy_forward(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
     with_entropy: bool = False, with_values: bool = False,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs of the response tokens under the policy at `temperature`.
 
     input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) nats or
@@ -64,14 +65,14 @@ def policy_forward(
 @torch.no_grad()
 def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                 temperature: float, batch_size: int, precision: str,
-                estimators: Sequence[str] = ("k1",)) -> Dict[str, torch.Tensor]:
+                estimators: Sequence[str] = ("k1",)) -> dict[str, torch.Tensor]:
     """KL(policy ‖ reference) per sequence, nats: {estimator: (B,) float32}, the per-token estimate (`core.
     kl_estimate`) summed over each response's real tokens, on tokens the policy sampled at `temperature`.
 
     input_ids, attention_mask: (B, P+R) laid out as `policy_forward` reads them; both models run `batch_size`
     rows at a time under `engine.autocast(precision)`.
     """
-    out: Dict[str, List[torch.Tensor]] = {k: [] for k in estimators}
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in estimators}
     for i in range(0, input_ids.shape[0], batch_size):
         ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
         with engine.autocast(precision):

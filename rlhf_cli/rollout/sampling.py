@@ -3,17 +3,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rlhf_cli import engine
 from rlhf_cli.data import PromptCollator
 
 
-def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cut generated tokens at the first EOS.
 
     responses: (B, R) long as returned by generate (anything after the EOS is filler).
@@ -43,8 +50,9 @@ def prompt_seed(*keys: int) -> int:
 class PerRowSampler(LogitsProcessor):
     """Sampling with one random stream per row, run inside HF `generate`'s greedy loop (Gumbel-max).
 
-    argmax(logits / T + g), g ~ Gumbel(0, 1) i.i.d., is a sample from softmax(logits / T) (Gumbel 1954;
-    Maddison et al. 2014); tokens a top-p filter set to -inf are never drawn. Each row draws its noise from
+    argmax(logits / τ + g), with g ~ Gumbel(0, 1) i.i.d. and τ the temperature (`ppo.temperature`), is a
+    sample from softmax(logits / τ) (Gumbel 1954; Maddison et al. 2014); tokens a top-p filter set to -inf
+    are never drawn. Each row draws its noise from
     its own `torch.Generator` on the scores' device, so a prompt's sample depends only on its seed, not on
     which rows share its batch, the chunk size or the number of ranks (up to float differences in the
     logits). The noise is float32: u in [2^-24, 1 - 2^-24] truncates the Gumbel tail at ~16.6 (an event of
@@ -55,7 +63,7 @@ class PerRowSampler(LogitsProcessor):
 
     def __init__(self, seeds: Sequence[int]) -> None:
         self.seeds = [int(s) for s in seeds]
-        self.generators: List[torch.Generator] = []
+        self.generators: list[torch.Generator] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if scores.shape[0] != len(self.seeds):
@@ -70,9 +78,9 @@ class PerRowSampler(LogitsProcessor):
 
 @torch.no_grad()
 def sample_responses(
-    lm: Any, prompts: List[Dict[str, Any]], pad_id: int, eos_id: int, max_new_tokens: int, temperature: float,
-    top_p: float, precision: str, chunk: int = 32, seeds: Optional[Sequence[int]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    lm: Any, prompts: list[dict[str, Any]], pad_id: int, eos_id: int, max_new_tokens: int, temperature: float,
+    top_p: float, precision: str, chunk: int = 32, seeds: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample one response per prompt (HF generate with KV cache), cut at the first EOS.
 
     prompts: dicts with `prompt_ids`. Returns input_ids (B, P+R) `[left-padded prompt | right-padded

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
                           for i in range(0, input_ids.shape[0], batch_size)])
 
 
-def forward_pairs(model: Any, batch: Dict[str, torch.Tensor], precision: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def forward_pairs(model: Any, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards (B,) of chosen and of rejected from ONE forward over the concatenated batch (2B, L)."""
     dev = engine.device()
     ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
@@ -34,8 +35,8 @@ def forward_pairs(model: Any, batch: Dict[str, torch.Tensor], precision: str) ->
 
 
 @torch.no_grad()
-def score_pairs(model: Any, pairs: Sequence[Dict[str, Any]], pad_id: int, batch_size: int,
-                precision: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def score_pairs(model: Any, pairs: Sequence[dict[str, Any]], pad_id: int, batch_size: int,
+                precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards of every pair's chosen and rejected response, sharded over ranks, gathered in order.
 
     Returns two float32 tensors of shape (N,) on CPU, identical on every rank.
@@ -49,7 +50,7 @@ def score_pairs(model: Any, pairs: Sequence[Dict[str, Any]], pad_id: int, batch_
     # shard with a repeat of pair 0 and drop its scores
     per_rank = -(-len(pairs) // ws)
     padded = mine + [0] * (per_rank - len(mine))
-    out: List[Tuple[int, float, float]] = []
+    out: list[tuple[int, float, float]] = []
     for i in range(0, len(padded), batch_size):
         idx = padded[i:i + batch_size]
         c, r = forward_pairs(model, collate([pairs[j] for j in idx]), precision)
@@ -63,7 +64,7 @@ def score_pairs(model: Any, pairs: Sequence[Dict[str, Any]], pad_id: int, batch_
     return chosen, rejected
 
 
-def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> Dict[str, float]:
+def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
     """Loss, accuracy (ties not correct), tie count, margin and reward means of scored pairs."""
     _, stats = pairwise_loss(chosen, rejected)
     stats["rm/ties"] = float((chosen == rejected).sum())

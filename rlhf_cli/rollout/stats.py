@@ -4,14 +4,13 @@ critic's explained variance. On one rank whitening equals `core.masked_whiten` (
 from __future__ import annotations
 
 import math
-from typing import Tuple
 
 import torch
 
 from rlhf_cli import engine
 
 
-def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, float, float, float]:
+def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
     """(x − mean masked to 0 (float64), n, mean, unbiased var) over the real tokens of ALL ranks.
 
     Two passes in float64 (the mean, then the squared deviations), so a large mean does not swamp the
@@ -45,8 +44,8 @@ def explained_variance_across_ranks(values: torch.Tensor, returns: torch.Tensor,
     """1 − Var[returns − values] / Var[returns] over the real tokens of the whole rollout (all ranks).
 
     values, returns, mask: (B, T). 1 is a perfect critic, 0 one no better than the mean return, < 0
-    worse; 0 when the returns do not vary (as `core.value_loss`). Computed once per rollout on the critic's old values, so
-    it does not depend on how the rollout is split into micro-batches or ranks.
+    worse; 0 when the returns do not vary (as `core.value_loss`). Computed once per rollout on the critic's old
+    values, so it does not depend on how the rollout is split into micro-batches or ranks.
     """
     _, n, _, var_r = _moments_across_ranks(returns, mask)
     _, _, _, var_d = _moments_across_ranks(returns - values, mask)

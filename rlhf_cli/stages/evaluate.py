@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError, ModelConfig
 from rlhf_cli.data import check_answers, load_preference_data, load_prompt_data
+from rlhf_cli.lifecycle import prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     is_scalar_model_dir,
     load_causal_lm,
@@ -33,13 +34,7 @@ from rlhf_cli.models import (
 from rlhf_cli.report import Section, Table, build_report, plot_rewards, print_summary, summary_table, write_html
 from rlhf_cli.rollout import batched_rewards, pair_metrics, prompt_seed, sample_responses, score_pairs, sequence_kl
 from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
-from rlhf_cli.stages.common import (
-    check_same_tokenizer,
-    console,
-    prepare_run_dir,
-    print_table,
-    seed_everything,
-)
+from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +74,7 @@ def mean_ci95(x: torch.Tensor) -> tuple:
 # reward model
 
 
-def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> Dict[str, Any]:
+def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
     """Pairwise accuracy (ties not correct), margin and reward distributions on preference data."""
     rm_dir = require_scalar_model_dir(rm_path, "reward model")
     tokenizer = load_tokenizer(_model_cfg(rm_dir, cfg.model))
@@ -107,8 +102,9 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> Dict[str, Any]:
         atomic_write_json(run_dir / "rewards.json", rewards)
         out = run_dir / "report"
         hist = plot_rewards(rewards, out / "reward_hist.png", "reward-model scores: chosen vs rejected")
-        write_html(out / "report.html", f"reward model eval: {rm_dir}", [
-            Section("results", tables=[Table(["metric", "value"], [[k, v] for k, v in results.items()])], images=[hist])])
+        table = Table(["metric", "value"], [[k, v] for k, v in results.items()])
+        write_html(out / "report.html", f"reward model eval: {rm_dir}",
+                   [Section("results", tables=[table], images=[hist])])
     return results
 
 
@@ -117,11 +113,12 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> Dict[str, Any]:
 
 
 @torch.no_grad()
-def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
+def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     """Policy vs reference on held-out prompts: RM scores, win rate, KL, lengths, checker accuracy."""
     e = cfg.eval
     policy_dir = resolve_hf_dir(policy_path)
-    pconf = json.loads((Path(policy_dir) / "config.json").read_text()) if Path(policy_dir, "config.json").is_file() else {}
+    config_json = Path(policy_dir) / "config.json"
+    pconf = json.loads(config_json.read_text()) if config_json.is_file() else {}
     ref_spec = {"name_or_path": cfg.reference.path} if cfg.reference.path else pconf.get("rlhf_reference_model")
     if ref_spec is None:
         raise ConfigError(f"no reference model recorded in {policy_dir}/config.json: set reference.path=...")
@@ -148,12 +145,13 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         reward_model = load_scalar_model(rm_dir, cfg.precision, cfg.seed)
         rm_stats = read_reward_stats(rm_dir)  # (mean, std) of its held-out scores, stored by train-rm
     dev = engine.device()
-    policy.to(dev).eval(); reference.to(dev).eval()
+    policy.to(dev).eval()
+    reference.to(dev).eval()
     score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)  # KL and reward passes
     if reward_model is not None:
         reward_model.to(dev).eval()
 
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     # one noise stream per prompt, shared by policy and reference (common random numbers): the same
     # samples whatever the world size, and identical responses wherever the two models agree
     seeds = [prompt_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
@@ -162,7 +160,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
                                                cfg.precision, chunk=e.batch_size, seeds=seeds)
         texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
         mask = am[:, P:].float()
-        out: Dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float()}
+        out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float()}
         if reward_model is not None:
             out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, score_precision).cpu()
         if all(x.get("answer") is not None for x in mine):
@@ -173,10 +171,11 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
         rows.append(out)
     pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
     gathered = engine.all_gather_object((pol, ref, [x.get("prompt_text", "") for x in mine]))
-    pol = _merge([g[0] for g in gathered]); ref = _merge([g[1] for g in gathered])
+    pol = _merge([g[0] for g in gathered])
+    ref = _merge([g[1] for g in gathered])
     prompt_texts = [t for g in gathered for t in g[2]]
 
-    results: Dict[str, Any] = {
+    results: dict[str, Any] = {
         "mode": "policy", "policy": str(Path(policy_dir).resolve()), "reference": str(ref_path),
         "reward_model": str(rm_path) if rm_path else None, "prompts": len(prompt_texts),
         "temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "seed": cfg.seed,
@@ -198,19 +197,22 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> Dict[str, Any]:
             results["score_gain_rm_std"] = results["score_gain"] / rm_stats[1]
             results["score_gain_rm_std_ci95"] = results["score_gain_ci95"] / rm_stats[1]
     if "correct" in pol:
-        results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(pol["correct"].float() - ref["correct"].float())
+        gain = pol["correct"].float() - ref["correct"].float()
+        results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(gain)
     results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
     results["kl_k3"], results["kl_k3_ci95"] = mean_ci95(pol["kl_k3"])
 
-    samples = [[_last_user_turn(prompt_texts[i])[-300:], pol["text"][i], _get(pol, "score", i), ref["text"][i], _get(ref, "score", i)]
-               for i in range(min(e.num_samples, len(prompt_texts)))]
-    results["samples"] = [dict(zip(["prompt", "policy", "policy_score", "reference", "reference_score"], s)) for s in samples]
+    samples = [[_last_user_turn(prompt_texts[i])[-300:], pol["text"][i], _get(pol, "score", i),
+                ref["text"][i], _get(ref, "score", i)] for i in range(min(e.num_samples, len(prompt_texts)))]
+    keys = ["prompt", "policy", "policy_score", "reference", "reference_score"]
+    results["samples"] = [dict(zip(keys, s)) for s in samples]
     if engine.is_main():
         images = []
         if "score" in pol:
             rewards = {"policy": pol["score"].tolist(), "reference": ref["score"].tolist()}
             atomic_write_json(run_dir / "rewards.json", rewards)
-            images.append(plot_rewards(rewards, run_dir / "report" / "reward_hist.png", "RM score: policy vs reference"))
+            images.append(plot_rewards(rewards, run_dir / "report" / "reward_hist.png",
+                                       "RM score: policy vs reference"))
         numbers = [[k, v] for k, v in results.items() if k != "samples"]
         write_html(run_dir / "report" / "report.html", f"policy eval: {policy_dir}", [
             Section("results", tables=[Table(["metric", "value"], numbers)], images=images),
@@ -228,12 +230,12 @@ def _last_user_turn(rendered: str) -> str:
     return re.sub(r"<\|[^|>]*\|>|<[a-z_]+_of_turn>|\[/INST\]", "", text).strip()
 
 
-def _get(d: Dict[str, Any], key: str, i: int) -> Optional[float]:
+def _get(d: dict[str, Any], key: str, i: int) -> float | None:
     return float(d[key][i]) if key in d else None
 
 
-def _merge(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for k in parts[0]:
         vals = [p[k] for p in parts]
         out[k] = torch.cat([v.cpu() for v in vals]) if torch.is_tensor(vals[0]) else [x for v in vals for x in v]
@@ -244,7 +246,7 @@ def _merge(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
 # entry point
 
 
-def run(cfg: Any, run_dir: Path) -> Optional[float]:
+def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     if cfg.run_dir:  # report of a past run: nothing to train or load
         path = build_report(cfg.run_dir)
@@ -280,12 +282,13 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         results = eval_reward_model(cfg, rm_path, run_dir)
         headline = results["accuracy"]
     if engine.is_main():
-        atomic_write_json(run_dir / "eval.json", {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)})
+        atomic_write_json(run_dir / "eval.json",
+                          {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)})
         print_table("eval", {k: v for k, v in results.items() if k not in ("samples", "data")})
         if results.get("samples"):
             print_summary(console, ["prompt", "policy", "score", "reference", "score"],
-                          [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120], s["reference_score"]]
-                           for s in results["samples"]], title="samples")
+                          [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120],
+                            s["reference_score"]] for s in results["samples"]], title="samples")
         set_status(run_dir, "finished")
         console.print(f"eval.json: {run_dir / 'eval.json'}\nreport: {run_dir / 'report' / 'report.html'}")
     engine.barrier()

@@ -19,14 +19,12 @@ Batch layout: see `rlhf_cli/rollout/__init__.py`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import signal
-import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -34,16 +32,17 @@ from omegaconf import OmegaConf
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError
 from rlhf_cli.core import (
+    ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
-    compute_gae,
     entropy_bonus,
     kl_estimate,
     kl_penalized_rewards,
     policy_loss,
     value_loss,
 )
-from rlhf_cli.data import check_answers, load_prompt_data
+from rlhf_cli.data import check_answers, epoch_order, load_prompt_data
+from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     count_parameters,
     load_causal_lm,
@@ -67,20 +66,8 @@ from rlhf_cli.rollout import (
     sequence_kl,
     whiten_across_ranks,
 )
-from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status, write_pointer
-from rlhf_cli.stages.common import (
-    check_same_tokenizer,
-    ckpt_dir,
-    commit_checkpoint,
-    drop_checkpoints,
-    epoch_order,
-    latest_tag,
-    prepare_run_dir,
-    print_table,
-    rng_state,
-    seed_everything,
-    set_rng_state,
-)
+from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status
+from rlhf_cli.stages.common import check_same_tokenizer, print_table
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +76,8 @@ PROGRESS_KEYS = ["objective/scores", "objective/kl", "policy/clipfrac", "respons
 
 
 class PPOTrainer:
-    """Holds the engines and state of one PPO run; `run()` below walks it step by step."""
+    """Holds the engines and state of one PPO run; `run()` below walks it step by step:
+    `load_data` → `build_models` → per iteration `make_experience` then `train_on`."""
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg, self.p, self.run_dir = cfg, cfg.ppo, run_dir
@@ -99,16 +87,34 @@ class PPOTrainer:
         self.tokenizer = load_tokenizer(cfg.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.bad_steps = 0  # micro-steps skipped for NaN/inf losses
+        # load_data
+        self.prompts: list[dict[str, Any]] = []
+        self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
+        self._order_epoch: int | None = None
+        # build_models
+        self.rm_path: str | None = None
+        self.reward_model: engine.FrozenModel | None = None
+        self.reward_stats: tuple[float, float] | None = None  # the RM's held-out (mean, std)
+        self.reference: engine.FrozenModel | None = None
+        self.reference_spec: dict[str, Any] = {}  # how eval rebuilds the reference
+        self.actor: engine.TrainEngine | None = None  # the policy (with the value head when ppo.critic=shared)
+        self.critic: engine.TrainEngine | None = None  # ppo.critic=separate only
+        self.kl_ctl: FixedKLController | AdaptiveKLController | None = None
+        self.n_params = 0
 
     # -- build -----------------------------------------------------------------------------
     def load_data(self) -> None:
         self.prompts = load_prompt_data(self.cfg.data, self.tokenizer, split="train")
         if len(self.prompts) < self.p.rollout_batch_size:
-            raise ConfigError(f"only {len(self.prompts)} prompts, fewer than ppo.rollout_batch_size={self.p.rollout_batch_size}")
+            raise ConfigError(f"only {len(self.prompts)} prompts, fewer than "
+                              f"ppo.rollout_batch_size={self.p.rollout_batch_size}")
         if self.cfg.reward.type == "checker" and any(x.get("answer") is None for x in self.prompts):
             raise ConfigError("reward.type=checker needs prompts with answers (the built-in task)")
+        if self.cfg.data.group_by_length:
+            log.warning("data.group_by_length=true has no effect in train-ppo: prompts are drawn in a plain "
+                        "shuffled order (it groups train-rm's pairs)")
 
-    def reward_model_path(self) -> Optional[str]:
+    def reward_model_path(self) -> str | None:
         if self.cfg.reward.type != "model":
             return None
         path = self.cfg.reward_model.path
@@ -129,8 +135,6 @@ class PPOTrainer:
         self.reference_spec = ({"name_or_path": _abs(cfg.reference.path)} if cfg.reference.path else
                                {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed})
         self.rm_path = self.reward_model_path()
-        self.reward_model = None
-        self.reward_stats = None
         if self.rm_path is not None:
             check_same_tokenizer(self.tokenizer, self.rm_path, "reward model")
             self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed),
@@ -147,20 +151,24 @@ class PPOTrainer:
         if p.critic == "shared":
             model = PolicyWithValueHead(policy, cfg.seed)
             self.actor = engine.TrainEngine(model, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
-            self.critic = None
         else:
             if p.critic_init == "reward_model" and self.reward_model is not None:
                 critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
             else:
                 critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
-            critic = disable_dropout(critic).requires_grad_(True)  # a copy of the (already frozen) reference would train only its head
+            # requires_grad: a copy of the (already frozen) reference would train only its head
+            critic = disable_dropout(critic).requires_grad_(True)
             self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""
+        return {"kl_ctl": self.kl_ctl.state_dict(), "bad_steps": self.bad_steps}
+
     # -- rollout -----------------------------------------------------------------------------
-    def prompt_batch(self, iteration: int) -> Tuple[List[Dict[str, Any]], List[int]]:
+    def prompt_batch(self, iteration: int) -> tuple[list[dict[str, Any]], list[int]]:
         """This rank's prompts of an iteration and their sampling seeds.
 
         Prompts: a seeded walk through epochs of shuffled prompts (the same on every rank). Seeds: one
@@ -171,7 +179,7 @@ class PPOTrainer:
         idx = []
         for k in range(iteration * R, (iteration + 1) * R):
             epoch, pos = divmod(k, n)
-            if epoch != getattr(self, "_order_epoch", None):
+            if epoch != self._order_epoch:
                 self._order, self._order_epoch = epoch_order(n, self.cfg.data.seed + self.cfg.seed, epoch), epoch
             idx.append(self._order[pos])
         per_rank = R // engine.world_size()
@@ -179,7 +187,8 @@ class PPOTrainer:
         seeds = [prompt_seed(self.cfg.seed, iteration, k) for k in range(lo, lo + per_rank)]
         return [self.prompts[i] for i in idx[lo:lo + per_rank]], seeds
 
-    def generate(self, prompts: List[Dict[str, Any]], seeds: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    def generate(self, prompts: list[dict[str, Any]],
+                 seeds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """Sample one response per prompt with the current policy (see `sample_responses`)."""
         p = self.p
         with self.actor.gathered_params():
@@ -188,7 +197,7 @@ class PPOTrainer:
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-              prompts: List[Dict[str, Any]]) -> Tuple[torch.Tensor, torch.Tensor]:
+              prompts: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(raw scores (B,), normalised scores (B,)) from the reward model or the checker."""
         if self.reward_model is None:
             texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
@@ -203,31 +212,34 @@ class PPOTrainer:
         return raw, norm
 
     @torch.no_grad()
-    def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int) -> Tuple[torch.Tensor, ...]:
+    def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        P: int) -> tuple[torch.Tensor, ...]:
         """Old logprobs, ref logprobs and old values, micro-batch by micro-batch, as training computes them."""
         with self.reference.on_device() as reference:
             return self._forward_no_grad(input_ids, attention_mask, P, reference)
 
     def _forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                         reference: torch.nn.Module) -> Tuple[torch.Tensor, ...]:
-        mb, T = self.p.micro_batch_size, self.p.temperature
+                         reference: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        mb, temperature = self.p.micro_batch_size, self.p.temperature
         lps, refs, vals = [], [], []
         shared = self.critic is None
         for i in range(0, input_ids.shape[0], mb):
             ids, am = input_ids[i:i + mb], attention_mask[i:i + mb]
             with self.actor.autocast():
-                lp, _, v = policy_forward(self.actor.module, ids, am, P, T, with_values=shared)
+                lp, _, v = policy_forward(self.actor.module, ids, am, P, temperature, with_values=shared)
             with self.reference.autocast():
-                ref, _, _ = policy_forward(reference, ids, am, P, T)
+                ref, _, _ = policy_forward(reference, ids, am, P, temperature)
             if not shared:
                 with self.critic.autocast():
                     v = critic_values(self.critic.module, ids, am, P)
-            lps.append(lp); refs.append(ref); vals.append(v.float())
+            lps.append(lp)
+            refs.append(ref)
+            vals.append(v.float())
         return torch.cat(lps), torch.cat(refs), torch.cat(vals)
 
     @torch.no_grad()
     def kl_fp32_check(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                      kl_seq: torch.Tensor) -> Dict[str, float]:
+                      kl_seq: torch.Tensor) -> dict[str, float]:
         """The noise floor of bf16 log-probs: `objective/kl_fp32`, the KL (k1, nats/seq) of this rank's first
         `ppo.kl_check_rows` rollout rows computed in fp32, and `objective/kl_check`, the reported KL of the same
         rows. Only when the scoring passes run under bf16 autocast (`scoring_precision=same`); else {}."""
@@ -239,7 +251,7 @@ class PPOTrainer:
                                   self.p.temperature, k, "fp32")["k1"]
         return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
 
-    def make_experience(self, iteration: int) -> Tuple[Experience, Dict[str, float], Dict[str, Any]]:
+    def make_experience(self, iteration: int) -> tuple[Experience, dict[str, float], dict[str, Any]]:
         p = self.p
         prompts, seeds = self.prompt_batch(iteration)
         t0 = time.perf_counter()
@@ -254,7 +266,7 @@ class PPOTrainer:
         loss_mask = mask * has_eos.float()[:, None] if p.truncated == "mask" else mask
         beta = self.kl_ctl.value
         rewards = kl_penalized_rewards(score, logprobs, ref_logprobs, mask, beta, p.kl_estimator)
-        advantages, returns = compute_gae(rewards, values, mask, p.gamma, p.lam)
+        advantages, returns = ESTIMATORS[p.estimator](rewards, mask, values=values, gamma=p.gamma, lam=p.lam)
         if p.whiten_advantages:
             advantages = whiten_across_ranks(advantages, loss_mask)
         exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs, values, rewards,
@@ -287,72 +299,85 @@ class PPOTrainer:
         return exp, stats, samples
 
     # -- learn -------------------------------------------------------------------------------
-    def train_on(self, exp: Experience, iteration: int) -> Dict[str, float]:
-        """`ppo.epochs` passes of shuffled minibatches over the rollout; returns mean stats."""
+    def micro_batches(self, exp: Experience, iteration: int) -> Iterator[tuple[Experience, float]]:
+        """The update's order: `ppo.epochs` passes over the rollout in shuffled minibatches of `ppo.mini_batch_size`
+        rows (over all ranks), each cut into micro-batches of `ppo.micro_batch_size` rows. Yields (micro-batch,
+        real response tokens of its minibatch over all ranks: the divisor of every micro-batch loss)."""
         p = self.p
-        ws = engine.world_size()
-        n = exp.input_ids.shape[0]
-        mini = p.mini_batch_size // ws
-        P, T = exp.prompt_len, p.temperature
-        shared = self.critic is None
+        n, mini = exp.input_ids.shape[0], p.mini_batch_size // engine.world_size()
         g = torch.Generator().manual_seed(self.cfg.seed * 7919 + iteration * 1009 + engine.rank())
-        sums: Dict[str, float] = {}
+        for _ in range(p.epochs):
+            perm = torch.randperm(n, generator=g)
+            for s in range(0, n, mini):
+                rows = perm[s:s + mini]
+                num_tokens = engine.all_reduce_sum(exp.mask[rows].sum()).item()
+                for m in range(0, mini, p.micro_batch_size):
+                    yield exp.rows(rows[m:m + p.micro_batch_size]), num_tokens
+
+    def micro_step(self, b: Experience, num_tokens: float, iteration: int) -> tuple[dict[str, float], float, float]:
+        """Forward, losses and backward of one micro-batch; the optimizers step at accumulation boundaries.
+
+        Losses (Schulman et al. 2017, eq. 9): clipped surrogate (`ppo.clip`) minus `ppo.c2` × entropy bonus,
+        plus `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic,
+        as the separate critic's objective otherwise. Each is aggregated over the whole minibatch
+        (`ppo.aggregation`), so micro-batch losses sum to the minibatch's. Returns (stats, policy loss, value
+        loss); a non-finite loss on any rank is skipped on all of them (`ppo.max_bad_steps`).
+        """
+        p, P = self.p, b.prompt_len
+        shared = self.critic is None
+        with self.actor.autocast():
+            lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
+                                        with_entropy=True, with_values=shared)
+        agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
+        pg_loss, pg_stats = policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)
+        ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
+        actor_loss = pg_loss - p.c2 * ent_bonus
+        if not shared:
+            with self.critic.autocast():
+                v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P)
+        vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
+        if shared:
+            actor_loss = actor_loss + p.c1 * vf_loss
+        critic_loss = p.c1 * vf_loss
+        finite = torch.isfinite(actor_loss.detach()) & torch.isfinite(critic_loss.detach())
+        if engine.all_reduce_sum((~finite).float().cpu()).item() > 0:  # every rank skips together
+            self.bad_steps += 1
+            log.warning("non-finite loss at iteration %d (bad steps: %d)", iteration + 1, self.bad_steps)
+            if self.bad_steps > p.max_bad_steps:
+                raise FloatingPointError(f"aborting: {self.bad_steps} micro-steps with NaN/inf losses "
+                                         f"(ppo.max_bad_steps={p.max_bad_steps})")
+            actor_loss = _zero_loss(self.actor.module)
+            critic_loss = _zero_loss(self.critic.module) if not shared else critic_loss
+        self.actor.backward_global(actor_loss)
+        self.actor.step()
+        if not shared:
+            self.critic.backward_global(critic_loss)
+            self.critic.step()
+        stats = {**pg_stats, **vf_stats, **ent_stats}
+        stats.pop("val/explained_var", None)  # per rollout, in make_experience
+        return stats, pg_loss.item(), vf_loss.item()
+
+    def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
+        """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats."""
+        ws = engine.world_size()
+        sums: dict[str, float] = {}
         count, tokens = 0, 0.0
         t0 = time.perf_counter()
         self.actor.train()
         if self.critic is not None:
             self.critic.train()
-        for epoch in range(p.epochs):
-            perm = torch.randperm(n, generator=g)
-            for s in range(0, n, mini):
-                mb_rows = perm[s:s + mini]
-                # the minibatch's real-token count over all ranks: the divisor of every micro-batch loss
-                num_tokens = engine.all_reduce_sum(exp.mask[mb_rows].sum()).item()
-                for m in range(0, mini, p.micro_batch_size):
-                    b = exp.rows(mb_rows[m:m + p.micro_batch_size])
-                    tokens += float(b.attention_mask.sum())
-                    with self.actor.autocast():
-                        lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, T,
-                                                    with_entropy=True, with_values=shared)
-                    agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
-                    pg_loss, pg_stats = policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)
-                    ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
-                    actor_loss = pg_loss - p.c2 * ent_bonus
-                    if not shared:
-                        with self.critic.autocast():
-                            v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P)
-                    vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
-                    # shared: one objective, c1 weighs the value loss; separate: c1 scales the critic's gradient
-                    if shared:
-                        actor_loss = actor_loss + p.c1 * vf_loss
-                    critic_loss = p.c1 * vf_loss
-                    finite = torch.isfinite(actor_loss.detach()) & torch.isfinite(critic_loss.detach())
-                    if engine.all_reduce_sum((~finite).float().cpu()).item() > 0:  # every rank skips together
-                        self.bad_steps += 1
-                        log.warning("non-finite loss at iteration %d (bad steps: %d)", iteration + 1, self.bad_steps)
-                        if self.bad_steps > p.max_bad_steps:
-                            raise FloatingPointError(f"aborting: {self.bad_steps} micro-steps with NaN/inf losses "
-                                                     f"(ppo.max_bad_steps={p.max_bad_steps})")
-                        actor_loss = _zero_loss(self.actor.module)
-                        critic_loss = _zero_loss(self.critic.module) if not shared else critic_loss
-                    # the losses are already means over the whole minibatch (all micro-batches and ranks);
-                    # DeepSpeed averages gradients over ranks, so undo that average
-                    self.actor.backward(actor_loss * ws)
-                    self.actor.step()
-                    if not shared:
-                        self.critic.backward(critic_loss * ws)
-                        self.critic.step()
-                    # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
-                    step_stats = {**pg_stats, **vf_stats, **ent_stats}
-                    step_stats.pop("val/explained_var", None)  # per rollout, in make_experience
-                    for k, val in step_stats.items():
-                        sums[k] = sums.get(k, 0.0) + val
-                    sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + pg_loss.item()
-                    sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + vf_loss.item()
-                    count += 1
+        for b, num_tokens in self.micro_batches(exp, iteration):
+            tokens += float(b.attention_mask.sum())
+            step_stats, pg_loss, vf_loss = self.micro_step(b, num_tokens, iteration)
+            # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
+            for k, val in step_stats.items():
+                sums[k] = sums.get(k, 0.0) + val
+            sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + pg_loss
+            sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + vf_loss
+            count += 1
         dt = time.perf_counter() - t0
         stats = {k: v / max(count, 1) for k, v in sums.items()}
-        n_minibatches = p.epochs * math.ceil(n / mini)
+        n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
         stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws
         stats["val/loss"] = sums.get("val/loss_sum", 0.0) / n_minibatches * ws
         stats.pop("policy/loss_sum", None), stats.pop("val/loss_sum", None)
@@ -363,38 +388,12 @@ class PPOTrainer:
         return engine.reduce_stats(stats)
 
 
-@contextlib.contextmanager
-def deferred_interrupts() -> Iterator[List[int]]:
-    """SIGINT/SIGTERM inside the block are recorded (in the yielded list), not raised, so the block runs to
-    its end; a second signal raises KeyboardInterrupt at once. Outside the main thread: no change."""
-    pending: List[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield pending
-        return
-
-    def record(signum: int, frame: Any) -> None:
-        if pending:
-            raise KeyboardInterrupt
-        pending.append(signum)
-        log.warning("interrupt received: finishing this iteration's update, then saving a checkpoint "
-                    "(interrupt again to stop now, without one)")
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous:
-        signal.signal(sig, record)
-    try:
-        yield pending
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
     """A zero loss attached to every trainable parameter (keeps DeepSpeed's accumulation in step)."""
     return sum((p.float() * 0).sum() for p in model.parameters() if p.requires_grad)
 
 
-def run(cfg: Any, run_dir: Path) -> Optional[float]:
+def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     run_dir = prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
@@ -403,13 +402,14 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     # 1. data, reward source, models
     tr = PPOTrainer(cfg, run_dir)
     tr.load_data()
+    batches = f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}"
     if cfg.dry_run:
         tr.rm_path = tr.reward_model_path()
         policy = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tr.tokenizer)
         print_table(f"train-ppo (dry run): {run_dir}", {
             "policy": cfg.model.name, "params (non-embedding)": count_parameters(policy),
             "reward": tr.rm_path or "checker", "prompts": len(tr.prompts), "iterations": p.iterations,
-            "rollout / mini / micro / world": f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}",
+            "rollout / mini / micro / world": batches,
             "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
             "zero stage": cfg.deepspeed.zero_stage})
         if engine.is_main():
@@ -417,34 +417,28 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         return None
     tr.build_models()
     print_table(f"train-ppo: {run_dir}", {
-        "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "reward": tr.rm_path or "checker (built-in task)",
-        "reward normalisation": tr.reward_stats if p.normalize_reward else None, "critic": f"{p.critic} ({p.critic_init})",
-        "prompts": len(tr.prompts), "iterations": p.iterations,
-        "rollout / mini / micro / world": f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}",
+        "policy": cfg.model.name, "params (non-embedding)": tr.n_params,
+        "reward": tr.rm_path or "checker (built-in task)",
+        "reward normalisation": tr.reward_stats if p.normalize_reward else None,
+        "critic": f"{p.critic} ({p.critic_init})", "prompts": len(tr.prompts), "iterations": p.iterations,
+        "rollout / mini / micro / world": batches,
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta}",
         "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})"})
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
 
     # 2. resume
-    start = 0
-    tag = latest_tag(run_dir) if cfg.resume else None
-    if tag is not None:
-        state = tr.actor.load(str(ckpt_dir(run_dir) / tag), "actor")
-        if tr.critic is not None:
-            tr.critic.load(str(ckpt_dir(run_dir) / tag), "critic")
-        start = int(state["iteration"])
+    ckpts = Checkpoints(run_dir, {"actor": tr.actor, **({"critic": tr.critic} if tr.critic else {})},
+                        cfg.paths.keep_checkpoints)
+    start, state = ckpts.resume(cfg.resume, metrics)
+    if state:
         tr.kl_ctl.load_state_dict(state["kl_ctl"])
         tr.bad_steps = int(state.get("bad_steps", 0))
-        set_rng_state(state["rng"])
-        log.info("resumed from %s at iteration %d", tag, start)
-    if cfg.resume:  # drop records a crashed attempt logged after its last checkpoint
-        metrics.truncate_after(start)
 
     # 3. loop
     progress = Progress(p.iterations, "train-ppo", PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
-    record: Dict[str, float] = {}
+    record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):
             exp, roll_stats, samples = tr.make_experience(it)
@@ -465,7 +459,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
             progress.update(1, record)
             done = it + 1
             if p.save_every and done % p.save_every == 0 and done < p.iterations:
-                save_checkpoint(tr, run_dir, done, cfg.paths.keep_checkpoints)
+                ckpts.save(done, tr.state())
             if engine.all_reduce_sum(torch.tensor(float(bool(pending)))).item() > 0:  # every rank stops together
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -475,7 +469,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
                         "continues from the last one)", done + 1)
             raise
         log.warning("interrupted after %d iterations: saving a checkpoint before exit", done)
-        save_checkpoint(tr, run_dir, done, cfg.paths.keep_checkpoints)
+        ckpts.save(done, tr.state())
         raise
     except FloatingPointError as e:
         progress.close()
@@ -486,7 +480,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
 
     # 4. save
     # done > ppo.iterations when a longer run is resumed with fewer
-    save_checkpoint(tr, run_dir, done, cfg.paths.keep_checkpoints)
+    ckpts.save(done, tr.state())
     final = run_dir / "final"
     actor_sd = tr.actor.consolidated_state_dict()
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
@@ -509,26 +503,23 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
             if (final / "critic").exists():
                 shutil.rmtree(final / "critic")
             os.replace(run_dir / "critic", final / "critic")
-        (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        pointer = write_pointer(cfg.paths.root, "ppo", final)
-        set_status(run_dir, "finished", final=str(final.resolve()), iterations=done)
-        drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)
-        print_table("train-ppo finished", {k: record.get(k) for k in
-                                           ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")}
+        pointer = finish_run(cfg, run_dir, final, "ppo", iterations=done)
+        summary = ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")
+        print_table("train-ppo finished", {k: record.get(k) for k in summary}
                     | {"checkpoint": str(final), "pointer": str(pointer)})
     engine.barrier()
     metrics.close()
     return record.get("objective/scores")
 
 
-def _abs(path: Optional[str]) -> Optional[str]:
+def _abs(path: str | None) -> str | None:
     if path is None:
         return None
     p = Path(path)
     return str(p.resolve()) if p.exists() else path
 
 
-def _log_samples(run_dir: Path, iteration: int, samples: Dict[str, Any]) -> None:
+def _log_samples(run_dir: Path, iteration: int, samples: dict[str, Any]) -> None:
     import json
 
     with open(run_dir / "samples.jsonl", "a") as fh:
@@ -536,15 +527,3 @@ def _log_samples(run_dir: Path, iteration: int, samples: Dict[str, Any]) -> None
             fh.write(json.dumps({"iteration": iteration, "prompt": prompt, "response": resp, "score": score}) + "\n")
     log.info("sample (iteration %d, score %.3f): %r", iteration, samples["scores"][0], samples["responses"][0][:200])
 
-
-def save_checkpoint(tr: PPOTrainer, run_dir: Path, iteration: int, keep: int) -> None:
-    """Resumable checkpoint `ds/step-<iteration>/{actor,critic}`; `ds/latest` moves once both are written.
-    A no-op when `ds/latest` already is that iteration (nothing changed since: never rewrite the good one)."""
-    tag = f"step-{iteration}"
-    if latest_tag(run_dir) == tag:
-        return
-    state = {"iteration": iteration, "kl_ctl": tr.kl_ctl.state_dict(), "rng": rng_state(), "bad_steps": tr.bad_steps}
-    tr.actor.save(str(ckpt_dir(run_dir) / tag), "actor", state)
-    if tr.critic is not None:
-        tr.critic.save(str(ckpt_dir(run_dir) / tag), "critic", {})
-    commit_checkpoint(run_dir, tag, keep)

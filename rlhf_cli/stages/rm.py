@@ -10,39 +10,25 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
 from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
-from rlhf_cli.data import PairCollator, load_preference_data
+from rlhf_cli.data import PairCollator, epoch_order, example_length, load_preference_data
+from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf
 from rlhf_cli.rollout import forward_pairs, pair_metrics, score_pairs
-from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status, write_pointer
-from rlhf_cli.stages.common import (
-    ckpt_dir,
-    commit_checkpoint,
-    drop_checkpoints,
-    epoch_order,
-    latest_tag,
-    prepare_run_dir,
-    print_table,
-    rng_state,
-    seed_everything,
-    set_rng_state,
-)
+from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
+from rlhf_cli.stages.common import print_table
 
 log = logging.getLogger(__name__)
 
 PROGRESS_KEYS = ["rm/loss", "rm/accuracy", "throughput/pairs_per_s"]
 
 
-def _pair_length(ex: Dict[str, Any]) -> int:
-    return len(ex["prompt_ids"]) + max(len(ex["chosen_ids"]), len(ex["rejected_ids"]))
-
-
-def run(cfg: Any, run_dir: Path) -> Optional[float]:
+def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     run_dir = prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
@@ -82,23 +68,16 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
 
     # 4. resume
-    step = 0
-    tag = latest_tag(run_dir) if cfg.resume else None
-    if tag is not None:
-        state = eng.load(str(ckpt_dir(run_dir)), tag)
-        step = int(state["step"])
-        set_rng_state(state["rng"])
-        log.info("resumed from %s at step %d", tag, step)
-    if cfg.resume:  # records past the checkpoint (all of them when there is none yet) are logged again
-        metrics.truncate_after(step)
+    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints)
+    step, _ = ckpts.resume(cfg.resume, metrics)
 
     # 5. loop
     collate = PairCollator(tokenizer.pad_token_id)
-    lengths = [_pair_length(ex) for ex in train] if cfg.data.group_by_length else None
+    lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
     per_rank = rmc.batch_size // engine.world_size()
     progress = Progress(total_steps, "train-rm", PROGRESS_KEYS, enabled=engine.is_main(), start=step)
     order_epoch, order = -1, []
-    eval_stats: Dict[str, float] = {}
+    eval_stats: dict[str, float] = {}
     eng.train()
     try:
         while step < total_steps:
@@ -109,7 +88,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
             batch_idx = order[pos * rmc.batch_size:(pos + 1) * rmc.batch_size]
             mine = batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]
             t0 = time.perf_counter()
-            stats_sum: Dict[str, float] = {}
+            stats_sum: dict[str, float] = {}
             tokens = 0
             for m in range(0, per_rank, rmc.micro_batch_size):
                 exs = [train[j] for j in mine[m:m + rmc.micro_batch_size]]
@@ -122,7 +101,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
                     center = rmc.center_rewards_coef * ((chosen + rejected) ** 2).mean()
                     loss = loss + center
                     stats["rm/center_loss"] = float(center)
-                eng.backward(loss / eng.grad_accum)
+                eng.backward_mean(loss)
                 eng.step()
                 for k, v in stats.items():
                     stats_sum[k] = stats_sum.get(k, 0.0) + v / eng.grad_accum
@@ -140,16 +119,16 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
                 metrics.log(step, record)
             progress.update(1, record)
             if rmc.save_every and step % rmc.save_every == 0 and step < total_steps:
-                save_checkpoint(eng, run_dir, step, cfg.paths.keep_checkpoints)
+                ckpts.save(step)
     except KeyboardInterrupt:
         progress.close()
         log.warning("interrupted at step %d: saving a checkpoint before exit", step)
-        save_checkpoint(eng, run_dir, step, cfg.paths.keep_checkpoints)
+        ckpts.save(step)
         raise
     progress.close()
 
     # 6. final eval, reward statistics, HF checkpoint, pointer
-    final_stats: Dict[str, float] = {}
+    final_stats: dict[str, float] = {}
     reward_mean = reward_std = None  # no held-out pairs: nothing measured, so no normalisation is stored
     if heldout:
         chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size,
@@ -160,7 +139,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
         if engine.is_main():
             atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
-    save_checkpoint(eng, run_dir, step, cfg.paths.keep_checkpoints)
+    ckpts.save(step)
     final = run_dir / "final"
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():
@@ -170,12 +149,7 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
         })
         atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,
                                                      "reward_std": reward_std, "steps": step})
-        from omegaconf import OmegaConf
-
-        (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        pointer = write_pointer(cfg.paths.root, "rm", final)
-        set_status(run_dir, "finished", final=str(final.resolve()), steps=step)
-        drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)
+        pointer = finish_run(cfg, run_dir, final, "rm", steps=step)
         print_table("train-rm finished", {**{f"eval {k}": v for k, v in final_stats.items()},
                                           "reward mean/std": ("none (no held-out pairs)" if reward_mean is None
                                                               else f"{reward_mean:.4g} / {reward_std:.4g}"),
@@ -184,12 +158,3 @@ def run(cfg: Any, run_dir: Path) -> Optional[float]:
     metrics.close()
     return final_stats.get("rm/accuracy")
 
-
-def save_checkpoint(eng: engine.TrainEngine, run_dir: Path, step: int, keep: int) -> None:
-    """Resumable DeepSpeed checkpoint `ds/step-<step>`; `ds/latest` moves only once it is complete.
-    A no-op when `ds/latest` already is that step (nothing changed since: never rewrite the good one)."""
-    tag = f"step-{step}"
-    if latest_tag(run_dir) == tag:
-        return
-    eng.save(str(ckpt_dir(run_dir)), tag, {"step": step, "rng": rng_state()})
-    commit_checkpoint(run_dir, tag, keep)

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
+from core_helpers import right_padded_mask, with_garbage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_helpers import right_padded_mask, with_garbage
 from rlhf_cli.core import (
     entropy_bonus,
     entropy_from_logits,

@@ -8,7 +8,7 @@ import csv
 import gzip
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 
@@ -29,7 +29,7 @@ def make_cfg():
     return make
 
 
-def write_rows(path: Path, rows: List[Dict[str, Any]]) -> str:
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> str:
     """Write rows as .json (an array), .jsonl, .jsonl.gz, .parquet or .csv, chosen by the suffix."""
     name = path.name
     if name.endswith(".jsonl.gz"):

@@ -3,10 +3,17 @@
 import re
 
 import pytest
-
 from data_fixtures import make_cfg  # noqa: F401 (pytest fixtures)
+
 from rlhf_cli.config import BuiltinTaskConfig
-from rlhf_cli.data import builtin_splits, check_answer, check_answers, load_preference_data, load_prompt_data, parse_answer
+from rlhf_cli.data import (
+    builtin_splits,
+    check_answer,
+    check_answers,
+    load_preference_data,
+    load_prompt_data,
+    parse_answer,
+)
 
 REPLY = re.compile(r"^\w+ has \d+ [-+*] \d+ = (\d+) \w+( left)?\. The answer is (\d+)\.$")
 RESULT = re.compile(r"(= |answer is )\d+")

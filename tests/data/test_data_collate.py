@@ -4,10 +4,9 @@ import random
 
 import pytest
 import torch
-
 from data_fixtures import make_cfg  # noqa: F401 (pytest fixtures)
-from rlhf_cli.data import (LengthGroupedSampler, PairCollator, PromptCollator, example_length, length_grouped_order,
-                           make_sampler)
+
+from rlhf_cli.data import PairCollator, PromptCollator, epoch_order, example_length
 
 PAD, EOS = 0, 2
 
@@ -50,8 +49,9 @@ def test_collators_with_real_data_and_a_dataloader(make_cfg, tokenizer):
 
     cfg = make_cfg(max_samples=8)
     pairs = load_preference_data(cfg, tokenizer, splits=("train",)).train
+    order = epoch_order(len(pairs), 0, 0, [example_length(ex) for ex in pairs], 4)
     loader = torch.utils.data.DataLoader(pairs, batch_size=4, collate_fn=PairCollator(tokenizer.pad_token_id),
-                                         sampler=make_sampler(pairs, 4, group_by_length=True, seed=0))
+                                         sampler=order)
     batches = list(loader)
     assert [b["input_ids"].shape[0] for b in batches] == [8, 8]
     assert all(b["input_ids"].shape[1] == b["attention_mask"].sum(1).max() for b in batches)  # dynamic padding
@@ -61,13 +61,13 @@ def test_collators_with_real_data_and_a_dataloader(make_cfg, tokenizer):
     assert all(isinstance(a, int) for a in b["answer"])
 
 
-def test_length_grouped_order_is_a_seeded_permutation_with_similar_lengths():
+def test_epoch_order_grouped_by_length_is_a_seeded_permutation_with_similar_lengths():
     rng = random.Random(0)
     lengths = [rng.randint(1, 500) for _ in range(1000)]
-    order = length_grouped_order(lengths, batch_size=8, seed=3)
+    order = epoch_order(1000, 3, 0, lengths, 8)
     assert sorted(order) == list(range(1000))
-    assert order == length_grouped_order(lengths, batch_size=8, seed=3)
-    assert order != length_grouped_order(lengths, batch_size=8, seed=3, epoch=1)
+    assert order == epoch_order(1000, 3, 0, lengths, 8)
+    assert order != epoch_order(1000, 3, 1, lengths, 8) and order != epoch_order(1000, 4, 0, lengths, 8)
 
     def padding(o):
         return sum(max(lengths[i] for i in o[k:k + 8]) * len(o[k:k + 8]) - sum(lengths[i] for i in o[k:k + 8])
@@ -76,14 +76,14 @@ def test_length_grouped_order_is_a_seeded_permutation_with_similar_lengths():
     shuffled = list(range(1000))
     rng.shuffle(shuffled)
     assert padding(order) < padding(shuffled) / 5
-    sampler = LengthGroupedSampler(lengths, 8, seed=3)
-    assert list(sampler) == order and len(sampler) == 1000
-    sampler.set_epoch(1)
-    assert sorted(sampler) == list(range(1000)) and list(sampler) != order
+    # groups are sorted inside windows of 8 groups, and the groups then shuffled: lengths do not run in order
+    group_max = [max(lengths[i] for i in order[k:k + 8]) for k in range(0, 1000, 8)]
+    assert group_max != sorted(group_max) and group_max != sorted(group_max, reverse=True)
 
 
-def test_make_sampler_plain_shuffle_and_example_length():
+def test_epoch_order_plain_shuffle_and_example_length():
     exs = [_pair([1] * i, [2], [3, 3]) for i in range(10)]
     assert example_length(exs[4]) == 6 and example_length({"prompt_ids": [1, 2]}) == 2
-    s = make_sampler(exs, 4, group_by_length=False, seed=1)
-    assert sorted(s) == list(range(10)) and list(s) == list(make_sampler(exs, 4, group_by_length=False, seed=1))
+    order = epoch_order(10, 1, 0)
+    assert sorted(order) == list(range(10)) and order == epoch_order(10, 1, 0) != list(range(10))
+    assert epoch_order(10, 1, 0, [example_length(ex) for ex in exs], group_size=0) == order  # no groups: plain

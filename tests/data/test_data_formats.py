@@ -1,8 +1,8 @@
 """Every format parsed from small files of every type; each kind of bad row gives its own error."""
 
 import pytest
-
 from data_fixtures import make_cfg, write  # noqa: F401 (pytest fixtures)
+
 from rlhf_cli.data import DataError, Keys, load_preference_data, load_prompt_data
 from rlhf_cli.data.formats import detect_format, hh_messages, split_common_prefix
 
@@ -15,13 +15,17 @@ EXPLICIT = [
     {"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."},
 ]
 HH = [
-    {"chosen": "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: Tell me a joke\n\nAssistant: Why did the chicken cross the road?",
-     "rejected": "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: Tell me a joke\n\nAssistant: No."},
+    {"chosen": "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: Tell me a joke"
+               "\n\nAssistant: Why did the chicken cross the road?",
+     "rejected": "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: Tell me a joke"
+                 "\n\nAssistant: No."},
     {"chosen": "\n\nHuman: 2+2?\n\nAssistant: 4", "rejected": "\n\nHuman: 2+2?\n\nAssistant: 5"},
-    {"chosen": "\n\nHuman: Colour of the sky?\n\nAssistant: Blue", "rejected": "\n\nHuman: Colour of the sky?\n\nAssistant: Green"},
+    {"chosen": "\n\nHuman: Colour of the sky?\n\nAssistant: Blue",
+     "rejected": "\n\nHuman: Colour of the sky?\n\nAssistant: Green"},
 ]
 IMPLICIT = [
-    {"chosen": "Q: capital of France? A: The capital is Paris.", "rejected": "Q: capital of France? A: The capital is Lyon."},
+    {"chosen": "Q: capital of France? A: The capital is Paris.",
+     "rejected": "Q: capital of France? A: The capital is Lyon."},
     {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 22"},
     {"chosen": "Q: sky? A: blue", "rejected": "Q: sky? A: bleu"},
 ]
@@ -48,7 +52,8 @@ def test_explicit_every_file_type(ext, write, make_cfg, tokenizer):
     by_row = {ex["row"]: ex for ex in data.train + data.eval}
     assert sorted(by_row) == [1, 2, 3, 4]
     ex = by_row[1]
-    assert _dec(tokenizer, ex["prompt_ids"]).endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    assert _dec(tokenizer, ex["prompt_ids"]).endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
+                                                      "<|im_start|>assistant\n")
     assert _dec(tokenizer, ex["chosen_ids"]) == "It is 4.<|im_end|>"
     assert _dec(tokenizer, ex["rejected_ids"]) == "It is 5.<|im_end|>"
 
@@ -60,7 +65,8 @@ def test_hh_transcripts(ext, write, make_cfg, tokenizer):
     assert data.summary.format == "hh"
     ex = next(e for e in data.train + data.eval if e["row"] == 1)
     prompt = _dec(tokenizer, ex["prompt_ids"])
-    assert prompt.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>\n"
+    assert prompt.endswith("<|im_start|>user\nHi there<|im_end|>\n"
+                           "<|im_start|>assistant\nHello! How can I help?<|im_end|>\n"
                            "<|im_start|>user\nTell me a joke<|im_end|>\n<|im_start|>assistant\n")
     assert _dec(tokenizer, ex["chosen_ids"]) == "Why did the chicken cross the road?<|im_end|>"
     raw = load_preference_data(make_cfg(path=path, test_size=1, chat_template=False), tokenizer)
@@ -92,7 +98,8 @@ def test_conversation_messages(ext, write, make_cfg, tokenizer):
     data = load_preference_data(make_cfg(path=path, test_size=1), tokenizer)
     assert data.summary.format == "conversation"
     ex = next(e for e in data.train + data.eval if e["row"] == 2)
-    assert _dec(tokenizer, ex["prompt_ids"]).endswith("<|im_start|>user\nSky colour?<|im_end|>\n<|im_start|>assistant\n")
+    assert _dec(tokenizer, ex["prompt_ids"]).endswith("<|im_start|>user\nSky colour?<|im_end|>\n"
+                                                      "<|im_start|>assistant\n")
     assert _dec(tokenizer, ex["chosen_ids"]) == "Blue<|im_end|>"
 
 
@@ -102,7 +109,8 @@ def test_conversation_with_separate_prompt_column(write, make_cfg, tokenizer):
             for q, a, b in [("2+2?", "4", "5"), ("1+1?", "2", "3"), ("3+3?", "6", "7")]]
     data = load_preference_data(make_cfg(path=write("conv.jsonl", rows), test_size=1), tokenizer)
     ex = next(e for e in data.train + data.eval if e["row"] == 1)
-    assert _dec(tokenizer, ex["prompt_ids"]) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+    assert _dec(tokenizer, ex["prompt_ids"]) == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                                                 "<|im_start|>user\n2+2?<|im_end|>\n"
                                                  "<|im_start|>assistant\n")
     assert _dec(tokenizer, ex["rejected_ids"]) == "5<|im_end|>"
 
@@ -153,7 +161,8 @@ def test_detect_format_from_columns_and_types():
     assert detect_format(["prompt", "chosen", "rejected"], [{"chosen": "a"}], k, "f") == "explicit"
     assert detect_format(["chosen", "rejected"], [{"chosen": "\n\nHuman: a\n\nAssistant: b"}], k, "f") == "hh"
     assert detect_format(["chosen", "rejected"], [{"chosen": "plain text"}], k, "f") == "implicit"
-    assert detect_format(["chosen", "rejected"], [{"chosen": None}, {"chosen": [{"role": "user"}]}], k, "f") == "conversation"
+    assert detect_format(["chosen", "rejected"], [{"chosen": None}, {"chosen": [{"role": "user"}]}], k,
+                         "f") == "conversation"
     assert detect_format(["prompt"], [], k, "f") == "prompt"
     assert detect_format(["messages"], [], k, "f") == "prompt"
     with pytest.raises(DataError, match=r"f: cannot tell the data format from the columns \['x'\]"):
@@ -163,7 +172,8 @@ def test_detect_format_from_columns_and_types():
 def test_hh_messages():
     assert hh_messages("\n\nHuman: a \n\nAssistant:  b\n\nHuman: c\n\nAssistant:") == [
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
-    assert hh_messages("context\n\nHuman: q") == [{"role": "user", "content": "context"}, {"role": "user", "content": "q"}]
+    assert hh_messages("context\n\nHuman: q") == [
+        {"role": "user", "content": "context"}, {"role": "user", "content": "q"}]
 
 
 # ----------------------------------------------------------------------------------------------

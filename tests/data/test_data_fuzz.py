@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 
 import pytest
+from data_fixtures import make_cfg  # noqa: F401 (pytest fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from data_fixtures import make_cfg  # noqa: F401 (pytest fixture)
 from rlhf_cli.data import DataError, load_preference_data, load_prompt_data, read_rows
 
 
@@ -319,7 +319,7 @@ def fuzz_files(draw):
     value or removed, some wholly random objects, some lines that are not JSON objects."""
     kind = draw(st.sampled_from(KINDS))
     rows = []
-    for i in range(draw(st.integers(2, 6))):
+    for _ in range(draw(st.integers(2, 6))):
         pick = draw(st.integers(0, 9))
         if pick == 0:
             rows.append(draw(bad_lines))

@@ -5,8 +5,8 @@ import json
 import random
 
 import pytest
-
 from data_fixtures import make_cfg  # noqa: F401 (pytest fixtures)
+
 from rlhf_cli.data import DataError, load_preference_data, load_prompt_data
 
 A = "\n\nAssistant:"

@@ -1,8 +1,8 @@
 """Rendering, the exact prompt/response boundary, EOS, BOS and left truncation."""
 
 import pytest
-
 from data_fixtures import make_cfg, write  # noqa: F401 (pytest fixtures)
+
 from rlhf_cli.data import Encoder, Prompt, fit_pair, load_preference_data, load_prompt_data, truncate_left
 
 
@@ -31,7 +31,8 @@ def test_fit_pair_cuts_the_prompt_and_never_the_responses():
     assert fit_pair(prompt, chosen, rejected, max_length=64, max_prompt_length=5) == (list(range(25, 30)), None)
     assert fit_pair(prompt, chosen, rejected, max_length=5, max_prompt_length=4) == ([], None)
     assert fit_pair(prompt, chosen, rejected, max_length=4, max_prompt_length=3) == (None, "response_too_long")
-    assert fit_pair(prompt, chosen, list(chosen), max_length=64, max_prompt_length=8) == (None, "identical_after_truncation")
+    assert fit_pair(prompt, chosen, list(chosen), max_length=64, max_prompt_length=8) == (
+        None, "identical_after_truncation")
 
 
 def test_at_most_one_bos_and_boundary_with_a_bos_tokenizer():

@@ -43,6 +43,7 @@ def chat_rows(tokenizer):
              ("Say something longer, please.", "Here is a somewhat longer reply with more tokens in it.")]
     rows = []
     for q, a in convs:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                               add_generation_prompt=True)
         rows.append(tokenizer(prompt + a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
     return rows

@@ -23,7 +23,8 @@ def saved(tmp_path_factory, tiny_causal, tiny_scalar, tokenizer):
     """A run dir with a policy in `policy/final` and a reward model in `rm/final`."""
     root = tmp_path_factory.mktemp("ckpt")
     save_hf(tiny_causal, tokenizer, root / "policy" / "final")
-    save_hf(tiny_scalar, tokenizer, root / "rm" / "final", extra_config={"rlhf_reward_mean": 0.25, "rlhf_reward_std": 1.5})
+    save_hf(tiny_scalar, tokenizer, root / "rm" / "final",
+            extra_config={"rlhf_reward_mean": 0.25, "rlhf_reward_std": 1.5})
     return root
 
 

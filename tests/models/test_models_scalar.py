@@ -42,8 +42,9 @@ def test_left_and_right_padding_give_identical_rewards(tiny_scalar, tokenizer, c
     with torch.no_grad():
         r_right, r_left = sequence_rewards(tiny_scalar, *right), sequence_rewards(tiny_scalar, *left)
         v_right, v_left = token_values(tiny_scalar, *right), token_values(tiny_scalar, *left)
-        alone = torch.stack([sequence_rewards(tiny_scalar, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
-                             for r in chat_rows])
+        alone = torch.stack([
+            sequence_rewards(tiny_scalar, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
+            for r in chat_rows])
     assert r_right.dtype is torch.float32 and r_right.shape == (len(chat_rows),)
     torch.testing.assert_close(r_left, r_right, atol=ATOL, rtol=0)
     torch.testing.assert_close(r_right, alone, atol=ATOL, rtol=0)

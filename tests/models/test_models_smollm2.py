@@ -33,9 +33,11 @@ def batch(smollm2):
     _, tok = smollm2
     texts = [
         [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}],
-        [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "3 + 4 = 7, so the answer is 7."}],
+        [{"role": "user", "content": "What is 3 + 4?"},
+         {"role": "assistant", "content": "3 + 4 = 7, so the answer is 7."}],
     ]
-    rows = [tok(tok.apply_chat_template(m, tokenize=False).rstrip("\n"), add_special_tokens=False)["input_ids"] for m in texts]
+    rows = [tok(tok.apply_chat_template(m, tokenize=False).rstrip("\n"), add_special_tokens=False)["input_ids"]
+            for m in texts]
     assert all(r[-1] == tok.eos_token_id for r in rows)
     T = max(map(len, rows))
     right = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])

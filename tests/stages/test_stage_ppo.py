@@ -18,15 +18,14 @@ import pytest
 import torch
 from stage_helpers import compose
 
-from rlhf_cli import engine
+from rlhf_cli import engine, rollout
 from rlhf_cli.config import ConfigError
-from rlhf_cli.preflight import VALIDATORS
 from rlhf_cli.core import compute_gae, kl_penalized_rewards, masked_whiten
-from rlhf_cli.runs import read_metrics, set_status
-from rlhf_cli import rollout
+from rlhf_cli.lifecycle import seed_everything
+from rlhf_cli.preflight import VALIDATORS
 from rlhf_cli.rollout import Experience, critic_values, policy_forward, response_mask, whiten_across_ranks
+from rlhf_cli.runs import read_metrics, set_status
 from rlhf_cli.stages import ppo
-from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.ppo import PPOTrainer
 
 # 8 rollouts, minibatches of 4, micro-batches of 2 (two accumulation steps per optimizer step),
@@ -279,15 +278,18 @@ def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
 
 
 def test_prompt_seeds_do_not_collide():
-    keys = [(s, i, k) for s in (0, 42) for i in range(20) for k in range(32)] + [(s, j) for s in (0, 42) for j in range(640)]
+    keys = ([(s, i, k) for s in (0, 42) for i in range(20) for k in range(32)]
+            + [(s, j) for s in (0, 42) for j in range(640)])
     seeds = {rollout.prompt_seed(*k) for k in keys}
     assert len(seeds) == len(keys)
-    assert rollout.prompt_seed(7, 3) != rollout.prompt_seed(7, 3, 0) and rollout.prompt_seed(2**32, 5) != rollout.prompt_seed(0, 1, 5)
+    assert (rollout.prompt_seed(7, 3) != rollout.prompt_seed(7, 3, 0)
+            and rollout.prompt_seed(2**32, 5) != rollout.prompt_seed(0, 1, 5))
     assert all(0 <= s < 2**63 for s in seeds)
 
 
 def test_the_models_own_generation_config_does_not_change_the_samples(tmp_path):
-    """A checkpoint's generation_config (repetition penalty, suppressed tokens, beams) must not leak into PPO sampling."""
+    """A checkpoint's generation_config (repetition penalty, suppressed tokens, beams) must not leak into PPO
+    sampling."""
     tr = build_trainer(tmp_path, ["ppo.max_new_tokens=10"])
     lm = rollout.lm_of(tr.actor.module)
     prompts, seeds = tr.prompts[:4], [rollout.prompt_seed(1, k) for k in range(4)]
@@ -412,7 +414,8 @@ def test_policy_gradient_equals_hand_built_surrogate(tmp_path, monkeypatch, crit
     for rows, weights, grads in steps:
         expected = hand_built_policy_grads(weights, exp, rows, tr.p.temperature, tr.p.clip)
         for name, g in expected.items():
-            torch.testing.assert_close(grads[prefix + name], g, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grads[prefix + name], g, rtol=1e-4, atol=1e-7,
+                                       msg=lambda m, name=name: f"{name}: {m}")
         if critic == "shared":  # c1 = 0: the value head gets no gradient
             assert grads["score.weight"].abs().max() == 0
 
@@ -594,7 +597,8 @@ def test_resume_reproduces_the_next_iteration(run_stage):
         assert after[k] == pytest.approx(before[k], rel=1e-5, abs=1e-7), k
     for name, weights in final_weights.items():  # policy and critic
         for k, v in load_safetensors(run_dir / "final" / name / "model.safetensors").items():
-            torch.testing.assert_close(v, weights[k], rtol=0, atol=1e-6, msg=lambda m: f"{name}/{k}: {m}")
+            torch.testing.assert_close(v, weights[k], rtol=0, atol=1e-6,
+                                       msg=lambda m, name=name, k=k: f"{name}/{k}: {m}")
 
 
 def test_interrupt_mid_update_finishes_the_iteration_then_resume_matches(run_stage, monkeypatch, tmp_path):

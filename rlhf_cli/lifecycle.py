@@ -1,0 +1,225 @@
+"""One training run's life, shared by every training stage: its directory, seeding, resumable checkpoints of
+its engines, resume, interrupts, and the tail of the final save (config, pointer, status, pruning).
+
+A stage reads top to bottom around it (torchtune's recipe shape):
+
+    run_dir = prepare_run_dir(cfg, run_dir); seed_everything(cfg.seed)       # the run dir, config.yaml
+    ... load data, build engines ...
+    ckpts = Checkpoints(run_dir, {"actor": actor, ...}, cfg.paths.keep_checkpoints)
+    start, state = ckpts.resume(cfg.resume, metrics)                        # resume=... continues here
+    for step in range(start, total): ...; ckpts.save(step + 1, {...})       # every `save_every`, on Ctrl-C
+    ckpts.save(total, {...}); <write final/ in HF format>; finish_run(...)    # pointer, status, pruning
+
+Files (see runs.py for the whole layout): `ds/step-<N>/` one checkpoint, `ds/latest` the newest complete one.
+What `resume` means (which run, which config) is decided in cli.py and config.py, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from rlhf_cli import engine
+from rlhf_cli.runs import (
+    MetricsLogger,
+    atomic_write_text,
+    check_writable,
+    ckpt_dir,
+    get_status,
+    latest_tag,
+    save_error,
+    set_status,
+    write_pointer,
+)
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (when present) CUDA generator states, for resume."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
+    """Create the run dir (rank 0), check it is writable, write the resolved config, mark it running.
+
+    `precision=auto` is resolved here (engine.resolve_precision), so every later step and the saved
+    config see the concrete choice.
+
+    When resuming (`cfg.resume` names this dir) the saved config is kept beside the new one as
+    `config.prev.yaml`. Raises PermissionError when the dir cannot be written.
+    """
+    # under a launcher every rank's Hydra made its own time-stamped dir; rank 0's is the run's
+    own = Path(run_dir)
+    run_dir = Path(engine.broadcast_object(str(own)))
+    if own != run_dir and own.is_dir() and not (own / "config.yaml").exists():
+        shutil.rmtree(own, ignore_errors=True)  # only Hydra's files for this rank were in it
+    cfg.precision = engine.resolve_precision(cfg.precision)
+    if engine.is_main():
+        check_writable(run_dir)
+        cfg_path = run_dir / "config.yaml"
+        if cfg_path.exists() and cfg.get("resume"):
+            shutil.copyfile(cfg_path, run_dir / "config.prev.yaml")
+        atomic_write_text(cfg_path, OmegaConf.to_yaml(cfg, resolve=True))
+        if get_status(run_dir).get("state") != "finished":
+            set_status(run_dir, "running")
+    engine.barrier()
+    return run_dir
+
+
+def _tag_step(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def commit_checkpoint(run_dir: Path, tag: str, keep: int = 2) -> None:
+    """After every rank has written `tag`, point `ds/latest` at it atomically and prune old tags, keeping
+    the `keep` newest (`paths.keep_checkpoints`; at least 1, `tag` itself).
+
+    A crash or a failed save before this leaves the previous `latest` (and its files) intact and
+    loadable. Tags past `tag` are leftovers of an abandoned attempt (a save that failed half-way, or
+    later checkpoints of a run since resumed from an earlier one) and are removed. Raises
+    runs.SaveError when `ds/latest` cannot be written (it then still names the previous tag).
+    """
+    engine.barrier()
+    if engine.is_main():
+        latest = ckpt_dir(run_dir) / "latest"
+        try:
+            atomic_write_text(latest, tag + "\n")
+        except OSError as e:
+            raise save_error(f"the checkpoint pointer for {tag}", latest, e) from e
+        step = int(tag.split("-")[1])
+        tags = sorted((p for p in ckpt_dir(run_dir).iterdir() if p.is_dir() and p.name.startswith("step-")),
+                      key=_tag_step)
+        for old in [p for p in tags if _tag_step(p) > step] + [p for p in tags if _tag_step(p) <= step][:-max(1, keep)]:
+            if old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+    engine.barrier()
+
+
+def drop_checkpoints(run_dir: Path, keep: int) -> None:
+    """With `paths.keep_checkpoints=0`, delete the run's `ds/` (call after `final/` and the finished status
+    are written: the HF model is then the run's only output and the run can no longer be resumed).
+
+    Rank 0 only. Everything written so far is flushed to disk first, so a power loss cannot keep the
+    deletion and lose `final/`; `ds/latest` goes first, so a deletion cut short leaves no pointer to a
+    half-deleted checkpoint (a later `resume=<run dir>` then says there is nothing to continue from).
+    """
+    if keep != 0 or not engine.is_main():
+        return
+    os.sync()
+    ds = ckpt_dir(run_dir)
+    (ds / "latest").unlink(missing_ok=True)
+    shutil.rmtree(ds, ignore_errors=True)
+    if ds.exists():
+        log.warning("paths.keep_checkpoints=0: could not delete all of %s", ds)
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[list[int]]:
+    """SIGINT/SIGTERM inside the block are recorded (in the yielded list), not raised, so the block runs to
+    its end; a second signal raises KeyboardInterrupt at once. Outside the main thread: no change."""
+    pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
+
+    def record(signum: int, frame: Any) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+        log.warning("interrupt received: finishing this iteration's update, then saving a checkpoint "
+                    "(interrupt again to stop now, without one)")
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, record)
+    try:
+        yield pending
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class Checkpoints:
+    """Resumable checkpoints of a run's engines: `ds/step-<N>/<name>/` per engine (a single engine named ""
+    is written at `ds/step-<N>/` itself: train-rm's layout). The first engine's checkpoint also holds the
+    stage's state (counters, controllers) with `step` and the RNG states.
+
+    engines: {name: engine.TrainEngine}, in a fixed order (every rank saves and loads collectively);
+    keep: `paths.keep_checkpoints`, the number of complete checkpoints kept.
+    """
+
+    def __init__(self, run_dir: Path, engines: Mapping[str, engine.TrainEngine], keep: int) -> None:
+        self.run_dir, self.engines, self.keep = Path(run_dir), dict(engines), keep
+
+    def _where(self, tag: str, name: str) -> tuple[str, str]:
+        return (str(ckpt_dir(self.run_dir) / tag), name) if name else (str(ckpt_dir(self.run_dir)), tag)
+
+    def save(self, step: int, state: dict[str, Any] | None = None) -> None:
+        """Write `ds/step-<step>` (every engine, then `ds/latest` moves: see `commit_checkpoint`). A no-op
+        when `ds/latest` already is that step (nothing changed since: never rewrite the good one)."""
+        tag = f"step-{step}"
+        if latest_tag(self.run_dir) == tag:
+            return
+        state = {**(state or {}), "step": step, "rng": rng_state()}
+        for i, (name, eng) in enumerate(self.engines.items()):
+            eng.save(*self._where(tag, name), state if i == 0 else {})
+        commit_checkpoint(self.run_dir, tag, self.keep)
+
+    def resume(self, resume: Any, metrics: MetricsLogger) -> tuple[int, dict[str, Any]]:
+        """With `resume` set (the run dir being continued), load the newest complete checkpoint into every
+        engine and restore the RNG states; returns (its step, the stage's saved state), or (0, {}) with none.
+        Metrics records logged after that step (by the attempt that crashed) are dropped."""
+        step, state = 0, {}
+        tag = latest_tag(self.run_dir) if resume else None
+        if tag is not None:
+            for i, (name, eng) in enumerate(self.engines.items()):
+                loaded = eng.load(*self._where(tag, name))
+                state = loaded if i == 0 else state
+            # "iteration": the key of PPO checkpoints written by earlier versions
+            step = int(state["step"] if "step" in state else state["iteration"])
+            set_rng_state(state["rng"])
+            log.info("resumed from %s at step %d", tag, step)
+        if resume:
+            metrics.truncate_after(step)
+        return step, state
+
+
+def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path:
+    """The tail of a training run, rank 0 only, after `final/` is written: the resolved config beside the
+    model (`final/rlhf_config.yaml`), the pointer `<paths.root>/latest_<kind>`, status `finished` (with
+    `status`), and `ds/` dropped when `paths.keep_checkpoints=0`. Returns the pointer's path."""
+    (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    pointer = write_pointer(cfg.paths.root, kind, final)
+    set_status(run_dir, "finished", final=str(final.resolve()), **status)
+    drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)
+    return pointer
