@@ -23,6 +23,7 @@ from rlhf_cli.models.scalar import (
     scalar_from_causal_lm,
     sequence_rewards,
     token_values,
+    trunk_hidden,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "sequence_rewards",
     "token_values",
     "torch_dtype_for",
+    "trunk_hidden",
 ]

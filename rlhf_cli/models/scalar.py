@@ -9,6 +9,7 @@ model loads with plain `AutoModelForSequenceClassification.from_pretrained(dir)`
     token_values(model, input_ids, attention_mask)                head output at every position (B, T)
     sequence_rewards(model, input_ids, attention_mask)            head output at the last real token (B,)
     response_values(model, input_ids, attention_mask, response_start)   critic values (B, T_resp)
+    trunk_hidden(model, input_ids, attention_mask)                last hidden states (B, T, H)
 
 Padding. Positions come from the attention mask, `(attention_mask.cumsum(-1) - 1).clamp(min=0)`,
 and the last real token is found from the mask, never from the pad id. So left and right padding
@@ -172,8 +173,10 @@ def _is_scalar(model: Any) -> bool:
     return hasattr(model, "score") and type(model).__name__.endswith("ForSequenceClassification")
 
 
-def _trunk_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last hidden states (B, T, H) of the trunk, positions counted over real tokens only."""
+def trunk_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (B, T, H) of the trunk of a causal LM or a scalar model (wrapped or not), position ids
+    counted over real tokens only (`(attention_mask.cumsum(-1) - 1).clamp(min=0)`: the one position rule of
+    the package, so the padding side never changes a number)."""
     model = getattr(model, "module", model)  # DeepSpeed / DDP wrapper
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     trunk = getattr(model, model.base_model_prefix)
@@ -193,7 +196,7 @@ def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     Returns (B, T) float32; entry [b, i] is the scalar read after tokens 0..i of row b (the value of
     the state "prefix up to i"); 0 at padding positions. Differentiable.
     """
-    values = _score(model, _trunk_hidden(model, input_ids, attention_mask))  # (B, T)
+    values = _score(model, trunk_hidden(model, input_ids, attention_mask))  # (B, T)
     return torch.where(attention_mask.bool(), values, torch.zeros_like(values))
 
 
@@ -211,7 +214,7 @@ def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     Equals `AutoModelForSequenceClassification(...)(input_ids, attention_mask).logits[:, 0]` on
     right-padded input whose pad id is not used inside the text. Differentiable.
     """
-    hidden = _trunk_hidden(model, input_ids, attention_mask)  # (B, T, H)
+    hidden = trunk_hidden(model, input_ids, attention_mask)  # (B, T, H)
     last = last_token_index(attention_mask)  # (B,)
     return _score(model, hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
 
@@ -241,5 +244,6 @@ __all__ = [
     "token_values",
     "sequence_rewards",
     "response_values",
+    "trunk_hidden",
     "last_token_index",
 ]

@@ -12,7 +12,7 @@ import torch
 
 from rlhf_cli import engine
 from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits
-from rlhf_cli.models import new_scalar_head, response_values
+from rlhf_cli.models import new_scalar_head, response_values, trunk_hidden
 
 
 class PolicyWithValueHead(torch.nn.Module):
@@ -48,10 +48,7 @@ def policy_forward(
     through the LM head; position ids count real tokens, so padding side does not matter.
     """
     lm = lm_of(model)
-    trunk = getattr(lm, lm.base_model_prefix)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).last_hidden_state[:, prompt_len - 1:-1]  # (B, R, H)
+    hidden = trunk_hidden(lm, input_ids, attention_mask)[:, prompt_len - 1:-1]  # (B, R, H)
     logits = lm.lm_head(hidden).float() / temperature  # (B, R, V)
     labels = input_ids[:, prompt_len:]
     logprobs = logprobs_from_logits(logits, labels)
