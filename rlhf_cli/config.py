@@ -455,7 +455,7 @@ def _attribute_docs() -> dict[tuple[str, str], str]:
 def field_docs(schema: Any = None, prefix: str = "") -> dict[str, str | None]:
     """Every dotted config key (`ppo.clip`, `model.arch.hidden_size`) -> its description, the attribute
     docstring written under the field in this file (whitespace folded), or None when it has none (a test
-    keeps that from happening). The one source of field help: `--help` output and docs read it here."""
+    keeps that from happening). The one source of field descriptions for tools and tests."""
     docs = _attribute_docs()
     out: dict[str, str | None] = {}
     schema = RunConfig if schema is None else schema

@@ -216,7 +216,8 @@ class Checkpoints:
 
 def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path:
     """The tail of a training run, rank 0 only, after `final/` is written: the resolved config beside the
-    model (`final/rlhf_config.yaml`), the pointer `<paths.root>/latest_<kind>`, status `finished` (with
+    model (`final/rlhf_config.yaml`), the pointer of `kind` (`runs.POINTERS`: `latest_rm`, `latest_policy`)
+    under `paths.root`, status `finished` (with
     `status`), and `ds/` dropped when `paths.keep_checkpoints=0`. Returns the pointer's path."""
     (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     pointer = write_pointer(cfg.paths.root, kind, final)

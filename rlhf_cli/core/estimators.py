@@ -12,7 +12,9 @@ Every estimator turns a rollout's per-token rewards into per-token advantages an
              baseline-free targets, which nothing trains on)
 
 Both outputs are at least float32, 0 on padding, not whitened (the trainer whitens when
-`ppo.whiten_advantages`). `needs_critic` tells the trainer whether to build and train a value model.
+`ppo.whiten_advantages`). `needs_critic` declares whether the estimator reads a learned critic's values
+(calling it without them raises); every estimator registered today does, so the PPO stage always builds a
+critic.
 
 To add an estimator: write its function in this package (shapes, units, paper and equation in its
 docstring, a test against a hand-computed example), register it below with `register`, and add its

@@ -1,4 +1,4 @@
-"""Small helpers the stages share: the epoch order of a dataset, console tables, the tokenizer check.
+"""Small helpers the stages share: console tables and the tokenizer check.
 (A run's directory, checkpoints and resume live in rlhf_cli/lifecycle.py.)"""
 
 from __future__ import annotations

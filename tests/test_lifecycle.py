@@ -1,0 +1,92 @@
+"""lifecycle.Checkpoints with stand-in engines: where each engine's checkpoint goes, what the state holds,
+what resume restores (also from a PPO checkpoint of an earlier version, whose state said "iteration")."""
+
+import random
+from pathlib import Path
+
+import torch
+
+from rlhf_cli.lifecycle import Checkpoints
+from rlhf_cli.runs import latest_tag
+
+
+class FakeEngine:
+    """Saves its client state as a file at `<dir>/<tag>/state.pt`, as TrainEngine.save lays out DeepSpeed's."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def save(self, ckpt_dir, tag, client_state):
+        path = Path(ckpt_dir) / tag
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(client_state, path / "state.pt")
+
+    def load(self, ckpt_dir, tag):
+        self.loaded = (ckpt_dir, tag)
+        return torch.load(Path(ckpt_dir) / tag / "state.pt", weights_only=False)
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.truncated = []
+
+    def truncate_after(self, step):
+        self.truncated.append(step)
+
+
+def test_two_engines_each_in_its_folder_the_first_holds_the_state(tmp_path):
+    actor, critic = FakeEngine(), FakeEngine()
+    ckpts = Checkpoints(tmp_path, {"actor": actor, "critic": critic}, keep=2)
+    ckpts.save(3, {"kl_ctl": {"value": 0.1}})
+    assert latest_tag(tmp_path) == "step-3"
+    state = torch.load(tmp_path / "ds" / "step-3" / "actor" / "state.pt", weights_only=False)
+    assert state["step"] == 3 and state["kl_ctl"] == {"value": 0.1} and "rng" in state
+    assert torch.load(tmp_path / "ds" / "step-3" / "critic" / "state.pt", weights_only=False) == {}
+
+
+def test_a_single_unnamed_engine_is_written_at_the_tag_itself(tmp_path):
+    Checkpoints(tmp_path, {"": FakeEngine()}, keep=2).save(5)
+    assert (tmp_path / "ds" / "step-5" / "state.pt").is_file()  # train-rm's layout
+
+
+def test_resume_restores_step_state_and_rng_and_truncates_metrics(tmp_path):
+    ckpts = Checkpoints(tmp_path, {"actor": FakeEngine()}, keep=2)
+    torch.manual_seed(7)
+    random.seed(7)
+    ckpts.save(2, {"bad_steps": 1})
+    want = (torch.rand(3), random.random())
+    torch.manual_seed(0)
+    random.seed(0)
+    engine, metrics = FakeEngine(), FakeMetrics()
+    step, state = Checkpoints(tmp_path, {"actor": engine}, keep=2).resume(str(tmp_path), metrics)
+    assert step == 2 and state["bad_steps"] == 1 and metrics.truncated == [2]
+    assert engine.loaded == (str(tmp_path / "ds" / "step-2"), "actor")
+    got = (torch.rand(3), random.random())
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+def test_resume_without_a_checkpoint_or_without_resume(tmp_path):
+    metrics = FakeMetrics()
+    assert Checkpoints(tmp_path, {"actor": FakeEngine()}, keep=2).resume(str(tmp_path), metrics) == (0, {})
+    assert metrics.truncated == [0]  # a crashed attempt's records before any checkpoint are dropped
+    metrics = FakeMetrics()
+    Checkpoints(tmp_path, {"actor": FakeEngine()}, keep=2).save(1)
+    assert Checkpoints(tmp_path, {"actor": FakeEngine()}, keep=2).resume(None, metrics) == (0, {})
+    assert metrics.truncated == []  # a new run: nothing is read, nothing dropped
+
+
+def test_a_ppo_checkpoint_of_an_earlier_version_resumes_at_its_iteration(tmp_path):
+    engine = FakeEngine()
+    old = {"iteration": 3, "kl_ctl": {"value": 0.2}, "bad_steps": 0, "rng": None}
+    Checkpoints(tmp_path, {"actor": engine}, keep=2).save(3)  # a real rng state, then the old state's keys
+    state = torch.load(tmp_path / "ds" / "step-3" / "actor" / "state.pt", weights_only=False)
+    torch.save({**old, "rng": state["rng"]}, tmp_path / "ds" / "step-3" / "actor" / "state.pt")
+    step, state = Checkpoints(tmp_path, {"actor": FakeEngine()}, keep=2).resume("true", FakeMetrics())
+    assert step == 3 and state["kl_ctl"] == {"value": 0.2} and "step" not in state
+
+
+def test_saving_the_step_latest_already_names_is_a_no_op(tmp_path):
+    ckpts = Checkpoints(tmp_path, {"actor": FakeEngine()}, keep=2)
+    ckpts.save(4, {"n": 1})
+    ckpts.save(4, {"n": 2})
+    assert torch.load(tmp_path / "ds" / "step-4" / "actor" / "state.pt", weights_only=False)["n"] == 1
