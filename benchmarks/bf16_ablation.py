@@ -162,7 +162,8 @@ def main() -> None:
     from rlhf_cli import engine
     from rlhf_cli.data import load_prompt_data
     from rlhf_cli.models import load_causal_lm, load_tokenizer
-    from rlhf_cli.rollout import disable_dropout, prompt_seed, sample_responses
+    from rlhf_cli.rollout import disable_dropout, sample_responses
+    from rlhf_cli.seeds import derive_seed
 
     C.quiet()
     cfg = C.compose("train_ppo", [f"model={args.model}", "precision=fp32", f"seed={args.seed}"])
@@ -176,7 +177,7 @@ def main() -> None:
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     # PPO's first update, on responses of the reference (policy == reference before it)
-    seeds = [prompt_seed(args.seed, 0, k) for k in range(len(prompts))]
+    seeds = [derive_seed(args.seed, 0, k) for k in range(len(prompts))]
     ids, am, P, _ = sample_responses(reference, prompts, pad, eos, args.max_new_tokens, args.temperature, 1.0,
                                      "fp32", seeds=seeds)
     small_update(policy, ids, am, P, args.temperature, args.lr, args.steps, args.seed)
@@ -185,7 +186,7 @@ def main() -> None:
                                                                                       reference.parameters()))
     n_weights = sum(p.numel() for p in policy.parameters())
     # the measured responses: sampled from the updated policy in fp32 (PPO's rollout of iteration 2)
-    seeds = [prompt_seed(args.seed, 1, k) for k in range(len(prompts))]
+    seeds = [derive_seed(args.seed, 1, k) for k in range(len(prompts))]
     ids, am, P, _ = sample_responses(policy, prompts, pad, eos, args.max_new_tokens, args.temperature, 1.0,
                                      "fp32", seeds=seeds)
 

@@ -159,17 +159,19 @@ def fp32_kl(policy_path: str, reference_path: str, prompts: list[dict[str, Any]]
     from transformers import AutoModelForCausalLM
 
     from rlhf_cli.engine import device
-    from rlhf_cli.rollout import prompt_seed, sample_responses, sequence_kl
+    from rlhf_cli.rollout import sample_responses, sequence_kl
+    from rlhf_cli.seeds import derive_seed
 
     policy, reference = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device()).eval()
                          for p in (policy_path, reference_path))
-    seeds = [prompt_seed(seed, 10**6, k) for k in range(len(prompts))]
+    seeds = [derive_seed(seed, 10**6, k) for k in range(len(prompts))]
     ids, am, P, _ = sample_responses(policy, prompts, pad_id, eos_id, max_new_tokens, temperature, 1.0, "fp32",
                                      chunk=8, seeds=seeds)
     return float(sequence_kl(policy, reference, ids, am, P, temperature, 8, "fp32")["k1"].mean())
 
 
-def iteration_prompts(prompts: list[dict[str, Any]], iterations: int, rollout: int, seed: int) -> list[list[int]]:
+def iteration_prompts(prompts: list[dict[str, Any]], iterations: int, rollout: int,
+                      seeds: tuple[int, ...]) -> list[list[int]]:
     """Indices of each iteration's prompts in `rlhf train-ppo`'s order (PPOTrainer.prompt_batch, one rank)."""
     from rlhf_cli.data import epoch_order
 
@@ -179,7 +181,7 @@ def iteration_prompts(prompts: list[dict[str, Any]], iterations: int, rollout: i
         for k in range(it * rollout, (it + 1) * rollout):
             epoch, pos = divmod(k, n)
             if epoch not in orders:
-                orders[epoch] = epoch_order(n, seed, epoch)
+                orders[epoch] = epoch_order(n, seeds, epoch)
             idx.append(orders[epoch][pos])
         out.append(idx)
     return out
@@ -298,7 +300,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     prompts = load_prompt_data(cfg.data, tokenizer, split="train")
     if len(prompts) < R:
         sys.exit(f"error: only {len(prompts)} prompts, fewer than --rollout {R}")
-    order = iteration_prompts(prompts, n_it, R, cfg.data.seed + cfg.seed)
+    order = iteration_prompts(prompts, n_it, R, (cfg.data.seed, cfg.seed))
     policy = C.policy_dir(cfg.model, cfg.seed, work)
     betas = list(inspect.signature(TrainEngine.__init__).parameters["betas"].default)  # ours: not configurable for PPO
     bf16 = cfg.precision != "fp32"

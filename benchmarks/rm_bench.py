@@ -120,7 +120,7 @@ def select_pairs(args: argparse.Namespace, work: Path) -> list[str]:
     return [f"data.path={files['train']}", f"data.eval_path={files['eval']}", *data_overrides]
 
 
-def batch_order(n: int, steps: int, batch: int, seed: int) -> list[list[int]]:
+def batch_order(n: int, steps: int, batch: int, seeds: tuple[int, ...]) -> list[list[int]]:
     """The training-pair indices of every optimizer step, in the order `rlhf train-rm` visits them
     (see rlhf_cli/stages/rm.py: a new `epoch_order` permutation per epoch, `n // batch` steps an epoch)."""
     from rlhf_cli.data import epoch_order
@@ -130,7 +130,7 @@ def batch_order(n: int, steps: int, batch: int, seed: int) -> list[list[int]]:
     for step in range(steps):
         epoch, pos = divmod(step, per_epoch)
         if epoch != order_epoch:
-            order, order_epoch = epoch_order(n, seed, epoch), epoch
+            order, order_epoch = epoch_order(n, seeds, epoch), epoch
         out.append(order[pos * batch:(pos + 1) * batch])
     return out
 
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     tokenizer = load_tokenizer(cfg.model)
     data = load_preference_data(cfg.data, tokenizer)
     assert (len(data.train), len(data.eval)) == (args.pairs, args.eval_pairs), (len(data.train), len(data.eval))
-    batches = batch_order(len(data.train), args.steps, B, cfg.data.seed + cfg.seed)
+    batches = batch_order(len(data.train), args.steps, B, (cfg.data.seed, cfg.seed))
     seq = lambda ex, key: ex["prompt_ids"] + ex[key]  # noqa: E731
     chosen = [seq(data.train[j], "chosen_ids") for b in batches for j in b]
     rejected = [seq(data.train[j], "rejected_ids") for b in batches for j in b]

@@ -524,7 +524,7 @@ def _run_sections(run_dir: Path, out_dir: Path, heading: str = "", full: bool = 
                             images=curves))
     rewards = read_rewards(run_dir)
     if rewards:
-        stats = [[k, len(v), sum(v) / len(v), _std(v), min(v), max(v)] for k, v in rewards.items()]
+        stats = [[k, len(v), sum(v) / len(v), sample_std(v), min(v), max(v)] for k, v in rewards.items()]
         sections.append(Section(f"{prefix}rewards", images=[out_dir / HIST_FILE],
                                 tables=[Table(["", "n", "mean", "std", "min", "max"], stats)] if full else []))
     if cfg and full:
@@ -574,6 +574,11 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _std(v: Sequence[float]) -> float:
-    m = sum(v) / len(v)
-    return math.sqrt(sum((x - m) ** 2 for x in v) / len(v))
+def sample_std(values: Sequence[float]) -> float:
+    """The sample standard deviation (Bessel's n − 1) of `values`, in float64; 0.0 with fewer than two.
+    The one std of the package: reports, eval's confidence intervals, the reward model's stored std."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = math.fsum(values) / n
+    return math.sqrt(math.fsum((float(x) - mean) ** 2 for x in values) / (n - 1))

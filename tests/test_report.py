@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_cli.report import build_report, plot_run, print_summary, read_overrides, summary_table
+from rlhf_cli.report import build_report, plot_run, print_summary, read_overrides, sample_std, summary_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -153,3 +153,13 @@ def test_torn_last_line_is_ignored_but_corrupt_middle_line_names_the_line(tmp_pa
     (run / "metrics.jsonl").write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 2"):
         summary_table(run)
+
+
+def test_sample_std_is_bessel_corrected_and_zero_below_two_values():
+    import statistics
+
+    assert sample_std([1.0, 2.0, 3.0, 4.0]) == pytest.approx((5 / 3) ** 0.5, rel=1e-15)
+    values = [0.1 * k ** 1.5 - 3 for k in range(50)]
+    assert sample_std(values) == pytest.approx(statistics.stdev(values), rel=1e-12)
+    assert sample_std([1e9 + 1, 1e9 + 2, 1e9 + 3]) == pytest.approx(1.0, rel=1e-12)  # no cancellation
+    assert sample_std([5.0]) == 0.0 and sample_std([]) == 0.0

@@ -2,19 +2,19 @@
 
     load_preference_data(data_cfg, tokenizer, splits=("train", "eval")) -> PreferenceData
     load_prompt_data(data_cfg, tokenizer, split="train") -> PromptData
-    PairCollator(pad_id), PromptCollator(pad_id), epoch_order(n, seed, epoch, lengths, group_size)
+    PairCollator(pad_id), PromptCollator(pad_id), epoch_order(n, seeds, epoch, lengths, group_size)
     check_answer(text, answer), check_answers(texts, answers)   # the built-in task's rule-based reward
 """
 
 from rlhf_cli.data.builtin import BuiltinProblem, builtin_splits, check_answer, check_answers, parse_answer
 from rlhf_cli.data.collate import PairCollator, PromptCollator, epoch_order, example_length, pad_sequences
 from rlhf_cli.data.datasets import (
-                                   DataSummary,
-                                   PreferenceData,
-                                   PromptData,
-                                   load_preference_data,
-                                   load_prompt_data,
-                                   read_rows,
+    DataSummary,
+    PreferenceData,
+    PromptData,
+    load_preference_data,
+    load_prompt_data,
+    read_rows,
 )
 from rlhf_cli.data.formats import DataError, Keys, Pair, Prompt, detect_format, parse_pair, parse_prompt
 from rlhf_cli.data.tokenize import Encoder, fit_pair, truncate_left

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from rlhf_cli.seeds import derive_seed
+
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> dict[str, torch.Tensor]:
     """Pad token-id lists to the longest: {input_ids (N, L) long, attention_mask (N, L) long, 1 = real token}."""
@@ -78,14 +80,15 @@ def example_length(ex: dict[str, Any]) -> int:
     return n
 
 
-def epoch_order(n: int, seed: int, epoch: int, lengths: Sequence[int] | None = None,
+def epoch_order(n: int, seeds: Sequence[int], epoch: int, lengths: Sequence[int] | None = None,
                 group_size: int = 0) -> list[int]:
-    """A seeded permutation of range(n) for one epoch (the same on every rank and on resume).
+    """A seeded permutation of range(n) for one epoch (the same on every rank and on resume), drawn from
+    `derive_seed(*seeds, epoch)`; the stages pass `seeds=(data.seed, seed)`.
 
     With `lengths` and `group_size`, rows are sorted by length inside shuffled windows of
     `group_size * 8` rows and the resulting groups shuffled again (less padding, every row once).
     """
-    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    g = torch.Generator().manual_seed(derive_seed(*seeds, epoch))
     order = torch.randperm(n, generator=g).tolist()
     if lengths is None or group_size <= 0:
         return order

@@ -25,7 +25,7 @@ from rlhf_cli.rollout.policy import (
     sequence_kl,
     unwrap,
 )
-from rlhf_cli.rollout.sampling import PerRowSampler, prompt_seed, response_mask, sample_responses
+from rlhf_cli.rollout.sampling import PerRowSampler, response_mask, sample_responses
 from rlhf_cli.rollout.scoring import batched_rewards, forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks
 
@@ -41,7 +41,6 @@ __all__ = [
     "lm_of",
     "pair_metrics",
     "policy_forward",
-    "prompt_seed",
     "response_mask",
     "sample_responses",
     "score_pairs",

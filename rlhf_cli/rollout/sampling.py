@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import (
     GenerationConfig,
@@ -32,19 +31,6 @@ def response_mask(responses: torch.Tensor, eos_id: int, pad_id: int) -> tuple[to
     mask = before_or_at.float()
     cleaned = torch.where(before_or_at, responses, torch.full_like(responses, pad_id))
     return cleaned, mask, is_eos.any(dim=1)
-
-
-def prompt_seed(*keys: int) -> int:
-    """A 63-bit seed from non-negative integer keys, e.g. (run seed, iteration, position in the rollout).
-
-    Each key is encoded as two 32-bit words after a tag and the key count, so (s, j) and (s, j, 0), or keys
-    that differ only across a 32-bit boundary, give different seeds.
-    """
-    words = [0x5EED, len(keys)]
-    for k in keys:
-        k = int(k) % 2**64
-        words += [k & 0xFFFFFFFF, k >> 32]
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 class PerRowSampler(LogitsProcessor):

@@ -31,9 +31,19 @@ from rlhf_cli.models import (
     require_scalar_model_dir,
     resolve_hf_dir,
 )
-from rlhf_cli.report import Section, Table, build_report, plot_rewards, print_summary, summary_table, write_html
-from rlhf_cli.rollout import batched_rewards, pair_metrics, prompt_seed, sample_responses, score_pairs, sequence_kl
+from rlhf_cli.report import (
+    Section,
+    Table,
+    build_report,
+    plot_rewards,
+    print_summary,
+    sample_std,
+    summary_table,
+    write_html,
+)
+from rlhf_cli.rollout import batched_rewards, pair_metrics, sample_responses, score_pairs, sequence_kl
 from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
+from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
 
 log = logging.getLogger(__name__)
@@ -44,10 +54,6 @@ def _model_cfg(path: str, base: Any) -> Any:
     cfg = OmegaConf.merge(base, {"name": Path(str(path)).name, "name_or_path": str(path), "gguf_file": None,
                                  "tokenizer": None, "init": "pretrained"})
     return cfg
-
-
-def _std(x: torch.Tensor) -> float:
-    return float(x.std()) if x.numel() > 1 else 0.0
 
 
 def win_rate(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
@@ -67,7 +73,7 @@ def mean_ci95(x: torch.Tensor) -> tuple:
     if n == 0:
         return float("nan"), float("nan")
     x = x.double()
-    return float(x.mean()), (1.96 * _std(x) / n ** 0.5 if n > 1 else float("nan"))
+    return float(x.mean()), (1.96 * sample_std(x.tolist()) / n ** 0.5 if n > 1 else float("nan"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,8 +99,8 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
         "mode": "reward_model", "reward_model": str(Path(rm_dir).resolve()), "pairs": len(pairs),
         "accuracy": stats["rm/accuracy"], "accuracy_ci95": mean_ci95(acc)[1], "ties": int(stats["rm/ties"]),
         "loss": stats["rm/loss"], "margin_mean": stats["rm/margin"],
-        "chosen_mean": float(chosen.mean()), "chosen_std": _std(chosen),
-        "rejected_mean": float(rejected.mean()), "rejected_std": _std(rejected),
+        "chosen_mean": float(chosen.mean()), "chosen_std": sample_std(chosen.tolist()),
+        "rejected_mean": float(rejected.mean()), "rejected_std": sample_std(rejected.tolist()),
         "data": data.summary,
     }
     rewards = {"chosen": chosen.tolist(), "rejected": rejected.tolist()}
@@ -154,7 +160,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     # one noise stream per prompt, shared by policy and reference (common random numbers): the same
     # samples whatever the world size, and identical responses wherever the two models agree
-    seeds = [prompt_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
+    seeds = [derive_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
     for who, lm in (("policy", policy), ("reference", reference)):
         ids, am, P, has_eos = sample_responses(lm, mine, pad_id, eos_id, e.max_new_tokens, e.temperature, e.top_p,
                                                cfg.precision, chunk=e.batch_size, seeds=seeds)

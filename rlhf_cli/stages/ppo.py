@@ -61,12 +61,12 @@ from rlhf_cli.rollout import (
     explained_variance_across_ranks,
     lm_of,
     policy_forward,
-    prompt_seed,
     sample_responses,
     sequence_kl,
     whiten_across_ranks,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status
+from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, print_table
 
 log = logging.getLogger(__name__)
@@ -180,11 +180,11 @@ class PPOTrainer:
         for k in range(iteration * R, (iteration + 1) * R):
             epoch, pos = divmod(k, n)
             if epoch != self._order_epoch:
-                self._order, self._order_epoch = epoch_order(n, self.cfg.data.seed + self.cfg.seed, epoch), epoch
+                self._order, self._order_epoch = epoch_order(n, (self.cfg.data.seed, self.cfg.seed), epoch), epoch
             idx.append(self._order[pos])
         per_rank = R // engine.world_size()
         lo = engine.rank() * per_rank
-        seeds = [prompt_seed(self.cfg.seed, iteration, k) for k in range(lo, lo + per_rank)]
+        seeds = [derive_seed(self.cfg.seed, iteration, k) for k in range(lo, lo + per_rank)]
         return [self.prompts[i] for i in idx[lo:lo + per_rank]], seeds
 
     def generate(self, prompts: list[dict[str, Any]],
@@ -305,7 +305,7 @@ class PPOTrainer:
         real response tokens of its minibatch over all ranks: the divisor of every micro-batch loss)."""
         p = self.p
         n, mini = exp.input_ids.shape[0], p.mini_batch_size // engine.world_size()
-        g = torch.Generator().manual_seed(self.cfg.seed * 7919 + iteration * 1009 + engine.rank())
+        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, iteration, engine.rank()))
         for _ in range(p.epochs):
             perm = torch.randperm(n, generator=g)
             for s in range(0, n, mini):
@@ -427,7 +427,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
 
     # 2. resume
-    ckpts = Checkpoints(run_dir, {"actor": tr.actor, **({"critic": tr.critic} if tr.critic else {})},
+    ckpts = Checkpoints(run_dir, {"actor": tr.actor, **({"critic": tr.critic} if tr.critic is not None else {})},
                         cfg.paths.keep_checkpoints)
     start, state = ckpts.resume(cfg.resume, metrics)
     if state:

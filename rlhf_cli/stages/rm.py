@@ -19,6 +19,7 @@ from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PairCollator, epoch_order, example_length, load_preference_data
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf
+from rlhf_cli.report import sample_std
 from rlhf_cli.rollout import forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 from rlhf_cli.stages.common import print_table
@@ -83,7 +84,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         while step < total_steps:
             epoch, pos = divmod(step, steps_per_epoch)
             if epoch != order_epoch:
-                order = epoch_order(len(train), cfg.data.seed + cfg.seed, epoch, lengths, rmc.micro_batch_size)
+                order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, rmc.micro_batch_size)
                 order_epoch = epoch
             batch_idx = order[pos * rmc.batch_size:(pos + 1) * rmc.batch_size]
             mine = batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]
@@ -135,7 +136,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                                        score_precision)
         final_stats = pair_metrics(chosen, rejected)
         both = torch.cat([chosen, rejected])
-        reward_mean, reward_std = float(both.mean()), float(both.std()) if both.numel() > 1 else 1.0
+        reward_mean, reward_std = float(both.mean()), sample_std(both.tolist()) if both.numel() > 1 else 1.0
         metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
         if engine.is_main():
             atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})

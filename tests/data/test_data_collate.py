@@ -49,7 +49,7 @@ def test_collators_with_real_data_and_a_dataloader(make_cfg, tokenizer):
 
     cfg = make_cfg(max_samples=8)
     pairs = load_preference_data(cfg, tokenizer, splits=("train",)).train
-    order = epoch_order(len(pairs), 0, 0, [example_length(ex) for ex in pairs], 4)
+    order = epoch_order(len(pairs), (0,), 0, [example_length(ex) for ex in pairs], 4)
     loader = torch.utils.data.DataLoader(pairs, batch_size=4, collate_fn=PairCollator(tokenizer.pad_token_id),
                                          sampler=order)
     batches = list(loader)
@@ -64,10 +64,10 @@ def test_collators_with_real_data_and_a_dataloader(make_cfg, tokenizer):
 def test_epoch_order_grouped_by_length_is_a_seeded_permutation_with_similar_lengths():
     rng = random.Random(0)
     lengths = [rng.randint(1, 500) for _ in range(1000)]
-    order = epoch_order(1000, 3, 0, lengths, 8)
+    order = epoch_order(1000, (3,), 0, lengths, 8)
     assert sorted(order) == list(range(1000))
-    assert order == epoch_order(1000, 3, 0, lengths, 8)
-    assert order != epoch_order(1000, 3, 1, lengths, 8) and order != epoch_order(1000, 4, 0, lengths, 8)
+    assert order == epoch_order(1000, (3,), 0, lengths, 8)
+    assert order != epoch_order(1000, (3,), 1, lengths, 8) and order != epoch_order(1000, (4,), 0, lengths, 8)
 
     def padding(o):
         return sum(max(lengths[i] for i in o[k:k + 8]) * len(o[k:k + 8]) - sum(lengths[i] for i in o[k:k + 8])
@@ -84,6 +84,6 @@ def test_epoch_order_grouped_by_length_is_a_seeded_permutation_with_similar_leng
 def test_epoch_order_plain_shuffle_and_example_length():
     exs = [_pair([1] * i, [2], [3, 3]) for i in range(10)]
     assert example_length(exs[4]) == 6 and example_length({"prompt_ids": [1, 2]}) == 2
-    order = epoch_order(10, 1, 0)
-    assert sorted(order) == list(range(10)) and order == epoch_order(10, 1, 0) != list(range(10))
-    assert epoch_order(10, 1, 0, [example_length(ex) for ex in exs], group_size=0) == order  # no groups: plain
+    order = epoch_order(10, (1,), 0)
+    assert sorted(order) == list(range(10)) and order == epoch_order(10, (1,), 0) != list(range(10))
+    assert epoch_order(10, (1,), 0, [example_length(ex) for ex in exs], group_size=0) == order  # no groups: plain

@@ -25,6 +25,7 @@ from rlhf_cli.lifecycle import seed_everything
 from rlhf_cli.preflight import VALIDATORS
 from rlhf_cli.rollout import Experience, critic_values, policy_forward, response_mask, whiten_across_ranks
 from rlhf_cli.runs import read_metrics, set_status
+from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages import ppo
 from rlhf_cli.stages.ppo import PPOTrainer
 
@@ -261,7 +262,7 @@ def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     tr = build_trainer(tmp_path, ["ppo.max_new_tokens=10"])
     lm = rollout.lm_of(tr.actor.module)
     prompts = tr.prompts[:6]
-    seeds = [rollout.prompt_seed(42, 0, k) for k in range(6)]
+    seeds = [derive_seed(42, 0, k) for k in range(6)]
 
     def sample(rows, chunk):
         ids, am, P, _ = rollout.sample_responses(lm, [prompts[i] for i in rows], tr.pad_id, tr.eos_id, 10, 0.7, 1.0,
@@ -277,13 +278,13 @@ def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     assert {i: ids[i, P:][am[i, P:].bool()].tolist() for i in range(6)} != full  # the seed decides
 
 
-def test_prompt_seeds_do_not_collide():
+def test_derived_seeds_do_not_collide():
     keys = ([(s, i, k) for s in (0, 42) for i in range(20) for k in range(32)]
             + [(s, j) for s in (0, 42) for j in range(640)])
-    seeds = {rollout.prompt_seed(*k) for k in keys}
+    seeds = {derive_seed(*k) for k in keys}
     assert len(seeds) == len(keys)
-    assert (rollout.prompt_seed(7, 3) != rollout.prompt_seed(7, 3, 0)
-            and rollout.prompt_seed(2**32, 5) != rollout.prompt_seed(0, 1, 5))
+    assert (derive_seed(7, 3) != derive_seed(7, 3, 0)
+            and derive_seed(2**32, 5) != derive_seed(0, 1, 5))
     assert all(0 <= s < 2**63 for s in seeds)
 
 
@@ -292,7 +293,7 @@ def test_the_models_own_generation_config_does_not_change_the_samples(tmp_path):
     sampling."""
     tr = build_trainer(tmp_path, ["ppo.max_new_tokens=10"])
     lm = rollout.lm_of(tr.actor.module)
-    prompts, seeds = tr.prompts[:4], [rollout.prompt_seed(1, k) for k in range(4)]
+    prompts, seeds = tr.prompts[:4], [derive_seed(1, k) for k in range(4)]
 
     def sample():
         ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", seeds=seeds)
