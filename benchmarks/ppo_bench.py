@@ -172,7 +172,7 @@ def fp32_kl(policy_path: str, reference_path: str, prompts: list[dict[str, Any]]
 
 def iteration_prompts(prompts: list[dict[str, Any]], iterations: int, rollout: int,
                       seeds: tuple[int, ...]) -> list[list[int]]:
-    """Indices of each iteration's prompts in `rlhf train-ppo`'s order (PPOTrainer.prompt_batch, one rank)."""
+    """Indices of each iteration's prompts in `rlhf train-ppo`'s order (ExperienceMaker.prompt_batch, one rank)."""
     from rlhf_cli.data import epoch_order
 
     n, out, orders = len(prompts), [], {}

@@ -1,6 +1,7 @@
 """The rollout library: what a training stage or `rlhf eval` does with models around a batch of responses.
 
     experience.py   `Experience`, the record a rollout hands to the learner
+    maker.py        `ExperienceMaker`: one PPO iteration's prompts -> an `Experience` and its statistics
     sampling.py     per-prompt seeds, per-row sampling inside HF `generate`, the cut at the first EOS
     policy.py       response log-probs / entropy / values of a policy (and its shared value head), a separate
                     critic's values, the per-sequence KL of two policies, dropout switched off
@@ -16,6 +17,7 @@ values[:, t] is the critic's head at the same column (see models/scalar.py).
 """
 
 from rlhf_cli.rollout.experience import Experience
+from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.policy import (
     PolicyWithValueHead,
     critic_values,
@@ -31,6 +33,7 @@ from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_acros
 
 __all__ = [
     "Experience",
+    "ExperienceMaker",
     "PerRowSampler",
     "PolicyWithValueHead",
     "batched_rewards",

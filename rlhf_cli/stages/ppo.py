@@ -1,6 +1,7 @@
 """`rlhf train-ppo`: PPO against a reward model (or the built-in checker) on DeepSpeed.
 
-Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017):
+Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017); steps 1-3 are
+`rollout.ExperienceMaker`, step 4 `PPOTrainer.train_on`:
   1. rollout   sample `ppo.rollout_batch_size` prompts, generate one response each (KV cache)
   2. score     no-grad passes: old logprobs (policy), ref_logprobs (reference), values (critic),
                the sequence score (reward model or checker), all in the training forward's layout
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +33,13 @@ from omegaconf import OmegaConf
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError
 from rlhf_cli.core import (
-    ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     entropy_bonus,
-    kl_estimate,
-    kl_penalized_rewards,
     policy_loss,
     value_loss,
 )
-from rlhf_cli.data import check_answers, epoch_order, load_prompt_data
+from rlhf_cli.data import load_prompt_data
 from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     count_parameters,
@@ -54,16 +52,12 @@ from rlhf_cli.models import (
 )
 from rlhf_cli.rollout import (
     Experience,
+    ExperienceMaker,
     PolicyWithValueHead,
-    batched_rewards,
     critic_values,
     disable_dropout,
-    explained_variance_across_ranks,
     lm_of,
     policy_forward,
-    sample_responses,
-    sequence_kl,
-    whiten_across_ranks,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
@@ -77,7 +71,7 @@ PROGRESS_KEYS = ["objective/scores", "objective/kl", "policy/clipfrac", "respons
 
 class PPOTrainer:
     """Holds the engines and state of one PPO run; `run()` below walks it step by step:
-    `load_data` → `build_models` → per iteration `make_experience` then `train_on`."""
+    `load_data` → `build_models` → per iteration `maker.make_experience` (rollout/maker.py) then `train_on`."""
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg, self.p, self.run_dir = cfg, cfg.ppo, run_dir
@@ -85,12 +79,9 @@ class PPOTrainer:
         # log-prob passes of policy (old logprobs, training forward) and reference, reward-model scores
         self.score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
         self.tokenizer = load_tokenizer(cfg.model)
-        self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.bad_steps = 0  # micro-steps skipped for NaN/inf losses
         # load_data
         self.prompts: list[dict[str, Any]] = []
-        self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
-        self._order_epoch: int | None = None
         # build_models
         self.rm_path: str | None = None
         self.reward_model: engine.FrozenModel | None = None
@@ -100,6 +91,7 @@ class PPOTrainer:
         self.actor: engine.TrainEngine | None = None  # the policy (with the value head when ppo.critic=shared)
         self.critic: engine.TrainEngine | None = None  # ppo.critic=separate only
         self.kl_ctl: FixedKLController | AdaptiveKLController | None = None
+        self.maker: ExperienceMaker | None = None  # the rollout half: prompts -> Experience
         self.n_params = 0
 
     # -- build -----------------------------------------------------------------------------
@@ -162,141 +154,12 @@ class PPOTrainer:
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
+        self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
+                                     self.reward_model, self.reward_stats, self.kl_ctl)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""
         return {"kl_ctl": self.kl_ctl.state_dict(), "bad_steps": self.bad_steps}
-
-    # -- rollout -----------------------------------------------------------------------------
-    def prompt_batch(self, iteration: int) -> tuple[list[dict[str, Any]], list[int]]:
-        """This rank's prompts of an iteration and their sampling seeds.
-
-        Prompts: a seeded walk through epochs of shuffled prompts (the same on every rank). Seeds: one
-        per (run seed, iteration, position in the rollout), so a prompt's response is the same whatever
-        the world size.
-        """
-        n, R = len(self.prompts), self.p.rollout_batch_size
-        idx = []
-        for k in range(iteration * R, (iteration + 1) * R):
-            epoch, pos = divmod(k, n)
-            if epoch != self._order_epoch:
-                self._order, self._order_epoch = epoch_order(n, (self.cfg.data.seed, self.cfg.seed), epoch), epoch
-            idx.append(self._order[pos])
-        per_rank = R // engine.world_size()
-        lo = engine.rank() * per_rank
-        seeds = [derive_seed(self.cfg.seed, iteration, k) for k in range(lo, lo + per_rank)]
-        return [self.prompts[i] for i in idx[lo:lo + per_rank]], seeds
-
-    def generate(self, prompts: list[dict[str, Any]],
-                 seeds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-        """Sample one response per prompt with the current policy (see `sample_responses`)."""
-        p = self.p
-        with self.actor.gathered_params():
-            return sample_responses(lm_of(self.actor.module), prompts, self.pad_id, self.eos_id, p.max_new_tokens,
-                                    p.temperature, p.top_p, self.precision, chunk=p.micro_batch_size * 4, seeds=seeds)
-
-    @torch.no_grad()
-    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-              prompts: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(raw scores (B,), normalised scores (B,)) from the reward model or the checker."""
-        if self.reward_model is None:
-            texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
-            raw = torch.tensor(check_answers(texts, [x["answer"] for x in prompts]), dtype=torch.float32)
-            return raw.to(input_ids.device), raw.to(input_ids.device)
-        with self.reward_model.on_device() as rm:
-            raw = batched_rewards(rm, input_ids, attention_mask, self.p.micro_batch_size, self.score_precision)
-        norm = raw
-        if self.p.normalize_reward and self.reward_stats is not None:
-            mean, std = self.reward_stats
-            norm = (raw - mean) / (std if std > 1e-6 else 1.0)  # a constant RM has std 0: only centre
-        return raw, norm
-
-    @torch.no_grad()
-    def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        P: int) -> tuple[torch.Tensor, ...]:
-        """Old logprobs, ref logprobs and old values, micro-batch by micro-batch, as training computes them."""
-        with self.reference.on_device() as reference:
-            return self._forward_no_grad(input_ids, attention_mask, P, reference)
-
-    def _forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                         reference: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-        mb, temperature = self.p.micro_batch_size, self.p.temperature
-        lps, refs, vals = [], [], []
-        shared = self.critic is None
-        for i in range(0, input_ids.shape[0], mb):
-            ids, am = input_ids[i:i + mb], attention_mask[i:i + mb]
-            with self.actor.autocast():
-                lp, _, v = policy_forward(self.actor.module, ids, am, P, temperature, with_values=shared)
-            with self.reference.autocast():
-                ref, _, _ = policy_forward(reference, ids, am, P, temperature)
-            if not shared:
-                with self.critic.autocast():
-                    v = critic_values(self.critic.module, ids, am, P)
-            lps.append(lp)
-            refs.append(ref)
-            vals.append(v.float())
-        return torch.cat(lps), torch.cat(refs), torch.cat(vals)
-
-    @torch.no_grad()
-    def kl_fp32_check(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                      kl_seq: torch.Tensor) -> dict[str, float]:
-        """The noise floor of bf16 log-probs: `objective/kl_fp32`, the KL (k1, nats/seq) of this rank's first
-        `ppo.kl_check_rows` rollout rows computed in fp32, and `objective/kl_check`, the reported KL of the same
-        rows. Only when the scoring passes run under bf16 autocast (`scoring_precision=same`); else {}."""
-        k = min(self.p.kl_check_rows, input_ids.shape[0])
-        if k == 0 or self.score_precision != "bf16-autocast":
-            return {}
-        with self.reference.on_device() as reference:  # the weights are fp32 under bf16-autocast
-            kl_fp32 = sequence_kl(self.actor.module, reference, input_ids[:k], attention_mask[:k], P,
-                                  self.p.temperature, k, "fp32")["k1"]
-        return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
-
-    def make_experience(self, iteration: int) -> tuple[Experience, dict[str, float], dict[str, Any]]:
-        p = self.p
-        prompts, seeds = self.prompt_batch(iteration)
-        t0 = time.perf_counter()
-        input_ids, attention_mask, P, has_eos = self.generate(prompts, seeds)
-        t1 = time.perf_counter()
-        raw, score = self.score(input_ids, attention_mask, P, prompts)
-        mask = attention_mask[:, P:].float()
-        if p.truncated == "penalize":
-            score = score - p.missing_eos_penalty * (~has_eos).float()
-        logprobs, ref_logprobs, values = self.forward_no_grad(input_ids, attention_mask, P)
-        t2 = time.perf_counter()
-        loss_mask = mask * has_eos.float()[:, None] if p.truncated == "mask" else mask
-        beta = self.kl_ctl.value
-        rewards = kl_penalized_rewards(score, logprobs, ref_logprobs, mask, beta, p.kl_estimator)
-        advantages, returns = ESTIMATORS[p.estimator](rewards, mask, values=values, gamma=p.gamma, lam=p.lam)
-        if p.whiten_advantages:
-            advantages = whiten_across_ranks(advantages, loss_mask)
-        exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs, values, rewards,
-                         advantages, returns, score)
-        kl_tok = kl_estimate(logprobs, ref_logprobs, "k1") * mask
-        kl_seq = kl_tok.sum(1)  # nats per sequence
-        lengths = mask.sum(1)
-        gen_tokens = float(lengths.sum())
-        stats = {
-            "objective/scores": raw.mean().item(),
-            "objective/scores_norm": score.mean().item(),
-            "objective/kl": kl_seq.mean().item(),
-            "objective/kl_k3": (kl_estimate(logprobs, ref_logprobs, "k3") * mask).sum(1).mean().item(),
-            "objective/kl_beta": beta,
-            "objective/rlhf_reward": (score - beta * kl_seq).mean().item(),
-            "objective/entropy_sampled": (-(logprobs * mask).sum(1)).mean().item(),
-            "response/length_mean": lengths.mean().item(),
-            "response/eos_frac": has_eos.float().mean().item(),
-            "val/values_mean": ((values * mask).sum() / mask.sum().clamp(min=1)).item(),
-            "val/explained_var": explained_variance_across_ranks(values, returns, loss_mask),
-            "time/generation": t1 - t0,
-            "time/scoring": t2 - t1,
-            "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
-            **self.kl_fp32_check(input_ids, attention_mask, P, kl_seq),
-        }
-        stats = engine.reduce_stats(stats)
-        samples = {"prompts": [x.get("prompt_text", "") for x in prompts[:3]],
-                   "responses": self.tokenizer.batch_decode(input_ids[:3, P:], skip_special_tokens=True),
-                   "scores": raw[:3].tolist()}
-        return exp, stats, samples
 
     # -- learn -------------------------------------------------------------------------------
     def micro_batches(self, exp: Experience, iteration: int) -> Iterator[tuple[Experience, float]]:
@@ -354,7 +217,7 @@ class PPOTrainer:
             self.critic.backward_global(critic_loss)
             self.critic.step()
         stats = {**pg_stats, **vf_stats, **ent_stats}
-        stats.pop("val/explained_var", None)  # per rollout, in make_experience
+        stats.pop("val/explained_var", None)  # per rollout, in ExperienceMaker.make_experience
         return stats, pg_loss.item(), vf_loss.item()
 
     def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
@@ -441,7 +304,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):
-            exp, roll_stats, samples = tr.make_experience(it)
+            exp, roll_stats, samples = tr.maker.make_experience(it)
             if p.max_kl is not None and roll_stats["objective/kl"] > p.max_kl:
                 raise FloatingPointError(f"aborting at iteration {it + 1}: KL to the reference is "
                                          f"{roll_stats['objective/kl']:.2f} nats/sequence > ppo.max_kl={p.max_kl}")

@@ -7,7 +7,7 @@ of `train_on` equals a hand-built clipped surrogate; the missing-EOS penalty hit
 responses; resume reproduces the next iteration; `whiten_across_ranks` equals `masked_whiten` on one
 rank; a checker run with a shared critic trains its value head.
 
-Most tests build a `PPOTrainer` directly (about a second each) and call `make_experience` /
+Most tests build a `PPOTrainer` directly (about a second each) and call `maker.make_experience` /
 `train_on`; resume and the shared-critic run go through `run_stage` like the CLI does.
 """
 
@@ -71,7 +71,7 @@ def force_eos(monkeypatch, tr, eos_at):
     """Make the policy emit EOS at response position `eos_at[row]` (rows of the rollout)."""
     def edit(responses):
         for row, pos in eos_at.items():
-            responses[row, pos] = tr.eos_id
+            responses[row, pos] = tr.maker.eos_id
 
     edit_generate(monkeypatch, tr, edit)
 
@@ -108,7 +108,7 @@ def test_one_iteration_changes_policy_and_critic_weights(tmp_path, monkeypatch):
     force_eos(monkeypatch, tr, {1: 2, 6: 4})
     policy0, critic0, ref0 = snapshot(tr.actor.module), snapshot(tr.critic.module), snapshot(tr.reference.module)
 
-    exp, roll_stats, _ = tr.make_experience(0)
+    exp, roll_stats, _ = tr.maker.make_experience(0)
     B, R = exp.mask.shape
     assert (B, exp.input_ids.shape[1]) == (8, exp.prompt_len + R) and R == 6
     assert exp.mask[1].tolist() == [1, 1, 1, 0, 0, 0] and exp.mask[6].tolist() == [1, 1, 1, 1, 1, 0]
@@ -144,7 +144,7 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path, monkeypatch, precision, 
     """
     tr = build_trainer(tmp_path, [f"precision={precision}", f"scoring_precision={logprobs}", "ppo.epochs=2"])
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
-    exp, _, _ = tr.make_experience(0)
+    exp, _, _ = tr.maker.make_experience(0)
     assert exp.mask.sum(1).tolist().count(6.0) == 6
     calls = spy_policy_loss(monkeypatch)
     tr.train_on(exp, 0)
@@ -196,11 +196,11 @@ def test_kl_after_one_small_step_is_the_fp32_kl_of_the_same_weights(tmp_path, lo
     tr = build_trainer(tmp_path, ["precision=bf16-autocast", f"scoring_precision={logprobs}", "ppo.actor_lr=1e-6",
                                   "ppo.mini_batch_size=8", "ppo.max_grad_norm=0", "ppo.max_new_tokens=16",
                                   "ppo.kl_check_rows=8"])
-    exp, before, _ = tr.make_experience(0)
+    exp, before, _ = tr.maker.make_experience(0)
     assert before["objective/kl"] == 0.0  # policy == reference, computed alike
     tr.train_on(exp, 0)
     assert tr.actor.global_steps == 1
-    exp, stats, _ = tr.make_experience(1)
+    exp, stats, _ = tr.maker.make_experience(1)
     want = fp32_kl(tr, exp).mean().item()
     assert want != 0.0  # the step moved the policy
     if logprobs == "fp32":
@@ -215,7 +215,7 @@ def test_kl_after_one_small_step_is_the_fp32_kl_of_the_same_weights(tmp_path, lo
 def test_old_logprobs_use_the_sampling_temperature(tmp_path):
     """exp.logprobs equal a plain log_softmax(logits / T) of the full model forward on the rollout."""
     tr = build_trainer(tmp_path)
-    exp, _, _ = tr.make_experience(0)
+    exp, _, _ = tr.maker.make_experience(0)
     P, T = exp.prompt_len, tr.p.temperature
     lm = rollout.lm_of(tr.actor.module)
     with torch.no_grad():
@@ -233,7 +233,7 @@ def test_offload_reference_reaches_the_frozen_models(tmp_path):
     assert tr.reference.offload is False  # CPU: nothing to offload to
     with tr.reference.on_device() as m:
         assert m is tr.reference.module
-    exp, stats, _ = tr.make_experience(0)
+    exp, stats, _ = tr.maker.make_experience(0)
     assert stats["objective/kl"] == pytest.approx(0.0, abs=1e-6)
 
 
@@ -265,16 +265,16 @@ def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     seeds = [derive_seed(42, 0, k) for k in range(6)]
 
     def sample(rows, chunk):
-        ids, am, P, _ = rollout.sample_responses(lm, [prompts[i] for i in rows], tr.pad_id, tr.eos_id, 10, 0.7, 1.0,
-                                             "fp32", chunk=chunk, seeds=[seeds[i] for i in rows])
+        ids, am, P, _ = rollout.sample_responses(lm, [prompts[i] for i in rows], tr.maker.pad_id, tr.maker.eos_id,
+                                                 10, 0.7, 1.0, "fp32", chunk=chunk, seeds=[seeds[i] for i in rows])
         return {i: ids[j, P:][am[j, P:].bool()].tolist() for j, i in enumerate(rows)}
 
     full = sample(range(6), chunk=6)
     assert sample([4, 1, 5], chunk=2) == {i: full[i] for i in (4, 1, 5)}
     assert sample([3], chunk=1) == {3: full[3]}
     assert len({tuple(r) for r in full.values()}) > 1  # different seeds, different samples
-    ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", chunk=6,
-                                         seeds=[s + 1 for s in seeds])
+    ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.maker.pad_id, tr.maker.eos_id, 10, 0.7, 1.0, "fp32",
+                                             chunk=6, seeds=[s + 1 for s in seeds])
     assert {i: ids[i, P:][am[i, P:].bool()].tolist() for i in range(6)} != full  # the seed decides
 
 
@@ -296,7 +296,8 @@ def test_the_models_own_generation_config_does_not_change_the_samples(tmp_path):
     prompts, seeds = tr.prompts[:4], [derive_seed(1, k) for k in range(4)]
 
     def sample():
-        ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.pad_id, tr.eos_id, 10, 0.7, 1.0, "fp32", seeds=seeds)
+        ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.maker.pad_id, tr.maker.eos_id, 10, 0.7, 1.0, "fp32",
+                                                 seeds=seeds)
         return ids[:, P:].tolist()
 
     plain = sample()
@@ -333,7 +334,7 @@ def minibatch_losses(tr, exp, rows):
 def test_garbage_in_padded_positions_changes_no_loss(tmp_path, monkeypatch, aggregation):
     tr = build_trainer(tmp_path, [f"ppo.aggregation={aggregation}"])
     force_eos(monkeypatch, tr, {0: 0, 1: 2, 2: 4, 5: 1})
-    exp, _, _ = tr.make_experience(0)
+    exp, _, _ = tr.maker.make_experience(0)
     pad = exp.mask == 0
     assert pad.any() and (exp.attention_mask == 0).any()
 
@@ -391,7 +392,7 @@ def test_policy_gradient_equals_hand_built_surrogate(tmp_path, monkeypatch, crit
     tr = build_trainer(tmp_path, [f"ppo.critic={critic}", "ppo.c1=0", "ppo.c2=0", "ppo.kl_beta=0", "ppo.clip=0.05",
                                   "ppo.epochs=2", "ppo.actor_lr=3e-3", "ppo.max_grad_norm=0.5"])
     force_eos(monkeypatch, tr, {2: 3, 7: 1})
-    exp, _, _ = tr.make_experience(0)
+    exp, _, _ = tr.maker.make_experience(0)
 
     micro_rows, steps = [], []
     rows_of = Experience.rows
@@ -454,8 +455,8 @@ def test_missing_eos_penalty_hits_only_unterminated_responses(tmp_path, monkeypa
     eos_at = {0: 5, 3: 0, 4: 2}  # rows 0, 3 (empty) and 4 end; the other five are cut by max_new_tokens
     force_eos(monkeypatch, tr, eos_at)
     known = torch.linspace(-1.0, 1.0, 8)  # a known score per row
-    monkeypatch.setattr(tr, "score", lambda input_ids, attention_mask, P, prompts: (known.clone(), known.clone()))
-    exp, stats, _ = tr.make_experience(0)
+    monkeypatch.setattr(tr.maker, "score", lambda input_ids, attention_mask, P, prompts: (known.clone(), known.clone()))
+    exp, stats, _ = tr.maker.make_experience(0)
 
     ended = torch.tensor([i in eos_at for i in range(8)])
     lengths = exp.attention_mask[:, exp.prompt_len:].sum(1)
@@ -477,9 +478,10 @@ def test_missing_eos_penalty_hits_only_unterminated_responses(tmp_path, monkeypa
 def test_checker_scores_the_decoded_response(tmp_path, monkeypatch):
     """reward.type=checker: 1 for the right final number, 0 otherwise; then the missing-EOS penalty."""
     tr = build_trainer(tmp_path)
-    answers = [x["answer"] for x in tr.prompt_batch(0)[0]]
+    answers = [x["answer"] for x in tr.maker.prompt_batch(0)[0]]
     texts = {0: f"{answers[0]}", 1: f"{answers[1] + 1}", 2: f"answer: {answers[2]}", 3: f"{answers[3]}"}
-    forced = {row: tr.tokenizer(t, add_special_tokens=False)["input_ids"] + [tr.eos_id] for row, t in texts.items()}
+    eos = tr.maker.eos_id
+    forced = {row: tr.tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for row, t in texts.items()}
     forced[3] = forced[3][:-1]  # right, but cut by max_new_tokens: penalised
     assert all(len(ids) <= 6 for ids in forced.values())
 
@@ -488,7 +490,7 @@ def test_checker_scores_the_decoded_response(tmp_path, monkeypatch):
             responses[row, :len(ids)] = torch.tensor(ids)
 
     edit_generate(monkeypatch, tr, edit)
-    exp, stats, samples = tr.make_experience(0)
+    exp, stats, samples = tr.maker.make_experience(0)
     raw = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # rows 4-7: random tokens
     assert stats["objective/scores"] == pytest.approx(raw.mean().item())
     assert samples["scores"] == raw[:3].tolist()
@@ -500,7 +502,7 @@ def test_empty_responses_do_not_crash_a_step(tmp_path, monkeypatch):
     """Every response is a bare EOS (R = 1): the step runs, losses are finite, nothing is skipped."""
     tr = build_trainer(tmp_path)
     force_eos(monkeypatch, tr, {i: 0 for i in range(8)})
-    exp, roll_stats, samples = tr.make_experience(0)
+    exp, roll_stats, samples = tr.maker.make_experience(0)
     assert exp.mask.shape == (8, 1) and exp.mask.sum() == 8
     assert roll_stats["response/length_mean"] == 1.0 and samples["responses"][0] == ""
     stats = tr.train_on(exp, 0)
@@ -511,7 +513,7 @@ def test_empty_responses_do_not_crash_a_step(tmp_path, monkeypatch):
 def test_all_rows_masked_out_do_not_crash_a_step(tmp_path):
     """truncated=mask and no response ends: an all-zero loss mask gives zero losses, not NaN."""
     tr = build_trainer(tmp_path, ["ppo.truncated=mask"])
-    exp, _, _ = tr.make_experience(0)
+    exp, _, _ = tr.maker.make_experience(0)
     assert exp.mask.sum() == 0  # the random tiny model never says EOS in 6 tokens
     stats = tr.train_on(exp, 0)
     assert tr.bad_steps == 0
