@@ -21,6 +21,7 @@ package but its errors; `rlhf_cli.preflight.VALIDATORS` adds the checks of the m
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import math
@@ -439,8 +440,6 @@ def _schema_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
 
 def _attribute_docs() -> dict[tuple[str, str], str]:
     """{(class name, field name): the string literal under the field} of every class in this file."""
-    import ast
-
     out: dict[tuple[str, str], str] = {}
     for cls in ast.parse(Path(__file__).read_text()).body:
         if isinstance(cls, ast.ClassDef):

@@ -17,6 +17,7 @@ divide by the accumulation steps; a stage says which kind of loss it has:
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import math
 import os
@@ -25,6 +26,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from rlhf_cli.runs import save_error
 
 
 def _has_gpu() -> bool:
@@ -73,8 +76,6 @@ def _unlink_shm_buffers() -> None:
     if _has_gpu() or not os.path.isdir("/dev/shm"):
         return
     barrier()
-    import glob
-
     port = os.environ.get("MASTER_PORT", "")
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank()}"):
         with contextlib.suppress(FileNotFoundError):
@@ -379,8 +380,6 @@ class TrainEngine:
 
     def save(self, ckpt_dir: str, tag: str, client_state: dict[str, Any] | None = None) -> None:
         """Collective: every rank writes its shard of model, optimizer and scheduler state under ckpt_dir/tag."""
-        from rlhf_cli.runs import save_error
-
         try:
             self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {}, save_latest=False)
         except OSError as e:  # disk full, quota...: one line; ds/latest still names the previous checkpoint

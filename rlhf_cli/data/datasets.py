@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import json
 import logging
 import os
 import random
+import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -234,9 +236,6 @@ def _read_json(path: str, name: str) -> _Raw:
     is one array of row objects. Damage to the file as a whole (a truncated or corrupt gzip stream, a
     broken array) raises DataError.
     """
-    import gzip
-    import zlib
-
     opener = gzip.open if path.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as fh:

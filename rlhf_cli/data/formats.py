@@ -104,14 +104,14 @@ class Pair:
 
 @dataclass(frozen=True)
 class Keys:
-    """Column names, from `data.*_key`."""
+    """Column names, from `data.*_key` (the defaults live in config.DataConfig only: build with `from_cfg`)."""
 
-    prompt: str = "prompt"
-    chosen: str = "chosen"
-    rejected: str = "rejected"
-    messages: str = "messages"
-    answer: str = "answer"
-    margin: str | None = None
+    prompt: str
+    chosen: str
+    rejected: str
+    messages: str
+    answer: str
+    margin: str | None
 
     @classmethod
     def from_cfg(cls, data_cfg: Any) -> Keys:

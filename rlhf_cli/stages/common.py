@@ -8,8 +8,11 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoTokenizer
 
 from rlhf_cli import engine
+from rlhf_cli.errors import ConfigError
+from rlhf_cli.models import resolve_hf_dir
 
 log = logging.getLogger(__name__)
 console = Console(stderr=False)
@@ -31,11 +34,6 @@ def check_same_tokenizer(tokenizer: Any, model_path: str, what: str) -> None:
     """Raise ConfigError when the model at `model_path` was trained with another tokenizer than `tokenizer`
     (its scores of our token ids would be meaningless): a different vocabulary, or the same tokens under
     different ids. The message names the first tokens that differ."""
-    from transformers import AutoTokenizer
-
-    from rlhf_cli.config import ConfigError
-    from rlhf_cli.models import resolve_hf_dir
-
     theirs, ours = AutoTokenizer.from_pretrained(resolve_hf_dir(model_path)).get_vocab(), tokenizer.get_vocab()
     if theirs == ours:
         return

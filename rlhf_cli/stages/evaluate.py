@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -229,8 +231,6 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
 def _last_user_turn(rendered: str) -> str:
     """The readable question inside a chat-rendered prompt: the text after the last `user` header,
     with the template's special tokens removed (raw-text prompts come back unchanged)."""
-    import re
-
     parts = re.split(r"<\|im_start\|>user\n|\[INST\]|<start_of_turn>user\n", rendered)
     text = re.sub(r"<\|im_start\|>\w+\n?|<start_of_turn>\w+\n?", "", parts[-1])  # the assistant header
     return re.sub(r"<\|[^|>]*\|>|<[a-z_]+_of_turn>|\[/INST\]", "", text).strip()
@@ -303,7 +303,5 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 
 def _discard_empty_run_dir(run_dir: Path) -> None:
     """A report-only eval writes nothing of its own: drop the dir Hydra made for it."""
-    import shutil
-
     if engine.is_main() and run_dir.is_dir() and not (run_dir / "config.yaml").exists():
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -20,8 +20,11 @@ Batch layout: see `rlhf_cli/rollout/__init__.py`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError
@@ -354,15 +358,10 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             lm = lm_of(tr.actor.module)
             lm_sd = {k[len("lm."):]: v for k, v in actor_sd.items() if k.startswith("lm.")}
             save_hf(lm, tr.tokenizer, final, extra_config=extra, state_dict=lm_sd)
-            from safetensors.torch import save_file
-
             save_file({"score.weight": actor_sd["score.weight"].contiguous()}, str(final / "value_head.safetensors"))
         else:
             save_hf(tr.actor.module, tr.tokenizer, final, extra_config=extra, state_dict=actor_sd)
             save_hf(tr.critic.module, tr.tokenizer, run_dir / "critic", state_dict=critic_sd)
-            import os
-            import shutil
-
             if (final / "critic").exists():
                 shutil.rmtree(final / "critic")
             os.replace(run_dir / "critic", final / "critic")
@@ -383,8 +382,6 @@ def _abs(path: str | None) -> str | None:
 
 
 def _log_samples(run_dir: Path, iteration: int, samples: dict[str, Any]) -> None:
-    import json
-
     with open(run_dir / "samples.jsonl", "a") as fh:
         for prompt, resp, score in zip(samples["prompts"], samples["responses"], samples["scores"]):
             fh.write(json.dumps({"iteration": iteration, "prompt": prompt, "response": resp, "score": score}) + "\n")

@@ -17,6 +17,7 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PairCollator, epoch_order, example_length, load_preference_data
+from rlhf_cli.errors import ConfigError
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf
 from rlhf_cli.report import sample_std
@@ -40,8 +41,6 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     data = load_preference_data(cfg.data, tokenizer)
     train, heldout = data.train, data.eval
     if len(train) < rmc.batch_size:
-        from rlhf_cli.config import ConfigError
-
         raise ConfigError(f"only {len(train)} training pairs, fewer than rm.batch_size={rmc.batch_size}")
 
     # 2. model; held-out pairs are scored in `scoring_precision` (fp32 under bf16-autocast by default)

@@ -3,6 +3,7 @@
 import pytest
 from data_fixtures import make_cfg, write  # noqa: F401 (pytest fixtures)
 
+from rlhf_cli.config import DataConfig
 from rlhf_cli.data import DataError, Keys, load_preference_data, load_prompt_data
 from rlhf_cli.data.formats import detect_format, hh_messages, split_common_prefix
 
@@ -157,7 +158,7 @@ def test_prompt_messages_column_and_prompts_of_a_preference_file(write, make_cfg
 
 
 def test_detect_format_from_columns_and_types():
-    k = Keys()
+    k = Keys.from_cfg(DataConfig())
     assert detect_format(["prompt", "chosen", "rejected"], [{"chosen": "a"}], k, "f") == "explicit"
     assert detect_format(["chosen", "rejected"], [{"chosen": "\n\nHuman: a\n\nAssistant: b"}], k, "f") == "hh"
     assert detect_format(["chosen", "rejected"], [{"chosen": "plain text"}], k, "f") == "implicit"
