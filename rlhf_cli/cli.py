@@ -98,9 +98,12 @@ def resume_overrides(command: str, overrides: list[str]) -> list[str]:
     stage = STAGES[COMMANDS[command][0]]
     root = _composed_paths_root(command, overrides)
     if value.lower() == "true":
-        run = find_resumable(root, stage)
+        run = find_resumable(root, stage, need_checkpoint=command != "eval")
         if run is None:
-            raise ConfigError(f"resume=true: no unfinished `{command}` run under {Path(root) / stage}")
+            raise ConfigError(f"resume=true: no unfinished `{command}` run with a checkpoint under "
+                              f"{Path(root) / stage} (failed runs are not resumed)")
+        print(f"resume=true: continuing {run}" + (f" from {latest_tag(run)}" if command != "eval" else ""),
+              file=sys.stderr)
     else:
         run = Path(value)
         if not (run / "config.yaml").is_file():
@@ -164,18 +167,28 @@ def run_command(command: str, cfg) -> float | None:
     config_name, module_name, _ = COMMANDS[command]
     quiet_libraries()
     from rlhf_cli.errors import USER_ERRORS as errors  # the user's mistakes: one line, exit status 2
+    from rlhf_cli.errors import SaveError
+    from rlhf_cli.lifecycle import mark_failed
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         VALIDATORS[config_name](cfg, world_size=engine.world_size())
         module = importlib.import_module(module_name)
         if not hasattr(module, "run"):
             _err(f"`rlhf {command}` is not built yet (config is valid)")
             sys.exit(2)
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
         signal.signal(signal.SIGTERM, _terminate)  # SIGTERM takes Ctrl-C's path: checkpoint, then exit
         return module.run(cfg, run_dir)
     except errors as e:
+        # a failed save leaves the run resumable (its message says so), and so does a failed resume attempt
+        if not isinstance(e, SaveError) and not cfg.get("resume"):
+            mark_failed(run_dir, str(e))
         _err(str(e))
         sys.exit(2)
+    except Exception as e:  # a crash in our code; the traceback follows
+        if not cfg.get("resume"):
+            mark_failed(run_dir, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
     except KeyboardInterrupt:
         _err("interrupted (training stages checkpoint before exiting: continue with resume=true)")
         sys.exit(130)

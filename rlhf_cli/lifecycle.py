@@ -214,6 +214,16 @@ class Checkpoints:
         return step, state
 
 
+def mark_failed(run_dir: Path, reason: str) -> None:
+    """Rank 0: a run that stopped on an error (a data or size check, a crash in the code) is marked `failed`
+    with the one-line `reason`, so `resume=true` never picks it (runs.find_resumable). Only a `running` run
+    changes: a finished, aborted or dry run keeps its state, and a dir that was never prepared (no
+    config.yaml: the config was rejected first) gets no status."""
+    run_dir = Path(run_dir)
+    if engine.is_main() and (run_dir / "config.yaml").is_file() and get_status(run_dir).get("state") == "running":
+        set_status(run_dir, "failed", reason=reason)
+
+
 def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path:
     """The tail of a training run, rank 0 only, after `final/` is written: the resolved config beside the
     model (`final/rlhf_config.yaml`), the pointer of `kind` (`runs.POINTERS`: `latest_rm`, `latest_policy`)

@@ -10,7 +10,7 @@ Layout shared by every stage::
         ds/<tag>/                         DeepSpeed checkpoints (every rank writes its shard)
         ds/latest                         tag of the newest complete DeepSpeed checkpoint (atomic)
         final/                            the HF-format model for the next stage
-        status.json                       {"state": "running" | "finished", ...}
+        status.json                       {"state": "running" | "finished" | "failed" | "aborted" | "dry_run", ...}
     <paths.root>/latest_rm, latest_policy pointer files (absolute path of a `final/` dir), atomic
 """
 
@@ -146,9 +146,12 @@ def stage_runs(root: Path | str, stage: str) -> list[Path]:
     return sorted(runs, key=lambda p: (p / "config.yaml").stat().st_mtime)
 
 
-def find_resumable(root: Path | str, stage: str) -> Path | None:
-    """Newest run of `stage` under `root` that started training and did not finish, or None."""
-    unfinished = [p for p in stage_runs(root, stage) if get_status(p).get("state") == "running"]
+def find_resumable(root: Path | str, stage: str, need_checkpoint: bool = True) -> Path | None:
+    """Newest run of `stage` under `root` that is still `running` (it was interrupted or killed: a run that
+    failed is marked `failed`, see `lifecycle.mark_failed`) and, with `need_checkpoint`, has a committed
+    checkpoint to continue from (`ds/latest`); None when there is none."""
+    unfinished = [p for p in stage_runs(root, stage) if get_status(p).get("state") == "running"
+                  and (not need_checkpoint or latest_tag(p) is not None)]
     return unfinished[-1] if unfinished else None
 
 

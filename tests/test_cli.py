@@ -153,9 +153,20 @@ def test_resume_true_continues_the_newest_unfinished_run_in_place(tmp_path):
     # a crash after the step-4 checkpoint: the newest complete checkpoint is step-4, the run is unfinished
     (run / "ds" / "latest").write_text("step-4\n")
     (run / "status.json").write_text('{"state": "running"}')
+    # a newer run that stops on a data check is marked failed, and resume=true passes it by
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}) + "\n" for i in range(3)))
+    out = rlhf("train-rm", *common, f"data.path={few}")
+    assert out.returncode == 2 and "fewer than rm.batch_size" in out.stderr
+    (failed,) = [p for p in (tmp_path / "rm").iterdir() if p != run]
+    status = json.loads((failed / "status.json").read_text())
+    assert status["state"] == "failed" and "fewer than rm.batch_size" in status["reason"]
+    out = rlhf("train-rm", *common, f"data.path={few}", f"resume={run}")  # a resume attempt that fails ...
+    assert out.returncode == 2 and json.loads((run / "status.json").read_text())["state"] == "running"  # ... keeps it
     out = rlhf("train-rm", *common, "resume=true")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert [p.name for p in (tmp_path / "rm").iterdir()] == [run.name]  # resumed in place, no new run dir
+    assert f"resume=true: continuing {run} from step-4" in out.stderr
+    assert sorted(p.name for p in (tmp_path / "rm").iterdir()) == sorted([run.name, failed.name])  # in place
     steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 8]  # each training step once, then the final eval record
     assert json.loads((run / "status.json").read_text())["state"] == "finished"

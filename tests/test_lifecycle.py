@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli.lifecycle import Checkpoints
-from rlhf_cli.runs import latest_tag
+from rlhf_cli.lifecycle import Checkpoints, mark_failed
+from rlhf_cli.runs import find_resumable, get_status, latest_tag, set_status
 
 
 class FakeEngine:
@@ -90,3 +90,41 @@ def test_saving_the_step_latest_already_names_is_a_no_op(tmp_path):
     ckpts.save(4, {"n": 1})
     ckpts.save(4, {"n": 2})
     assert torch.load(tmp_path / "ds" / "step-4" / "actor" / "state.pt", weights_only=False)["n"] == 1
+
+
+def make_run(root, name, state, tag=None, mtime=0):
+    import os
+
+    run = root / "rm" / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    os.utime(run / "config.yaml", (mtime, mtime))  # stage_runs orders runs by their config's time
+    set_status(run, state)
+    if tag:
+        (run / "ds" / tag).mkdir(parents=True)
+        (run / "ds" / "latest").write_text(tag + "\n")
+    return run
+
+
+def test_resume_true_picks_the_newest_running_run_with_a_checkpoint(tmp_path):
+    interrupted = make_run(tmp_path, "a", "running", "step-4", mtime=1)
+    make_run(tmp_path, "b", "failed", "step-2", mtime=2)  # failed: never resumed, even with a checkpoint
+    never_saved = make_run(tmp_path, "c", "running", mtime=3)  # killed before its first checkpoint
+    make_run(tmp_path, "d", "finished", "step-8", mtime=4)
+    assert find_resumable(tmp_path, "rm") == interrupted
+    assert find_resumable(tmp_path, "rm", need_checkpoint=False) == never_saved  # eval runs keep no checkpoints
+    assert find_resumable(tmp_path, "ppo") is None
+
+
+def test_mark_failed_changes_only_a_prepared_running_run(tmp_path):
+    running = make_run(tmp_path, "a", "running")
+    reason = "data.path=x.jsonl: only 3 training pairs"
+    mark_failed(running, reason)
+    assert get_status(running) | {"time": 0} == {"state": "failed", "reason": reason, "time": 0}
+    finished = make_run(tmp_path, "b", "finished")
+    mark_failed(finished, "late error")
+    assert get_status(finished)["state"] == "finished"
+    bare = tmp_path / "rm" / "rejected-config"
+    bare.mkdir()
+    mark_failed(bare, "bad key")  # the config was refused before the run dir was prepared
+    assert not (bare / "status.json").exists()
