@@ -11,7 +11,8 @@ A stage reads top to bottom around it (torchtune's recipe shape):
     ckpts.save(total, {...}); <write final/ in HF format>; finish_run(...)    # pointer, status, pruning
 
 Files (see runs.py for the whole layout): `ds/step-<N>/` one checkpoint, `ds/latest` the newest complete one.
-What `resume` means (which run, which config) is decided in cli.py and config.py, not here.
+States: `prepare_run_dir` marks a run `running`, `finish_run` `finished`, `mark_failed` `failed` (cli.py calls
+it when an error stops the run). Which run `resume=true` continues is cli.py's choice (runs.find_resumable).
 """
 
 from __future__ import annotations
