@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -438,6 +439,7 @@ def _schema_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
     return out
 
 
+@functools.cache
 def _attribute_docs() -> dict[tuple[str, str], str]:
     """{(class name, field name): the string literal under the field} of every class in this file."""
     out: dict[tuple[str, str], str] = {}

@@ -31,18 +31,20 @@ class ExperienceMaker:
     cfg: the run config (`ppo.*`, `seed`, `data.seed`, `precision`, `scoring_precision`); prompts: the
     tokenized prompt rows; actor/critic: the `engine.TrainEngine`s (critic None when `ppo.critic=shared`);
     reference/reward_model: `engine.FrozenModel`s (reward_model None for `reward.type=checker`);
-    reward_stats: the RM's held-out (mean, std) or None; kl_ctl: the KL controller whose `value` is β.
+    reward_stats: the RM's held-out (mean, std) or None; kl_ctl: the KL controller whose `value` is β;
+    score_precision: the precision of the scoring passes, as `engine.scoring_precision` resolved it for the run.
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, prompts: Sequence[dict[str, Any]], actor: Any, reference: Any,
-                 critic: Any, reward_model: Any, reward_stats: tuple[float, float] | None, kl_ctl: Any) -> None:
+                 critic: Any, reward_model: Any, reward_stats: tuple[float, float] | None, kl_ctl: Any,
+                 score_precision: str) -> None:
         self.cfg, self.p = cfg, cfg.ppo
         self.tokenizer, self.prompts = tokenizer, prompts
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.actor, self.reference, self.critic = actor, reference, critic
         self.reward_model, self.reward_stats, self.kl_ctl = reward_model, reward_stats, kl_ctl
         self.precision = cfg.precision  # sampling, separate critic
-        self.score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
+        self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
         self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
         self._order_epoch: int | None = None
 

@@ -159,7 +159,7 @@ class PPOTrainer:
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
-                                     self.reward_model, self.reward_stats, self.kl_ctl)
+                                     self.reward_model, self.reward_stats, self.kl_ctl, self.score_precision)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""

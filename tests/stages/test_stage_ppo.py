@@ -665,3 +665,14 @@ def test_reward_type_model_without_a_reward_model_is_a_clear_error(tmp_path):
     tr = PPOTrainer(cfg, tmp_path / "run")
     with pytest.raises(ConfigError, match="latest_rm"):
         tr.reward_model_path()
+
+
+def test_precision_bf16_says_once_that_the_scoring_passes_stay_bf16(tmp_path, caplog):
+    """The trainer resolves `scoring_precision` once and hands it to the experience maker: one warning."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.engine"):
+        tr = build_trainer(tmp_path, ["precision=bf16"])
+    warnings = [r for r in caplog.records if "scoring_precision=fp32 does not apply" in r.getMessage()]
+    assert len(warnings) == 1
+    assert tr.score_precision == tr.maker.score_precision == "bf16"
