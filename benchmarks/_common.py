@@ -16,6 +16,7 @@ and must not pay for (or be measured with) rlhf_cli's DeepSpeed import.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -327,9 +328,23 @@ def write_outputs(out: str | None, header: list[str], table: Table, notes: list[
     print(f"results: {path} and {md}")
 
 
-def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, Path], None], prefix: str) -> None:
+def add_common_args(p: Any) -> None:
+    """The options every TRL comparison shares: `--model`, `--workdir`, `--precision`, `--out`, and the hidden
+    `--trl-child` of its TRL process."""
+    p.add_argument("--model", default="smollm2", help="our model config group: smollm2 (default) or tiny (smoke test)")
+    p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
+                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, "
+                        "else fp32; bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically "
+                        "real, ~7-25x slower)")
+    p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
+    p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
+
+
+def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, Path, dict[str, Any]], None],
+               prefix: str) -> None:
     """The shared entry point: a TRL child process (`--trl-child SPEC`) or the comparison itself, in
-    `--workdir` (kept) or a temp dir (removed afterwards)."""
+    `--workdir` (kept) or a temp dir (removed afterwards); `run(args, work, machine_info())` with logs quiet."""
     if args.trl_child:
         trl_child(args.trl_child)
         return
@@ -337,7 +352,8 @@ def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, 
     work = Path(args.workdir or tempfile.mkdtemp(prefix=f"{prefix}-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:
-        run(args, work)
+        quiet()
+        run(args, work, machine_info())
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

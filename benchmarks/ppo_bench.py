@@ -236,7 +236,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lam", type=float, default=0.95)
     p.add_argument("--missing-eos-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--model", default="smollm2", help="our model config group: smollm2 (default) or tiny (smoke test)")
     p.add_argument("--data", default="builtin", choices=["builtin", "hh"],
                    help="built-in task prompts, or the PPO part of HH-RLHF harmless-base (../shared/data)")
     p.add_argument("--max-prompt-length", type=int, default=None,
@@ -244,13 +243,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reward-model", default=None,
                    help="an HF *ForSequenceClassification dir or `rlhf train-rm` run dir (default: the base model "
                         "with a new seeded scalar head); also the critic's initial weights")
-    p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
-                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, "
-                        "else fp32; bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically "
-                        "real, ~7-25x slower)")
-    p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
-    p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
+    C.add_common_args(p)
     args = p.parse_args()
     if args.rollout % args.micro_batch_size:
         p.error(f"--rollout {args.rollout} is not divisible by --micro-batch-size {args.micro_batch_size}")
@@ -261,13 +254,11 @@ def main() -> None:
     C.bench_main(parse_args(), trl_child, run, "ppo_bench")
 
 
-def run(args: argparse.Namespace, work: Path) -> None:
+def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     from rlhf_cli.data import load_prompt_data
     from rlhf_cli.engine import TrainEngine
     from rlhf_cli.models import load_tokenizer, require_scalar_model_dir
 
-    C.quiet()
-    info = C.machine_info()
     R, m, n_it = args.rollout, args.micro_batch_size, args.iterations
 
     # 1. one reward model / critic init, one policy dir, one prompt order

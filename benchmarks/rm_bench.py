@@ -177,18 +177,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--model", default="smollm2", help="our model config group: smollm2 (default) or tiny (smoke test)")
     p.add_argument("--data", default=str(C.HH_PATH), help="an HH-format preference file")
     p.add_argument("--trl-adamw", default="fused", choices=["fused", "plain"],
                    help="TRL's AdamW: fused (TRL's default optim adamw_torch_fused, as our engine) "
                         "or plain (the per-tensor loop)")
-    p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
-                   help="both tools' precision: auto (default) is bf16 mixed precision where bf16 is native, "
-                        "else fp32; bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically "
-                        "real, ~7-25x slower)")
-    p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
-    p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
+    C.add_common_args(p)
     args = p.parse_args()
     args.pairs = args.pairs or args.steps * args.batch_size
     if args.batch_size % args.micro_batch_size:
@@ -202,14 +195,12 @@ def main() -> None:
     C.bench_main(parse_args(), trl_child, run, "rm_bench")
 
 
-def run(args: argparse.Namespace, work: Path) -> None:
+def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     from rlhf_cli.data import load_preference_data
     from rlhf_cli.engine import device, lr_lambda, scoring_precision
     from rlhf_cli.models import load_scalar_model, load_tokenizer
     from rlhf_cli.rollout import score_pairs
 
-    C.quiet()
-    info = C.machine_info()
     B, m = args.batch_size, args.micro_batch_size
 
     # 1. one initial reward model, one set of pairs, tokenised once

@@ -288,6 +288,12 @@ def _adamw(groups: list[dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, fused=True, **kw) if fused else torch.optim.AdamW(groups, foreach=True, **kw)
 
 
+def zero_loss(model: torch.nn.Module) -> torch.Tensor:
+    """A zero loss attached to every trainable parameter of `model`: what a skipped micro-step backpropagates,
+    so that DeepSpeed's gradient accumulation stays in step on every rank."""
+    return sum((p.float() * 0).sum() for p in model.parameters() if p.requires_grad)
+
+
 class TrainEngine:
     """A trainable model on DeepSpeed: AdamW, LR schedule, clipping, ZeRO stage, precision.
 

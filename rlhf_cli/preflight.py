@@ -16,8 +16,9 @@ from omegaconf.errors import MissingMandatoryValue
 
 from rlhf_cli.config import CHECKS, model_path_keys
 from rlhf_cli.errors import ConfigError, ModelSourceError
-from rlhf_cli.models.checkpoint import model_architectures
+from rlhf_cli.models.checkpoint import model_architectures, require_scalar_model_dir
 from rlhf_cli.models.loading import looks_like_hub_id
+from rlhf_cli.runs import read_pointer
 
 
 def check_model_paths(cfg: Any, command: str) -> None:
@@ -51,6 +52,22 @@ def check_model_paths(cfg: Any, command: str) -> None:
                               f"scalar head: {hint}")
         if kind == "lm" and scalar:
             raise ConfigError(f"{key}={value} holds a reward model ({', '.join(archs)}), not a causal LM: {hint}")
+
+
+def resolve_reward_model(cfg: Any) -> str | None:
+    """The reward model a run scores with: `reward_model.path`, else the `latest_rm` pointer under
+    `paths.root`; None when `reward.type` uses no model. Raises ConfigError when a model is needed and none
+    is set or found, or the path does not hold a reward model."""
+    if cfg.reward.type != "model":
+        return None
+    path = cfg.reward_model.path
+    if path is None:
+        target = read_pointer(cfg.paths.root, "rm")
+        if target is None:
+            raise ConfigError(f"no reward model: set reward_model.path=<run dir or HF dir>, or run `rlhf train-rm` "
+                              f"first (no {Path(cfg.paths.root) / 'latest_rm'}), or use reward.type=checker")
+        path = str(target)
+    return require_scalar_model_dir(path, "reward model")
 
 
 def validate(command: str, cfg: Any, world_size: int = 1) -> None:

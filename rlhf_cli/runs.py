@@ -172,6 +172,25 @@ def latest_tag(run_dir: Path) -> str | None:
 # metrics
 
 
+def abs_path(path: str | None) -> str | None:
+    """`path` made absolute when it exists locally (recorded in a model's config so that a later stage finds
+    it from any working directory); a hub id or None unchanged."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.resolve()) if p.exists() else path
+
+
+def append_samples(run_dir: Path, iteration: int, samples: dict[str, Any]) -> None:
+    """Append one iteration's sampled responses to `run_dir/samples.jsonl`, a JSON line per response:
+    {"iteration", "prompt", "response", "score"}. `samples` holds equal-length lists under "prompts",
+    "responses" and "scores"."""
+    with open(run_dir / "samples.jsonl", "a") as fh:
+        for prompt, resp, score in zip(samples["prompts"], samples["responses"], samples["scores"]):
+            fh.write(json.dumps({"iteration": iteration, "prompt": prompt, "response": resp, "score": score}) + "\n")
+    log.info("sample (iteration %d, score %.3f): %r", iteration, samples["scores"][0], samples["responses"][0][:200])
+
+
 class MetricsLogger:
     """Append metrics to `<run_dir>/metrics.jsonl` (and TensorBoard when installed); rank 0 only.
 

@@ -24,7 +24,20 @@ def _finite_float(name: str, value: float | Tensor) -> float:
     return value
 
 
-class FixedKLController:
+class _KLController:
+    """What both controllers share: ``value`` is the current beta, and it is all a checkpoint holds
+    (``target`` and ``horizon`` come from the config on resume)."""
+
+    value: float
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = _finite_float("value", state["value"])
+
+
+class FixedKLController(_KLController):
     """Constant KL coefficient: ``update`` does nothing.
 
     Args:
@@ -42,17 +55,11 @@ class FixedKLController:
     def update(self, current_kl: float | Tensor, n_steps: int) -> None:
         """No-op (kept so trainers can call any controller the same way)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.value = _finite_float("value", state["value"])
-
     def __repr__(self) -> str:
         return f"FixedKLController(beta={self.value})"
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(_KLController):
     """Proportional controller steering the KL towards ``target`` (Ziegler et al. 2019,
     "Fine-Tuning Language Models from Human Preferences", section 2.2, eq. 3)::
 
@@ -93,13 +100,6 @@ class AdaptiveKLController:
             raise ValueError(f"n_steps must be >= 0, got {n_steps}")
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value = max(self.value * (1.0 + error * n_steps / self.horizon), 0.0)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The current beta; ``target`` and ``horizon`` come from the config on resume."""
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.value = _finite_float("value", state["value"])
 
     def __repr__(self) -> str:
         return f"AdaptiveKLController(value={self.value}, target={self.target}, horizon={self.horizon})"

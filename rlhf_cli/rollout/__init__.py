@@ -4,7 +4,8 @@
     maker.py        `ExperienceMaker`: one PPO iteration's prompts -> an `Experience` and its statistics
     sampling.py     per-prompt seeds, per-row sampling inside HF `generate`, the cut at the first EOS
     policy.py       response log-probs / entropy / values of a policy (and its shared value head), a separate
-                    critic's values, the per-sequence KL of two policies, dropout switched off
+                    critic's values, the per-sequence KL of two policies, dropout switched off,
+                    the trained policy's final save
     scoring.py      reward-model scores of sequences and of preference pairs
     stats.py        whitening and explained variance over the real tokens of all ranks
 
@@ -24,6 +25,7 @@ from rlhf_cli.rollout.policy import (
     disable_dropout,
     lm_of,
     policy_forward,
+    save_policy,
     sequence_kl,
     unwrap,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "policy_forward",
     "response_mask",
     "sample_responses",
+    "save_policy",
     "score_pairs",
     "sequence_kl",
     "unwrap",

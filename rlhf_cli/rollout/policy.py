@@ -5,14 +5,18 @@ dropout switched off."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from rlhf_cli import engine
 from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits
-from rlhf_cli.models import new_scalar_head, response_values, trunk_hidden
+from rlhf_cli.models import new_scalar_head, response_values, save_hf, trunk_hidden
 
 
 class PolicyWithValueHead(torch.nn.Module):
@@ -35,6 +39,36 @@ def unwrap(model: Any) -> Any:
 def lm_of(model: Any) -> Any:
     model = unwrap(model)
     return model.lm if isinstance(model, PolicyWithValueHead) else model
+
+
+def save_policy(
+    final: Path,
+    policy: torch.nn.Module,
+    policy_sd: dict[str, torch.Tensor],
+    tokenizer: Any,
+    extra_config: dict[str, Any],
+    critic: torch.nn.Module | None = None,
+    critic_sd: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write a trained policy to `final` in HF format (rank 0; the state dicts are consolidated ones).
+
+    A `PolicyWithValueHead` is saved as its causal LM plus `value_head.safetensors` (`score.weight`), so that
+    `final/` loads with `AutoModelForCausalLM`; a separate critic goes to `final/critic/` (written beside
+    `final/` first, then moved in, so a crash leaves no half-written critic inside `final/`).
+    `extra_config` is added to the policy's config.json (the `rlhf_*` lineage keys).
+    """
+    if isinstance(policy, PolicyWithValueHead):
+        lm_sd = {k[len("lm."):]: v for k, v in policy_sd.items() if k.startswith("lm.")}
+        save_hf(policy.lm, tokenizer, final, extra_config=extra_config, state_dict=lm_sd)
+        save_file({"score.weight": policy_sd["score.weight"].contiguous()}, str(final / "value_head.safetensors"))
+    else:
+        save_hf(policy, tokenizer, final, extra_config=extra_config, state_dict=policy_sd)
+    if critic is not None:
+        staging = final.parent / "critic"
+        save_hf(critic, tokenizer, staging, state_dict=critic_sd)
+        if (final / "critic").exists():
+            shutil.rmtree(final / "critic")
+        os.replace(staging, final / "critic")
 
 
 def policy_forward(

@@ -20,19 +20,15 @@ Batch layout: see `rlhf_cli/rollout/__init__.py`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError
@@ -51,19 +47,18 @@ from rlhf_cli.models import (
     load_scalar_model,
     load_tokenizer,
     read_reward_stats,
-    require_scalar_model_dir,
-    save_hf,
 )
+from rlhf_cli.preflight import resolve_reward_model
 from rlhf_cli.rollout import (
     Experience,
     ExperienceMaker,
     PolicyWithValueHead,
     critic_values,
     disable_dropout,
-    lm_of,
     policy_forward,
+    save_policy,
 )
-from rlhf_cli.runs import MetricsLogger, Progress, read_pointer, set_status
+from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, print_table
 
@@ -71,6 +66,18 @@ log = logging.getLogger(__name__)
 
 PROGRESS_KEYS = ["objective/scores", "objective/kl", "policy/clipfrac", "response/length_mean"]
 
+
+
+class Losses(NamedTuple):
+    """One micro-batch's losses (`PPOTrainer.losses`): what each engine backpropagates, the two losses logged
+    (detached), the training forward's response logprobs (B, R) (detached) and the loss modules' stats."""
+
+    actor: torch.Tensor
+    critic: torch.Tensor | None  # a separate critic's objective; None when the critic is shared
+    policy: torch.Tensor
+    value: torch.Tensor
+    logprobs: torch.Tensor
+    stats: dict[str, float]
 
 
 class PPOTrainer:
@@ -110,27 +117,15 @@ class PPOTrainer:
             log.warning("data.group_by_length=true has no effect in train-ppo: prompts are drawn in a plain "
                         "shuffled order (it groups train-rm's pairs)")
 
-    def reward_model_path(self) -> str | None:
-        if self.cfg.reward.type != "model":
-            return None
-        path = self.cfg.reward_model.path
-        if path is None:
-            target = read_pointer(self.cfg.paths.root, "rm")
-            if target is None:
-                raise ConfigError(f"no reward model: set reward_model.path=<run dir or HF dir>, or run `rlhf train-rm` "
-                                  f"first (no {Path(self.cfg.paths.root) / 'latest_rm'}), or use reward.type=checker")
-            path = str(target)
-        return require_scalar_model_dir(path, "reward model")
-
     def build_models(self) -> None:
         cfg, p = self.cfg, self.p
         policy = disable_dropout(load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer))
         ref_source = cfg.reference.path or cfg.model
         reference = load_causal_lm(ref_source, self.precision, cfg.seed, tokenizer=self.tokenizer)
         # how to rebuild the reference later (eval): a path, or the model config and seed it was built from
-        self.reference_spec = ({"name_or_path": _abs(cfg.reference.path)} if cfg.reference.path else
+        self.reference_spec = ({"name_or_path": abs_path(cfg.reference.path)} if cfg.reference.path else
                                {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed})
-        self.rm_path = self.reward_model_path()
+        self.rm_path = resolve_reward_model(cfg)
         if self.rm_path is not None:
             check_same_tokenizer(self.tokenizer, self.rm_path, "reward model")
             self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed),
@@ -181,15 +176,12 @@ class PPOTrainer:
                 for m in range(0, mini, p.micro_batch_size):
                     yield exp.rows(rows[m:m + p.micro_batch_size]), num_tokens
 
-    def micro_step(self, b: Experience, num_tokens: float, iteration: int) -> tuple[dict[str, float], float, float]:
-        """Forward, losses and backward of one micro-batch; the optimizers step at accumulation boundaries.
-
-        Losses (Schulman et al. 2017, eq. 9): clipped surrogate (`ppo.clip`) minus `ppo.c2` × entropy bonus,
-        plus `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic,
-        as the separate critic's objective otherwise. Each is aggregated over the whole minibatch
-        (`ppo.aggregation`), so micro-batch losses sum to the minibatch's. Returns (stats, policy loss, value
-        loss); a non-finite loss on any rank is skipped on all of them (`ppo.max_bad_steps`).
-        """
+    def losses(self, b: Experience, num_tokens: float) -> Losses:
+        """The forward and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
+        (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus `ppo.c1` × clipped value loss (`ppo.value_clip`): in
+        the actor's objective with a shared critic, as the separate critic's objective otherwise. Each is
+        aggregated over the whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so
+        micro-batch losses sum to the minibatch's."""
         p, P = self.p, b.prompt_len
         shared = self.critic is None
         with self.actor.autocast():
@@ -205,24 +197,33 @@ class PPOTrainer:
         vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
         if shared:
             actor_loss = actor_loss + p.c1 * vf_loss
-        critic_loss = p.c1 * vf_loss
-        finite = torch.isfinite(actor_loss.detach()) & torch.isfinite(critic_loss.detach())
+        stats = {**pg_stats, **vf_stats, **ent_stats}
+        stats.pop("val/explained_var", None)  # per rollout, in ExperienceMaker.make_experience
+        return Losses(actor_loss, None if shared else p.c1 * vf_loss, pg_loss.detach(), vf_loss.detach(),
+                      lp.detach(), stats)
+
+    def micro_step(self, b: Experience, num_tokens: float, iteration: int) -> Losses:
+        """`losses`, then the backward passes; the optimizers step at accumulation boundaries. A non-finite
+        loss on any rank is skipped on all of them (`ppo.max_bad_steps`)."""
+        out = self.losses(b, num_tokens)
+        actor_loss, critic_loss = out.actor, out.critic
+        finite = torch.isfinite(actor_loss.detach())
+        if critic_loss is not None:
+            finite = finite & torch.isfinite(critic_loss.detach())
         if engine.all_reduce_sum((~finite).float().cpu()).item() > 0:  # every rank skips together
             self.bad_steps += 1
             log.warning("non-finite loss at iteration %d (bad steps: %d)", iteration + 1, self.bad_steps)
-            if self.bad_steps > p.max_bad_steps:
+            if self.bad_steps > self.p.max_bad_steps:
                 raise FloatingPointError(f"aborting: {self.bad_steps} micro-steps with NaN/inf losses "
-                                         f"(ppo.max_bad_steps={p.max_bad_steps})")
-            actor_loss = _zero_loss(self.actor.module)
-            critic_loss = _zero_loss(self.critic.module) if not shared else critic_loss
+                                         f"(ppo.max_bad_steps={self.p.max_bad_steps})")
+            actor_loss = engine.zero_loss(self.actor.module)
+            critic_loss = engine.zero_loss(self.critic.module) if critic_loss is not None else None
         self.actor.backward_global(actor_loss)
         self.actor.step()
-        if not shared:
+        if critic_loss is not None:
             self.critic.backward_global(critic_loss)
             self.critic.step()
-        stats = {**pg_stats, **vf_stats, **ent_stats}
-        stats.pop("val/explained_var", None)  # per rollout, in ExperienceMaker.make_experience
-        return stats, pg_loss.item(), vf_loss.item()
+        return out
 
     def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
         """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats."""
@@ -235,12 +236,12 @@ class PPOTrainer:
             self.critic.train()
         for b, num_tokens in self.micro_batches(exp, iteration):
             tokens += float(b.attention_mask.sum())
-            step_stats, pg_loss, vf_loss = self.micro_step(b, num_tokens, iteration)
+            out = self.micro_step(b, num_tokens, iteration)
             # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
-            for k, val in step_stats.items():
+            for k, val in out.stats.items():
                 sums[k] = sums.get(k, 0.0) + val
-            sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + pg_loss
-            sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + vf_loss
+            sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + out.policy.item()
+            sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + out.value.item()
             count += 1
         dt = time.perf_counter() - t0
         stats = {k: v / max(count, 1) for k, v in sums.items()}
@@ -255,11 +256,6 @@ class PPOTrainer:
         return engine.reduce_stats(stats)
 
 
-def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
-    """A zero loss attached to every trainable parameter (keeps DeepSpeed's accumulation in step)."""
-    return sum((p.float() * 0).sum() for p in model.parameters() if p.requires_grad)
-
-
 def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     run_dir = prepare_run_dir(cfg, run_dir)
@@ -271,7 +267,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     tr.load_data()
     batches = f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}"
     if cfg.dry_run:
-        tr.rm_path = tr.reward_model_path()
+        tr.rm_path = resolve_reward_model(cfg)
         policy = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tr.tokenizer)
         print_table(f"train-ppo (dry run): {run_dir}", {
             "policy": cfg.model.name, "params (non-embedding)": count_parameters(policy),
@@ -322,7 +318,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
             metrics.log(it + 1, record)
             if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:
-                _log_samples(run_dir, it + 1, samples)
+                append_samples(run_dir, it + 1, samples)
             progress.update(1, record)
             done = it + 1
             if p.save_every and done % p.save_every == 0 and done < p.iterations:
@@ -353,18 +349,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
     if engine.is_main():
         extra = {"rlhf_stage": "ppo", "rlhf_reference_model": tr.reference_spec,
-                 "rlhf_reward_model_path": _abs(tr.rm_path), "rlhf_reward_type": cfg.reward.type}
-        if tr.critic is None:
-            lm = lm_of(tr.actor.module)
-            lm_sd = {k[len("lm."):]: v for k, v in actor_sd.items() if k.startswith("lm.")}
-            save_hf(lm, tr.tokenizer, final, extra_config=extra, state_dict=lm_sd)
-            save_file({"score.weight": actor_sd["score.weight"].contiguous()}, str(final / "value_head.safetensors"))
-        else:
-            save_hf(tr.actor.module, tr.tokenizer, final, extra_config=extra, state_dict=actor_sd)
-            save_hf(tr.critic.module, tr.tokenizer, run_dir / "critic", state_dict=critic_sd)
-            if (final / "critic").exists():
-                shutil.rmtree(final / "critic")
-            os.replace(run_dir / "critic", final / "critic")
+                 "rlhf_reward_model_path": abs_path(tr.rm_path), "rlhf_reward_type": cfg.reward.type}
+        save_policy(final, tr.actor.module, actor_sd, tr.tokenizer, extra,
+                    tr.critic.module if tr.critic is not None else None, critic_sd)
         pointer = finish_run(cfg, run_dir, final, "ppo", iterations=done)
         summary = ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")
         print_table("train-ppo finished", {k: record.get(k) for k in summary}
@@ -372,18 +359,4 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     engine.barrier()
     metrics.close()
     return record.get("objective/scores")
-
-
-def _abs(path: str | None) -> str | None:
-    if path is None:
-        return None
-    p = Path(path)
-    return str(p.resolve()) if p.exists() else path
-
-
-def _log_samples(run_dir: Path, iteration: int, samples: dict[str, Any]) -> None:
-    with open(run_dir / "samples.jsonl", "a") as fh:
-        for prompt, resp, score in zip(samples["prompts"], samples["responses"], samples["scores"]):
-            fh.write(json.dumps({"iteration": iteration, "prompt": prompt, "response": resp, "score": score}) + "\n")
-    log.info("sample (iteration %d, score %.3f): %r", iteration, samples["scores"][0], samples["responses"][0][:200])
 

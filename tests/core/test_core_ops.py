@@ -8,14 +8,7 @@ from core_helpers import right_padded_mask, with_garbage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_cli.core import (
-    entropy_from_logits,
-    kl_estimate,
-    logprobs_from_logits,
-    masked_mean,
-    masked_var,
-    masked_whiten,
-)
+from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits, masked_mean, masked_var, masked_whiten
 
 PROPERTY = settings(max_examples=30, deadline=None)
 GARBAGE = [1e6, -1e6, math.inf, -math.inf, math.nan]

@@ -22,7 +22,7 @@ from rlhf_cli import engine, rollout
 from rlhf_cli.config import ConfigError
 from rlhf_cli.core import compute_gae, kl_penalized_rewards, masked_whiten
 from rlhf_cli.lifecycle import seed_everything
-from rlhf_cli.preflight import VALIDATORS
+from rlhf_cli.preflight import VALIDATORS, resolve_reward_model
 from rlhf_cli.rollout import Experience, critic_values, policy_forward, response_mask, whiten_across_ranks
 from rlhf_cli.runs import read_metrics, set_status
 from rlhf_cli.seeds import derive_seed
@@ -76,17 +76,18 @@ def force_eos(monkeypatch, tr, eos_at):
     edit_generate(monkeypatch, tr, edit)
 
 
-def spy_policy_loss(monkeypatch):
-    """Record (logprobs, old_logprobs, mask, stats) of every `policy_loss` call `train_on` makes."""
+def spy_losses(monkeypatch, tr):
+    """Record (logprobs, old_logprobs, mask, stats) of every micro-batch `train_on` computes losses for
+    (the `PPOTrainer.losses` seam)."""
     calls = []
-    real = ppo.policy_loss
+    real = tr.losses
 
-    def spy(logprobs, old_logprobs, advantages, mask, clip, **kw):
-        loss, stats = real(logprobs, old_logprobs, advantages, mask, clip, **kw)
-        calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.clone(), stats))
-        return loss, stats
+    def spy(b, num_tokens):
+        out = real(b, num_tokens)
+        calls.append((out.logprobs.clone(), b.logprobs.clone(), b.mask.clone(), out.stats))
+        return out
 
-    monkeypatch.setattr(ppo, "policy_loss", spy)
+    monkeypatch.setattr(tr, "losses", spy)
     return calls
 
 
@@ -146,7 +147,7 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path, monkeypatch, precision, 
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.maker.make_experience(0)
     assert exp.mask.sum(1).tolist().count(6.0) == 6
-    calls = spy_policy_loss(monkeypatch)
+    calls = spy_losses(monkeypatch, tr)
     tr.train_on(exp, 0)
     assert len(calls) == 8  # 2 epochs x 2 minibatches x 2 micro-batches
 
@@ -407,7 +408,7 @@ def test_policy_gradient_equals_hand_built_surrogate(tmp_path, monkeypatch, crit
         real_step()
 
     monkeypatch.setattr(tr.actor, "step", step)
-    calls = spy_policy_loss(monkeypatch)
+    calls = spy_losses(monkeypatch, tr)
     tr.train_on(exp, 0)
 
     assert len(steps) == 4
@@ -612,15 +613,15 @@ def test_interrupt_mid_update_finishes_the_iteration_then_resume_matches(run_sta
 
     overrides = [*RUN, "ppo.iterations=2", "ppo.kl_target=1.0", "ppo.kl_horizon=100"]
     _, whole, _ = run_stage("train_ppo", overrides)
-    real, calls = ppo.policy_loss, []
+    real, calls = PPOTrainer.losses, []
 
-    def interrupting(*args, **kwargs):
+    def interrupting(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:  # the second of iteration 1's 4 micro-batches
             os.kill(os.getpid(), signal.SIGINT)
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ppo, "policy_loss", interrupting)
+    monkeypatch.setattr(PPOTrainer, "losses", interrupting)
     run_dir = tmp_path / "runs" / "ppo" / "interrupted"
     with pytest.raises(KeyboardInterrupt):
         run_stage("train_ppo", overrides, run_dir=run_dir)
@@ -662,9 +663,8 @@ def test_checker_run_with_shared_critic_trains_the_value_head(run_stage):
 
 def test_reward_type_model_without_a_reward_model_is_a_clear_error(tmp_path):
     cfg = compose("train_ppo", [*TINY_PPO, "reward.type=model", f"paths.root={tmp_path / 'empty'}"])
-    tr = PPOTrainer(cfg, tmp_path / "run")
     with pytest.raises(ConfigError, match="latest_rm"):
-        tr.reward_model_path()
+        resolve_reward_model(cfg)
 
 
 def test_precision_bf16_says_once_that_the_scoring_passes_stay_bf16(tmp_path, caplog):
