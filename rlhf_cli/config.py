@@ -38,7 +38,9 @@ from rlhf_cli.errors import ConfigError
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 SCORING_PRECISIONS = ("fp32", "same")
 # the names in core.estimators.ESTIMATORS (config.py imports no package code; a test keeps the two equal)
-ESTIMATORS = ("gae",)
+ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
+# the reward sources `reward.type` / `reward.weights` name
+REWARD_SOURCES = ("model", "checker", "function")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,19 +234,32 @@ class PPOConfig:
     iterations: int = 4
     """Rollout/update iterations."""
     rollout_batch_size: int = 16
-    """Prompts sampled per iteration across all ranks (one response each)."""
+    """Prompts sampled per iteration across all ranks; each gets `ppo.n_samples_per_prompt` responses."""
+    n_samples_per_prompt: int = 1
+    """Responses sampled per prompt, a group (GRPO's G, TRL's num_generations); >= 2 for `grpo`, `dr_grpo`
+    and `rloo`. An iteration samples rollout_batch_size × n_samples_per_prompt completions, and a group never
+    spans two ranks."""
     mini_batch_size: int = 8
-    """Rollouts per optimizer step (global); rollout_batch_size must be divisible by it."""
+    """Completions per optimizer step (global); rollout_batch_size × n_samples_per_prompt must be divisible
+    by it."""
     micro_batch_size: int = 8
-    """Rollouts per forward pass per rank; mini_batch_size must be divisible by micro × world size."""
+    """Completions per forward pass per rank; mini_batch_size must be divisible by micro × world size."""
     epochs: int = 2
     """Passes over each rollout batch (PPO epochs). TRL 4, OpenRLHF 1."""
     gamma: float = 1.0
     """γ, discount per token, in [0, 1]."""
     lam: float = 0.95
     """λ, GAE trace decay, in [0, 1]."""
-    estimator: str = "gae"
-    """Advantage estimator (`core/estimators.py`): `gae`, GAE(γ, λ) against a learned critic."""
+    advantage_estimator: str = "gae"
+    """How advantages are estimated (`core/estimators.py`): `gae`, GAE(γ, λ) against a learned critic (PPO);
+    critic-free, so no critic is built or trained: `grpo` (group-normalised score, Shao et al. 2024),
+    `dr_grpo` (group-centred score, Liu et al. 2025), `rloo` (leave-one-out baseline, Ahmadian et al. 2024),
+    `reinforce_pp` (no baseline, batch-whitened, Hu 2025). OpenRLHF `--advantage_estimator`, veRL
+    `algorithm.adv_estimator`."""
+    kl_in: str = "reward"
+    """Where the KL to the reference enters: `reward` (−β·kl_t in every token's reward, Ziegler et al. 2019;
+    PPO's default) or `loss` (β × the per-token `ppo.kl_estimator` KL, aggregated like the policy loss, added to
+    the policy loss; GRPO's way, with k3). With `ppo.kl_target` the adaptive controller steers β either way."""
     clip: float = 0.2
     """ε, ratio clip of the surrogate, > 0."""
     value_clip: float | None = 0.2
@@ -277,8 +292,10 @@ class PPOConfig:
     iteration, the KL of this many rollout rows per rank is also computed in fp32 and logged as
     `objective/kl_fp32` beside `objective/kl_check` (the reported KL of the same rows), so the bf16 noise
     floor shows. 0 disables; never computed when the passes are fp32 already, or with bf16 weights."""
-    whiten_advantages: bool = True
-    """Whiten advantages over the whole rollout batch before minibatching."""
+    whiten_advantages: bool | None = None
+    """Whiten advantages over the whole rollout batch before minibatching; null = the estimator's own choice
+    (`gae` and `reinforce_pp` whiten; `grpo`, `dr_grpo` and `rloo` do not: their group baseline is the
+    normalisation)."""
     normalize_reward: bool = True
     """Normalise RM scores with the mean/std stored in the RM checkpoint (raw scores when it stores none:
     trained without held-out pairs, or not by `rlhf train-rm`)."""
@@ -319,8 +336,20 @@ class PPOConfig:
 
 @dataclass
 class RewardConfig:
+    """What a completion scores. One source, `reward.type`, or a weighted sum of several, `reward.weights`."""
+
     type: str = "model"
-    """`model` (a reward model, `reward_model.path`) or `checker` (the built-in task's rule-based checker)."""
+    """The one source: `model` (a reward model, `reward_model.path`), `checker` (the rule-based checker of
+    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers) or `function` (`reward.function`).
+    Not read when `reward.weights` is set."""
+    function: str | None = None
+    """A user reward function, `<module or path/to/file.py>:<callable>`, called on every rank with that rank's
+    rows as `fn(prompts, completions, answer=[...])` (lists of str, and the rows' answers, None where a row has
+    none; TRL's reward-function convention) and returning one float per completion."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Sum several sources, e.g. `reward.weights={model:1.0,checker:0.5}`: the score is Σ weight × source
+    score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.
+    Keys: `model`, `checker`, `function`. Empty = `reward.type` alone, weight 1."""
 
 
 @dataclass
@@ -525,7 +554,7 @@ def model_path_keys(cfg: Any, command: str) -> list[tuple]:
     from_run = "run dir, its final/ dir"
     keys = [("model.name_or_path", None, "set it to a hub id, an HF model dir or a run dir")]
     if command == "train_ppo":
-        if cfg.reward.type == "model":
+        if "model" in reward_sources(cfg):
             keys.append(("reward_model.path", "reward", f"set it to a `rlhf train-rm` {from_run} or an HF reward-model "
                                                         f"dir, or leave it unset for {root / 'latest_rm'}"))
         keys.append(("reference.path", "lm", f"set it to a causal LM (a {from_run} or an HF dir), or leave it "
@@ -611,7 +640,12 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.kl_target is None or p.kl_target > 0, f"ppo.kl_target must be > 0 or null (got {p.kl_target})")
     _check(p.kl_horizon > 0, f"ppo.kl_horizon must be > 0 (got {p.kl_horizon})")
     _one_of("ppo.kl_estimator", p.kl_estimator, ("k1", "k2", "k3"))
-    _one_of("ppo.estimator", p.estimator, ESTIMATORS)
+    _one_of("ppo.advantage_estimator", p.advantage_estimator, ESTIMATORS)
+    _one_of("ppo.kl_in", p.kl_in, ("reward", "loss"))
+    _check(p.kl_in != "loss" or p.kl_estimator != "k1",
+           "ppo.kl_in=loss with ppo.kl_estimator=k1: the k1 estimate's gradient is zero in expectation, so the KL "
+           "term would add only noise; use ppo.kl_estimator=k3 (GRPO) or k2")
+    _check(p.n_samples_per_prompt >= 1, f"ppo.n_samples_per_prompt must be >= 1 (got {p.n_samples_per_prompt})")
     _check(p.temperature > 0, f"ppo.temperature must be > 0 (got {p.temperature})")
     _check(0 < p.top_p <= 1, f"ppo.top_p must be in (0, 1] (got {p.top_p})")
     _check(p.kl_check_rows >= 0, f"ppo.kl_check_rows must be >= 0 (0 disables; got {p.kl_check_rows})")
@@ -620,7 +654,11 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.epochs >= 1, f"ppo.epochs must be >= 1 (got {p.epochs})")
     _check(p.rollout_batch_size > 0 and p.mini_batch_size > 0,
            f"ppo.rollout_batch_size ({p.rollout_batch_size}) and ppo.mini_batch_size ({p.mini_batch_size}) must be > 0")
-    _check(p.rollout_batch_size % p.mini_batch_size == 0,
+    completions = p.rollout_batch_size * p.n_samples_per_prompt
+    _check(completions % p.mini_batch_size == 0,
+           f"ppo.rollout_batch_size={p.rollout_batch_size} × ppo.n_samples_per_prompt={p.n_samples_per_prompt} = "
+           f"{completions} completions is not divisible by ppo.mini_batch_size={p.mini_batch_size}"
+           if p.n_samples_per_prompt > 1 else
            f"ppo.rollout_batch_size={p.rollout_batch_size} is not divisible by ppo.mini_batch_size={p.mini_batch_size}")
     _check(p.rollout_batch_size % world_size == 0,
            f"ppo.rollout_batch_size={p.rollout_batch_size} is not divisible by the world size {world_size}")
@@ -639,9 +677,31 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.save_every >= 0, f"ppo.save_every must be >= 0 (0 = only at the end; got {p.save_every})")
     _check(p.max_bad_steps >= 0, f"ppo.max_bad_steps must be >= 0 (got {p.max_bad_steps})")
     _check(p.max_kl is None or p.max_kl > 0, f"ppo.max_kl must be > 0 or null (got {p.max_kl})")
-    _one_of("reward.type", cfg.reward.type, ("model", "checker"))
-    _check(cfg.reward.type != "checker" or cfg.data.path is None,
-           "reward.type=checker needs the built-in task's prompts (leave data.path null)")
+    validate_reward(cfg)
+
+
+def reward_sources(cfg: Any) -> dict[str, float]:
+    """The run's reward sources and their weights: `reward.weights` when set, else {`reward.type`: 1.0}."""
+    weights = {str(k): float(v) for k, v in (cfg.reward.weights or {}).items()}
+    return weights or {str(cfg.reward.type): 1.0}
+
+
+def validate_reward(cfg: Any) -> None:
+    """`reward.*`: known sources, finite weights with one non-zero, and `reward.function` when a source needs it."""
+    r = cfg.reward
+    _one_of("reward.type", r.type, REWARD_SOURCES)
+    for key, w in (r.weights or {}).items():
+        _one_of("reward.weights key", key, REWARD_SOURCES)
+        _check(isinstance(w, (int, float)) and math.isfinite(w), f"reward.weights.{key} must be a finite number "
+                                                                 f"(got {w!r})")
+    sources = reward_sources(cfg)
+    _check(any(w != 0 for w in sources.values()), f"reward.weights={dict(sources)} gives every source weight 0")
+    if "function" in sources:
+        _check(bool(r.function), "the reward source `function` needs reward.function=<module or file.py>:<callable>")
+    if r.function:
+        module, sep, name = str(r.function).rpartition(":")
+        _check(bool(sep and module and name.isidentifier()),
+               f"reward.function={r.function!r} is not <module or path/to/file.py>:<callable name>")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:
@@ -651,7 +711,7 @@ def validate_eval(cfg: Any, world_size: int = 1) -> None:
     _check(e.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1 (got {e.max_new_tokens})")
     _check(e.temperature > 0, f"eval.temperature must be > 0 (got {e.temperature})")
     _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")
-    _one_of("reward.type", cfg.reward.type, ("model", "checker"))
+    validate_reward(cfg)
     _one_of("eval.split", e.split, ("eval", "train", "all"))
 
 

@@ -4,6 +4,7 @@
     DataError          unusable data: names the file, and for a bad row its number and field   ValueError
     ModelSourceError   a model or tokenizer source that cannot be found                  FileNotFoundError
     SaveError          an output that could not be written (disk full, quota, read-only)  OSError
+    RewardError        a reward function that raised or returned unusable values          ValueError
 
 `USER_ERRORS` (these and PermissionError, an unwritable output dir) is what `rlhf_cli.cli` catches. This
 module imports nothing from the package, so every layer can raise these.
@@ -50,4 +51,9 @@ class SaveError(OSError):
     write would have replaced is left as it was (atomic writes), so the previous checkpoint stays good."""
 
 
-USER_ERRORS = (ConfigError, DataError, ModelSourceError, SaveError, PermissionError)
+class RewardError(ValueError):
+    """A reward function (`reward.function`, or the checker) raised, or returned the wrong number of values or a
+    non-finite one. The message is one line naming the function and the data row; nothing is trained on it."""
+
+
+USER_ERRORS = (ConfigError, DataError, ModelSourceError, SaveError, RewardError, PermissionError)

@@ -14,10 +14,12 @@ from typing import Any
 
 from omegaconf.errors import MissingMandatoryValue
 
-from rlhf_cli.config import CHECKS, model_path_keys
+from rlhf_cli.config import CHECKS, model_path_keys, reward_sources
+from rlhf_cli.core import ESTIMATORS
 from rlhf_cli.errors import ConfigError, ModelSourceError
 from rlhf_cli.models.checkpoint import model_architectures, require_scalar_model_dir
 from rlhf_cli.models.loading import looks_like_hub_id
+from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.runs import read_pointer
 
 
@@ -56,9 +58,9 @@ def check_model_paths(cfg: Any, command: str) -> None:
 
 def resolve_reward_model(cfg: Any) -> str | None:
     """The reward model a run scores with: `reward_model.path`, else the `latest_rm` pointer under
-    `paths.root`; None when `reward.type` uses no model. Raises ConfigError when a model is needed and none
+    `paths.root`; None when no reward source is `model`. Raises ConfigError when a model is needed and none
     is set or found, or the path does not hold a reward model."""
-    if cfg.reward.type != "model":
+    if "model" not in reward_sources(cfg):
         return None
     path = cfg.reward_model.path
     if path is None:
@@ -70,9 +72,22 @@ def resolve_reward_model(cfg: Any) -> str | None:
     return require_scalar_model_dir(path, "reward model")
 
 
+def check_estimator(cfg: Any) -> None:
+    """`ppo.n_samples_per_prompt` is at least what `ppo.advantage_estimator` is defined for (a group baseline
+    needs 2 samples of a prompt). Raises ConfigError."""
+    est, n = ESTIMATORS[cfg.ppo.advantage_estimator], cfg.ppo.n_samples_per_prompt
+    if n < est.min_group_size:
+        raise ConfigError(f"ppo.advantage_estimator={est.name} compares the samples of one prompt: it needs "
+                          f"ppo.n_samples_per_prompt >= {est.min_group_size} (got {n}; 4-16 is usual)")
+
+
 def validate(command: str, cfg: Any, world_size: int = 1) -> None:
     """`command`'s config checks, then its model paths. Raises ConfigError."""
     CHECKS[command](cfg, world_size=world_size)
+    if command == "train_ppo":
+        check_estimator(cfg)
+    if "function" in reward_sources(cfg) and command in ("train_ppo", "eval"):
+        load_reward_function(str(cfg.reward.function))  # a missing file or name fails here, before any model loads
     check_model_paths(cfg, command)
 
 

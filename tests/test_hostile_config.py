@@ -56,7 +56,7 @@ RANGE_ERRORS = [
     ("train_ppo", "ppo.kl_target=0", "ppo.kl_target must be > 0 or null (got 0.0)"),
     ("train_ppo", "ppo.kl_horizon=0", "ppo.kl_horizon must be > 0 (got 0)"),
     ("train_ppo", "ppo.kl_estimator=k4", "ppo.kl_estimator='k4' is not one of k1, k2, k3"),
-    ("train_ppo", "ppo.estimator=grpo", "ppo.estimator='grpo' is not one of gae"),
+    ("train_ppo", "ppo.advantage_estimator=ppo", "ppo.advantage_estimator='ppo' is not one of gae, grpo"),
     ("train_ppo", "ppo.max_new_tokens=0", "ppo.max_new_tokens must be >= 1 (got 0)"),
     ("train_ppo", "ppo.temperature=0", "ppo.temperature must be > 0 (got 0.0)"),
     ("train_ppo", "ppo.top_p=1.5", "ppo.top_p must be in (0, 1] (got 1.5)"),

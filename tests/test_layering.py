@@ -46,7 +46,7 @@ LAYERS = {
     "core": 0, "errors": 0, "seeds": 0,
     "config": 1,
     "runs": 2,
-    "engine": 3, "data": 3, "models": 3, "report": 3,
+    "engine": 3, "data": 3, "models": 3, "report": 3, "rewards": 3,
     "preflight": 4, "lifecycle": 4, "rollout": 4,
     "stages": 5,
     "cli": 6, "__init__": 6,

@@ -15,21 +15,25 @@ c1 (value-loss coefficient)   ``c1`` / ``ppo.c1``         ``vf_coef``
 c2 (entropy coefficient)      ``c2`` / ``ppo.c2``         ``ent_coef``
 lambda (GAE)                  ``lam`` / ``ppo.lam``       ``gae_lambda``
 gamma (discount)              ``gamma`` / ``ppo.gamma``   ``gamma``
-beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef``
+beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef`` (TRL GRPO ``beta``)
+G (samples per prompt)        ``ppo.n_samples_per_prompt``  ``num_generations``
 KL target (Ziegler et al.)    ``target`` / ``ppo.kl_target``  ``target_kl``
 ============================  ==========================  ==========================
 """
 
 from rlhf_cli.core.advantages import (
+    add_at_last_token,
     compute_gae,
     compute_gae_vectorized,
     discounted_returns,
     kl_penalized_rewards,
 )
-from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator
+from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
+from rlhf_cli.core.groups import group_adjusted_scores, group_stats
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
 from rlhf_cli.core.losses import (
     entropy_bonus,
+    kl_loss,
     masked_aggregate,
     pairwise_loss,
     policy_loss,
@@ -50,18 +54,23 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageEstimator",
     "FixedKLController",
+    "add_at_last_token",
     "compute_gae",
     "compute_gae_vectorized",
     "discounted_returns",
     "entropy_bonus",
     "entropy_from_logits",
+    "group_adjusted_scores",
+    "group_stats",
     "kl_estimate",
+    "kl_loss",
     "kl_penalized_rewards",
     "logprobs_from_logits",
     "masked_aggregate",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "outcome_advantages",
     "pairwise_loss",
     "policy_loss",
     "ppo_total_loss",

@@ -64,7 +64,22 @@ def kl_penalized_rewards(
         raise ValueError(f"scores must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(scores.shape)}")
     m = _bool_mask(mask)
     kl = kl_estimate(logprobs, ref_logprobs, estimator, mask=m)  # (B, T), 0 on padding
-    rewards = -kl_beta * kl
+    return add_at_last_token(-kl_beta * kl, m, scores)
+
+
+def add_at_last_token(rewards: Tensor, mask: Tensor, scores: Tensor) -> Tensor:
+    """``rewards`` with ``scores[b]`` added at the last real token of each row (the last 1 of ``mask``);
+    a row with no real token is returned unchanged.
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards.
+        mask: ``(B, T)``, 1 = real response token.
+        scores: ``(B,)`` sequence scores (reward units).
+
+    Returns:
+        ``(B, T)`` in ``rewards``' dtype.
+    """
+    m = _bool_mask(mask)
     positions = torch.arange(m.shape[1], device=m.device)
     last = torch.where(m, positions, -1).amax(dim=1)  # (B,), -1 for an empty row
     score = torch.where(last >= 0, scores.to(rewards.dtype), 0.0)

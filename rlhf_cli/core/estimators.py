@@ -1,24 +1,41 @@
-"""Advantage estimators, by the name `ppo.estimator` gives: the one place a new estimator is registered.
+"""Advantage estimators, by the name `ppo.advantage_estimator` gives: the one place an estimator is registered.
 
-Every estimator turns a rollout's per-token rewards into per-token advantages and the value targets
-(returns) under one signature::
+Every estimator turns a rollout into per-token advantages and the value targets (returns) under one
+signature::
 
-    advantages, returns = ESTIMATORS[name](rewards, mask, values=values, gamma=ppo.gamma, lam=ppo.lam)
+    advantages, returns = ESTIMATORS[name](rewards, mask, scores=..., groups=..., valid=..., values=...,
+                                           gamma=ppo.gamma, lam=ppo.lam)
 
-    rewards  (B, T) per-token rewards (`core.kl_penalized_rewards`: −β·kl_t plus the score at the EOS)
+    rewards  (B, T) per-token rewards: `core.kl_penalized_rewards`, −β·kl_t plus the score at the last real
+             token (`ppo.kl_in=reward`), or the score alone (`ppo.kl_in=loss`: β·KL is a loss term instead)
     mask     (B, T) 1 on real response tokens (EOS included), 0 on the right padding
+    scores   (B,)   the sequence scores inside `rewards` (what a group baseline is taken of)
+    groups   (B,)   group id: rows sampled from one prompt share it (`ppo.n_samples_per_prompt`)
+    valid    (B,)   bool, rows that learn (False: masked out of the loss by `ppo.truncated=mask`)
     values   (B, T) the critic's V(s_t), or None for an estimator with `needs_critic=False`
-    returns  (B, T) the critic's regression targets (for a critic-free estimator: the advantages' own
-             baseline-free targets, which nothing trains on)
+    returns  (B, T) the critic's regression targets (for a critic-free estimator: the advantages, which
+             nothing trains on)
 
-Both outputs are at least float32, 0 on padding, not whitened (the trainer whitens when
-`ppo.whiten_advantages`). `needs_critic` declares whether the estimator reads a learned critic's values
-(calling it without them raises); every estimator registered today does, so the PPO stage always builds a
-critic.
+Both outputs are at least float32, 0 on padding, not whitened: the trainer whitens them over the whole
+rollout when `ppo.whiten_advantages` says so, whose default (null) is the estimator's own `whiten`.
 
-To add an estimator: write its function in this package (shapes, units, paper and equation in its
-docstring, a test against a hand-computed example), register it below with `register`, and add its
-name to `config.ESTIMATORS` (a test checks that the two lists agree).
+The registered estimators (the README lists them with their papers):
+
+    gae           GAE(γ, λ) against a learned critic (Schulman et al. 2016)               critic, whitened
+    grpo          (s − mean_g) / (std_g + ε), KL reward-to-go (Shao et al. 2024)          n >= 2
+    dr_grpo       s − mean_g, KL reward-to-go (Liu et al. 2025, Dr. GRPO)                 n >= 2
+    rloo          s − leave-one-out mean, KL reward-to-go (Ahmadian et al. 2024)          n >= 2
+    reinforce_pp  s, KL reward-to-go, whitened over the batch (Hu 2025, REINFORCE++)      whitened
+
+The critic-free ones share one rule: the sequence score is replaced by its group-adjusted value
+(`core.groups.group_adjusted_scores`, with its exact semantics for flat groups, groups of one and invalid
+rows), the per-token KL rewards stay as they are, and the advantage of token t is the γ-discounted
+reward-to-go from t (OpenRLHF's rule for its rloo / group_norm / reinforce estimators). With γ = 1 and
+`ppo.kl_in=loss` every token of a row gets the row's adjusted score, as in the GRPO paper.
+
+To add an estimator: write its function here (shapes, units, paper and equation in its docstring, a test
+against a hand-computed example and a loop reference), register it with `register`, and add its name to
+`config.ESTIMATORS` (a test checks that the two lists agree).
 """
 
 from __future__ import annotations
@@ -28,43 +45,108 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from rlhf_cli.core.advantages import compute_gae
+from rlhf_cli.core.advantages import add_at_last_token, compute_gae, discounted_returns
+from rlhf_cli.core.groups import group_adjusted_scores
+
+EstimatorFn = Callable[..., tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """A registered estimator: `fn(rewards, mask, *, values, gamma, lam) -> (advantages, returns)`."""
+    """A registered estimator.
+
+    fn: `fn(rewards, mask, *, scores, groups, valid, values, gamma, lam) -> (advantages, returns)`.
+    needs_critic: reads a learned critic's values (the PPO stage builds and trains a critic only then).
+    min_group_size: the fewest samples per prompt it is defined for (`ppo.n_samples_per_prompt`).
+    whiten: whether its advantages are whitened over the rollout by default (`ppo.whiten_advantages=null`).
+    """
 
     name: str
-    fn: Callable[..., tuple[Tensor, Tensor]]
+    fn: EstimatorFn
     needs_critic: bool
+    min_group_size: int = 1
+    whiten: bool = True
 
-    def __call__(self, rewards: Tensor, mask: Tensor, *, values: Tensor | None, gamma: float,
-                 lam: float) -> tuple[Tensor, Tensor]:
+    def __call__(self, rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor,
+                 values: Tensor | None, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
         if self.needs_critic and values is None:
             raise ValueError(f"advantage estimator {self.name!r} needs the critic's values")
-        return self.fn(rewards, mask, values=values, gamma=gamma, lam=lam)
+        return self.fn(rewards, mask, scores=scores, groups=groups, valid=valid, values=values, gamma=gamma,
+                       lam=lam)
 
 
 ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register(name: str, needs_critic: bool) -> Callable[[Callable[..., tuple[Tensor, Tensor]]],
-                                                        Callable[..., tuple[Tensor, Tensor]]]:
-    """Decorator: add `fn` to ESTIMATORS under `name` (the value of `ppo.estimator` that selects it).
+def register(name: str, needs_critic: bool, min_group_size: int = 1,
+             whiten: bool = True) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: add `fn` to ESTIMATORS under `name` (the value of `ppo.advantage_estimator` that selects it).
     Raises ValueError when the name is taken."""
 
-    def add(fn: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., tuple[Tensor, Tensor]]:
+    def add(fn: EstimatorFn) -> EstimatorFn:
         if name in ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic)
+        ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, min_group_size, whiten)
         return fn
 
     return add
 
 
 @register("gae", needs_critic=True)
-def gae(rewards: Tensor, mask: Tensor, *, values: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, mask: Tensor, *, values: Tensor, gamma: float, lam: float,
+        **_: object) -> tuple[Tensor, Tensor]:
     """GAE(γ = `ppo.gamma`, λ = `ppo.lam`) against the critic's values: see `core.compute_gae` (Schulman et al.
-    2016, eq. 16). returns = advantages + values, the λ-return."""
+    2016, eq. 16). returns = advantages + values, the λ-return. Groups play no part."""
     return compute_gae(rewards, values, mask, gamma, lam)
+
+
+def outcome_advantages(rewards: Tensor, mask: Tensor, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
+                       baseline: str) -> tuple[Tensor, Tensor]:
+    """The critic-free rule: A_t = Σ_{t' >= t} γ^(t'−t) r̃_t', where r̃ is `rewards` with each row's score
+    replaced by its group-adjusted score (`core.groups.group_adjusted_scores(..., baseline)`); invalid rows are 0.
+
+    Shapes: rewards/mask (B, T), scores/groups/valid (B,). Returns (advantages, advantages), at least float32,
+    reward units (`grpo`: group-std units for the score part), 0 on padding.
+    """
+    adjusted = group_adjusted_scores(scores, groups, valid, baseline)
+    shaped = add_at_last_token(rewards, mask, adjusted.to(rewards.dtype) - scores.to(rewards.dtype))
+    advantages = discounted_returns(shaped, mask, gamma) * valid.to(shaped.dtype)[:, None]
+    return advantages, advantages
+
+
+@register("grpo", needs_critic=False, min_group_size=2, whiten=False)
+def grpo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
+         **_: object) -> tuple[Tensor, Tensor]:
+    """GRPO (Shao et al. 2024, DeepSeekMath, section 4.1.2, outcome supervision): Â_i = (s_i − mean(s_g)) / (std(s_g)
+    + ε) on every token of row i, std the unbiased sample std of the group, ε = 1e-6; plus the KL reward-to-go
+    when `ppo.kl_in=reward`. See `outcome_advantages`."""
+    return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "grpo")
+
+
+@register("dr_grpo", needs_critic=False, min_group_size=2, whiten=False)
+def dr_grpo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
+            **_: object) -> tuple[Tensor, Tensor]:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective", section 3):
+    Â_i = s_i − mean(s_g), without GRPO's division by the group std (which up-weights nearly-solved and
+    nearly-failed prompts). Its other half, no per-response length normalisation, is `ppo.aggregation=token-mean`
+    (the default). See `outcome_advantages`."""
+    return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "dr_grpo")
+
+
+@register("rloo", needs_critic=False, min_group_size=2, whiten=False)
+def rloo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
+         **_: object) -> tuple[Tensor, Tensor]:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+    Human Feedback in LLMs"; Kool et al. 2019): Â_i = s_i − 1/(n−1) Σ_{j≠i} s_j, the baseline of each
+    sample the mean of its group's other samples (unbiased). See `outcome_advantages`."""
+    return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "rloo")
+
+
+@register("reinforce_pp", needs_critic=False, min_group_size=1, whiten=True)
+def reinforce_pp(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
+                 **_: object) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models"):
+    A_t = Σ_{t' >= t} γ^(t'−t) (−β·kl_t' + score at EOS), no baseline; the trainer then normalises the
+    advantages over the whole global batch (`whiten=True`), which stands in for the critic. Works with one
+    sample per prompt. See `outcome_advantages`."""
+    return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "none")

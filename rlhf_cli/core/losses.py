@@ -31,6 +31,7 @@ from rlhf_cli.core.ops import (
     _check_shapes,
     _compute_dtype,
     entropy_from_logits,
+    kl_estimate,
     masked_fill_zero,
     masked_mean,
     masked_var,
@@ -199,6 +200,41 @@ def value_loss(
             }
         )
     return loss, stats
+
+
+def kl_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    estimator: str = "k3",
+    num_tokens: float | Tensor | None = None,
+    aggregation: str = "token-mean",
+    num_seqs: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """KL to the reference as a loss term, GRPO's D_KL[π_θ ‖ π_ref] (Shao et al. 2024, eq. 3-4, with the k3
+    estimator): the per-token ``kl_estimate(logprobs, ref_logprobs, estimator)`` aggregated like the policy loss.
+    The trainer adds ``ppo.kl_beta`` (β) times it to the policy loss when ``ppo.kl_in=loss``.
+
+    Gradients flow through ``logprobs`` (the current policy's, on tokens it sampled before the update) only.
+    With ``"k1"`` the expected gradient is zero (E_π[∇ log π] = 0), which is why the config refuses it.
+
+    Args:
+        logprobs: ``(B, T)`` log π_θ of the sampled tokens, with grad.
+        ref_logprobs: ``(B, T)`` log π_ref of the same tokens.
+        mask: ``(B, T)``, 1 = real response token that enters the loss.
+        estimator: ``"k3"`` (default), ``"k2"`` or ``"k1"``; see :func:`rlhf_cli.core.ops.kl_estimate`.
+        num_tokens, aggregation, num_seqs: see the module docstring.
+
+    Returns:
+        (loss, stats): the 0-dim loss in nats (per token, aggregated); stats ``policy/kl_ref``, the mean
+        per-token estimate over this call's real tokens.
+
+    Raises:
+        ValueError: shape mismatch, unknown estimator or aggregation.
+    """
+    kl = kl_estimate(logprobs, ref_logprobs, estimator, mask=mask)
+    loss = masked_aggregate(kl, mask, num_tokens, aggregation, num_seqs)
+    return loss, _floats({"policy/kl_ref": masked_mean(kl.detach(), mask)})
 
 
 def entropy_bonus(

@@ -6,7 +6,14 @@
     check_answer(text, answer), check_answers(texts, answers)   # the built-in task's rule-based reward
 """
 
-from rlhf_cli.data.builtin import BuiltinProblem, builtin_splits, check_answer, check_answers, parse_answer
+from rlhf_cli.data.builtin import (
+    BuiltinProblem,
+    builtin_splits,
+    check_answer,
+    check_answers,
+    checker,
+    parse_answer,
+)
 from rlhf_cli.data.collate import PairCollator, PromptCollator, epoch_order, example_length, pad_sequences
 from rlhf_cli.data.datasets import (
     DataSummary,
@@ -22,7 +29,7 @@ from rlhf_cli.data.tokenize import Encoder, fit_pair, truncate_left
 __all__ = [
     "BuiltinProblem", "DataError", "DataSummary", "Encoder", "Keys", "Pair", "PairCollator",
     "PreferenceData", "Prompt", "PromptCollator", "PromptData", "builtin_splits",
-    "check_answer", "check_answers", "detect_format", "epoch_order", "example_length", "fit_pair",
+    "check_answer", "check_answers", "checker", "detect_format", "epoch_order", "example_length", "fit_pair",
     "load_preference_data", "load_prompt_data", "pad_sequences", "parse_answer", "parse_pair",
     "parse_prompt", "read_rows", "truncate_left",
 ]

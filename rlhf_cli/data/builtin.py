@@ -178,3 +178,11 @@ def check_answers(responses: Sequence[str], answers: Sequence[Any]) -> list[floa
     if len(responses) != len(answers):
         raise ValueError(f"check_answers: {len(responses)} responses but {len(answers)} answers")
     return [check_answer(r, a) for r, a in zip(responses, answers)]
+
+
+def checker(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float]:
+    """The checker as a reward function (`reward.type=checker` is `reward.function=rlhf_cli.data.builtin:checker`):
+    1.0 where a completion's final number equals its row's answer, else 0.0 (see `check_answer`; a row without
+    an answer scores 0.0). TRL's reward-function convention; works on any data whose rows carry numeric answers
+    (`data.answer_key`)."""
+    return check_answers(completions, answer)

@@ -7,6 +7,7 @@
                     critic's values, the per-sequence KL of two policies, dropout switched off,
                     the trained policy's final save
     scoring.py      reward-model scores of sequences and of preference pairs
+    rewards.py      `Rewards`: the run's reward, one source or a weighted sum (model, checker, function)
     stats.py        whitening and explained variance over the real tokens of all ranks
 
 It sits between the components (`core/` math, `models/`, `data/`, `engine.py`) and the stages: a stage
@@ -23,12 +24,14 @@ from rlhf_cli.rollout.policy import (
     PolicyWithValueHead,
     critic_values,
     disable_dropout,
+    has_value_head,
     lm_of,
     policy_forward,
     save_policy,
     sequence_kl,
     unwrap,
 )
+from rlhf_cli.rollout.rewards import Rewards
 from rlhf_cli.rollout.sampling import PerRowSampler, response_mask, sample_responses
 from rlhf_cli.rollout.scoring import batched_rewards, forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks
@@ -38,11 +41,13 @@ __all__ = [
     "ExperienceMaker",
     "PerRowSampler",
     "PolicyWithValueHead",
+    "Rewards",
     "batched_rewards",
     "critic_values",
     "disable_dropout",
     "explained_variance_across_ranks",
     "forward_pairs",
+    "has_value_head",
     "lm_of",
     "pair_metrics",
     "policy_forward",

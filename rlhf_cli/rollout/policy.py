@@ -36,6 +36,11 @@ def unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
+def has_value_head(model: Any) -> bool:
+    """Whether `model` (or the module a DeepSpeed engine wraps) is a policy carrying a shared value head."""
+    return isinstance(unwrap(model), PolicyWithValueHead)
+
+
 def lm_of(model: Any) -> Any:
     model = unwrap(model)
     return model.lm if isinstance(model, PolicyWithValueHead) else model

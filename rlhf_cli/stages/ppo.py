@@ -31,11 +31,13 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine
-from rlhf_cli.config import ConfigError
+from rlhf_cli.config import ConfigError, PPOConfig, reward_sources
 from rlhf_cli.core import (
+    ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     entropy_bonus,
+    kl_loss,
     policy_loss,
     value_loss,
 )
@@ -53,8 +55,10 @@ from rlhf_cli.rollout import (
     Experience,
     ExperienceMaker,
     PolicyWithValueHead,
+    Rewards,
     critic_values,
     disable_dropout,
+    has_value_head,
     policy_forward,
     save_policy,
 )
@@ -64,6 +68,8 @@ from rlhf_cli.stages.common import check_same_tokenizer, print_table
 
 log = logging.getLogger(__name__)
 
+# what only a critic reads: said once when a critic-free estimator makes them moot
+CRITIC_KEYS = ("critic", "critic_init", "critic_lr", "c1", "value_clip", "lam")
 PROGRESS_KEYS = ["objective/scores", "objective/kl", "policy/clipfrac", "response/length_mean"]
 
 
@@ -73,7 +79,7 @@ class Losses(NamedTuple):
     (detached), the training forward's response logprobs (B, R) (detached) and the loss modules' stats."""
 
     actor: torch.Tensor
-    critic: torch.Tensor | None  # a separate critic's objective; None when the critic is shared
+    critic: torch.Tensor | None  # a separate critic's objective; None when shared or critic-free
     policy: torch.Tensor
     value: torch.Tensor
     logprobs: torch.Tensor
@@ -111,8 +117,16 @@ class PPOTrainer:
         if len(self.prompts) < self.p.rollout_batch_size:
             raise ConfigError(f"only {len(self.prompts)} prompts, fewer than "
                               f"ppo.rollout_batch_size={self.p.rollout_batch_size}")
-        if self.cfg.reward.type == "checker" and any(x.get("answer") is None for x in self.prompts):
-            raise ConfigError("reward.type=checker needs prompts with answers (the built-in task)")
+        missing = sum(x.get("answer") is None for x in self.prompts)
+        if "checker" in reward_sources(self.cfg) and missing:
+            raise ConfigError(f"the checker reward needs prompts with answers: {missing} of {len(self.prompts)} "
+                              f"have none (the built-in task has them; for your data set data.answer_key)")
+        p, defaults = self.p, PPOConfig()
+        if not ESTIMATORS[p.advantage_estimator].needs_critic:
+            unused = [f"ppo.{k}={p[k]}" for k in CRITIC_KEYS if p[k] != getattr(defaults, k)]
+            if unused:
+                log.warning("%s: no effect with ppo.advantage_estimator=%s (critic-free: no critic, value loss or "
+                            "GAE)", ", ".join(unused), p.advantage_estimator)
         if self.cfg.data.group_by_length:
             log.warning("data.group_by_length=true has no effect in train-ppo: prompts are drawn in a plain "
                         "shuffled order (it groups train-rm's pairs)")
@@ -133,13 +147,15 @@ class PPOTrainer:
             self.reward_stats = read_reward_stats(self.rm_path)
         self.reference = engine.FrozenModel(reference, self.score_precision, offload=p.offload_reference)
 
-        steps_per_iter = p.epochs * (p.rollout_batch_size // p.mini_batch_size)
-        total = p.iterations * steps_per_iter
+        completions = p.rollout_batch_size * p.n_samples_per_prompt
+        total = p.iterations * p.epochs * (completions // p.mini_batch_size)
         common = dict(train_batch_size=p.mini_batch_size, micro_batch_size=p.micro_batch_size, total_steps=total,
                       warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
                       max_grad_norm=p.max_grad_norm)
         self.n_params = count_parameters(policy)
-        if p.critic == "shared":
+        if not ESTIMATORS[p.advantage_estimator].needs_critic:  # critic-free: the policy alone
+            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
+        elif p.critic == "shared":
             model = PolicyWithValueHead(policy, cfg.seed)
             self.actor = engine.TrainEngine(model, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
         else:
@@ -153,8 +169,10 @@ class PPOTrainer:
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
+        rewards = Rewards(cfg, self.tokenizer, self.reward_model, self.reward_stats, p.micro_batch_size,
+                          self.score_precision, normalize=p.normalize_reward)
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
-                                     self.reward_model, self.reward_stats, self.kl_ctl, self.score_precision)
+                                     rewards, self.kl_ctl, self.score_precision)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""
@@ -178,12 +196,13 @@ class PPOTrainer:
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
         """The forward and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
-        (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus `ppo.c1` × clipped value loss (`ppo.value_clip`): in
-        the actor's objective with a shared critic, as the separate critic's objective otherwise. Each is
-        aggregated over the whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so
-        micro-batch losses sum to the minibatch's."""
+        (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
+        `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
+        separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
+        whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so micro-batch losses sum
+        to the minibatch's."""
         p, P = self.p, b.prompt_len
-        shared = self.critic is None
+        shared, separate = has_value_head(self.actor.module), self.critic is not None
         with self.actor.autocast():
             lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
                                         with_entropy=True, with_values=shared)
@@ -191,15 +210,22 @@ class PPOTrainer:
         pg_loss, pg_stats = policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)
         ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
         actor_loss = pg_loss - p.c2 * ent_bonus
-        if not shared:
-            with self.critic.autocast():
-                v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P)
-        vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
-        if shared:
-            actor_loss = actor_loss + p.c1 * vf_loss
-        stats = {**pg_stats, **vf_stats, **ent_stats}
-        stats.pop("val/explained_var", None)  # per rollout, in ExperienceMaker.make_experience
-        return Losses(actor_loss, None if shared else p.c1 * vf_loss, pg_loss.detach(), vf_loss.detach(),
+        stats = {**pg_stats, **ent_stats}
+        if p.kl_in == "loss":  # GRPO's β·D_KL term (Shao et al. 2024, eq. 3)
+            kl, kl_stats = kl_loss(lp, b.ref_logprobs, b.mask, p.kl_estimator, **agg)
+            actor_loss = actor_loss + self.kl_ctl.value * kl
+            stats.update(kl_stats)
+        vf_loss = torch.zeros(())
+        if shared or separate:
+            if separate:
+                with self.critic.autocast():
+                    v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P)
+            vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
+            if shared:
+                actor_loss = actor_loss + p.c1 * vf_loss
+            stats.update(vf_stats)
+            stats.pop("val/explained_var", None)  # per rollout, in ExperienceMaker.make_experience
+        return Losses(actor_loss, p.c1 * vf_loss if separate else None, pg_loss.detach(), vf_loss.detach(),
                       lp.detach(), stats)
 
     def micro_step(self, b: Experience, num_tokens: float, iteration: int) -> Losses:
@@ -247,13 +273,23 @@ class PPOTrainer:
         stats = {k: v / max(count, 1) for k, v in sums.items()}
         n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
         stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws
-        stats["val/loss"] = sums.get("val/loss_sum", 0.0) / n_minibatches * ws
+        if self.maker.estimator.needs_critic:
+            stats["val/loss"] = sums.get("val/loss_sum", 0.0) / n_minibatches * ws
         stats.pop("policy/loss_sum", None), stats.pop("val/loss_sum", None)
         stats["time/training"] = dt
         stats["throughput/train_tokens_per_s"] = tokens * ws / max(dt, 1e-9)
         stats["policy/grad_norm"] = self.actor.grad_norm()
         stats["lr/actor"] = self.actor.lr()
         return engine.reduce_stats(stats)
+
+
+def describe_reward(cfg: Any, rm_path: str | None) -> str:
+    """The run's reward for its start table: `reward model <path>`, or the weighted sources."""
+    names = {"model": f"reward model {rm_path}", "checker": "checker", "function": f"function {cfg.reward.function}"}
+    sources = reward_sources(cfg)
+    if len(sources) == 1:
+        return names[next(iter(sources))]
+    return " + ".join(f"{w:g} × {names[k]}" for k, w in sources.items())
 
 
 def run(cfg: Any, run_dir: Path) -> float | None:
@@ -265,14 +301,15 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     # 1. data, reward source, models
     tr = PPOTrainer(cfg, run_dir)
     tr.load_data()
-    batches = f"{p.rollout_batch_size} / {p.mini_batch_size} / {p.micro_batch_size} / {engine.world_size()}"
+    batches = (f"{p.rollout_batch_size} × {p.n_samples_per_prompt} / {p.mini_batch_size} / {p.micro_batch_size} / "
+               f"{engine.world_size()}")
     if cfg.dry_run:
         tr.rm_path = resolve_reward_model(cfg)
         policy = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tr.tokenizer)
         print_table(f"train-ppo (dry run): {run_dir}", {
             "policy": cfg.model.name, "params (non-embedding)": count_parameters(policy),
-            "reward": tr.rm_path or "checker", "prompts": len(tr.prompts), "iterations": p.iterations,
-            "rollout / mini / micro / world": batches,
+            "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,
+            "prompts × samples / mini / micro / world": batches, "advantage estimator": p.advantage_estimator,
             "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
             "zero stage": cfg.deepspeed.zero_stage})
         if engine.is_main():
@@ -281,11 +318,13 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     tr.build_models()
     print_table(f"train-ppo: {run_dir}", {
         "policy": cfg.model.name, "params (non-embedding)": tr.n_params,
-        "reward": tr.rm_path or "checker (built-in task)",
+        "reward": describe_reward(cfg, tr.rm_path),
         "reward normalisation": tr.reward_stats if p.normalize_reward else None,
-        "critic": f"{p.critic} ({p.critic_init})", "prompts": len(tr.prompts), "iterations": p.iterations,
-        "rollout / mini / micro / world": batches,
-        "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta}",
+        "advantage estimator": p.advantage_estimator,
+        "critic": f"{p.critic} ({p.critic_init})" if tr.maker.estimator.needs_critic else "none (critic-free)",
+        "prompts": len(tr.prompts), "iterations": p.iterations,
+        "prompts × samples / mini / micro / world": batches,
+        "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",
         "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})"})
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
 
@@ -314,7 +353,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                 updating = True
                 train_stats = tr.train_on(exp, it)
                 updating = False
-            tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size)
+            tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
             metrics.log(it + 1, record)
             if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:
@@ -349,7 +388,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
     if engine.is_main():
         extra = {"rlhf_stage": "ppo", "rlhf_reference_model": tr.reference_spec,
-                 "rlhf_reward_model_path": abs_path(tr.rm_path), "rlhf_reward_type": cfg.reward.type}
+                 "rlhf_reward_model_path": abs_path(tr.rm_path), "rlhf_reward_type": cfg.reward.type,
+                 "rlhf_reward_sources": reward_sources(cfg), "rlhf_reward_function": cfg.reward.function,
+                 "rlhf_advantage_estimator": p.advantage_estimator}
         save_policy(final, tr.actor.module, actor_sd, tr.tokenizer, extra,
                     tr.critic.module if tr.critic is not None else None, critic_sd)
         pointer = finish_run(cfg, run_dir, final, "ppo", iterations=done)

@@ -1,11 +1,17 @@
-"""The advantage-estimator registry (`core/estimators.py`): one signature, the config's list in step with it."""
+"""Advantage estimators (`core/estimators.py`, `core/groups.py`): one signature, the config's list in step with the
+registry, and each critic-free estimator against a hand-computed case and a loop reference, including flat
+groups, groups of one and masked rows."""
+
+import math
 
 import pytest
 import torch
 
 from rlhf_cli import config
-from rlhf_cli.core import ESTIMATORS, compute_gae
+from rlhf_cli.core import ESTIMATORS, compute_gae, group_adjusted_scores, group_stats, kl_penalized_rewards
 from rlhf_cli.core.estimators import register
+
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
 
 def rollout(seed=0, B=4, T=7):
@@ -16,19 +22,139 @@ def rollout(seed=0, B=4, T=7):
     return rewards, values, mask
 
 
+def call(name, rewards, mask, scores, groups, valid=None, values=None, gamma=1.0, lam=1.0):
+    valid = torch.ones(len(scores), dtype=torch.bool) if valid is None else valid
+    return ESTIMATORS[name](rewards, mask, scores=scores, groups=groups, valid=valid, values=values, gamma=gamma,
+                            lam=lam)
+
+
+def outcome_only(scores, lengths, T=5):
+    """Rewards holding just the score at each row's last real token (`ppo.kl_in=loss`)."""
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).float()
+    zeros = torch.zeros(len(lengths), T)
+    return kl_penalized_rewards(scores, zeros, zeros, mask, 0.0), mask
+
+
+def loop_reference(name, rewards, mask, scores, groups, valid, gamma, eps=1e-6):
+    """The estimators' definition, one row and one token at a time."""
+    B, T = rewards.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for i in range(B):
+        if not valid[i]:
+            continue
+        s = [float(scores[j]) for j in range(B) if groups[j] == groups[i] and valid[j]]
+        n, si = len(s), float(scores[i])
+        if name == "reinforce_pp":
+            a = si
+        elif n < 2 or max(s) == min(s):
+            a = 0.0
+        else:
+            mean = sum(s) / n
+            std = math.sqrt(sum((x - mean) ** 2 for x in s) / (n - 1))
+            a = {"grpo": (si - mean) / (std + eps), "dr_grpo": si - mean,
+                 "rloo": si - (sum(s) - si) / (n - 1)}[name]
+        L = int(mask[i].sum())
+        r = [float(rewards[i, t]) for t in range(L)]
+        if L:
+            r[L - 1] += a - si
+        g = 0.0
+        for t in reversed(range(L)):
+            g = r[t] + gamma * g
+            adv[i, t] = g
+    return adv
+
+
 def test_the_config_offers_exactly_the_registered_estimators():
     assert set(config.ESTIMATORS) == set(ESTIMATORS)
-    assert config.PPOConfig().estimator in ESTIMATORS
+    assert config.PPOConfig().advantage_estimator == "gae"
+    assert [n for n, e in ESTIMATORS.items() if not e.needs_critic] == list(CRITIC_FREE)
+    assert {n: e.min_group_size for n, e in ESTIMATORS.items()} == {"gae": 1, "grpo": 2, "dr_grpo": 2, "rloo": 2,
+                                                                    "reinforce_pp": 1}
+    assert {n for n, e in ESTIMATORS.items() if e.whiten} == {"gae", "reinforce_pp"}
 
 
 def test_gae_entry_is_compute_gae_and_needs_the_critic():
     rewards, values, mask = rollout()
-    adv, ret = ESTIMATORS["gae"](rewards, mask, values=values, gamma=0.9, lam=0.8)
+    groups, scores = torch.arange(4), torch.zeros(4)
+    adv, ret = call("gae", rewards, mask, scores, groups, values=values, gamma=0.9, lam=0.8)
     want_adv, want_ret = compute_gae(rewards, values, mask, 0.9, 0.8)
     assert torch.equal(adv, want_adv) and torch.equal(ret, want_ret)
     assert ESTIMATORS["gae"].needs_critic
     with pytest.raises(ValueError, match="'gae' needs the critic's values"):
-        ESTIMATORS["gae"](rewards, mask, values=None, gamma=1.0, lam=1.0)
+        call("gae", rewards, mask, scores, groups)
+
+
+def test_hand_computed_group_of_three():
+    """Scores [1, 0, 0] in one group, one [0.5] alone (a group of one gets 0 from every group baseline)."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.5])
+    rewards, mask = outcome_only(scores, [3, 2, 5, 4])
+    groups = torch.tensor([7, 7, 7, 9])
+    std = math.sqrt(1 / 3)  # unbiased: ((2/3)^2 + 2 (1/3)^2) / 2 = 1/3
+    want = {"grpo": [(2 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6), 0.0],
+            "dr_grpo": [2 / 3, -1 / 3, -1 / 3, 0.0],
+            "rloo": [1.0, -0.5, -0.5, 0.0],
+            "reinforce_pp": [1.0, 0.0, 0.0, 0.5]}
+    for name, per_row in want.items():
+        adv, ret = call(name, rewards, mask, scores, groups)
+        assert torch.equal(adv, ret), name
+        expected = torch.tensor(per_row)[:, None] * mask  # γ = 1, no KL: every real token gets the row's value
+        torch.testing.assert_close(adv, expected, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("name", CRITIC_FREE)
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_matches_the_loop_reference_with_kl_rewards_and_masked_rows(name, gamma):
+    g = torch.Generator().manual_seed(3)
+    B, T = 12, 6
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    scores = torch.randint(0, 3, (B,), generator=g).float()  # ties and flat groups happen
+    scores[8:12] = 2.0  # one flat group
+    lp, ref = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    rewards = kl_penalized_rewards(scores, lp, ref, mask, 0.1)
+    groups = torch.arange(B) // 4 * 10 + 3
+    valid = torch.ones(B, dtype=torch.bool)
+    valid[[1, 6, 7]] = False  # masked (truncated) rows: group 1 keeps only 2 valid rows
+    adv, _ = call(name, rewards, mask, scores, groups, valid, gamma=gamma)
+    want = loop_reference(name, rewards, mask, scores, groups, valid, gamma)
+    torch.testing.assert_close(adv.double(), want, rtol=1e-5, atol=1e-6)
+    assert adv[~valid].abs().sum() == 0 and adv[mask == 0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_flat_group_gives_exactly_zero_even_when_the_mean_rounds(name):
+    """0.1 three times: the float32 mean is not exactly 0.1, yet the advantages are exactly 0 (no eps blow-up)."""
+    scores = torch.tensor([0.1, 0.1, 0.1])
+    rewards, mask = outcome_only(scores, [2, 3, 1])
+    adv, _ = call(name, rewards, mask, scores, torch.zeros(3, dtype=torch.long))
+    assert torch.equal(adv, torch.zeros_like(adv))
+
+
+def test_a_group_reduced_to_one_valid_row_gives_it_zero():
+    scores = torch.tensor([1.0, 0.0])
+    rewards, mask = outcome_only(scores, [2, 2])
+    for name in ("grpo", "dr_grpo", "rloo"):
+        adv, _ = call(name, rewards, mask, scores, torch.zeros(2, dtype=torch.long), torch.tensor([True, False]))
+        assert torch.equal(adv, torch.zeros_like(adv)), name
+
+
+def test_group_rows_need_not_be_adjacent_and_ids_are_arbitrary():
+    scores = torch.tensor([1.0, 5.0, 0.0, 3.0])
+    rewards, mask = outcome_only(scores, [1, 1, 1, 1], T=1)
+    a, _ = call("rloo", rewards, mask, scores, torch.tensor([-4, 100, -4, 100]))
+    assert a[:, 0].tolist() == [1.0, 2.0, -1.0, -2.0]
+
+
+def test_group_stats_are_unbiased_and_flag_flat_and_single_groups():
+    st = group_stats(torch.tensor([1.0, 3.0, 2.0, 2.0, 7.0]), torch.tensor([0, 0, 1, 1, 2]),
+                     torch.ones(5, dtype=torch.bool))
+    assert st["mean"].tolist() == [2.0, 2.0, 2.0, 2.0, 7.0]
+    torch.testing.assert_close(st["std"], torch.tensor([math.sqrt(2), math.sqrt(2), 0.0, 0.0, 0.0]))
+    assert st["flat"].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0] and st["count"].tolist() == [2, 2, 2, 2, 1]
+    with pytest.raises(ValueError, match="unknown group baseline"):
+        group_adjusted_scores(torch.zeros(2), torch.zeros(2), torch.ones(2), "mean")
+    with pytest.raises(ValueError, match=r"\(B,\) tensors of one shape"):
+        group_stats(torch.zeros(2), torch.zeros(3), torch.ones(2))
 
 
 def test_a_registered_estimator_is_called_through_the_one_signature(monkeypatch):
@@ -38,14 +164,16 @@ def test_a_registered_estimator_is_called_through_the_one_signature(monkeypatch)
     seen = {}
 
     @register("sum_to_go", needs_critic=False)
-    def sum_to_go(rewards, mask, *, values, gamma, lam):
-        seen.update(values=values, gamma=gamma, lam=lam)
+    def sum_to_go(rewards, mask, *, values, gamma, lam, **rest):
+        seen.update(values=values, gamma=gamma, lam=lam, keys=sorted(rest))
         adv = (rewards * mask).flip(1).cumsum(1).flip(1) * mask
         return adv, adv
 
     rewards, _, mask = rollout(1)
-    adv, _ = estimators.ESTIMATORS["sum_to_go"](rewards, mask, values=None, gamma=1.0, lam=0.5)
-    assert seen == {"values": None, "gamma": 1.0, "lam": 0.5}
+    adv, _ = estimators.ESTIMATORS["sum_to_go"](rewards, mask, scores=torch.zeros(4), groups=torch.arange(4),
+                                                valid=torch.ones(4, dtype=torch.bool), values=None, gamma=1.0,
+                                                lam=0.5)
+    assert seen == {"values": None, "gamma": 1.0, "lam": 0.5, "keys": ["groups", "scores", "valid"]}
     assert torch.allclose(adv[1, 0], rewards[1, :3].sum()) and adv[1, 3:].abs().sum() == 0
     assert "sum_to_go" not in ESTIMATORS  # the module's table was a copy for this test
     with pytest.raises(ValueError, match="already registered"):

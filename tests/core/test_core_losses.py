@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from rlhf_cli.core import (
     entropy_bonus,
     entropy_from_logits,
+    kl_loss,
     logprobs_from_logits,
     pairwise_loss,
     policy_loss,
@@ -465,3 +466,20 @@ def test_bf16_inputs_within_tolerance_of_fp32(seed, B, T):
         # variance is a ratio of variances, ill-conditioned on tiny batches
         if key not in ("policy/clipfrac", "val/clipfrac", "val/explained_var"):
             assert low_stats[key] == pytest.approx(high_stats[key], rel=5e-2, abs=5e-2), key
+
+
+def test_kl_loss_is_the_aggregated_k3_with_gradient_through_logprobs_only():
+    """GRPO's β·D_KL term: k3 = exp(ref − lp) − (ref − lp) − 1 per token, token-mean over the real tokens."""
+    lp = torch.tensor([[-1.0, -2.0, 5.0], [-0.5, 9.0, 9.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    d = [-0.5, 1.0, 0.0]  # ref − lp on the three real tokens
+    want = sum(math.exp(x) - x - 1 for x in d) / 3
+    loss, stats = kl_loss(lp, ref, mask, "k3")
+    assert loss.item() == pytest.approx(want, rel=1e-6) and stats["policy/kl_ref"] == pytest.approx(want, rel=1e-6)
+    loss.backward()
+    # d/d lp of exp(ref − lp) − (ref − lp) − 1 = 1 − exp(ref − lp); padding gets no gradient
+    want_grad = torch.tensor([[1 - math.exp(-0.5), 1 - math.exp(1.0), 0.0], [0.0, 0.0, 0.0]]) / 3
+    torch.testing.assert_close(lp.grad, want_grad)
+    half, _ = kl_loss(lp.detach(), ref, mask, "k3", num_tokens=6)  # a micro-batch's share of a larger minibatch
+    assert half.item() == pytest.approx(want / 2, rel=1e-6)

@@ -456,7 +456,7 @@ def test_missing_eos_penalty_hits_only_unterminated_responses(tmp_path, monkeypa
     eos_at = {0: 5, 3: 0, 4: 2}  # rows 0, 3 (empty) and 4 end; the other five are cut by max_new_tokens
     force_eos(monkeypatch, tr, eos_at)
     known = torch.linspace(-1.0, 1.0, 8)  # a known score per row
-    monkeypatch.setattr(tr.maker, "score", lambda input_ids, attention_mask, P, prompts: (known.clone(), known.clone()))
+    monkeypatch.setattr(tr.maker, "rewards", lambda ids, am, P, prompts: (known.clone(), known.clone(), {}))
     exp, stats, _ = tr.maker.make_experience(0)
 
     ended = torch.tensor([i in eos_at for i in range(8)])

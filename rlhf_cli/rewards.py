@@ -1,0 +1,98 @@
+"""Reward functions: code that scores completions, named by `reward.function=<module or file.py>:<callable>`.
+
+    fn = load_reward_function("my_rewards.py:exact_match")        ConfigError when it cannot be loaded
+    scores = call_reward_function(fn, name, prompts, completions, answers, rows)   (B,) float32 tensor
+
+The calling convention is TRL's (`GRPOTrainer(reward_funcs=...)`), so a TRL reward function works unchanged::
+
+    def exact_match(prompts, completions, answer, **kwargs) -> list[float]:
+        return [1.0 if c.strip().endswith(str(a)) else 0.0 for c, a in zip(completions, answer)]
+
+prompts and completions are lists of str (the prompt as the model saw it, chat template included; the decoded
+completion without special tokens); `answer` is the list of the rows' answers (`data.answer_key`, or the
+built-in task's), None where a row has none. It must return one finite float per completion; anything else
+raises RewardError naming the function and the data row, so a run never trains on it.
+
+The built-in checker is such a function: `rlhf_cli.data.builtin:checker`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_cli.errors import ConfigError, RewardError
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+@cache
+def load_reward_function(spec: str, key: str = "reward.function") -> RewardFn:
+    """The callable `spec` names: `path/to/file.py:name` (a file, imported under a private module name) or
+    `package.module:name` (imported from the environment). Loaded once per process.
+
+    Raises:
+        ConfigError: malformed spec, missing file or module, an import that raised, or no callable `name`.
+    """
+    module, sep, name = spec.rpartition(":")
+    if not (sep and module and name):
+        raise ConfigError(f"{key}={spec!r} is not <module or path/to/file.py>:<callable name>")
+    if module.endswith(".py") or "/" in module:
+        path = Path(module).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"{key}={spec}: no file {path}")
+        digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        loader_spec = importlib.util.spec_from_file_location(f"rlhf_cli_reward_{digest}", path)
+        mod = importlib.util.module_from_spec(loader_spec)
+        try:
+            loader_spec.loader.exec_module(mod)
+        except Exception as e:  # noqa: BLE001 - the user's module: report it in one line
+            raise ConfigError(f"{key}={spec}: importing {path} raised {type(e).__name__}: {e}") from None
+    else:
+        try:
+            mod = importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - ImportError, or whatever the module raises at import
+            raise ConfigError(f"{key}={spec}: cannot import {module} ({type(e).__name__}: {e})") from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}={spec}: {module} has no callable {name!r}")
+    return fn
+
+
+def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[str], completions: Sequence[str],
+                         answers: Sequence[Any], rows: Sequence[Any]) -> torch.Tensor:
+    """`fn(prompts, completions, answer=answers)` checked: (B,) float32 scores.
+
+    `name` is how messages name the function (the `reward.function` spec); `rows[i]` is completion i's data
+    row number (1-based) for messages.
+
+    Raises:
+        RewardError: the function raised, returned something that is not B numbers, or a non-finite number.
+    """
+    n = len(completions)
+    try:
+        out = fn(list(prompts), list(completions), answer=list(answers))
+    except Exception as e:  # noqa: BLE001 - the user's function: one line, then stop
+        raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} (scoring {n} completions, "
+                          f"the first of data row {rows[0] if rows else '?'})") from None
+    try:
+        values = [float(v) for v in out]
+    except (TypeError, ValueError):
+        raise RewardError(f"reward function {name} returned {type(out).__name__} {str(out)[:80]!r}, not a list of "
+                          f"{n} floats") from None
+    if len(values) != n:
+        raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions "
+                          f"(data rows {rows[0]}..{rows[-1]}): return one float per completion")
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise RewardError(f"reward function {name} returned {v} for the completion of data row {rows[i]} "
+                              f"({completions[i][:60]!r}): return a finite float per completion")
+    return torch.tensor(values, dtype=torch.float32)

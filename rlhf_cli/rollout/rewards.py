@@ -1,0 +1,99 @@
+"""The run's reward: one source (`reward.type`) or a weighted sum of several (`reward.weights`), scored on each
+rank's own rows.
+
+    sources   model     the reward model's score (normalised with its held-out mean/std when
+                        `ppo.normalize_reward` and the checkpoint stores them)
+              checker   `rlhf_cli.data.builtin:checker`, 1.0 for a correct final number, else 0.0
+              function  the user's `reward.function` (see `rlhf_cli.rewards`)
+    score     Σ weight × source score; the trainer then subtracts `ppo.missing_eos_penalty` from responses
+              without EOS (`ppo.truncated=penalize`)
+
+Reward functions run on every rank, each on that rank's rows. A function that fails on one rank stops every
+rank, with its one-line message (`RewardError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhf_cli import engine
+from rlhf_cli.config import reward_sources
+from rlhf_cli.data import checker
+from rlhf_cli.errors import RewardError
+from rlhf_cli.rewards import call_reward_function, load_reward_function
+from rlhf_cli.rollout.scoring import batched_rewards
+
+CHECKER = "rlhf_cli.data.builtin:checker"
+
+
+class Rewards:
+    """Scores completions with the run's reward sources.
+
+    cfg: the run config (`reward.*`, `ppo.normalize_reward`); reward_model: an `engine.FrozenModel` (None when
+    no source is `model`); reward_stats: its held-out (mean, std) or None; batch_size: rows per RM forward;
+    score_precision: the RM pass's precision.
+    """
+
+    def __init__(self, cfg: Any, tokenizer: Any, reward_model: Any, reward_stats: tuple[float, float] | None,
+                 batch_size: int, score_precision: str, normalize: bool = True) -> None:
+        self.weights = reward_sources(cfg)
+        self.tokenizer, self.reward_model, self.reward_stats = tokenizer, reward_model, reward_stats
+        self.batch_size, self.score_precision, self.normalize = batch_size, score_precision, normalize
+        self.functions: dict[str, tuple[str, Any]] = {}
+        if "checker" in self.weights:
+            self.functions["checker"] = (CHECKER, checker)
+        if "function" in self.weights:
+            self.functions["function"] = (cfg.reward.function, load_reward_function(cfg.reward.function))
+        if "model" in self.weights and reward_model is None:
+            raise ValueError("the reward source `model` needs a reward model")
+
+    @property
+    def needs_answers(self) -> bool:
+        return "checker" in self.weights
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                 prompts: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """(raw (B,), score (B,), per-source means) of this rank's rows `[prompt | response]`.
+
+        raw = Σ weight × raw source score; score = the same with the model's score normalised. The means are
+        this rank's, keyed `reward/<source>` (raw scores; reduce them over ranks).
+
+        Raises:
+            RewardError: a reward function failed here or on another rank.
+        """
+        device = input_ids.device
+        raw = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=device)
+        norm = torch.zeros_like(raw)
+        means: dict[str, float] = {}
+        if "model" in self.weights:
+            with self.reward_model.on_device() as rm:
+                r = batched_rewards(rm, input_ids, attention_mask, self.batch_size, self.score_precision)
+            n = r
+            if self.normalize and self.reward_stats is not None:
+                mean, std = self.reward_stats
+                n = (r - mean) / (std if std > 1e-6 else 1.0)  # a constant RM has std 0: only centre
+            raw, norm = raw + self.weights["model"] * r, norm + self.weights["model"] * n
+            means["reward/model"] = r.mean().item()
+        if self.functions:
+            texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
+            got = self._call_functions(texts, prompts)
+            for source, values in got.items():
+                values = values.to(device)
+                raw, norm = raw + self.weights[source] * values, norm + self.weights[source] * values
+                means[f"reward/{source}"] = values.mean().item()
+        return raw, norm, means
+
+    def _call_functions(self, texts: list[str], prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        failure, out = None, {}
+        try:
+            for source, (name, fn) in self.functions.items():
+                out[source] = call_reward_function(fn, name, [x.get("prompt_text", "") for x in prompts], texts,
+                                                   [x.get("answer") for x in prompts], [x.get("row") for x in prompts])
+        except RewardError as e:
+            failure = e
+        if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:  # every rank stops together
+            raise failure if failure is not None else RewardError("a reward function failed on another rank")
+        return out
