@@ -49,10 +49,6 @@ class Rewards:
         if "model" in self.weights and reward_model is None:
             raise ValueError("the reward source `model` needs a reward model")
 
-    @property
-    def needs_answers(self) -> bool:
-        return "checker" in self.weights
-
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                  prompts: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:

@@ -96,6 +96,7 @@ class PPOTrainer:
         # log-prob passes of policy (old logprobs, training forward) and reference, reward-model scores
         self.score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
         self.tokenizer = load_tokenizer(cfg.model)
+        self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]  # needs_critic: whether a critic is built
         self.bad_steps = 0  # micro-steps skipped for NaN/inf losses
         # load_data
         self.prompts: list[dict[str, Any]] = []
@@ -122,7 +123,7 @@ class PPOTrainer:
             raise ConfigError(f"the checker reward needs prompts with answers: {missing} of {len(self.prompts)} "
                               f"have none (the built-in task has them; for your data set data.answer_key)")
         p, defaults = self.p, PPOConfig()
-        if not ESTIMATORS[p.advantage_estimator].needs_critic:
+        if not self.estimator.needs_critic:
             unused = [f"ppo.{k}={p[k]}" for k in CRITIC_KEYS if p[k] != getattr(defaults, k)]
             if unused:
                 log.warning("%s: no effect with ppo.advantage_estimator=%s (critic-free: no critic, value loss or "
@@ -153,7 +154,7 @@ class PPOTrainer:
                       warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
                       max_grad_norm=p.max_grad_norm)
         self.n_params = count_parameters(policy)
-        if not ESTIMATORS[p.advantage_estimator].needs_critic:  # critic-free: the policy alone
+        if not self.estimator.needs_critic:  # critic-free: the policy alone
             self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
         elif p.critic == "shared":
             model = PolicyWithValueHead(policy, cfg.seed)
@@ -273,7 +274,7 @@ class PPOTrainer:
         stats = {k: v / max(count, 1) for k, v in sums.items()}
         n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
         stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws
-        if self.maker.estimator.needs_critic:
+        if self.estimator.needs_critic:
             stats["val/loss"] = sums.get("val/loss_sum", 0.0) / n_minibatches * ws
         stats.pop("policy/loss_sum", None), stats.pop("val/loss_sum", None)
         stats["time/training"] = dt
@@ -321,7 +322,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "reward": describe_reward(cfg, tr.rm_path),
         "reward normalisation": tr.reward_stats if p.normalize_reward else None,
         "advantage estimator": p.advantage_estimator,
-        "critic": f"{p.critic} ({p.critic_init})" if tr.maker.estimator.needs_critic else "none (critic-free)",
+        "critic": f"{p.critic} ({p.critic_init})" if tr.estimator.needs_critic else "none (critic-free)",
         "prompts": len(tr.prompts), "iterations": p.iterations,
         "prompts × samples / mini / micro / world": batches,
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",
