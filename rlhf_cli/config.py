@@ -335,6 +335,18 @@ class PPOConfig:
 
 
 @dataclass
+class RewardWeights:
+    """`reward.weights`: the weight of each reward source in the sum; null = the source is not used."""
+
+    model: float | None = None
+    """The reward model's (normalised) score, `reward_model.path`."""
+    checker: float | None = None
+    """The built-in checker (1.0 for a correct final number, else 0.0)."""
+    function: float | None = None
+    """`reward.function`'s value."""
+
+
+@dataclass
 class RewardConfig:
     """What a completion scores. One source, `reward.type`, or a weighted sum of several, `reward.weights`."""
 
@@ -347,10 +359,10 @@ class RewardConfig:
     rows as `fn(prompts, completions, answer=[...])` (lists of str, and the rows' answers, None where a row has
     none; TRL's reward-function convention) and returning one float per completion. Read by train-ppo only:
     `rlhf eval` does not call it yet (it says so)."""
-    weights: dict[str, float] = field(default_factory=dict)
+    weights: RewardWeights = field(default_factory=lambda: RewardWeights())
     """Sum several sources, e.g. `reward.weights={model:1.0,checker:0.5}`: the score is Σ weight × source
     score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.
-    Keys: `model`, `checker`, `function`. Empty = `reward.type` alone, weight 1."""
+    All null (the default) = `reward.type` alone, weight 1."""
 
 
 @dataclass
@@ -683,7 +695,7 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
 
 def reward_sources(cfg: Any) -> dict[str, float]:
     """The run's reward sources and their weights: `reward.weights` when set, else {`reward.type`: 1.0}."""
-    weights = {str(k): float(v) for k, v in (cfg.reward.weights or {}).items()}
+    weights = {str(k): float(v) for k, v in cfg.reward.weights.items() if v is not None}
     return weights or {str(cfg.reward.type): 1.0}
 
 
@@ -691,10 +703,8 @@ def validate_reward(cfg: Any) -> None:
     """`reward.*`: known sources, finite weights with one non-zero, and `reward.function` when a source needs it."""
     r = cfg.reward
     _one_of("reward.type", r.type, REWARD_SOURCES)
-    for key, w in (r.weights or {}).items():
-        _one_of("reward.weights key", key, REWARD_SOURCES)
-        _check(isinstance(w, (int, float)) and math.isfinite(w), f"reward.weights.{key} must be a finite number "
-                                                                 f"(got {w!r})")
+    for key, w in r.weights.items():  # the keys are RewardWeights' fields: the schema checks them
+        _check(w is None or math.isfinite(w), f"reward.weights.{key} must be a finite number (got {w!r})")
     sources = reward_sources(cfg)
     _check(any(w != 0 for w in sources.values()), f"reward.weights={dict(sources)} gives every source weight 0")
     if "function" in sources:

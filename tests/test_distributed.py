@@ -121,3 +121,23 @@ def test_zero3_chain_reward_model_into_ppo_critic(tmp_path):
     for k, v in rm.items():
         assert (got[k] - v).abs().max() < 1e-3, k
     assert (tmp_path / "latest_policy").is_file()
+
+
+@pytest.mark.slow
+def test_two_ranks_group_advantages_match_one_rank(tmp_path):
+    """GRPO with 4 samples per prompt: each rank holds whole groups, so 2 ranks compute the advantages, and then
+    the update, of 1 rank (one minibatch per epoch, see the module docstring)."""
+    fn = tmp_path / "rewards.py"  # the tiny model's checker score is 0 everywhere: a reward that varies
+    fn.write_text("def length(prompts, completions, answer, **kw):\n    return [len(c) / 10 for c in completions]\n")
+    args = ["train-ppo", *COMMON, "reward.type=function", f"reward.function={fn}:length",
+            "ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=4",
+            "ppo.rollout_batch_size=4", "ppo.mini_batch_size=16", "ppo.micro_batch_size=4", "ppo.iterations=2",
+            "ppo.max_new_tokens=8", "ppo.truncated=penalize", "ppo.missing_eos_penalty=1.0", "ppo.kl_in=loss",
+            "ppo.kl_estimator=k3", "deepspeed=zero2"]
+    launch(args, tmp_path / "one")
+    launch(args, tmp_path / "two", ranks=2)
+    a, b = metrics(tmp_path / "one", "ppo"), metrics(tmp_path / "two", "ppo")
+    assert any(r["advantages/abs_mean"] > 0 for r in a)  # some group had a signal to compare
+    assert_same_metrics(a, b, ("advantages/mean", "advantages/abs_mean", "groups/score_mean", "groups/score_std",
+                               "groups/zero_var_frac", "objective/scores", "objective/kl", "policy/loss"))
+    assert_same_weights(final_dir(tmp_path / "one", "ppo"), final_dir(tmp_path / "two", "ppo"))

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from stage_helpers import REPO, compose
+from stage_helpers import REPO, compose, subprocess_env
 
 from rlhf_cli.config import ConfigError
 from rlhf_cli.preflight import VALIDATORS
@@ -186,7 +186,7 @@ def test_policy_or_reference_pointing_at_a_reward_model(saved_models, tmp_path):
 
 def test_cli_missing_reward_model_is_one_line_and_writes_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rlhf_cli", "train-ppo", "model=tiny", "reward_model.path=/nonexistent",
-                          f"paths.root={tmp_path}"], cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                          f"paths.root={tmp_path}"], cwd=REPO, env=subprocess_env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr + out.stdout

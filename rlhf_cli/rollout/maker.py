@@ -149,6 +149,9 @@ class ExperienceMaker:
         exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
                          values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
                          score)
+        # token means over all ranks of the advantages the update uses (after whitening)
+        adv_sums = engine.all_reduce_sum(torch.stack([(advantages * loss_mask).sum(),
+                                                      (advantages.abs() * loss_mask).sum(), loss_mask.sum()]))
         kl_tok = kl_estimate(logprobs, ref_logprobs, "k1") * mask
         kl_seq = kl_tok.sum(1)  # nats per sequence
         lengths = mask.sum(1)
@@ -161,6 +164,8 @@ class ExperienceMaker:
             "objective/kl_beta": beta,
             "objective/rlhf_reward": (score - beta * kl_seq).mean().item(),
             "objective/entropy_sampled": (-(logprobs * mask).sum(1)).mean().item(),
+            "advantages/mean": (adv_sums[0] / adv_sums[2].clamp(min=1)).item(),
+            "advantages/abs_mean": (adv_sums[1] / adv_sums[2].clamp(min=1)).item(),
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": has_eos.float().mean().item(),
             "time/generation": t1 - t0,

@@ -147,7 +147,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     ref_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), ref_spec)
     reference = load_causal_lm(ref_cfg, cfg.precision, ref_seed, tokenizer=tokenizer)
     reward_model, rm_stats = None, None
-    if cfg.reward.function or cfg.reward.weights or cfg.reward.type == "function":
+    weighted = any(w is not None for w in cfg.reward.weights.values())
+    if cfg.reward.function or weighted or cfg.reward.type == "function":
         log.warning("rlhf eval does not read reward.function, reward.weights or reward.type=function yet: it scores "
                     "with the reward model (reward.type=model) and, where prompts have answers, the checker")
     if rm_path is not None and cfg.reward.type == "model":
