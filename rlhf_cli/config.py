@@ -357,8 +357,8 @@ class RewardConfig:
     function: str | None = None
     """A user reward function, `<module or path/to/file.py>:<callable>`, called on every rank with that rank's
     rows as `fn(prompts, completions, answer=[...])` (lists of str, and the rows' answers, None where a row has
-    none; TRL's reward-function convention) and returning one float per completion. Read by train-ppo only:
-    `rlhf eval` does not call it yet (it says so)."""
+    none; TRL's reward-function convention) and returning one float per completion. `rlhf eval` scores
+    the policy's and the reference's samples with it too (`function_gain`, paired, in eval.json)."""
     weights: RewardWeights = field(default_factory=lambda: RewardWeights())
     """Sum several sources, e.g. `reward.weights={model:1.0,checker:0.5}`: the score is Σ weight × source
     score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.

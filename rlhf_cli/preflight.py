@@ -86,7 +86,7 @@ def validate(command: str, cfg: Any, world_size: int = 1) -> None:
     CHECKS[command](cfg, world_size=world_size)
     if command == "train_ppo":
         check_estimator(cfg)
-    if "function" in reward_sources(cfg) and command == "train_ppo":
+    if cfg.reward.function and ("function" in reward_sources(cfg) or command == "eval"):
         load_reward_function(str(cfg.reward.function))  # a missing file or name fails here, before any model loads
     check_model_paths(cfg, command)
 

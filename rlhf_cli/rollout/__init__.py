@@ -31,7 +31,7 @@ from rlhf_cli.rollout.policy import (
     sequence_kl,
     unwrap,
 )
-from rlhf_cli.rollout.rewards import Rewards
+from rlhf_cli.rollout.rewards import Rewards, raise_on_any_rank
 from rlhf_cli.rollout.sampling import PerRowSampler, response_mask, sample_responses
 from rlhf_cli.rollout.scoring import batched_rewards, forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks
@@ -51,6 +51,7 @@ __all__ = [
     "lm_of",
     "pair_metrics",
     "policy_forward",
+    "raise_on_any_rank",
     "response_mask",
     "sample_responses",
     "save_policy",

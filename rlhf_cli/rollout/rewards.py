@@ -90,6 +90,12 @@ class Rewards:
                                                    [x.get("answer") for x in prompts], [x.get("row") for x in prompts])
         except RewardError as e:
             failure = e
-        if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:  # every rank stops together
-            raise failure if failure is not None else RewardError("a reward function failed on another rank")
+        raise_on_any_rank(failure)
         return out
+
+
+def raise_on_any_rank(failure: RewardError | None) -> None:
+    """Every rank raises when a reward function failed on any of them (`failure` on this one, else None): this
+    rank's own message, or "failed on another rank". A collective: call it on every rank."""
+    if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:
+        raise failure if failure is not None else RewardError("a reward function failed on another rank")

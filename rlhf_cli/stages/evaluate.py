@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError, ModelConfig
 from rlhf_cli.data import check_answers, load_preference_data, load_prompt_data
+from rlhf_cli.errors import RewardError
 from rlhf_cli.lifecycle import prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     is_scalar_model_dir,
@@ -43,7 +44,15 @@ from rlhf_cli.report import (
     summary_table,
     write_html,
 )
-from rlhf_cli.rollout import batched_rewards, pair_metrics, sample_responses, score_pairs, sequence_kl
+from rlhf_cli.rewards import call_reward_function, load_reward_function
+from rlhf_cli.rollout import (
+    batched_rewards,
+    pair_metrics,
+    raise_on_any_rank,
+    sample_responses,
+    score_pairs,
+    sequence_kl,
+)
 from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
@@ -147,10 +156,10 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     ref_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), ref_spec)
     reference = load_causal_lm(ref_cfg, cfg.precision, ref_seed, tokenizer=tokenizer)
     reward_model, rm_stats = None, None
-    weighted = any(w is not None for w in cfg.reward.weights.values())
-    if cfg.reward.function or weighted or cfg.reward.type == "function":
-        log.warning("rlhf eval does not read reward.function, reward.weights or reward.type=function yet: it scores "
-                    "with the reward model (reward.type=model) and, where prompts have answers, the checker")
+    if any(w is not None for w in cfg.reward.weights.values()):
+        log.warning("rlhf eval does not sum reward.weights: it reports each source on its own (the reward model, "
+                    "the checker where prompts have answers, and reward.function when set)")
+    function = load_reward_function(cfg.reward.function) if cfg.reward.function else None
     if rm_path is not None and cfg.reward.type == "model":
         rm_dir = require_scalar_model_dir(rm_path, "reward model")
         check_same_tokenizer(tokenizer, rm_dir, "reward model")
@@ -177,6 +186,15 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
             out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, score_precision).cpu()
         if all(x.get("answer") is not None for x in mine):
             out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
+        if function is not None:
+            failure = None
+            try:
+                out["function"] = call_reward_function(function, cfg.reward.function,
+                                                       [x.get("prompt_text", "") for x in mine], texts,
+                                                       [x.get("answer") for x in mine], [x.get("row") for x in mine])
+            except RewardError as err:
+                failure = err
+            raise_on_any_rank(failure)
         if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
             kl = sequence_kl(policy, reference, ids, am, P, e.temperature, e.batch_size, score_precision, ("k1", "k3"))
             out["kl_k1"], out["kl_k3"] = kl["k1"], kl["k3"]
@@ -199,6 +217,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
             results[f"{name}/score_mean"], results[f"{name}/score_ci95"] = mean_ci95(t["score"])
         if "correct" in t:
             results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95"] = mean_ci95(t["correct"].float())
+        if "function" in t:
+            results[f"{name}/function_mean"], results[f"{name}/function_ci95"] = mean_ci95(t["function"])
     # paired differences: policy and reference answer the same prompts with the same noise, so the
     # interval of the per-prompt difference leaves out the variance the two sides share (prompt difficulty)
     if "score" in pol:
@@ -211,6 +231,11 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     if "correct" in pol:
         gain = pol["correct"].float() - ref["correct"].float()
         results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(gain)
+    if "function" in pol:
+        results["function_gain"], results["function_gain_ci95"] = mean_ci95(pol["function"] - ref["function"])
+    results.update(reward_hacking(results))
+    if results.get("reward_hacking"):
+        log.warning("%s", results["headline"])
     results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
     results["kl_k3"], results["kl_k3_ci95"] = mean_ci95(pol["kl_k3"])
 
@@ -230,6 +255,28 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
             Section("results", tables=[Table(["metric", "value"], numbers)], images=images),
             Section("samples", tables=[Table(["prompt", "policy", "score", "reference", "score"], samples)])])
     return results
+
+
+def reward_hacking(results: dict[str, Any]) -> dict[str, Any]:
+    """The hacking verdict of a policy eval: {} unless both a reward-model gain (`score_gain`) and a checkable
+    gain (`accuracy_gain`, the checker, or `function_gain`, reward.function) were measured; else `reward_hacking`
+    (True when the RM score rose while a checkable score fell, as paired point estimates) and `headline`, one
+    line with both paired gains and their 95 % intervals."""
+    if "score_gain" not in results:
+        return {}
+    checks = [(k, name) for k, name in (("accuracy_gain", "checker accuracy"), ("function_gain", "reward.function"))
+              if k in results]
+    if not checks:
+        return {}
+    rm = f"RM score {results['score_gain']:+.3f} ± {results['score_gain_ci95']:.3f}"
+    parts = [f"{name} {results[k]:+.3f} ± {results[k + '_ci95']:.3f}" for k, name in checks]
+    falls = [name for k, name in checks if results[k] < 0]
+    hacking = results["score_gain"] > 0 and bool(falls)
+    verdict = (f"reward hacking: the RM score rose while {' and '.join(falls)} fell" if hacking else
+               "no reward hacking: the RM score rose and the checkable scores did not fall"
+               if results["score_gain"] > 0 else "the RM score did not rise")
+    return {"reward_hacking": hacking,
+            "headline": f"{verdict} ({rm}; {'; '.join(parts)}; paired policy − reference, 95 % intervals)"}
 
 
 def _last_user_turn(rendered: str) -> str:

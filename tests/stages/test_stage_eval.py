@@ -273,6 +273,47 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
     assert out["accuracy_gain"] == pytest.approx(statistics.mean(correct_diffs), abs=1e-12)
     assert out["accuracy_gain_ci95"] == pytest.approx(1.96 * statistics.stdev(correct_diffs) / 6 ** 0.5, rel=1e-9)
     assert out["reference"] == str(tiny_dirs["reference"])
+    # the checker fell (row 1): hacking exactly when the RM score rose
+    assert out["reward_hacking"] == (out["score_gain"] > 0)
+    assert f"checker accuracy {out['accuracy_gain']:+.3f} ± " in out["headline"]
+
+
+def test_reward_hacking_verdict():
+    from rlhf_cli.stages.evaluate import reward_hacking
+
+    rm_up = {"score_gain": 0.5, "score_gain_ci95": 0.1}
+    assert reward_hacking({"accuracy_gain": -0.1, "accuracy_gain_ci95": 0.05}) == {}  # no RM: nothing to say
+    assert reward_hacking(rm_up) == {}  # nothing checkable
+    out = reward_hacking({**rm_up, "accuracy_gain": -0.04, "accuracy_gain_ci95": 0.07})
+    assert out["reward_hacking"] is True
+    assert out["headline"].startswith("reward hacking: the RM score rose while checker accuracy fell (RM score "
+                                      "+0.500 ± 0.100; checker accuracy -0.040 ± 0.070;")
+    out = reward_hacking({**rm_up, "accuracy_gain": 0.1, "accuracy_gain_ci95": 0.07, "function_gain": -0.2,
+                          "function_gain_ci95": 0.1})
+    assert out["reward_hacking"] is True and "while reward.function fell" in out["headline"]
+    out = reward_hacking({**rm_up, "accuracy_gain": 0.1, "accuracy_gain_ci95": 0.07})
+    assert out["reward_hacking"] is False and out["headline"].startswith("no reward hacking")
+    out = reward_hacking({"score_gain": -0.5, "score_gain_ci95": 0.1, "accuracy_gain": -0.1, "accuracy_gain_ci95": 0})
+    assert out["reward_hacking"] is False and out["headline"].startswith("the RM score did not rise")
+
+
+def test_policy_eval_scores_both_sides_with_the_reward_function(run_stage, tiny_dirs, tokenizer, monkeypatch,
+                                                               tmp_path):
+    seen = fake_sampling(monkeypatch, tiny_dirs, tokenizer)
+    fn = tmp_path / "fn.py"
+    fn.write_text("def words(prompts, completions, answer, **kw):\n    return [len(c.split()) for c in completions]\n")
+    _, eval_dir, _ = run_stage("eval", [
+        f"policy.path={tiny_dirs['policy']}", f"reference.path={tiny_dirs['reference']}", "reward.type=checker",
+        f"reward.function={fn}:words", "data.builtin.ppo_eval=6", f"eval.max_new_tokens={MAX_NEW_TOKENS}"])
+    out = read_results(eval_dir)
+    words = {role: [len(tokenizer.decode(r, skip_special_tokens=True).split()) for r in seen[role][1]]
+             for role in ("policy", "reference")}
+    for role in ("policy", "reference"):
+        assert out[f"{role}/function_mean"] == pytest.approx(statistics.mean(words[role]))
+    diffs = [p - r for p, r in zip(words["policy"], words["reference"])]
+    assert out["function_gain"] == pytest.approx(statistics.mean(diffs))
+    assert out["function_gain_ci95"] == pytest.approx(1.96 * statistics.stdev(diffs) / 6 ** 0.5, rel=1e-6)
+    assert "reward_hacking" not in out  # no reward model: no RM score to rise
 
 
 @pytest.mark.parametrize("reward", ["model without stored stats", "checker"])

