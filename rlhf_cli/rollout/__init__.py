@@ -2,6 +2,7 @@
 
     experience.py   `Experience`, the record a rollout hands to the learner
     maker.py        `ExperienceMaker`: one PPO iteration's prompts -> an `Experience` and its statistics
+    learner.py      `PolicyLearner`: the update on one `Experience` (minibatches, losses, backward, steps)
     sampling.py     per-prompt seeds, per-row sampling inside HF `generate`, the cut at the first EOS
     policy.py       response log-probs / entropy / values of a policy (and its shared value head), a separate
                     critic's values, the per-sequence KL of two policies, dropout switched off,
@@ -19,6 +20,7 @@ values[:, t] is the critic's head at the same column (see models/scalar.py).
 """
 
 from rlhf_cli.rollout.experience import Experience
+from rlhf_cli.rollout.learner import Losses, PolicyLearner
 from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.policy import (
     PolicyWithValueHead,
@@ -39,7 +41,9 @@ from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_acros
 __all__ = [
     "Experience",
     "ExperienceMaker",
+    "Losses",
     "PerRowSampler",
+    "PolicyLearner",
     "PolicyWithValueHead",
     "Rewards",
     "batched_rewards",

@@ -1,13 +1,15 @@
-"""`rlhf train-ppo`: PPO against a reward model (or the built-in checker) on DeepSpeed.
+"""`rlhf train-ppo`: PPO, or a critic-free estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++), against the run's reward
+(a reward model, the built-in checker, a reward function, or a weighted sum) on DeepSpeed.
 
 Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017); steps 1-3 are
-`rollout.ExperienceMaker`, step 4 `PPOTrainer.train_on`:
-  1. rollout   sample `ppo.rollout_batch_size` prompts, generate one response each (KV cache)
-  2. score     no-grad passes: old logprobs (policy), ref_logprobs (reference), values (critic),
-               the sequence score (reward model or checker), all in the training forward's layout
-  3. shape     per-token rewards −β·kl_t, plus the score at the EOS token; GAE(γ, λ); whitening
-  4. learn     `ppo.epochs` passes over shuffled minibatches: clipped surrogate, clipped value loss,
-               entropy bonus, aggregated over the minibatch's real tokens (all micro-batches, ranks)
+`rollout.ExperienceMaker`, step 4 `PPOTrainer.train_on` (`rollout.PolicyLearner`):
+  1. rollout   sample `ppo.rollout_batch_size` prompts, `ppo.n_samples_per_prompt` responses each (KV cache)
+  2. score     no-grad passes: old logprobs (policy), ref_logprobs (reference), values (critic, `gae` only),
+               the sequence score (`reward.*`), all in the training forward's layout
+  3. shape     per-token rewards (−β·kl_t when `ppo.kl_in=reward`) plus the score at the EOS token; advantages
+               by `ppo.advantage_estimator` (GAE(γ, λ), or a group baseline); whitening
+  4. learn     `ppo.epochs` passes over shuffled minibatches: clipped surrogate, clipped value loss (with a
+               critic), entropy bonus, β·KL (`ppo.kl_in=loss`), aggregated over the minibatch's real tokens
   5. adapt     update the KL controller with the rollout's per-sequence KL
 
 Precision: sampling and a separate critic run in `precision`; the policy's and the reference's log-prob
@@ -21,26 +23,15 @@ Batch layout: see `rlhf_cli/rollout/__init__.py`.
 from __future__ import annotations
 
 import logging
-import math
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError, PPOConfig, reward_sources
-from rlhf_cli.core import (
-    ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    entropy_bonus,
-    kl_loss,
-    policy_loss,
-    value_loss,
-)
+from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
 from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
@@ -52,18 +43,14 @@ from rlhf_cli.models import (
 )
 from rlhf_cli.preflight import resolve_reward_model
 from rlhf_cli.rollout import (
-    Experience,
     ExperienceMaker,
+    PolicyLearner,
     PolicyWithValueHead,
     Rewards,
-    critic_values,
     disable_dropout,
-    has_value_head,
-    policy_forward,
     save_policy,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
-from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, print_table
 
 log = logging.getLogger(__name__)
@@ -73,22 +60,10 @@ CRITIC_KEYS = ("critic", "critic_init", "critic_lr", "c1", "value_clip", "lam")
 PROGRESS_KEYS = ["objective/scores", "objective/kl", "policy/clipfrac", "response/length_mean"]
 
 
-
-class Losses(NamedTuple):
-    """One micro-batch's losses (`PPOTrainer.losses`): what each engine backpropagates, the two losses logged
-    (detached), the training forward's response logprobs (B, R) (detached) and the loss modules' stats."""
-
-    actor: torch.Tensor
-    critic: torch.Tensor | None  # a separate critic's objective; None when shared or critic-free
-    policy: torch.Tensor
-    value: torch.Tensor
-    logprobs: torch.Tensor
-    stats: dict[str, float]
-
-
-class PPOTrainer:
+class PPOTrainer(PolicyLearner):
     """Holds the engines and state of one PPO run; `run()` below walks it step by step:
-    `load_data` → `build_models` → per iteration `maker.make_experience` (rollout/maker.py) then `train_on`."""
+    `load_data` → `build_models` → per iteration `maker.make_experience` (rollout/maker.py) then `train_on`
+    (rollout/learner.py)."""
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg, self.p, self.run_dir = cfg, cfg.ppo, run_dir
@@ -178,110 +153,6 @@ class PPOTrainer:
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""
         return {"kl_ctl": self.kl_ctl.state_dict(), "bad_steps": self.bad_steps}
-
-    # -- learn -------------------------------------------------------------------------------
-    def micro_batches(self, exp: Experience, iteration: int) -> Iterator[tuple[Experience, float]]:
-        """The update's order: `ppo.epochs` passes over the rollout in shuffled minibatches of `ppo.mini_batch_size`
-        rows (over all ranks), each cut into micro-batches of `ppo.micro_batch_size` rows. Yields (micro-batch,
-        real response tokens of its minibatch over all ranks: the divisor of every micro-batch loss)."""
-        p = self.p
-        n, mini = exp.input_ids.shape[0], p.mini_batch_size // engine.world_size()
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, iteration, engine.rank()))
-        for _ in range(p.epochs):
-            perm = torch.randperm(n, generator=g)
-            for s in range(0, n, mini):
-                rows = perm[s:s + mini]
-                num_tokens = engine.all_reduce_sum(exp.mask[rows].sum()).item()
-                for m in range(0, mini, p.micro_batch_size):
-                    yield exp.rows(rows[m:m + p.micro_batch_size]), num_tokens
-
-    def losses(self, b: Experience, num_tokens: float) -> Losses:
-        """The forward and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
-        (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
-        `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
-        separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
-        whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so micro-batch losses sum
-        to the minibatch's."""
-        p, P = self.p, b.prompt_len
-        shared, separate = has_value_head(self.actor.module), self.critic is not None
-        with self.actor.autocast():
-            lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
-                                        with_entropy=True, with_values=shared)
-        agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
-        pg_loss, pg_stats = policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)
-        ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
-        actor_loss = pg_loss - p.c2 * ent_bonus
-        stats = {**pg_stats, **ent_stats}
-        if p.kl_in == "loss":  # GRPO's β·D_KL term (Shao et al. 2024, eq. 3)
-            kl, kl_stats = kl_loss(lp, b.ref_logprobs, b.mask, p.kl_estimator, **agg)
-            actor_loss = actor_loss + self.kl_ctl.value * kl
-            stats.update(kl_stats)
-        vf_loss = torch.zeros(())
-        if shared or separate:
-            if separate:
-                with self.critic.autocast():
-                    v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P)
-            vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
-            if shared:
-                actor_loss = actor_loss + p.c1 * vf_loss
-            stats.update(vf_stats)
-            stats.pop("val/explained_var", None)  # per rollout, in ExperienceMaker.make_experience
-        return Losses(actor_loss, p.c1 * vf_loss if separate else None, pg_loss.detach(), vf_loss.detach(),
-                      lp.detach(), stats)
-
-    def micro_step(self, b: Experience, num_tokens: float, iteration: int) -> Losses:
-        """`losses`, then the backward passes; the optimizers step at accumulation boundaries. A non-finite
-        loss on any rank is skipped on all of them (`ppo.max_bad_steps`)."""
-        out = self.losses(b, num_tokens)
-        actor_loss, critic_loss = out.actor, out.critic
-        finite = torch.isfinite(actor_loss.detach())
-        if critic_loss is not None:
-            finite = finite & torch.isfinite(critic_loss.detach())
-        if engine.all_reduce_sum((~finite).float().cpu()).item() > 0:  # every rank skips together
-            self.bad_steps += 1
-            log.warning("non-finite loss at iteration %d (bad steps: %d)", iteration + 1, self.bad_steps)
-            if self.bad_steps > self.p.max_bad_steps:
-                raise FloatingPointError(f"aborting: {self.bad_steps} micro-steps with NaN/inf losses "
-                                         f"(ppo.max_bad_steps={self.p.max_bad_steps})")
-            actor_loss = engine.zero_loss(self.actor.module)
-            critic_loss = engine.zero_loss(self.critic.module) if critic_loss is not None else None
-        self.actor.backward_global(actor_loss)
-        self.actor.step()
-        if critic_loss is not None:
-            self.critic.backward_global(critic_loss)
-            self.critic.step()
-        return out
-
-    def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
-        """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats."""
-        ws = engine.world_size()
-        sums: dict[str, float] = {}
-        count, tokens = 0, 0.0
-        t0 = time.perf_counter()
-        self.actor.train()
-        if self.critic is not None:
-            self.critic.train()
-        for b, num_tokens in self.micro_batches(exp, iteration):
-            tokens += float(b.attention_mask.sum())
-            out = self.micro_step(b, num_tokens, iteration)
-            # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
-            for k, val in out.stats.items():
-                sums[k] = sums.get(k, 0.0) + val
-            sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + out.policy.item()
-            sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + out.value.item()
-            count += 1
-        dt = time.perf_counter() - t0
-        stats = {k: v / max(count, 1) for k, v in sums.items()}
-        n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
-        stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws
-        if self.estimator.needs_critic:
-            stats["val/loss"] = sums.get("val/loss_sum", 0.0) / n_minibatches * ws
-        stats.pop("policy/loss_sum", None), stats.pop("val/loss_sum", None)
-        stats["time/training"] = dt
-        stats["throughput/train_tokens_per_s"] = tokens * ws / max(dt, 1e-9)
-        stats["policy/grad_norm"] = self.actor.grad_norm()
-        stats["lr/actor"] = self.actor.lr()
-        return engine.reduce_stats(stats)
 
 
 def describe_reward(cfg: Any, rm_path: str | None) -> str:

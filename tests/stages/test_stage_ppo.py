@@ -20,13 +20,12 @@ from stage_helpers import compose
 
 from rlhf_cli import engine, rollout
 from rlhf_cli.config import ConfigError
-from rlhf_cli.core import compute_gae, kl_penalized_rewards, masked_whiten
+from rlhf_cli.core import compute_gae, entropy_bonus, kl_penalized_rewards, masked_whiten, policy_loss, value_loss
 from rlhf_cli.lifecycle import seed_everything
 from rlhf_cli.preflight import VALIDATORS, resolve_reward_model
 from rlhf_cli.rollout import Experience, critic_values, policy_forward, response_mask, whiten_across_ranks
 from rlhf_cli.runs import read_metrics, set_status
 from rlhf_cli.seeds import derive_seed
-from rlhf_cli.stages import ppo
 from rlhf_cli.stages.ppo import PPOTrainer
 
 # 8 rollouts, minibatches of 4, micro-batches of 2 (two accumulation steps per optimizer step),
@@ -325,9 +324,9 @@ def minibatch_losses(tr, exp, rows):
         with torch.no_grad():
             lp, ent, _ = policy_forward(tr.actor.module, b.input_ids, b.attention_mask, P, T, with_entropy=True)
             v = critic_values(tr.critic.module, b.input_ids, b.attention_mask, P)
-        out["pg"] += ppo.policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)[0].item()
-        out["vf"] += ppo.value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)[0].item()
-        out["ent"] += ppo.entropy_bonus(None, b.mask, entropy=ent, **agg)[0].item()
+        out["pg"] += policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)[0].item()
+        out["vf"] += value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)[0].item()
+        out["ent"] += entropy_bonus(None, b.mask, entropy=ent, **agg)[0].item()
     return out
 
 

@@ -1,0 +1,157 @@
+"""The learning half of an RL iteration: the update on one rollout's `Experience`.
+
+    PolicyLearner.train_on(exp, iteration)   `ppo.epochs` passes of shuffled minibatches; returns the mean stats
+        micro_batches                          the order: minibatches of `ppo.mini_batch_size` completions (over all
+                                               ranks), cut into micro-batches of `ppo.micro_batch_size`
+        losses                                 one micro-batch's forward and losses (`Losses`): the seam tests spy on
+        micro_step                             `losses`, the backward passes, the optimizer steps, NaN skipping
+
+`PolicyLearner` is a mixin: the stage's trainer (stages/ppo.py `PPOTrainer`) provides `cfg`, `p` (= cfg.ppo),
+`actor` and `critic` (`engine.TrainEngine`, critic None when shared or critic-free), `kl_ctl`, `estimator`
+(`core.ESTIMATORS` entry) and `bad_steps`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from rlhf_cli import engine
+from rlhf_cli.core import entropy_bonus, kl_loss, policy_loss, value_loss
+from rlhf_cli.rollout.experience import Experience
+from rlhf_cli.rollout.policy import critic_values, has_value_head, policy_forward
+from rlhf_cli.seeds import derive_seed
+
+log = logging.getLogger(__name__)
+
+
+class Losses(NamedTuple):
+    """One micro-batch's losses (`PPOTrainer.losses`): what each engine backpropagates, the two losses logged
+    (detached), the training forward's response logprobs (B, R) (detached) and the loss modules' stats."""
+
+    actor: torch.Tensor
+    critic: torch.Tensor | None  # a separate critic's objective; None when shared or critic-free
+    policy: torch.Tensor
+    value: torch.Tensor
+    logprobs: torch.Tensor
+    stats: dict[str, float]
+
+
+class PolicyLearner:
+    """The update of `ppo.advantage_estimator`'s policy (and critic, when it has one) on one rollout."""
+
+    cfg: Any
+    p: Any
+    actor: engine.TrainEngine | None
+    critic: engine.TrainEngine | None
+    kl_ctl: Any
+    estimator: Any
+    bad_steps: int
+
+    def micro_batches(self, exp: Experience, iteration: int) -> Iterator[tuple[Experience, float]]:
+        """The update's order: `ppo.epochs` passes over the rollout in shuffled minibatches of `ppo.mini_batch_size`
+        rows (over all ranks), each cut into micro-batches of `ppo.micro_batch_size` rows. Yields (micro-batch,
+        real response tokens of its minibatch over all ranks: the divisor of every micro-batch loss)."""
+        p = self.p
+        n, mini = exp.input_ids.shape[0], p.mini_batch_size // engine.world_size()
+        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, iteration, engine.rank()))
+        for _ in range(p.epochs):
+            perm = torch.randperm(n, generator=g)
+            for s in range(0, n, mini):
+                rows = perm[s:s + mini]
+                num_tokens = engine.all_reduce_sum(exp.mask[rows].sum()).item()
+                for m in range(0, mini, p.micro_batch_size):
+                    yield exp.rows(rows[m:m + p.micro_batch_size]), num_tokens
+
+    def losses(self, b: Experience, num_tokens: float) -> Losses:
+        """The forward and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
+        (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
+        `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
+        separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
+        whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so micro-batch losses sum
+        to the minibatch's."""
+        p, P = self.p, b.prompt_len
+        shared, separate = has_value_head(self.actor.module), self.critic is not None
+        with self.actor.autocast():
+            lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
+                                        with_entropy=True, with_values=shared)
+        agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
+        pg_loss, pg_stats = policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)
+        ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
+        actor_loss = pg_loss - p.c2 * ent_bonus
+        stats = {**pg_stats, **ent_stats}
+        if p.kl_in == "loss":  # GRPO's β·D_KL term (Shao et al. 2024, eq. 3)
+            kl, kl_stats = kl_loss(lp, b.ref_logprobs, b.mask, p.kl_estimator, **agg)
+            actor_loss = actor_loss + self.kl_ctl.value * kl
+            stats.update(kl_stats)
+        vf_loss = torch.zeros(())
+        if shared or separate:
+            if separate:
+                with self.critic.autocast():
+                    v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P)
+            vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
+            if shared:
+                actor_loss = actor_loss + p.c1 * vf_loss
+            stats.update(vf_stats)
+            stats.pop("val/explained_var", None)  # per rollout, in ExperienceMaker.make_experience
+        return Losses(actor_loss, p.c1 * vf_loss if separate else None, pg_loss.detach(), vf_loss.detach(),
+                      lp.detach(), stats)
+
+    def micro_step(self, b: Experience, num_tokens: float, iteration: int) -> Losses:
+        """`losses`, then the backward passes; the optimizers step at accumulation boundaries. A non-finite
+        loss on any rank is skipped on all of them (`ppo.max_bad_steps`)."""
+        out = self.losses(b, num_tokens)
+        actor_loss, critic_loss = out.actor, out.critic
+        finite = torch.isfinite(actor_loss.detach())
+        if critic_loss is not None:
+            finite = finite & torch.isfinite(critic_loss.detach())
+        if engine.all_reduce_sum((~finite).float().cpu()).item() > 0:  # every rank skips together
+            self.bad_steps += 1
+            log.warning("non-finite loss at iteration %d (bad steps: %d)", iteration + 1, self.bad_steps)
+            if self.bad_steps > self.p.max_bad_steps:
+                raise FloatingPointError(f"aborting: {self.bad_steps} micro-steps with NaN/inf losses "
+                                         f"(ppo.max_bad_steps={self.p.max_bad_steps})")
+            actor_loss = engine.zero_loss(self.actor.module)
+            critic_loss = engine.zero_loss(self.critic.module) if critic_loss is not None else None
+        self.actor.backward_global(actor_loss)
+        self.actor.step()
+        if critic_loss is not None:
+            self.critic.backward_global(critic_loss)
+            self.critic.step()
+        return out
+
+    def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
+        """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats."""
+        ws = engine.world_size()
+        sums: dict[str, float] = {}
+        count, tokens = 0, 0.0
+        t0 = time.perf_counter()
+        self.actor.train()
+        if self.critic is not None:
+            self.critic.train()
+        for b, num_tokens in self.micro_batches(exp, iteration):
+            tokens += float(b.attention_mask.sum())
+            out = self.micro_step(b, num_tokens, iteration)
+            # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
+            for k, val in out.stats.items():
+                sums[k] = sums.get(k, 0.0) + val
+            sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + out.policy.item()
+            sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + out.value.item()
+            count += 1
+        dt = time.perf_counter() - t0
+        stats = {k: v / max(count, 1) for k, v in sums.items()}
+        n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
+        stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws
+        if self.estimator.needs_critic:
+            stats["val/loss"] = sums.get("val/loss_sum", 0.0) / n_minibatches * ws
+        stats.pop("policy/loss_sum", None), stats.pop("val/loss_sum", None)
+        stats["time/training"] = dt
+        stats["throughput/train_tokens_per_s"] = tokens * ws / max(dt, 1e-9)
+        stats["policy/grad_norm"] = self.actor.grad_norm()
+        stats["lr/actor"] = self.actor.lr()
+        return engine.reduce_stats(stats)
