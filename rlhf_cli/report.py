@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_cli.core import sample_std
 from rlhf_cli.runs import atomic_write_text, get_status, read_metrics
 
 log = logging.getLogger(__name__)
@@ -572,13 +573,3 @@ def build_report(path: Path | str) -> Path:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def sample_std(values: Sequence[float]) -> float:
-    """The sample standard deviation (Bessel's n − 1) of `values`, in float64; 0.0 with fewer than two.
-    The one std of the package: reports, eval's confidence intervals, the reward model's stored std."""
-    n = len(values)
-    if n < 2:
-        return 0.0
-    mean = math.fsum(values) / n
-    return math.sqrt(math.fsum((float(x) - mean) ** 2 for x in values) / (n - 1))

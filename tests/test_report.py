@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_cli.report import build_report, plot_run, print_summary, read_overrides, sample_std, summary_table
+from rlhf_cli.core import sample_std
+from rlhf_cli.report import build_report, plot_run, print_summary, read_overrides, summary_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

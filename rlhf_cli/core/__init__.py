@@ -1,4 +1,5 @@
-"""Pure-torch RLHF math: per-token ops, KL-shaped rewards, GAE, PPO/RM losses, KL control.
+"""Pure-torch RLHF math: per-token ops, KL-shaped rewards, GAE, estimators, PPO/RM losses, KL control, paired
+statistics of evaluations.
 
 Imports only torch. Shapes: ``B`` batch, ``T`` response length (right-padded), ``V``
 vocabulary; ``mask`` ``(B, T)`` is 1 on real response tokens (EOS included), 0 on padding,
@@ -48,6 +49,7 @@ from rlhf_cli.core.ops import (
     masked_var,
     masked_whiten,
 )
+from rlhf_cli.core.paired import mean_ci95, reward_hacking, sample_std, win_rate
 
 __all__ = [
     "ESTIMATORS",
@@ -70,9 +72,13 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "mean_ci95",
     "outcome_advantages",
     "pairwise_loss",
     "policy_loss",
     "ppo_total_loss",
+    "reward_hacking",
+    "sample_std",
     "value_loss",
+    "win_rate",
 ]

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError, ModelConfig
+from rlhf_cli.core import mean_ci95, reward_hacking, sample_std, win_rate
 from rlhf_cli.data import check_answers, load_preference_data, load_prompt_data
 from rlhf_cli.errors import RewardError
 from rlhf_cli.lifecycle import prepare_run_dir, seed_everything
@@ -40,7 +41,6 @@ from rlhf_cli.report import (
     build_report,
     plot_rewards,
     print_summary,
-    sample_std,
     summary_table,
     write_html,
 )
@@ -65,26 +65,6 @@ def _model_cfg(path: str, base: Any) -> Any:
     cfg = OmegaConf.merge(base, {"name": Path(str(path)).name, "name_or_path": str(path), "gguf_file": None,
                                  "tokenizer": None, "init": "pretrained"})
     return cfg
-
-
-def win_rate(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
-    """Fraction of prompts where the policy's score beats the reference's; a tie counts half.
-
-    Counted in float64, so 3 wins of 5 is 0.6, not float32's 0.6000000238.
-    """
-    wins = (policy_scores > reference_scores).double() + 0.5 * (policy_scores == reference_scores).double()
-    return float(wins.mean()) if wins.numel() else float("nan")
-
-
-def mean_ci95(x: torch.Tensor) -> tuple:
-    """Mean and the half-width of its normal-approximation 95% interval (in float64: 1 of 6 is 1/6).
-
-    The half-width is NaN below 2 values (no spread to estimate), the mean NaN for none."""
-    n = x.numel()
-    if n == 0:
-        return float("nan"), float("nan")
-    x = x.double()
-    return float(x.mean()), (1.96 * sample_std(x.tolist()) / n ** 0.5 if n > 1 else float("nan"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,28 +235,6 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
             Section("results", tables=[Table(["metric", "value"], numbers)], images=images),
             Section("samples", tables=[Table(["prompt", "policy", "score", "reference", "score"], samples)])])
     return results
-
-
-def reward_hacking(results: dict[str, Any]) -> dict[str, Any]:
-    """The hacking verdict of a policy eval: {} unless both a reward-model gain (`score_gain`) and a checkable
-    gain (`accuracy_gain`, the checker, or `function_gain`, reward.function) were measured; else `reward_hacking`
-    (True when the RM score rose while a checkable score fell, as paired point estimates) and `headline`, one
-    line with both paired gains and their 95 % intervals."""
-    if "score_gain" not in results:
-        return {}
-    checks = [(k, name) for k, name in (("accuracy_gain", "checker accuracy"), ("function_gain", "reward.function"))
-              if k in results]
-    if not checks:
-        return {}
-    rm = f"RM score {results['score_gain']:+.3f} ± {results['score_gain_ci95']:.3f}"
-    parts = [f"{name} {results[k]:+.3f} ± {results[k + '_ci95']:.3f}" for k, name in checks]
-    falls = [name for k, name in checks if results[k] < 0]
-    hacking = results["score_gain"] > 0 and bool(falls)
-    verdict = (f"reward hacking: the RM score rose while {' and '.join(falls)} fell" if hacking else
-               "no reward hacking: the RM score rose and the checkable scores did not fall"
-               if results["score_gain"] > 0 else "the RM score did not rise")
-    return {"reward_hacking": hacking,
-            "headline": f"{verdict} ({rm}; {'; '.join(parts)}; paired policy − reference, 95 % intervals)"}
 
 
 def _last_user_turn(rendered: str) -> str:

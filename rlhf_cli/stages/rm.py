@@ -15,12 +15,11 @@ from typing import Any
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import pairwise_loss
+from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import PairCollator, epoch_order, example_length, load_preference_data
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf
-from rlhf_cli.report import sample_std
 from rlhf_cli.rollout import forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 from rlhf_cli.stages.common import print_table

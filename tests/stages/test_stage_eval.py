@@ -153,7 +153,7 @@ def test_reward_model_scores_do_not_depend_on_padding_side(pipeline):
 
 
 def test_win_rate_counts_ties_half():
-    from rlhf_cli.stages.evaluate import win_rate
+    from rlhf_cli.core import win_rate
 
     policy = torch.tensor([1.0, 2.0, 3.0, 0.0, -1.0])
     reference = torch.tensor([0.0, 2.0, 4.0, -1.0, -1.0])
@@ -279,7 +279,7 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
 
 
 def test_reward_hacking_verdict():
-    from rlhf_cli.stages.evaluate import reward_hacking
+    from rlhf_cli.core import reward_hacking
 
     rm_up = {"score_gain": 0.5, "score_gain_ci95": 0.1}
     assert reward_hacking({"accuracy_gain": -0.1, "accuracy_gain_ci95": 0.05}) == {}  # no RM: nothing to say
@@ -336,7 +336,7 @@ def test_policy_eval_gains_without_rm_stats_or_without_rm(run_stage, tiny_dirs, 
 
 
 def test_mean_ci95_has_no_interval_below_two_values():
-    from rlhf_cli.stages.evaluate import mean_ci95
+    from rlhf_cli.core import mean_ci95
 
     assert mean_ci95(torch.tensor([2.0]))[0] == 2.0 and math.isnan(mean_ci95(torch.tensor([2.0]))[1])
     assert all(math.isnan(v) for v in mean_ci95(torch.tensor([])))
