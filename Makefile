@@ -4,7 +4,7 @@ PY ?= python
 # with an NVIDIA driver keeps pip's ordinary (CUDA) torch. Override with `make install TORCH_SPEC=...`.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test test-fast lint demo bench bench-deps bench-rm bench-ppo gpu-wheels
+.PHONY: install test test-fast lint demo bench bench-deps bench-rm bench-ppo bench-grpo gpu-wheels
 
 install:
 	$(PY) -m pip install --upgrade pip
@@ -38,6 +38,9 @@ bench-rm:
 
 bench-ppo:
 	$(PY) benchmarks/ppo_bench.py $(BENCH_ARGS)
+
+bench-grpo:
+	$(PY) benchmarks/grpo_bench.py $(BENCH_ARGS)
 
 # the wheel folder benchmarks/gpu_check.sh installs from on a GPU machine without network (benchmarks/README.md)
 gpu-wheels:

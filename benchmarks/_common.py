@@ -328,6 +328,19 @@ def write_outputs(out: str | None, header: list[str], table: Table, notes: list[
     print(f"results: {path} and {md}")
 
 
+def emit(args: Any, info: dict[str, Any], header: list[str], table: Table, notes: list[str], precision: str,
+         trl_precision: str, ours: tuple[ChildResult, dict[str, Any]], trl: tuple[ChildResult, dict[str, Any]],
+         **payload: Any) -> None:
+    """Print a comparison (header, table, notes) and write it with `write_outputs`: the run's arguments,
+    machine, versions, precisions, each tool's numbers with its process's peak RSS and wall time, `payload`."""
+    print("\n".join(header + [""] + table.lines() + [""] + notes))
+    sides = {name: {**numbers, "peak_rss_bytes": child.peak_rss_bytes, "wall_s": child.wall_s}
+             for name, (child, numbers) in (("ours", ours), ("trl", trl))}
+    write_outputs(args.out, header, table, notes, {
+        "args": vars(args), "machine": info, "versions": versions(), "precision": precision,
+        "trl_mixed_precision": trl_precision, **payload, **sides})
+
+
 def add_common_args(p: Any) -> None:
     """The options every TRL comparison shares: `--model`, `--workdir`, `--precision`, `--out`, and the hidden
     `--trl-child` of its TRL process."""

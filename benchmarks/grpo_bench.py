@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-from ppo_bench import iteration_prompts, ours_iterations  # noqa: E402
+from ppo_bench import prepare, train_ours  # noqa: E402
 
 PARTS = ("generation", "scoring", "training")
 
@@ -156,12 +156,6 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
-    import inspect
-
-    from rlhf_cli.data import load_prompt_data
-    from rlhf_cli.engine import TrainEngine
-    from rlhf_cli.models import load_tokenizer
-
     P, G, m, steps = args.prompts_per_step, args.num_generations, args.micro_batch_size, args.steps
 
     # 1. one policy dir, one prompt order
@@ -176,21 +170,12 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
         f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}"]
-    cfg = C.compose("train_ppo", overrides)
-    tokenizer = load_tokenizer(cfg.model)
-    prompts = load_prompt_data(cfg.data, tokenizer, split="train")
-    order = iteration_prompts(prompts, steps, P, (cfg.data.seed, cfg.seed))
-    policy = C.policy_dir(cfg.model, cfg.seed, work)
-    betas = list(inspect.signature(TrainEngine.__init__).parameters["betas"].default)
+    cfg, _, prompts, order, policy, betas = prepare(overrides, steps, P, work)
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
 
     # 2. ours: the real CLI in its own process
-    ours_dir = work / "ours_grpo"
-    ours = C.run_child([sys.executable, "-m", "rlhf_cli", "train-ppo", *overrides, f"hydra.run.dir={ours_dir}"],
-                       work / "ours_grpo.log")
-    C.check_child("rlhf train-ppo", ours)
-    o_steps = ours_iterations(ours_dir)
+    ours_dir, ours, o_steps = train_ours(overrides, work / "ours_grpo")
 
     # 3. TRL in its own process: the same prompts in the same order, each repeated G times by its sampler
     spec = {"policy_dir": str(policy), "prompts": [prompts[i]["prompt_text"] for it in order for i in it],
@@ -237,9 +222,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               C.mean(t_res["rewards"]), "{:.3f}", ratio=False)
     n_eval = res["prompts"]
     table.add("accuracy", f"held-out checker accuracy ({n_eval} prompts, T {args.temperature})",
-              res["policy"]["accuracy"], res["reference"]["accuracy"], "{:.3f}", ratio=False)
-    table.add("accuracy_ci95", "  ± 95 % interval", res["policy"]["accuracy_ci95"],
-              res["reference"]["accuracy_ci95"], "{:.3f}", ratio=False)
+              res["policy/accuracy"], res["reference/accuracy"], "{:.3f}", ratio=False)
+    table.add("accuracy_ci95", "  ± 95 % interval", res["policy/accuracy_ci95"], res["reference/accuracy_ci95"],
+              "{:.3f}", ratio=False)
     gain, ci = res["accuracy_gain"], res["accuracy_gain_ci95"]
     table.note("accuracy, ours − TRL (paired)", f"{gain:+.3f} ± {ci:.3f} ({gain - ci:+.3f} to {gain + ci:+.3f})")
 
@@ -260,14 +245,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "noise, fp32); its KL row is between the two trained policies and is not shown",
         f"benchmark preparation (prompts, policy dir) {prep_s:.0f} s; logs and runs under {work}",
     ]
-    print("\n".join(header + [""] + table.lines() + [""] + notes))
-    C.write_outputs(args.out, header, table, notes, {
-        "args": vars(args), "machine": info, "versions": C.versions(), "precision": cfg.precision,
-        "trl_mixed_precision": t_res["mixed_precision"], "eval": res,
-        "ours": {"steps": o_steps, "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
-        "trl": {"steps": t_steps, "rewards": t_res["rewards"], "kl": t_res["kl"],
-                "peak_rss_bytes": trl.peak_rss_bytes, "wall_s": trl.wall_s}})
-
+    C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"], (ours, {"steps": o_steps}),
+           (trl, {"steps": t_steps, "rewards": t_res["rewards"], "kl": t_res["kl"]}), eval=res)
 
 if __name__ == "__main__":
     main()

@@ -187,6 +187,33 @@ def iteration_prompts(prompts: list[dict[str, Any]], iterations: int, rollout: i
     return out
 
 
+def prepare(overrides: list[str], iterations: int, rollout: int, work: Path) -> tuple:
+    """What both tools share, for `rlhf train-ppo <overrides>`: (cfg, tokenizer, its train prompts, each
+    iteration's prompt indices in its order, the initial policy's HF dir, our AdamW betas)."""
+    from rlhf_cli.data import load_prompt_data
+    from rlhf_cli.engine import TrainEngine
+    from rlhf_cli.models import load_tokenizer
+
+    cfg = C.compose("train_ppo", overrides)
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = load_prompt_data(cfg.data, tokenizer, split="train")
+    if len(prompts) < rollout:
+        sys.exit(f"error: only {len(prompts)} prompts, fewer than {rollout} per iteration")
+    order = iteration_prompts(prompts, iterations, rollout, (cfg.data.seed, cfg.seed))
+    policy = C.policy_dir(cfg.model, cfg.seed, work)
+    betas = list(inspect.signature(TrainEngine.__init__).parameters["betas"].default)  # ours: not configurable for PPO
+    return cfg, tokenizer, prompts, order, policy, betas
+
+
+def train_ours(overrides: list[str], run_dir: Path) -> tuple:
+    """`rlhf train-ppo <overrides>` through the real CLI in its own process, into `run_dir` (log beside it):
+    (run_dir, its ChildResult, its per-iteration numbers from `ours_iterations`)."""
+    res = C.run_child([sys.executable, "-m", "rlhf_cli", "train-ppo", *overrides, f"hydra.run.dir={run_dir}"],
+                      run_dir.parent / f"{run_dir.name}.log")
+    C.check_child("rlhf train-ppo", res)
+    return run_dir, res, ours_iterations(run_dir)
+
+
 def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
     """Per-iteration parts, real tokens, wall time and sanity numbers from `rlhf train-ppo`'s metrics.jsonl."""
     from rlhf_cli.runs import read_metrics
@@ -255,9 +282,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
-    from rlhf_cli.data import load_prompt_data
-    from rlhf_cli.engine import TrainEngine
-    from rlhf_cli.models import load_tokenizer, require_scalar_model_dir
+    from rlhf_cli.models import require_scalar_model_dir
 
     R, m, n_it = args.rollout, args.micro_batch_size, args.iterations
 
@@ -286,23 +311,12 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.whiten_advantages=true", "ppo.truncated=penalize", f"ppo.missing_eos_penalty={args.missing_eos_penalty}",
         "ppo.critic=separate", "ppo.critic_init=reward_model", "ppo.sample_every=1", "ppo.save_every=0",
         f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}"]
-    cfg = C.compose("train_ppo", overrides)
-    tokenizer = load_tokenizer(cfg.model)
-    prompts = load_prompt_data(cfg.data, tokenizer, split="train")
-    if len(prompts) < R:
-        sys.exit(f"error: only {len(prompts)} prompts, fewer than --rollout {R}")
-    order = iteration_prompts(prompts, n_it, R, (cfg.data.seed, cfg.seed))
-    policy = C.policy_dir(cfg.model, cfg.seed, work)
-    betas = list(inspect.signature(TrainEngine.__init__).parameters["betas"].default)  # ours: not configurable for PPO
+    cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, n_it, R, work)
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
 
     # 2. ours: the real CLI in its own process
-    ours_dir = work / "ours_ppo"
-    ours = C.run_child([sys.executable, "-m", "rlhf_cli", "train-ppo", *overrides, f"hydra.run.dir={ours_dir}"],
-                       work / "ours_ppo.log")
-    C.check_child("rlhf train-ppo", ours)
-    o_its = ours_iterations(ours_dir)
+    ours_dir, ours, o_its = train_ours(overrides, work / "ours_ppo")
     o_samples = ours_sample_prompts(ours_dir)
 
     # 3. TRL in its own process
@@ -399,15 +413,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "benchmarks/ppo_bench.py:fp32_kl; a reported KL far above the fp32 one is bf16 rounding, not movement",
         f"benchmark preparation (reward model init, prompts) {prep_s:.0f} s; logs and runs under {work}",
     ]
-    print("\n".join(header + [""] + table.lines() + [""] + notes))
-    C.write_outputs(args.out, header, table, notes, {
-        "args": vars(args), "machine": info, "versions": C.versions(), "precision": cfg.precision,
-        "trl_mixed_precision": t_res["mixed_precision"], "same_prompts": same_prompts,
-        "ours": {"iterations": o_its, "peak_rss_bytes": ours.peak_rss_bytes, "wall_s": ours.wall_s},
-        "kl_fp32": kl_fp32,
-        "trl": {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"],
-                "peak_rss_bytes": trl.peak_rss_bytes, "wall_s": trl.wall_s}})
-
+    C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"], (ours, {"iterations": o_its}),
+           (trl, {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"]}), same_prompts=same_prompts,
+           kl_fp32=kl_fp32)
 
 if __name__ == "__main__":
     main()
