@@ -223,8 +223,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     n_eval = res["prompts"]
     table.add("accuracy", f"held-out checker accuracy ({n_eval} prompts, T {args.temperature})",
               res["policy/accuracy"], res["reference/accuracy"], "{:.3f}", ratio=False)
-    table.add("accuracy_ci95", "  ± 95 % interval", res["policy/accuracy_ci95"], res["reference/accuracy_ci95"],
-              "{:.3f}", ratio=False)
+    for end in ("low", "high"):
+        table.add(f"accuracy_ci95_{end}", f"  95 % interval, {end} (Wilson)", res[f"policy/accuracy_ci95_{end}"],
+                  res[f"reference/accuracy_ci95_{end}"], "{:.3f}", ratio=False)
     gain, ci = res["accuracy_gain"], res["accuracy_gain_ci95"]
     table.note("accuracy, ours − TRL (paired)", f"{gain:+.3f} ± {ci:.3f} ({gain - ci:+.3f} to {gain + ci:+.3f})")
 

@@ -94,6 +94,15 @@ def test_reward_sources_from_the_command_line(overrides, want):
     assert reward_sources(cfg) == want
 
 
+def test_grpo_experiment_is_critic_free_and_fits_the_completion_budget():
+    cfg = compose("train_ppo", ["experiment=grpo"])
+    p = cfg.ppo
+    assert cfg.reward.type == "checker" and p.advantage_estimator == "grpo" and p.kl_in == "loss"
+    completions = p.iterations * p.rollout_batch_size * p.n_samples_per_prompt
+    assert p.n_samples_per_prompt >= 2 and completions <= 1536  # issue 18's budget
+    assert p.max_new_tokens == 48 and compose("eval", ["experiment=grpo"]).eval.max_new_tokens == 48
+
+
 def test_overrides_land_in_composed_config():
     out = rlhf("train-ppo", "--cfg", "job", "model=tiny", "ppo.clip=0.3", "ppo.kl_beta=0.02",
                "deepspeed=zero2", "precision=fp32", "data.max_length=128")

@@ -49,10 +49,21 @@ from rlhf_cli.core.ops import (
     masked_var,
     masked_whiten,
 )
-from rlhf_cli.core.paired import mean_ci95, reward_hacking, sample_std, win_rate
+from rlhf_cli.core.paired import (
+    SMALL_SAMPLE,
+    mean_ci95,
+    proportion_ci95,
+    reward_hacking,
+    sample_std,
+    small_sample_warning,
+    t_quantile,
+    wilson_ci95,
+    win_rate,
+)
 
 __all__ = [
     "ESTIMATORS",
+    "SMALL_SAMPLE",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "FixedKLController",
@@ -77,8 +88,12 @@ __all__ = [
     "pairwise_loss",
     "policy_loss",
     "ppo_total_loss",
+    "proportion_ci95",
     "reward_hacking",
     "sample_std",
+    "small_sample_warning",
+    "t_quantile",
     "value_loss",
+    "wilson_ci95",
     "win_rate",
 ]

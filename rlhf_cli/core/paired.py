@@ -1,10 +1,15 @@
-"""Paired comparisons of a policy and its reference (`rlhf eval`): means with normal 95 % intervals, win rates,
-and the reward-hacking verdict. Float64 throughout, so 1 of 6 is 1/6.
+"""Statistics of evaluations (`rlhf eval`, train-rm's held-out pairs): means and paired differences with
+Student-t 95 % intervals, proportions with Wilson 95 % intervals, win rates, the reward-hacking verdict.
+Float64 throughout, so 1 of 6 is 1/6.
 
     sample_std(values)            Bessel-corrected std of a list; the one std of the package
-    mean_ci95(x)                  mean and the half-width of its 95 % interval
+    t_quantile(q, df)             the q-quantile of Student's t with df degrees of freedom
+    mean_ci95(x)                  mean and the half-width of its t interval (means, paired differences)
+    proportion_ci95(x)            mean of values in [0, 1] and its Wilson interval (accuracy, win rate)
     win_rate(policy, reference)   fraction of prompts the policy wins, ties half
     reward_hacking(results)       whether the RM score rose while a checkable score fell, as one headline
+
+Below `SMALL_SAMPLE` values an interval is wide and its coverage approximate: `small_sample_warning` says so.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+Z95 = 1.959963984540054  # the 0.975 quantile of the standard normal
+SMALL_SAMPLE = 30  # fewer held-out pairs or prompts than this get a "too few" warning
 
 
 def sample_std(values: Sequence[float]) -> float:
@@ -35,15 +43,95 @@ def win_rate(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> flo
     return float(wins.mean()) if wins.numel() else float("nan")
 
 
-def mean_ci95(x: torch.Tensor) -> tuple:
-    """Mean and the half-width of its normal-approximation 95% interval (in float64: 1 of 6 is 1/6).
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta I_x(a, b), by its continued fraction (modified Lentz; Numerical Recipes
+    6.4), with the symmetry I_x(a, b) = 1 − I_{1−x}(b, a) where the fraction converges slowly."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return front * (f - 1.0)
 
-    The half-width is NaN below 2 values (no spread to estimate), the mean NaN for none."""
+
+def t_quantile(q: float, df: int) -> float:
+    """The q-quantile (0 < q < 1) of Student's t distribution with `df` >= 1 degrees of freedom: the t with
+    P(T <= t) = q, found by bisection on the CDF 1 − ½·I_{df/(df+t²)}(df/2, ½) to ~1e-12. t_quantile(0.975, 1) =
+    12.706, (0.975, 29) = 2.045; as df grows it tends to the normal quantile 1.960."""
+    if not 0.0 < q < 1.0 or df < 1:
+        raise ValueError(f"t_quantile needs 0 < q < 1 and df >= 1 (got q={q}, df={df})")
+    if q < 0.5:
+        return -t_quantile(1.0 - q, df)
+    lo, hi = 0.0, 1.0
+    cdf = lambda t: 1.0 - 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))  # noqa: E731
+    while cdf(hi) < q:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if cdf(mid) < q:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def mean_ci95(x: torch.Tensor) -> tuple[float, float]:
+    """Mean of `x` and the half-width of its Student-t 95 % interval, t_{0.975, n−1} · s / √n (for means and
+    paired per-prompt differences). The half-width is NaN below 2 values (no spread to estimate), the mean NaN
+    for none."""
     n = x.numel()
     if n == 0:
         return float("nan"), float("nan")
     x = x.double()
-    return float(x.mean()), (1.96 * sample_std(x.tolist()) / n ** 0.5 if n > 1 else float("nan"))
+    if n < 2:
+        return float(x.mean()), float("nan")
+    return float(x.mean()), t_quantile(0.975, n - 1) * sample_std(x.tolist()) / n ** 0.5
+
+
+def wilson_ci95(p: float, n: int) -> tuple[float, float]:
+    """The Wilson score 95 % interval (Wilson 1927) of a proportion `p` observed over `n` trials: unlike the
+    normal approximation it is never ±0 at 0/n or n/n and stays inside [0, 1]. (NaN, NaN) for n = 0."""
+    if n == 0:
+        return float("nan"), float("nan")
+    z2 = Z95 * Z95
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def proportion_ci95(x: torch.Tensor) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of `x` (values in [0, 1]: 0/1 outcomes, or wins with ties as ½) and its
+    Wilson 95 % interval over n = len(x)."""
+    n = x.numel()
+    p = float(x.double().mean()) if n else float("nan")
+    return (p, *wilson_ci95(p, n))
+
+
+def small_sample_warning(n: int, what: str) -> str | None:
+    """"too few held-out <what> (n): ..." when n < `SMALL_SAMPLE`, else None."""
+    if n >= SMALL_SAMPLE:
+        return None
+    return (f"too few held-out {what} ({n}): intervals from fewer than {SMALL_SAMPLE} are wide and their coverage "
+            f"approximate")
 
 
 def reward_hacking(results: dict[str, Any]) -> dict[str, Any]:

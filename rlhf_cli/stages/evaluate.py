@@ -22,7 +22,15 @@ from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.config import ConfigError, ModelConfig
-from rlhf_cli.core import mean_ci95, reward_hacking, sample_std, win_rate
+from rlhf_cli.core import (
+    mean_ci95,
+    proportion_ci95,
+    reward_hacking,
+    sample_std,
+    small_sample_warning,
+    wilson_ci95,
+    win_rate,
+)
 from rlhf_cli.data import check_answers, load_preference_data, load_prompt_data
 from rlhf_cli.errors import RewardError
 from rlhf_cli.lifecycle import prepare_run_dir, seed_everything
@@ -85,10 +93,11 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
     chosen, rejected = score_pairs(model, pairs, tokenizer.pad_token_id, cfg.eval.batch_size,
                                    engine.scoring_precision(cfg.precision, cfg.scoring_precision))
     stats = pair_metrics(chosen, rejected)
-    acc = (chosen > rejected).float()
+    _, acc_low, acc_high = proportion_ci95((chosen > rejected).float())
     results = {
         "mode": "reward_model", "reward_model": str(Path(rm_dir).resolve()), "pairs": len(pairs),
-        "accuracy": stats["rm/accuracy"], "accuracy_ci95": mean_ci95(acc)[1], "ties": int(stats["rm/ties"]),
+        "accuracy": stats["rm/accuracy"], "accuracy_ci95_low": acc_low, "accuracy_ci95_high": acc_high,
+        **_small_sample(len(pairs), "pairs"), "ties": int(stats["rm/ties"]),
         "loss": stats["rm/loss"], "margin_mean": stats["rm/margin"],
         "chosen_mean": float(chosen.mean()), "chosen_std": sample_std(chosen.tolist()),
         "rejected_mean": float(rejected.mean()), "rejected_std": sample_std(rejected.tolist()),
@@ -189,6 +198,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
         "mode": "policy", "policy": str(Path(policy_dir).resolve()), "reference": str(ref_path),
         "reward_model": str(rm_path) if rm_path else None, "prompts": len(prompt_texts),
         "temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "seed": cfg.seed,
+        **_small_sample(len(prompt_texts), "prompts"),
     }
     for name, t in (("policy", pol), ("reference", ref)):
         results[f"{name}/length_mean"] = float(t["length"].mean())
@@ -196,14 +206,16 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
         if "score" in t:
             results[f"{name}/score_mean"], results[f"{name}/score_ci95"] = mean_ci95(t["score"])
         if "correct" in t:
-            results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95"] = mean_ci95(t["correct"].float())
+            (results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95_low"],
+             results[f"{name}/accuracy_ci95_high"]) = proportion_ci95(t["correct"].float())
         if "function" in t:
             results[f"{name}/function_mean"], results[f"{name}/function_ci95"] = mean_ci95(t["function"])
     # paired differences: policy and reference answer the same prompts with the same noise, so the
     # interval of the per-prompt difference leaves out the variance the two sides share (prompt difficulty)
     if "score" in pol:
         results["win_rate"] = win_rate(pol["score"], ref["score"])
-        results["win_rate_ci95"] = 1.96 * (results["win_rate"] * (1 - results["win_rate"]) / len(prompt_texts)) ** 0.5
+        results["win_rate_ci95_low"], results["win_rate_ci95_high"] = wilson_ci95(results["win_rate"],
+                                                                                  len(prompt_texts))
         results["score_gain"], results["score_gain_ci95"] = mean_ci95(pol["score"] - ref["score"])
         if rm_stats is not None and rm_stats[1] > 1e-6:  # the gain in units of the RM's held-out score std
             results["score_gain_rm_std"] = results["score_gain"] / rm_stats[1]
@@ -243,6 +255,15 @@ def _last_user_turn(rendered: str) -> str:
     parts = re.split(r"<\|im_start\|>user\n|\[INST\]|<start_of_turn>user\n", rendered)
     text = re.sub(r"<\|im_start\|>\w+\n?|<start_of_turn>\w+\n?", "", parts[-1])  # the assistant header
     return re.sub(r"<\|[^|>]*\|>|<[a-z_]+_of_turn>|\[/INST\]", "", text).strip()
+
+
+def _small_sample(n: int, what: str) -> dict[str, str]:
+    """{"warning": "too few held-out ..."} (and the warning logged) below `core.paired.SMALL_SAMPLE`, else {}."""
+    warning = small_sample_warning(n, what)
+    if warning is None:
+        return {}
+    log.warning("%s", warning)
+    return {"warning": warning}
 
 
 def _get(d: dict[str, Any], key: str, i: int) -> float | None:

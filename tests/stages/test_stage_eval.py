@@ -12,9 +12,12 @@ import statistics
 import pytest
 import torch
 
+from rlhf_cli.core import wilson_ci95
+
 TEMPERATURE = 0.7
 MAX_NEW_TOKENS = 8
-
+T5 = 2.5705818  # t(0.975, 5): the interval of 6 paired prompts
+WILSON_1_OF_6 = (0.0300534, 0.5635028)  # Wilson 95 % interval of 1 success in 6
 
 def read_results(eval_dir):
     return json.loads((eval_dir / "eval.json").read_text())["results"]
@@ -106,6 +109,8 @@ def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, to
     assert out["pairs"] == n
     assert out["accuracy"] == 5 / n == result
     assert out["ties"] == 2
+    assert (out["accuracy_ci95_low"], out["accuracy_ci95_high"]) == wilson_ci95(5 / n, n)  # hand-checked below
+    assert out["warning"].startswith(f"too few held-out pairs ({n}): ")
     assert out["margin_mean"] == pytest.approx(sum(c - r for c, r in KNOWN_SCORES) / n, abs=1e-6)
     assert out["loss"] == pytest.approx(sum(math.log1p(math.exp(r - c)) for c, r in KNOWN_SCORES) / n, abs=1e-6)
     assert out["chosen_mean"] == pytest.approx(statistics.mean(chosen), abs=1e-6)
@@ -266,12 +271,15 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
     # paired differences, prompt by prompt (the same prompts and noise for both models)
     diffs = [p - r for p, r in zip(scores["policy"], scores["reference"])]
     assert out["score_gain"] == pytest.approx(statistics.mean(diffs), abs=1e-5)
-    assert out["score_gain_ci95"] == pytest.approx(1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5, rel=1e-3)
+    assert out["score_gain_ci95"] == pytest.approx(T5 * statistics.stdev(diffs) / len(diffs) ** 0.5, rel=1e-3)
     assert out["score_gain_rm_std"] == pytest.approx(out["score_gain"] / RM_STD, rel=1e-6)
     assert out["score_gain_rm_std_ci95"] == pytest.approx(out["score_gain_ci95"] / RM_STD, rel=1e-6)
     correct_diffs = [0, -1, 0, 0, 0, 0]  # only row 1 differs: the reference is right there
     assert out["accuracy_gain"] == pytest.approx(statistics.mean(correct_diffs), abs=1e-12)
-    assert out["accuracy_gain_ci95"] == pytest.approx(1.96 * statistics.stdev(correct_diffs) / 6 ** 0.5, rel=1e-9)
+    assert out["accuracy_gain_ci95"] == pytest.approx(T5 * statistics.stdev(correct_diffs) / 6 ** 0.5, rel=1e-6)
+    # proportions: Wilson intervals, never ±0 (1 of 6 correct)
+    assert (out["policy/accuracy_ci95_low"], out["policy/accuracy_ci95_high"]) == pytest.approx(WILSON_1_OF_6, abs=1e-4)
+    assert out["warning"].startswith("too few held-out prompts (6)")
     assert out["reference"] == str(tiny_dirs["reference"])
     # the checker fell (row 1): hacking exactly when the RM score rose
     assert out["reward_hacking"] == (out["score_gain"] > 0)
@@ -312,7 +320,7 @@ def test_policy_eval_scores_both_sides_with_the_reward_function(run_stage, tiny_
         assert out[f"{role}/function_mean"] == pytest.approx(statistics.mean(words[role]))
     diffs = [p - r for p, r in zip(words["policy"], words["reference"])]
     assert out["function_gain"] == pytest.approx(statistics.mean(diffs))
-    assert out["function_gain_ci95"] == pytest.approx(1.96 * statistics.stdev(diffs) / 6 ** 0.5, rel=1e-6)
+    assert out["function_gain_ci95"] == pytest.approx(T5 * statistics.stdev(diffs) / 6 ** 0.5, rel=1e-6)
     assert "reward_hacking" not in out  # no reward model: no RM score to rise
 
 
@@ -335,13 +343,45 @@ def test_policy_eval_gains_without_rm_stats_or_without_rm(run_stage, tiny_dirs, 
         assert headline == out["win_rate"]
 
 
-def test_mean_ci95_has_no_interval_below_two_values():
+def test_mean_ci95_is_a_t_interval_and_has_none_below_two_values():
     from rlhf_cli.core import mean_ci95
 
     assert mean_ci95(torch.tensor([2.0]))[0] == 2.0 and math.isnan(mean_ci95(torch.tensor([2.0]))[1])
     assert all(math.isnan(v) for v in mean_ci95(torch.tensor([])))
-    mean, half = mean_ci95(torch.tensor([1.0, 3.0]))
-    assert mean == 2.0 and half == pytest.approx(1.96 * 2 ** 0.5 / 2 ** 0.5)
+    mean, half = mean_ci95(torch.tensor([1.0, 3.0]))  # s = √2, n = 2: t(0.975, 1) · √2 / √2
+    assert mean == 2.0 and half == pytest.approx(12.7062047, rel=1e-7)
+
+
+@pytest.mark.parametrize(("df", "want"), [(1, 12.7062047), (2, 4.3026527), (5, T5), (29, 2.0452296),
+                                          (120, 1.9799304)])
+def test_t_quantile_matches_the_table(df, want):
+    from rlhf_cli.core import t_quantile
+
+    assert t_quantile(0.975, df) == pytest.approx(want, rel=1e-7)
+    assert t_quantile(0.025, df) == pytest.approx(-want, rel=1e-7)
+    assert t_quantile(0.95, 3) == pytest.approx(2.3533634, rel=1e-7)
+
+
+@pytest.mark.parametrize(("p", "n", "want"), [
+    (0.0, 4, (0.0, 0.4898908)),  # 0/n: [0, z²/(n + z²)], not ±0
+    (1.0, 4, (0.5101092, 1.0)),  # n/n
+    (0.5, 10, (0.2365931, 0.7634069)),
+    (1 / 6, 6, WILSON_1_OF_6),
+])
+def test_wilson_interval_matches_hand_values(p, n, want):
+    from rlhf_cli.core import proportion_ci95, wilson_ci95
+
+    assert wilson_ci95(p, n) == pytest.approx(want, abs=1e-6)
+    k = round(p * n)
+    assert proportion_ci95(torch.tensor([1.0] * k + [0.0] * (n - k)))[1:] == pytest.approx(want, abs=1e-6)
+    assert all(math.isnan(v) for v in wilson_ci95(0.5, 0))
+
+
+def test_small_samples_get_a_warning():
+    from rlhf_cli.core import SMALL_SAMPLE, small_sample_warning
+
+    assert small_sample_warning(SMALL_SAMPLE, "pairs") is None
+    assert small_sample_warning(4, "pairs").startswith("too few held-out pairs (4): ")
 
 
 def test_policy_eval_end_to_end_on_the_smoke_pipeline(pipeline):
