@@ -47,9 +47,15 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
     steps_per_epoch = len(train) // rmc.batch_size
     total_steps = rmc.max_steps or steps_per_epoch * rmc.epochs
+    dropped = len(train) - steps_per_epoch * rmc.batch_size  # each epoch's last partial batch (reshuffled each epoch)
+    if dropped:
+        log.warning("each epoch trains on %d of %d pairs: the last partial batch of %d is dropped (rm.batch_size=%d; "
+                    "each epoch reshuffles, so different pairs sit out)", len(train) - dropped, len(train), dropped,
+                    rmc.batch_size)
     print_table(f"train-rm: {run_dir}", {
         "model": cfg.model.name, "params (non-embedding)": count_parameters(model),
         "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
+        "pairs per epoch": f"{len(train) - dropped} ({dropped} in a partial batch dropped)" if dropped else len(train),
         "batch / micro / world": f"{rmc.batch_size} / {rmc.micro_batch_size} / {engine.world_size()}",
         "precision": f"{cfg.precision} (held-out scoring: {score_precision})",
         "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,

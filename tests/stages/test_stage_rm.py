@@ -266,3 +266,18 @@ def test_bf16_autocast_run_scores_held_out_pairs_in_fp32(run_stage, toy_override
         assert torch.allclose(got, fp32, rtol=0, atol=1e-5)
     else:
         assert (got - fp32).abs().max() > 1e-4
+
+
+def test_the_dropped_partial_batch_is_counted(run_stage, caplog):
+    import logging
+
+    overrides = ["data.builtin.rm_train=36", "data.builtin.rm_eval=8", "rm.batch_size=8", "rm.micro_batch_size=4",
+                 "dry_run=true"]
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.stages.rm"):
+        run_stage("train_rm", overrides)
+    (line,) = [r.getMessage() for r in caplog.records if "partial batch" in r.getMessage()]
+    assert line.startswith("each epoch trains on 32 of 36 pairs: the last partial batch of 4 is dropped")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.stages.rm"):
+        run_stage("train_rm", [*overrides[:2], "rm.batch_size=4", "rm.micro_batch_size=4", "dry_run=true"])
+    assert not [r for r in caplog.records if "partial batch" in r.getMessage()]  # 36 = 9 × 4: nothing dropped
