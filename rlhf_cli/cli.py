@@ -168,10 +168,17 @@ def run_command(command: str, cfg) -> float | None:
     quiet_libraries()
     from rlhf_cli.errors import USER_ERRORS as errors  # the user's mistakes: one line, exit status 2
     from rlhf_cli.errors import SaveError
-    from rlhf_cli.lifecycle import mark_failed
+    from rlhf_cli.lifecycle import mark_failed, resume_config
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        if cfg.get("resume"):  # continue the recorded run: its config, not today's defaults
+            given = [o.lstrip("+~").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
+            kept = resume_config(cfg, run_dir, given)
+            if kept and engine.is_main():
+                print(f"resume: continuing {run_dir} with its recorded config ({len(kept)} keys differ from this "
+                      f"command's defaults and keep their recorded values: {', '.join(kept[:8])}"
+                      f"{', ...' if len(kept) > 8 else ''})", file=sys.stderr)
         VALIDATORS[config_name](cfg, world_size=engine.world_size())
         module = importlib.import_module(module_name)
         if not hasattr(module, "run"):

@@ -33,6 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine
+from rlhf_cli.errors import ConfigError
 from rlhf_cli.runs import (
     MetricsLogger,
     atomic_write_text,
@@ -95,6 +96,55 @@ def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
             set_status(run_dir, "running")
     engine.barrier()
     return run_dir
+
+
+# what a resumed run may change from its recorded config: its length, save cadence, checkpoint pruning, logging
+RESUMABLE_KEYS = ("rm.max_steps", "rm.epochs", "ppo.iterations", "rm.save_every", "ppo.save_every",
+                  "paths.keep_checkpoints", "rm.eval_every", "rm.log_every", "ppo.sample_every", "tensorboard",
+                  "resume", "dry_run")
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every leaf of a resolved config container."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
+    """Make `cfg` the recorded config (`run_dir/config.yaml`) of the run `resume=` continues, in place.
+
+    `given` holds the keys set on this command line (`data.path`, or a group such as `model`, which covers its
+    keys). A key whose value differs from the record:
+      - given, and in `RESUMABLE_KEYS` (more steps or iterations, save cadence, pruning, logging): takes the
+        new value;
+      - given, and not in that list: the resume is refused;
+      - not given (today's default, or a pointer resolved anew): takes the recorded value, so a recorded
+        path is never re-resolved.
+    Keys only one side has (a field added or removed since) keep today's value. Returns the keys that took
+    their recorded value.
+
+    Raises:
+        ConfigError: one line naming every given key that differs from the record, both values, and the
+            keys that may change.
+    """
+    recorded = _leaves(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True))
+    current = _leaves(OmegaConf.to_container(cfg, resolve=True))
+    is_given = lambda k: any(k == g or k.startswith(g + ".") for g in given)  # noqa: E731
+    differ = [k for k in recorded if k in current and recorded[k] != current[k]]
+    refused = [k for k in differ if is_given(k) and k not in RESUMABLE_KEYS]
+    if refused:
+        what = "; ".join(f"{k}={current[k]} (recorded: {recorded[k]})" for k in refused)
+        raise ConfigError(f"resume={run_dir}: {what}: a resumed run keeps its recorded config; only "
+                          f"{', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'dry_run'))} may change "
+                          f"(start a new run to change the rest)")
+    kept = [k for k in differ if not is_given(k)]
+    for k in kept:
+        OmegaConf.update(cfg, k, recorded[k], merge=False)
+    return kept
 
 
 def _tag_step(path: Path) -> int:

@@ -196,6 +196,51 @@ def test_resume_true_continues_the_newest_unfinished_run_in_place(tmp_path):
     assert out.returncode == 2 and "no unfinished `train-rm` run" in out.stderr
 
 
+def test_resume_continues_the_recorded_run_and_refuses_changed_data(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Is {i} even?", "chosen": "yes" if i % 2 == 0 else "no",
+                                         "rejected": "no" if i % 2 == 0 else "yes"}) + "\n" for i in range(40)))
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=2", "tensorboard=false"]
+    out = rlhf("train-rm", *common, f"data.path={pairs}", "rm.max_steps=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = list((tmp_path / "rm").iterdir())
+    (run / "ds" / "latest").write_text("step-2\n")  # a crash after the step-2 checkpoint
+    (run / "status.json").write_text('{"state": "running"}')
+    other = tmp_path / "other.jsonl"
+    other.write_text(pairs.read_text())
+    out = rlhf("train-rm", *common, f"data.path={other}", "rm.max_steps=4", f"resume={run}")
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-2000:]
+    assert f"data.path={other} (recorded: {pairs})" in errors[0]
+    assert "a resumed run keeps its recorded config" in errors[0]
+    # the same command without data.path (and with more steps) continues the recorded run on its own data
+    out = rlhf("train-rm", *common, "rm.max_steps=6", "resume=true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "with its recorded config" in out.stderr and "data.path" in out.stderr
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["path"] == str(pairs)
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[:6] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_a_ppo_resume_keeps_the_reward_model_it_started_with(tmp_path):
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "tensorboard=false"]
+    assert rlhf("train-rm", *common, "rm.max_steps=2").returncode == 0
+    first_rm = (tmp_path / "latest_rm").read_text().strip()
+    out = rlhf("train-ppo", *common, "ppo.iterations=1", "ppo.save_every=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = list((tmp_path / "ppo").iterdir())
+    assert yaml.safe_load((run / "config.yaml").read_text())["reward_model"]["path"] == first_rm  # recorded
+    # a second reward model moves latest_rm while the PPO run waits; resuming it keeps the first one
+    assert rlhf("train-rm", *common, "rm.max_steps=2", "seed=7").returncode == 0
+    assert (tmp_path / "latest_rm").read_text().strip() != first_rm
+    out = rlhf("train-ppo", *common, "ppo.iterations=2", f"resume={run}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert yaml.safe_load((run / "config.yaml").read_text())["reward_model"]["path"] == first_rm
+    saved = json.loads((run / "final" / "config.json").read_text())
+    assert saved["rlhf_reward_model_path"] == first_rm
+
+
 def test_keep_checkpoints_0_deletes_ds_after_final_and_resume_says_why(tmp_path):
     common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=2", "rm.max_steps=4", "tensorboard=false",
               "paths.keep_checkpoints=0"]

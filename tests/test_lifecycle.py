@@ -4,6 +4,7 @@ what resume restores (also from a PPO checkpoint of an earlier version, whose st
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlhf_cli.lifecycle import Checkpoints, mark_failed
@@ -128,3 +129,53 @@ def test_mark_failed_changes_only_a_prepared_running_run(tmp_path):
     bare.mkdir()
     mark_failed(bare, "bad key")  # the config was refused before the run dir was prepared
     assert not (bare / "status.json").exists()
+
+
+def recorded_run(tmp_path, overrides):
+    """A run dir whose config.yaml records `rlhf train-rm <overrides>`."""
+    from omegaconf import OmegaConf
+    from stage_helpers import compose
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(compose("train_rm", overrides), resolve=True))
+    return run
+
+
+def test_resume_keeps_the_recorded_config_where_the_command_line_is_silent(tmp_path):
+    from stage_helpers import compose
+
+    from rlhf_cli.lifecycle import resume_config
+
+    run = recorded_run(tmp_path, ["model=tiny", "data.path=pairs.jsonl", "rm.lr=3e-4", "rm.max_steps=10"])
+    cfg = compose("train_rm", ["model=tiny", "rm.max_steps=20", f"resume={run}"])  # data.path and rm.lr left out
+    kept = resume_config(cfg, run, ["model", "rm.max_steps", "resume"])
+    assert sorted(kept) == ["data.path", "rm.lr"]
+    assert cfg.data.path == "pairs.jsonl" and cfg.rm.lr == 3e-4  # the recorded run, not today's defaults
+    assert cfg.rm.max_steps == 20  # more steps may change
+
+
+@pytest.mark.parametrize(("given", "needle"), [
+    (["data.path=other.jsonl"], "data.path=other.jsonl (recorded: pairs.jsonl)"),
+    (["rm.batch_size=4"], "rm.batch_size=4 (recorded: 8)"),
+    (["model=smollm2"], "model.name=smollm2 (recorded: tiny)"),
+])
+def test_resume_refuses_a_given_key_that_differs_from_the_record(tmp_path, given, needle):
+    from stage_helpers import compose
+
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.lifecycle import resume_config
+
+    run = recorded_run(tmp_path, ["model=tiny", "data.path=pairs.jsonl", "rm.batch_size=8"])
+    overrides = ["model=tiny", "data.path=pairs.jsonl", "rm.batch_size=8"]
+    keys = [g.split("=")[0] for g in given]
+    overrides = [o for o in overrides if o.split("=")[0] not in keys] + given
+    cfg = compose("train_rm", overrides)
+    with pytest.raises(ConfigError) as e:
+        resume_config(cfg, run, [o.split("=")[0] for o in overrides])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"resume={run}: ") and needle in msg
+    assert "only rm.max_steps, rm.epochs, ppo.iterations" in msg
+    # the same values given again are fine
+    assert resume_config(compose("train_rm", ["model=tiny", "data.path=pairs.jsonl", "rm.batch_size=8"]), run,
+                         ["model", "data.path", "rm.batch_size"]) == []

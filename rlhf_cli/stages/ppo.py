@@ -166,6 +166,8 @@ def describe_reward(cfg: Any, rm_path: str | None) -> str:
 
 def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
+    # the run records the reward model it resolved (from latest_rm, when unset), so a resume keeps using it
+    cfg.reward_model.path = abs_path(resolve_reward_model(cfg)) or cfg.reward_model.path
     run_dir = prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
     p = cfg.ppo
@@ -176,7 +178,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     batches = (f"{p.rollout_batch_size} × {p.n_samples_per_prompt} / {p.mini_batch_size} / {p.micro_batch_size} / "
                f"{engine.world_size()}")
     if cfg.dry_run:
-        tr.rm_path = resolve_reward_model(cfg)
+        tr.rm_path = cfg.reward_model.path
         policy = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tr.tokenizer)
         print_table(f"train-ppo (dry run): {run_dir}", {
             "policy": cfg.model.name, "params (non-embedding)": count_parameters(policy),
