@@ -13,13 +13,19 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+# Hydra's informational flags: nothing runs, nothing is validated
+INFO_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i")
+SWEEP_DIRS: set[Path] = set()  # the sweep dirs of this process's training jobs (said at the end)
 
 COMMANDS: dict[str, tuple] = {
     # command: (config name, stage module, one-line help)
     "train-rm": ("train_rm", "rlhf_cli.stages.rm",
                  "train a reward model (LM + scalar head, Bradley-Terry loss) on preference pairs"),
     "train-ppo": ("train_ppo", "rlhf_cli.stages.ppo",
-                  "optimise a policy against a reward model with PPO (KL penalty, GAE, clipped surrogate)"),
+                  "optimise a policy against a reward with PPO (KL penalty, GAE, clipped surrogate) or a critic-free "
+                  "estimator (GRPO, RLOO, REINFORCE++)"),
     "eval": ("eval", "rlhf_cli.stages.evaluate", "measure a reward model or a policy, and build run reports"),
 }
 
@@ -68,22 +74,60 @@ def _override_value(overrides: list[str], key: str) -> str | None:
     return None
 
 
-def _composed_paths_root(command: str, overrides: list[str]) -> str:
-    """`paths.root` as the command's config composes it (an experiment file may set it)."""
+def _compose(command: str, overrides: list[str], keep_resume: bool = False) -> Any:
+    """The command's config as Hydra composes it from `overrides` (flags and `hydra.*` left out)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     from rlhf_cli.config import register_configs
 
     register_configs()
-    keep = [o for o in overrides
-            if not o.lstrip("+").startswith(("resume=", "hydra.", "hydra/")) and not o.startswith("-")]
+    skip = ("hydra.", "hydra/") if keep_resume else ("resume=", "hydra.", "hydra/")
+    keep = [o for o in overrides if not o.lstrip("+").startswith(skip) and not o.startswith("-")]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
-            return str(compose(config_name=COMMANDS[command][0], overrides=keep).paths.root)
+            return compose(config_name=COMMANDS[command][0], overrides=keep)
     finally:
         GlobalHydra.instance().clear()
+
+
+def _composed_paths_root(command: str, overrides: list[str]) -> str:
+    """`paths.root` as the command's config composes it (an experiment file may set it)."""
+    return str(_compose(command, overrides).paths.root)
+
+
+def is_multirun(overrides: list[str]) -> bool:
+    return "-m" in overrides or "--multirun" in overrides
+
+
+def check_sweep(command: str, overrides: list[str]) -> int:
+    """Before a sweep (`-m`) launches anything: refuse `resume` (each job resumes by its own dir), and expand
+    the jobs as Hydra's basic sweeper will and validate every job's config. Returns the number of jobs.
+
+    Raises:
+        ConfigError: `resume` with `-m`, or the first invalid job, named by its number and overrides.
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.preflight import VALIDATORS
+
+    if _override_value(overrides, "resume") not in (None, "null", "None", "false", ""):
+        raise ConfigError("resume with -m: a sweep is not resumed as a whole; resume each unfinished job in place "
+                          f"with `rlhf {command} resume=<sweep dir>/<job number>` (no -m)")
+    sweep = [o for o in overrides if not o.startswith("-") and not o.lstrip("+").startswith(("hydra.", "hydra/"))]
+    jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(sweep), None)
+            for job in batch]
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    for i, job in enumerate(jobs):
+        try:
+            VALIDATORS[COMMANDS[command][0]](_compose(command, job), world_size=world)
+        except ConfigError as e:
+            varying = [o for o in job if not all(o in other for other in jobs)]  # what names this job
+            raise ConfigError(f"sweep job {i} ({' '.join(varying)}): {e}; no job was launched") from None
+    return len(jobs)
 
 
 def resume_overrides(command: str, overrides: list[str]) -> list[str]:
@@ -92,9 +136,8 @@ def resume_overrides(command: str, overrides: list[str]) -> list[str]:
     from rlhf_cli.runs import STAGES, find_resumable, get_status, latest_tag
 
     value = _override_value(overrides, "resume")
-    if (value is None or value.lower() in ("null", "none", "false", "")
-            or "-m" in overrides or "--multirun" in overrides):
-        return overrides
+    if value is None or value.lower() in ("null", "none", "false", "") or is_multirun(overrides):
+        return overrides  # a sweep's resume is refused by check_sweep
     stage = STAGES[COMMANDS[command][0]]
     root = _composed_paths_root(command, overrides)
     if value.lower() == "true":
@@ -120,7 +163,7 @@ def check_output_root(command: str, overrides: list[str]) -> None:
     (Hydra then reports that itself)."""
     from rlhf_cli.runs import check_writable
 
-    if any(o in ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i") for o in overrides):
+    if any(o in INFO_FLAGS for o in overrides):
         return
     try:
         root = _composed_paths_root(command, overrides)
@@ -160,6 +203,7 @@ def quiet_libraries() -> None:
 def run_command(command: str, cfg) -> float | None:
     """Validate `cfg` and run the command's stage; a user error exits 2 with one line, no traceback."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from rlhf_cli import engine
     from rlhf_cli.preflight import VALIDATORS
@@ -171,6 +215,8 @@ def run_command(command: str, cfg) -> float | None:
     from rlhf_cli.lifecycle import mark_failed, resume_config
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if HydraConfig.get().mode == RunMode.MULTIRUN and command != "eval":
+        SWEEP_DIRS.add(run_dir.parent)
     try:
         if cfg.get("resume"):  # continue the recorded run: its config, not today's defaults
             given = [o.lstrip("+~").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
@@ -219,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         check_override_keys(COMMANDS[command][0], rest)
+        if is_multirun(rest) and not any(o in INFO_FLAGS for o in rest):
+            check_sweep(command, rest)
         rest = resume_overrides(command, rest)
         check_output_root(command, rest)
     except (ConfigError, PermissionError) as e:
@@ -227,6 +275,10 @@ def main(argv: list[str] | None = None) -> None:
     register_configs()
     sys.argv = [f"rlhf {command}", *rest]
     _task_for(command)()
+    if SWEEP_DIRS:  # the jobs moved no pointer: say where they are and how to compare them
+        for d in sorted(SWEEP_DIRS):
+            print(f"sweep: {d} (latest_* pointers not moved by sweep jobs); compare its jobs with: "
+                  f"rlhf eval run_dir={d}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -275,13 +275,21 @@ def mark_failed(run_dir: Path, reason: str) -> None:
         set_status(run_dir, "failed", reason=reason)
 
 
-def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path:
+def is_sweep_job() -> bool:
+    """Whether this run is one job of a Hydra sweep (`-m`)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path | None:
     """The tail of a training run, rank 0 only, after `final/` is written: the resolved config beside the
     model (`final/rlhf_config.yaml`), the pointer of `kind` (`runs.POINTERS`: `latest_rm`, `latest_policy`)
-    under `paths.root`, status `finished` (with
-    `status`), and `ds/` dropped when `paths.keep_checkpoints=0`. Returns the pointer's path."""
+    under `paths.root` (not for a sweep job: the pointer would name whichever job ran last), status `finished`
+    (with `status`), and `ds/` dropped when `paths.keep_checkpoints=0`. Returns the pointer's path, or None."""
     (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    pointer = write_pointer(cfg.paths.root, kind, final)
+    pointer = None if is_sweep_job() else write_pointer(cfg.paths.root, kind, final)
     set_status(run_dir, "finished", final=str(final.resolve()), **status)
     drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)
     return pointer

@@ -167,6 +167,28 @@ def test_multirun_dry_run_gives_one_run_dir_per_job(tmp_path):
     assert lrs == [1e-5, 2e-5]
 
 
+def test_a_sweep_is_validated_whole_before_any_job_launches(tmp_path):
+    out = rlhf("train-rm", "-m", "model=tiny", "rm.lr=1e-3,-1", "rm.max_steps=2", f"paths.root={tmp_path}")
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert out.returncode == 2 and errors == [
+        "error: sweep job 1 (rm.lr=-1): rm.lr must be > 0 (got -1.0); no job was launched"]
+    assert not (tmp_path / "rm").exists()
+    out = rlhf("train-rm", "-m", "model=tiny", "rm.lr=1e-3,2e-3", "resume=true", f"paths.root={tmp_path}")
+    assert out.returncode == 2 and "error: resume with -m: a sweep is not resumed as a whole" in out.stderr
+
+
+@pytest.mark.slow
+def test_sweep_jobs_move_no_pointer_and_the_sweep_is_named_at_the_end(tmp_path):
+    out = rlhf("train-rm", "-m", "experiment=smoke", "rm.max_steps=2", "rm.lr=1e-3,2e-3", "tensorboard=false",
+               f"paths.root={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (sweep,) = list((tmp_path / "rm").glob("sweep-*"))
+    assert all((sweep / job / "final" / "model.safetensors").is_file() for job in ("0", "1"))
+    assert not (tmp_path / "latest_rm").exists()  # no job's model silently becomes the next stage's default
+    assert f"sweep: {sweep} (latest_* pointers not moved by sweep jobs); compare its jobs with: rlhf eval " \
+           f"run_dir={sweep}" in out.stderr
+
+
 def test_resume_true_continues_the_newest_unfinished_run_in_place(tmp_path):
     common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=4", "rm.max_steps=8", "tensorboard=false"]
     out = rlhf("train-rm", *common)

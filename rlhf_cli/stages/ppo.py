@@ -270,7 +270,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         pointer = finish_run(cfg, run_dir, final, "ppo", iterations=done)
         summary = ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")
         print_table("train-ppo finished", {k: record.get(k) for k in summary}
-                    | {"checkpoint": str(final), "pointer": str(pointer)})
+                    | {"checkpoint": str(final), "pointer": str(pointer or "not moved (a sweep job)")})
     engine.barrier()
     metrics.close()
     return record.get("objective/scores")

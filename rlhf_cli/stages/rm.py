@@ -158,7 +158,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         print_table("train-rm finished", {**{f"eval {k}": v for k, v in final_stats.items()},
                                           "reward mean/std": ("none (no held-out pairs)" if reward_mean is None
                                                               else f"{reward_mean:.4g} / {reward_std:.4g}"),
-                                          "checkpoint": str(final), "pointer": str(pointer)})
+                                          "checkpoint": str(final),
+                                          "pointer": str(pointer or "not moved (a sweep job)")})
     engine.barrier()
     metrics.close()
     return final_stats.get("rm/accuracy")
