@@ -573,3 +573,24 @@ def build_report(path: Path | str) -> Path:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def write_policy_report(out: Path, title: str, results: dict[str, Any], samples: list[list[Any]],
+                        rewards: dict[str, list[float]] | None) -> None:
+    """`out/report.html` of a policy eval: its numbers (`results` less the samples), the RM-score histogram of
+    policy and reference when `rewards` has them (`out/reward_hist.png`), and the sample table (rows of
+    prompt, policy reply, its score, reference reply, its score)."""
+    images = ([] if rewards is None else
+              [plot_rewards(rewards, out / "reward_hist.png", "RM score: policy vs reference")])
+    numbers = [[k, v] for k, v in results.items() if k != "samples"]
+    write_html(out / "report.html", title, [
+        Section("results", tables=[Table(["metric", "value"], numbers)], images=images),
+        Section("samples", tables=[Table(["prompt", "policy", "score", "reference", "score"], samples)])])
+
+
+def write_rm_report(out: Path, title: str, results: dict[str, Any], rewards: dict[str, list[float]]) -> None:
+    """`out/report.html` of a reward-model eval: its numbers and the chosen/rejected score histogram
+    (`out/reward_hist.png`)."""
+    hist = plot_rewards(rewards, out / "reward_hist.png", "reward-model scores: chosen vs rejected")
+    table = Table(["metric", "value"], [[k, v] for k, v in results.items()])
+    write_html(out / "report.html", title, [Section("results", tables=[table], images=[hist])])

@@ -22,6 +22,7 @@ identically.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,3 +123,11 @@ def lengths_summary(lengths: Sequence[int]) -> dict[str, int]:
         return s[max(0, math.ceil(q * len(s)) - 1)]
 
     return {"p50": rank(0.5), "p90": rank(0.9), "max": s[-1]}
+
+
+def last_user_turn(rendered: str) -> str:
+    """The readable question inside a chat-rendered prompt: the text after the last `user` header,
+    with the template's special tokens removed (raw-text prompts come back unchanged)."""
+    parts = re.split(r"<\|im_start\|>user\n|\[INST\]|<start_of_turn>user\n", rendered)
+    text = re.sub(r"<\|im_start\|>\w+\n?|<start_of_turn>\w+\n?", "", parts[-1])  # the assistant header
+    return re.sub(r"<\|[^|>]*\|>|<[a-z_]+_of_turn>|\[/INST\]", "", text).strip()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from rlhf_cli.core import (
     wilson_ci95,
     win_rate,
 )
-from rlhf_cli.data import check_answers, load_preference_data, load_prompt_data
+from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
 from rlhf_cli.errors import RewardError
 from rlhf_cli.lifecycle import prepare_run_dir, seed_everything
 from rlhf_cli.models import (
@@ -44,13 +43,11 @@ from rlhf_cli.models import (
     resolve_hf_dir,
 )
 from rlhf_cli.report import (
-    Section,
-    Table,
     build_report,
-    plot_rewards,
     print_summary,
     summary_table,
-    write_html,
+    write_policy_report,
+    write_rm_report,
 )
 from rlhf_cli.rewards import call_reward_function, load_reward_function
 from rlhf_cli.rollout import (
@@ -106,11 +103,7 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
     rewards = {"chosen": chosen.tolist(), "rejected": rejected.tolist()}
     if engine.is_main():
         atomic_write_json(run_dir / "rewards.json", rewards)
-        out = run_dir / "report"
-        hist = plot_rewards(rewards, out / "reward_hist.png", "reward-model scores: chosen vs rejected")
-        table = Table(["metric", "value"], [[k, v] for k, v in results.items()])
-        write_html(out / "report.html", f"reward model eval: {rm_dir}",
-                   [Section("results", tables=[table], images=[hist])])
+        write_rm_report(run_dir / "report", f"reward model eval: {rm_dir}", results, rewards)
     return results
 
 
@@ -231,30 +224,16 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
     results["kl_k3"], results["kl_k3_ci95"] = mean_ci95(pol["kl_k3"])
 
-    samples = [[_last_user_turn(prompt_texts[i])[-300:], pol["text"][i], _get(pol, "score", i),
+    samples = [[last_user_turn(prompt_texts[i])[-300:], pol["text"][i], _get(pol, "score", i),
                 ref["text"][i], _get(ref, "score", i)] for i in range(min(e.num_samples, len(prompt_texts)))]
     keys = ["prompt", "policy", "policy_score", "reference", "reference_score"]
     results["samples"] = [dict(zip(keys, s)) for s in samples]
     if engine.is_main():
-        images = []
-        if "score" in pol:
-            rewards = {"policy": pol["score"].tolist(), "reference": ref["score"].tolist()}
+        rewards = {"policy": pol["score"].tolist(), "reference": ref["score"].tolist()} if "score" in pol else None
+        if rewards is not None:
             atomic_write_json(run_dir / "rewards.json", rewards)
-            images.append(plot_rewards(rewards, run_dir / "report" / "reward_hist.png",
-                                       "RM score: policy vs reference"))
-        numbers = [[k, v] for k, v in results.items() if k != "samples"]
-        write_html(run_dir / "report" / "report.html", f"policy eval: {policy_dir}", [
-            Section("results", tables=[Table(["metric", "value"], numbers)], images=images),
-            Section("samples", tables=[Table(["prompt", "policy", "score", "reference", "score"], samples)])])
+        write_policy_report(run_dir / "report", f"policy eval: {policy_dir}", results, samples, rewards)
     return results
-
-
-def _last_user_turn(rendered: str) -> str:
-    """The readable question inside a chat-rendered prompt: the text after the last `user` header,
-    with the template's special tokens removed (raw-text prompts come back unchanged)."""
-    parts = re.split(r"<\|im_start\|>user\n|\[INST\]|<start_of_turn>user\n", rendered)
-    text = re.sub(r"<\|im_start\|>\w+\n?|<start_of_turn>\w+\n?", "", parts[-1])  # the assistant header
-    return re.sub(r"<\|[^|>]*\|>|<[a-z_]+_of_turn>|\[/INST\]", "", text).strip()
 
 
 def _small_sample(n: int, what: str) -> dict[str, str]:
