@@ -51,7 +51,7 @@ def trl_child(spec_path: str) -> None:
 
     from rlhf_cli.data import checker
 
-    tokenizer = AutoTokenizer.from_pretrained(spec["policy_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
     tokenizer.padding_side = "left"
     eos_id, penalty = tokenizer.eos_token_id, spec["missing_eos_penalty"]
     model = AutoModelForCausalLM.from_pretrained(spec["policy_dir"], dtype=torch.float32)
@@ -73,7 +73,7 @@ def trl_child(spec_path: str) -> None:
         adam_beta2=spec["betas"][1], adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=0.0,
         bf16=spec["bf16"], seed=spec["seed"], shuffle_dataset=False, report_to="none", save_strategy="no",
         logging_steps=1, disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(),
-        use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False)
+        use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, disable_dropout=True)
     data = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
 
     steps: list[dict[str, float]] = []
@@ -170,7 +170,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
         f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}"]
-    cfg, _, prompts, order, policy, betas = prepare(overrides, steps, P, work)
+    cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, steps, P, work)
+    tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
 
@@ -178,7 +179,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     ours_dir, ours, o_steps = train_ours(overrides, work / "ours_grpo")
 
     # 3. TRL in its own process: the same prompts in the same order, each repeated G times by its sampler
-    spec = {"policy_dir": str(policy), "prompts": [prompts[i]["prompt_text"] for it in order for i in it],
+    spec = {"policy_dir": str(policy), "tokenizer_dir": str(work / "tokenizer"),
+            "prompts": [prompts[i]["prompt_text"] for it in order for i in it],
             "answers": [prompts[i]["answer"] for it in order for i in it], "steps": steps,
             "prompts_per_step": P, "num_generations": G, "micro_batch_size": m,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "beta": args.beta,
