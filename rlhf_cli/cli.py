@@ -114,19 +114,27 @@ def check_sweep(command: str, overrides: list[str]) -> int:
     from rlhf_cli.config import ConfigError
     from rlhf_cli.preflight import VALIDATORS
 
-    if _override_value(overrides, "resume") not in (None, "null", "None", "false", ""):
+    if (_override_value(overrides, "resume") or "null").lower() not in ("null", "none", "false", ""):
         raise ConfigError("resume with -m: a sweep is not resumed as a whole; resume each unfinished job in place "
                           f"with `rlhf {command} resume=<sweep dir>/<job number>` (no -m)")
     sweep = [o for o in overrides if not o.startswith("-") and not o.lstrip("+").startswith(("hydra.", "hydra/"))]
-    jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(sweep), None)
-            for job in batch]
+    try:
+        parsed = OverridesParser.create().parse_overrides(sweep)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except Exception:  # noqa: BLE001 - a syntax the basic sweeper cannot expand here: Hydra reports it itself
+        return 0
     world = int(os.environ.get("WORLD_SIZE", 1))
     for i, job in enumerate(jobs):
+        varying = " ".join(o for o in job if not all(o in other for other in jobs))  # what names this job
         try:
-            VALIDATORS[COMMANDS[command][0]](_compose(command, job), world_size=world)
+            cfg = _compose(command, job)
+        except Exception as e:  # noqa: BLE001 - Hydra's composition error (unknown group option, wrong type)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"sweep job {i} ({varying}): {first}; no job was launched") from None
+        try:
+            VALIDATORS[COMMANDS[command][0]](cfg, world_size=world)
         except ConfigError as e:
-            varying = [o for o in job if not all(o in other for other in jobs)]  # what names this job
-            raise ConfigError(f"sweep job {i} ({' '.join(varying)}): {e}; no job was launched") from None
+            raise ConfigError(f"sweep job {i} ({varying}): {e}; no job was launched") from None
     return len(jobs)
 
 

@@ -124,8 +124,10 @@ def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
       - given, and not in that list: the resume is refused;
       - not given (today's default, or a pointer resolved anew): takes the recorded value, so a recorded
         path is never re-resolved.
-    Keys only one side has (a field added or removed since) keep today's value. Returns the keys that took
-    their recorded value.
+    A given value that resolves to the recorded one is the same value: `precision=auto` against the precision
+    it resolved to, a path against the absolute path (or the `final/` dir under it) the run recorded. Keys
+    only one side has (a field added or removed since) keep today's value. Returns the keys that took their
+    recorded value.
 
     Raises:
         ConfigError: one line naming every given key that differs from the record, both values, and the
@@ -134,7 +136,7 @@ def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
     recorded = _leaves(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True))
     current = _leaves(OmegaConf.to_container(cfg, resolve=True))
     is_given = lambda k: any(k == g or k.startswith(g + ".") for g in given)  # noqa: E731
-    differ = [k for k in recorded if k in current and recorded[k] != current[k]]
+    differ = [k for k in recorded if k in current and not _same(k, current[k], recorded[k])]
     refused = [k for k in differ if is_given(k) and k not in RESUMABLE_KEYS]
     if refused:
         what = "; ".join(f"{k}={current[k]} (recorded: {recorded[k]})" for k in refused)
@@ -143,8 +145,24 @@ def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
                           f"(start a new run to change the rest)")
     kept = [k for k in differ if not is_given(k)]
     for k in kept:
-        OmegaConf.update(cfg, k, recorded[k], merge=False)
+        try:
+            OmegaConf.update(cfg, k, recorded[k], merge=False)
+        except Exception as e:  # noqa: BLE001 - a record today's schema rejects (an older version's)
+            raise ConfigError(f"resume={run_dir}: its recorded {k}={recorded[k]!r} is not valid today "
+                              f"({type(e).__name__}); start a new run") from None
     return kept
+
+
+def _same(key: str, given: Any, recorded: Any) -> bool:
+    """Whether a command line's value is the recorded one, after the resolution the run applied to it."""
+    if given == recorded:
+        return True
+    if key == "precision" and isinstance(given, str):
+        return engine.resolve_precision(given) == recorded
+    if key.endswith("path") and isinstance(given, str) and isinstance(recorded, str):
+        a, b = Path(given).expanduser().resolve(), Path(recorded).expanduser().resolve()
+        return a == b or a / "final" == b
+    return False
 
 
 def _tag_step(path: Path) -> int:
@@ -275,12 +293,14 @@ def mark_failed(run_dir: Path, reason: str) -> None:
         set_status(run_dir, "failed", reason=reason)
 
 
-def is_sweep_job() -> bool:
-    """Whether this run is one job of a Hydra sweep (`-m`)."""
+def is_sweep_job(run_dir: Path) -> bool:
+    """Whether `run_dir` is one job of a Hydra sweep (`-m`): running under one, or resumed in place from a
+    `sweep-<time>/<job>` dir."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    running = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    return running or Path(run_dir).parent.name.startswith("sweep-")
 
 
 def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path | None:
@@ -289,7 +309,7 @@ def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -
     under `paths.root` (not for a sweep job: the pointer would name whichever job ran last), status `finished`
     (with `status`), and `ds/` dropped when `paths.keep_checkpoints=0`. Returns the pointer's path, or None."""
     (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    pointer = None if is_sweep_job() else write_pointer(cfg.paths.root, kind, final)
+    pointer = None if is_sweep_job(run_dir) else write_pointer(cfg.paths.root, kind, final)
     set_status(run_dir, "finished", final=str(final.resolve()), **status)
     drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)
     return pointer

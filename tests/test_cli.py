@@ -175,6 +175,11 @@ def test_a_sweep_is_validated_whole_before_any_job_launches(tmp_path):
     assert not (tmp_path / "rm").exists()
     out = rlhf("train-rm", "-m", "model=tiny", "rm.lr=1e-3,2e-3", "resume=true", f"paths.root={tmp_path}")
     assert out.returncode == 2 and "error: resume with -m: a sweep is not resumed as a whole" in out.stderr
+    out = rlhf("train-rm", "-m", "model=tiny,nosuch", "rm.max_steps=2", f"paths.root={tmp_path}")
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert line.startswith("error: sweep job 1 (model=nosuch): ") and line.endswith("; no job was launched")
+    assert not (tmp_path / "rm").exists()
 
 
 @pytest.mark.slow

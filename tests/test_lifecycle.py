@@ -179,3 +179,25 @@ def test_resume_refuses_a_given_key_that_differs_from_the_record(tmp_path, given
     # the same values given again are fine
     assert resume_config(compose("train_rm", ["model=tiny", "data.path=pairs.jsonl", "rm.batch_size=8"]), run,
                          ["model", "data.path", "rm.batch_size"]) == []
+
+
+def test_resume_takes_a_value_that_resolves_to_the_recorded_one_as_the_same(tmp_path):
+    from stage_helpers import compose
+
+    from rlhf_cli import engine
+    from rlhf_cli.lifecycle import resume_config
+
+    rm_run = tmp_path / "rm_run"
+    (rm_run / "final").mkdir(parents=True)
+    run = recorded_run(tmp_path, ["model=tiny", f"precision={engine.resolve_precision('auto')}",
+                                  f"reward_model.path={rm_run / 'final'}"])
+    # the command given again: precision=auto and the RM's run dir, which the run recorded resolved
+    cfg = compose("train_rm", ["model=tiny", "precision=auto", f"reward_model.path={rm_run}"])
+    assert resume_config(cfg, run, ["model", "precision", "reward_model.path"]) == []
+
+
+def test_a_sweep_job_resumed_in_place_moves_no_pointer(tmp_path):
+    from rlhf_cli.lifecycle import is_sweep_job
+
+    assert is_sweep_job(tmp_path / "rm" / "sweep-20261201-010101-000001" / "0")
+    assert not is_sweep_job(tmp_path / "rm" / "20261201-010101-000001")

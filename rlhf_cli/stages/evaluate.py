@@ -113,7 +113,9 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
 
 @torch.no_grad()
 def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
-    """Policy vs reference on held-out prompts: RM scores, win rate, KL, lengths, checker accuracy."""
+    """Policy vs reference on held-out prompts with shared per-prompt noise: RM scores and win rate, checker
+    accuracy, `reward.function` scores, each side with its interval and as paired gains (`score_gain`,
+    `accuracy_gain`, `function_gain`), the reward-hacking headline, KL, lengths, EOS rates."""
     e = cfg.eval
     policy_dir = resolve_hf_dir(policy_path)
     config_json = Path(policy_dir) / "config.json"

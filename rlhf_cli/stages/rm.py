@@ -48,7 +48,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     steps_per_epoch = len(train) // rmc.batch_size
     total_steps = rmc.max_steps or steps_per_epoch * rmc.epochs
     dropped = len(train) - steps_per_epoch * rmc.batch_size  # each epoch's last partial batch (reshuffled each epoch)
-    if dropped:
+    if dropped and engine.is_main():
         log.warning("each epoch trains on %d of %d pairs: the last partial batch of %d is dropped (rm.batch_size=%d; "
                     "each epoch reshuffles, so different pairs sit out)", len(train) - dropped, len(train), dropped,
                     rmc.batch_size)
