@@ -74,16 +74,16 @@ def _override_value(overrides: list[str], key: str) -> str | None:
     return None
 
 
-def _compose(command: str, overrides: list[str], keep_resume: bool = False) -> Any:
-    """The command's config as Hydra composes it from `overrides` (flags and `hydra.*` left out)."""
+def _compose(command: str, overrides: list[str]) -> Any:
+    """The command's config as Hydra composes it from `overrides` (flags, `resume=` and `hydra.*` left out)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     from rlhf_cli.config import register_configs
 
     register_configs()
-    skip = ("hydra.", "hydra/") if keep_resume else ("resume=", "hydra.", "hydra/")
-    keep = [o for o in overrides if not o.lstrip("+").startswith(skip) and not o.startswith("-")]
+    keep = [o for o in overrides
+            if not o.lstrip("+").startswith(("resume=", "hydra.", "hydra/")) and not o.startswith("-")]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
@@ -211,7 +211,6 @@ def quiet_libraries() -> None:
 def run_command(command: str, cfg) -> float | None:
     """Validate `cfg` and run the command's stage; a user error exits 2 with one line, no traceback."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     from rlhf_cli import engine
     from rlhf_cli.preflight import VALIDATORS
@@ -220,10 +219,10 @@ def run_command(command: str, cfg) -> float | None:
     quiet_libraries()
     from rlhf_cli.errors import USER_ERRORS as errors  # the user's mistakes: one line, exit status 2
     from rlhf_cli.errors import SaveError
-    from rlhf_cli.lifecycle import mark_failed, resume_config
+    from rlhf_cli.lifecycle import is_sweep_job, mark_failed, resume_config
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if HydraConfig.get().mode == RunMode.MULTIRUN and command != "eval":
+    if is_sweep_job(run_dir) and command != "eval":
         SWEEP_DIRS.add(run_dir.parent)
     try:
         if cfg.get("resume"):  # continue the recorded run: its config, not today's defaults

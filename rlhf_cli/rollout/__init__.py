@@ -33,7 +33,7 @@ from rlhf_cli.rollout.policy import (
     sequence_kl,
     unwrap,
 )
-from rlhf_cli.rollout.rewards import Rewards, raise_on_any_rank
+from rlhf_cli.rollout.rewards import Rewards, call_on_every_rank
 from rlhf_cli.rollout.sampling import PerRowSampler, response_mask, sample_responses
 from rlhf_cli.rollout.scoring import batched_rewards, forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks
@@ -47,6 +47,7 @@ __all__ = [
     "PolicyWithValueHead",
     "Rewards",
     "batched_rewards",
+    "call_on_every_rank",
     "critic_values",
     "disable_dropout",
     "explained_variance_across_ranks",
@@ -55,7 +56,6 @@ __all__ = [
     "lm_of",
     "pair_metrics",
     "policy_forward",
-    "raise_on_any_rank",
     "response_mask",
     "sample_responses",
     "save_policy",

@@ -83,19 +83,26 @@ class Rewards:
         return raw, norm, means
 
     def _call_functions(self, texts: list[str], prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        failure, out = None, {}
-        try:
-            for source, (name, fn) in self.functions.items():
-                out[source] = call_reward_function(fn, name, [x.get("prompt_text", "") for x in prompts], texts,
-                                                   [x.get("answer") for x in prompts], [x.get("row") for x in prompts])
-        except RewardError as e:
-            failure = e
-        raise_on_any_rank(failure)
-        return out
+        return call_on_every_rank(self.functions, texts, prompts)
 
 
-def raise_on_any_rank(failure: RewardError | None) -> None:
-    """Every rank raises when a reward function failed on any of them (`failure` on this one, else None): this
-    rank's own message, or "failed on another rank". A collective: call it on every rank."""
+def call_on_every_rank(functions: dict[str, tuple[str, Any]], texts: list[str],
+                       prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """{source: (B,) float32 scores} of this rank's completions `texts` (of the data rows `prompts`) by each
+    `functions[source] = (name, fn)`, called as `rlhf_cli.rewards.call_reward_function` does. A collective:
+    call it on every rank.
+
+    Raises:
+        RewardError: on every rank when a function failed on any of them (this rank's own message, or
+            "failed on another rank").
+    """
+    failure, out = None, {}
+    try:
+        for source, (name, fn) in functions.items():
+            out[source] = call_reward_function(fn, name, [x.get("prompt_text", "") for x in prompts], texts,
+                                               [x.get("answer") for x in prompts], [x.get("row") for x in prompts])
+    except RewardError as e:
+        failure = e
     if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:
         raise failure if failure is not None else RewardError("a reward function failed on another rank")
+    return out

@@ -31,7 +31,6 @@ from rlhf_cli.core import (
     win_rate,
 )
 from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
-from rlhf_cli.errors import RewardError
 from rlhf_cli.lifecycle import prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     is_scalar_model_dir,
@@ -49,11 +48,11 @@ from rlhf_cli.report import (
     write_policy_report,
     write_rm_report,
 )
-from rlhf_cli.rewards import call_reward_function, load_reward_function
+from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.rollout import (
     batched_rewards,
+    call_on_every_rank,
     pair_metrics,
-    raise_on_any_rank,
     sample_responses,
     score_pairs,
     sequence_kl,
@@ -171,14 +170,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
         if all(x.get("answer") is not None for x in mine):
             out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
         if function is not None:
-            failure = None
-            try:
-                out["function"] = call_reward_function(function, cfg.reward.function,
-                                                       [x.get("prompt_text", "") for x in mine], texts,
-                                                       [x.get("answer") for x in mine], [x.get("row") for x in mine])
-            except RewardError as err:
-                failure = err
-            raise_on_any_rank(failure)
+            out["function"] = call_on_every_rank({"function": (cfg.reward.function, function)}, texts,
+                                                 mine)["function"]
         if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
             kl = sequence_kl(policy, reference, ids, am, P, e.temperature, e.batch_size, score_precision, ("k1", "k3"))
             out["kl_k1"], out["kl_k3"] = kl["k1"], kl["k3"]
