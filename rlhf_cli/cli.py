@@ -219,15 +219,14 @@ def run_command(command: str, cfg) -> float | None:
     quiet_libraries()
     from rlhf_cli.errors import USER_ERRORS as errors  # the user's mistakes: one line, exit status 2
     from rlhf_cli.errors import SaveError
-    from rlhf_cli.lifecycle import is_sweep_job, mark_failed, resume_config
+    from rlhf_cli.lifecycle import command_line_keys, is_sweep_job, mark_failed, resume_config
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if is_sweep_job(run_dir) and command != "eval":
         SWEEP_DIRS.add(run_dir.parent)
     try:
         if cfg.get("resume"):  # continue the recorded run: its config, not today's defaults
-            given = [o.lstrip("+~").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
-            kept = resume_config(cfg, run_dir, given)
+            kept = resume_config(cfg, run_dir, command_line_keys())
             if kept and engine.is_main():
                 print(f"resume: continuing {run_dir} with its recorded config ({len(kept)} keys differ from this "
                       f"command's defaults and keep their recorded values: {', '.join(kept[:8])}"

@@ -34,6 +34,9 @@ from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.errors import ConfigError
+from rlhf_cli.lineage import FILE as LINEAGE_FILE
+from rlhf_cli.lineage import MODEL_FILE as MODEL_LINEAGE_FILE
+from rlhf_cli.lineage import leaves
 from rlhf_cli.runs import (
     MetricsLogger,
     atomic_write_text,
@@ -104,16 +107,6 @@ RESUMABLE_KEYS = ("rm.max_steps", "rm.epochs", "ppo.iterations", "rm.save_every"
                   "resume", "dry_run")
 
 
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted key: value} of every leaf of a resolved config container."""
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_leaves(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
     """Make `cfg` the recorded config (`run_dir/config.yaml`) of the run `resume=` continues, in place.
 
@@ -133,8 +126,8 @@ def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
         ConfigError: one line naming every given key that differs from the record, both values, and the
             keys that may change.
     """
-    recorded = _leaves(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True))
-    current = _leaves(OmegaConf.to_container(cfg, resolve=True))
+    recorded = leaves(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True))
+    current = leaves(OmegaConf.to_container(cfg, resolve=True))
     is_given = lambda k: any(k == g or k.startswith(g + ".") for g in given)  # noqa: E731
     differ = [k for k in recorded if k in current and not _same(k, current[k], recorded[k])]
     refused = [k for k in differ if is_given(k) and k not in RESUMABLE_KEYS]
@@ -293,6 +286,16 @@ def mark_failed(run_dir: Path, reason: str) -> None:
         set_status(run_dir, "failed", reason=reason)
 
 
+def command_line_keys() -> list[str]:
+    """The keys this process's Hydra command line set (`data.path`, or a group such as `data`); [] outside a
+    Hydra app (a stage run in-process)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [o.lstrip("+~").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
+
+
 def is_sweep_job(run_dir: Path) -> bool:
     """Whether `run_dir` is one job of a Hydra sweep (`-m`): running under one, or resumed in place from a
     `sweep-<time>/<job>` dir."""
@@ -305,10 +308,13 @@ def is_sweep_job(run_dir: Path) -> bool:
 
 def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path | None:
     """The tail of a training run, rank 0 only, after `final/` is written: the resolved config beside the
-    model (`final/rlhf_config.yaml`), the pointer of `kind` (`runs.POINTERS`: `latest_rm`, `latest_policy`)
-    under `paths.root` (not for a sweep job: the pointer would name whichever job ran last), status `finished`
-    (with `status`), and `ds/` dropped when `paths.keep_checkpoints=0`. Returns the pointer's path, or None."""
+    model (`final/rlhf_config.yaml`) with its lineage (`final/rlhf_lineage.json`, see lineage.py); the pointer
+    of `kind` (`runs.POINTERS`: `latest_rm`, `latest_policy`) under `paths.root` (not for a sweep job: the
+    pointer would name whichever job ran last); status `finished` (with `status`); `ds/` dropped when
+    `paths.keep_checkpoints=0`. Returns the pointer's path, or None."""
     (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if (run_dir / LINEAGE_FILE).is_file():
+        shutil.copyfile(run_dir / LINEAGE_FILE, final / MODEL_LINEAGE_FILE)
     pointer = None if is_sweep_job(run_dir) else write_pointer(cfg.paths.root, kind, final)
     set_status(run_dir, "finished", final=str(final.resolve()), **status)
     drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)

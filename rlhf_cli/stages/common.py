@@ -43,3 +43,11 @@ def check_same_tokenizer(tokenizer: Any, model_path: str, what: str) -> None:
               f"same tokens under different ids: {[(t, ours[t], theirs[t]) for t in moved]}")
     raise ConfigError(f"the {what} at {model_path} uses a different tokenizer than the policy ({len(theirs)} vs "
                       f"{len(ours)} tokens; {detail}): train the {what} from the same base model as the policy")
+
+
+def model_source(model_cfg: Any) -> str | None:
+    """Where a `model` section's weights come from, for the lineage: its path or hub id, its GGUF file, or
+    None for a randomly initialised model (`model.init=random`)."""
+    if model_cfg.init == "random":
+        return None
+    return model_cfg.name_or_path or model_cfg.gguf_file

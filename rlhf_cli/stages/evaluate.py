@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_cli import engine
+from rlhf_cli import engine, lineage
 from rlhf_cli.config import ConfigError, ModelConfig
 from rlhf_cli.core import (
     mean_ci95,
@@ -31,7 +31,7 @@ from rlhf_cli.core import (
     win_rate,
 )
 from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
-from rlhf_cli.lifecycle import prepare_run_dir, seed_everything
+from rlhf_cli.lifecycle import command_line_keys, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     is_scalar_model_dir,
     load_causal_lm,
@@ -80,6 +80,7 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
     rm_dir = require_scalar_model_dir(rm_path, "reward model")
     tokenizer = load_tokenizer(_model_cfg(rm_dir, cfg.model))
     data = load_preference_data(cfg.data, tokenizer)
+    lineage.record(run_dir, cfg, "eval", data.summary, {"reward_model": rm_dir}, write=engine.is_main())
     pairs = {"eval": data.eval, "train": data.train, "all": list(data.train) + list(data.eval)}[cfg.eval.split]
     if cfg.eval.num_prompts:
         pairs = pairs[: cfg.eval.num_prompts]
@@ -129,6 +130,9 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     prompts = load_prompt_data(cfg.data, tokenizer, split="eval")
+    parents = {"policy": policy_dir, "reference": ref_spec.get("name_or_path") or ref_spec.get("gguf_file"),
+               "reward_model": rm_path}
+    lineage.record(run_dir, cfg, "eval", prompts.summary, parents, write=engine.is_main())
     if e.num_prompts:
         prompts = prompts[: e.num_prompts]
     if not prompts:
@@ -266,8 +270,6 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             console.print(f"report: {path}")
         _discard_empty_run_dir(run_dir)
         return None
-    run_dir = prepare_run_dir(cfg, run_dir)
-    seed_everything(cfg.seed)
     policy_path, rm_path = cfg.policy.path, cfg.reward_model.path
     if policy_path is None and rm_path is None:
         target = read_pointer(cfg.paths.root, "ppo")
@@ -279,8 +281,14 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                 raise ConfigError(f"nothing to evaluate: set policy.path=..., reward_model.path=... or run_dir=... "
                                   f"(no latest_policy / latest_rm under {cfg.paths.root})")
             rm_path = str(target)
+    # the data the evaluated model was trained on (its held-out split), unless this command chose other data
+    cfg.data, data_note = lineage.eval_data(cfg.data, policy_path or rm_path, command_line_keys())
+    run_dir = prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
+    if data_note and engine.is_main():
+        console.print(data_note, soft_wrap=True, highlight=False)
     if cfg.dry_run:
-        print_table(f"eval (dry run): {run_dir}", {"policy": policy_path, "reward_model": rm_path})
+        print_table(f"eval (dry run): {run_dir}", {"policy": policy_path, "reward_model": rm_path, "data": data_note})
         set_status(run_dir, "dry_run") if engine.is_main() else None
         return None
     if policy_path is not None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_cli import engine
+from rlhf_cli import engine, lineage
 from rlhf_cli.config import ConfigError, PPOConfig, reward_sources
 from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
@@ -51,7 +51,7 @@ from rlhf_cli.rollout import (
     save_policy,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
-from rlhf_cli.stages.common import check_same_tokenizer, print_table
+from rlhf_cli.stages.common import check_same_tokenizer, model_source, print_table
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,11 @@ class PPOTrainer(PolicyLearner):
 
     # -- build -----------------------------------------------------------------------------
     def load_data(self) -> None:
-        self.prompts = load_prompt_data(self.cfg.data, self.tokenizer, split="train")
+        cfg = self.cfg
+        self.prompts = load_prompt_data(cfg.data, self.tokenizer, split="train")
+        lineage.record(self.run_dir, cfg, "ppo", self.prompts.summary,
+                       {"model": model_source(cfg.model), "reference": cfg.reference.path or model_source(cfg.model),
+                        "reward_model": resolve_reward_model(cfg)}, write=engine.is_main())
         if len(self.prompts) < self.p.rollout_batch_size:
             raise ConfigError(f"only {len(self.prompts)} prompts, fewer than "
                               f"ppo.rollout_batch_size={self.p.rollout_batch_size}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlhf_cli import engine
+from rlhf_cli import engine, lineage
 from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import PairCollator, epoch_order, example_length, load_preference_data
 from rlhf_cli.errors import ConfigError
@@ -22,7 +22,7 @@ from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_ev
 from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf
 from rlhf_cli.rollout import forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
-from rlhf_cli.stages.common import print_table
+from rlhf_cli.stages.common import model_source, print_table
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     tokenizer = load_tokenizer(cfg.model)
     data = load_preference_data(cfg.data, tokenizer)
     train, heldout = data.train, data.eval
+    lineage.record(run_dir, cfg, "rm", data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
     if len(train) < rmc.batch_size:
         raise ConfigError(f"only {len(train)} training pairs, fewer than rm.batch_size={rmc.batch_size}")
 
