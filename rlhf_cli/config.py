@@ -106,6 +106,10 @@ class BuiltinTaskConfig:
     """Prompts train-ppo samples from."""
     ppo_eval: int = 128
     """Held-out prompts `rlhf eval` of a policy measures on."""
+    max_samples: int | None = 256
+    """Use at most this many problems of each split (after the seeded shuffle): 256 keeps the default
+    `rlhf train-rm` (and `make demo`) within minutes on a 2-core CPU; null = all. The built-in task's own cap:
+    it never caps a file (`data.max_samples` caps a file, and overrides this when set)."""
 
 
 @dataclass
@@ -129,11 +133,12 @@ class DataConfig:
     training skips them and `train-ppo` takes its prompts from them. With `test_size` this splits one
     file into three disjoint parts: RM train, PPO prompts, held-out (decided on row numbers, seeded)."""
     max_samples: int | None = None
-    """Use at most this many rows (after the seeded shuffle); null = all."""
+    """Use at most this many rows (after the seeded shuffle); null = all (a file you name is read whole unless
+    you set this; the built-in task has its own cap, `data.builtin.max_samples`)."""
     seed: int = 0
     """Seed of the shuffle and the train/eval split."""
     max_length: int = 512
-    """Max tokens of prompt + response (tokens). Prompts are cut from the left first."""
+    """Max tokens of prompt + response (tokens). Prompts are truncated first (see `rlhf_cli/data/tokenize.py`)."""
     max_prompt_length: int = 256
     """Max prompt tokens (tokens); must be < max_length."""
     prompt_key: str = "prompt"
@@ -603,6 +608,8 @@ def validate_common(cfg: Any) -> None:
     _check(d.ppo_size >= 0 and (d.ppo_size < 1 or float(d.ppo_size).is_integer()),
            f"data.ppo_size must be 0, a fraction in (0, 1) or a whole row count (got {d.ppo_size})")
     _check(d.max_samples is None or d.max_samples > 0, f"data.max_samples must be > 0 or null (got {d.max_samples})")
+    _check(d.builtin.max_samples is None or d.builtin.max_samples > 0,
+           f"data.builtin.max_samples must be > 0 or null (got {d.builtin.max_samples})")
     _check(cfg.paths.keep_checkpoints >= 0,
            "paths.keep_checkpoints must be >= 0 (0 = delete ds/ once final/ is written; "
            f"got {cfg.paths.keep_checkpoints})")

@@ -24,12 +24,12 @@ from rlhf_cli.data.datasets import (
     read_rows,
 )
 from rlhf_cli.data.formats import DataError, Keys, Pair, Prompt, detect_format, parse_pair, parse_prompt
-from rlhf_cli.data.tokenize import Encoder, fit_pair, last_user_turn, truncate_left
+from rlhf_cli.data.tokenize import Encoder, last_user_turn, pair_budget, truncate_left
 
 __all__ = [
     "BuiltinProblem", "DataError", "DataSummary", "Encoder", "Keys", "Pair", "PairCollator",
     "PreferenceData", "Prompt", "PromptCollator", "PromptData", "builtin_splits",
-    "check_answer", "check_answers", "checker", "detect_format", "epoch_order", "example_length", "fit_pair",
+    "check_answer", "check_answers", "checker", "detect_format", "epoch_order", "example_length", "pair_budget",
     "last_user_turn",
     "load_preference_data", "load_prompt_data", "pad_sequences", "parse_answer", "parse_pair",
     "parse_prompt", "read_rows", "truncate_left",

@@ -27,7 +27,8 @@ Hostile input, decided once:
   - A VALID row the config cannot use is always dropped and counted, whatever `skip_invalid` says: a
     response longer than `data.max_length` (`response_too_long`), a pair whose different texts
     tokenise identically (`identical_after_truncation`, e.g. one ends in the EOS string), a repeated
-    prompt in prompt data (`duplicate_prompt`). Too-long prompts are cut from the left and counted in
+    prompt in prompt data (`duplicate_prompt`), a prompt that cannot keep one token of its content in its
+    budget (`prompt_too_long`). Other too-long prompts are truncated (`Encoder.fit_prompt`) and counted in
     `truncated`.
   - Exact duplicate pairs are KEPT (a repeated row is a legitimate up-weighting) and counted in
     `DataSummary.duplicates`.
@@ -55,6 +56,7 @@ from rlhf_cli.data.formats import (
     BAD_JSON,
     DUPLICATE_PROMPT,
     PREFERENCE_FORMATS,
+    PROMPT_TOO_LONG,
     SKIP_HINT,
     TEMPLATE_ERROR,
     DataError,
@@ -67,7 +69,7 @@ from rlhf_cli.data.formats import (
     parse_prompt,
     required_columns,
 )
-from rlhf_cli.data.tokenize import Encoder, fit_pair, lengths_summary, truncate_left
+from rlhf_cli.data.tokenize import Encoder, lengths_summary, pair_budget
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class DataSummary:
     unused: int = 0
     """Valid rows left out by `max_samples` or held out for a split that was not requested."""
     truncated: int = 0
-    """Kept examples whose prompt was cut from the left."""
+    """Kept examples whose prompt was truncated (older turns dropped or content cut, see `Encoder.fit_prompt`)."""
     lengths: dict[str, int] = field(default_factory=dict)
     """Token-length percentiles {p50, p90, max} of prompt + longer response (prompt alone for prompt
     data), before truncation."""
@@ -126,7 +128,7 @@ class DataSummary:
 class PreferenceData:
     """Tokenised preference pairs. Each example is a dict:
 
-        prompt_ids    list[int]  rendered prompt (cut from the left to fit)
+        prompt_ids    list[int]  rendered prompt (truncated to fit: `Encoder.fit_prompt`)
         chosen_ids    list[int]  preferred response, ending in exactly one EOS
         rejected_ids  list[int]  dispreferred response, ending in exactly one EOS
         row           int        1-based row in the source file (split index for the built-in task)
@@ -519,7 +521,8 @@ def _builtin_select(data_cfg: Any, want: str, names: dict[str, str], splits: Seq
     out, sources, unused = {}, [], 0
     for s in splits:
         src = _builtin_source(data_cfg, names[s], want)
-        out[s], more = _shuffled_cap(src.items, int(data_cfg.seed), data_cfg.max_samples)
+        cap = data_cfg.max_samples if data_cfg.max_samples is not None else data_cfg.builtin.max_samples
+        out[s], more = _shuffled_cap(src.items, int(data_cfg.seed), cap)
         sources.append(src)
         unused += more
     return out, sources, unused
@@ -566,14 +569,14 @@ def count_duplicates(examples: Sequence[dict[str, Any]]) -> int:
 
 
 def _render(encoder: Encoder, rows_prompts: list[tuple[int, Prompt]], data_cfg: Any, drops: Counter,
-            source: str) -> tuple[list[int], list[str]]:
+            source: str) -> tuple[list[int], list[str], list[list[tuple[str, bool]]]]:
     """Render prompts; a chat template that rejects a row's messages (some templates demand strictly
     alternating roles) is a bad row: DataError, or counted under `chat_template_error` when skipping.
-    Returns (indices of the rendered items, rendered texts)."""
-    keep, texts = [], []
+    Returns (indices of the rendered items, rendered texts, their `Encoder.segments`)."""
+    keep, texts, segments = [], [], []
     for i, (row, prompt) in enumerate(rows_prompts):
         try:
-            texts.append(encoder.render_prompt(prompt))
+            text, segs = encoder.render_prompt(prompt), encoder.segments(prompt)
         except Exception as e:  # jinja2 TemplateError, or the template's own raise_exception
             if not data_cfg.skip_invalid:
                 raise DataError(source, f"the tokenizer's chat template rejects this prompt ({e})", row=row,
@@ -581,25 +584,27 @@ def _render(encoder: Encoder, rows_prompts: list[tuple[int, Prompt]], data_cfg: 
             drops[TEMPLATE_ERROR] += 1
             continue
         keep.append(i)
-    return keep, texts
+        texts.append(text)
+        segments.append(segs)
+    return keep, texts, segments
 
 
 def _tokenize_pairs(pairs: list[Pair], encoder: Encoder, data_cfg: Any, drops: Counter, lengths: list[int],
                     summary: DataSummary) -> list[dict[str, Any]]:
-    keep, rendered = _render(encoder, [(p.row, p.prompt) for p in pairs], data_cfg, drops, summary.source)
+    keep, _, segments = _render(encoder, [(p.row, p.prompt) for p in pairs], data_cfg, drops, summary.source)
     pairs = [pairs[i] for i in keep]
-    prompt_ids = encoder.encode_prompts(rendered)
+    prompt_ids = encoder.encode_segments(segments)
     chosen_ids = encoder.encode_responses([p.chosen for p in pairs])
     rejected_ids = encoder.encode_responses([p.rejected for p in pairs])
     examples = []
     for pair, p_ids, c_ids, r_ids in zip(pairs, prompt_ids, chosen_ids, rejected_ids):
         lengths.append(len(p_ids) + max(len(c_ids), len(r_ids)))
-        fitted, reason = fit_pair(p_ids, c_ids, r_ids, data_cfg.max_length, data_cfg.max_prompt_length,
-                                  encoder.bos_id)
+        budget, reason = pair_budget(c_ids, r_ids, data_cfg.max_length, data_cfg.max_prompt_length)
+        fitted = None if budget is None else encoder.fit_prompt(pair.prompt, p_ids, budget)
         if fitted is None:
-            drops[reason] += 1
+            drops[reason or PROMPT_TOO_LONG] += 1
             continue
-        summary.truncated += len(fitted) < len(p_ids)
+        summary.truncated += fitted != p_ids
         ex: dict[str, Any] = {"prompt_ids": fitted, "chosen_ids": c_ids, "rejected_ids": r_ids, "row": pair.row}
         if pair.margin is not None:
             ex["margin"] = pair.margin
@@ -610,7 +615,7 @@ def _tokenize_pairs(pairs: list[Pair], encoder: Encoder, data_cfg: Any, drops: C
 def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> PromptData:
     """Prompts for PPO rollouts and evaluation: a PromptData list of dicts
 
-        prompt_ids   list[int]  rendered prompt, cut from the left to `data.max_prompt_length`
+        prompt_ids   list[int]  rendered prompt, truncated to `data.max_prompt_length` (`Encoder.fit_prompt`)
         prompt_text  str        the rendered prompt (before truncation)
         row          int        1-based row in the source (split index for the built-in task)
         answer       any        ground truth, when known (built-in task, or the `data.answer_key` column)
@@ -633,18 +638,21 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
     summary = _summary(sources, encoder)
     summary.unused = unused
     drops: Counter = Counter(summary.dropped)
-    keep, rendered = _render(encoder, chosen[split], data_cfg, drops, summary.source)
-    summary.dropped = dict(drops)
+    keep, rendered, segments = _render(encoder, chosen[split], data_cfg, drops, summary.source)
     items = [chosen[split][i] for i in keep]
-    ids = encoder.encode_prompts(rendered)
+    ids = encoder.encode_segments(segments)
     out = []
     for (row, prompt), text, p_ids in zip(items, rendered, ids):
-        cut = truncate_left(p_ids, data_cfg.max_prompt_length, encoder.bos_id)
-        summary.truncated += len(cut) < len(p_ids)
+        cut = encoder.fit_prompt(prompt, p_ids, data_cfg.max_prompt_length)
+        if cut is None:
+            drops[PROMPT_TOO_LONG] += 1
+            continue
+        summary.truncated += cut != p_ids
         ex: dict[str, Any] = {"prompt_ids": cut, "prompt_text": text, "row": row}
         if prompt.answer is not None:
             ex["answer"] = prompt.answer
         out.append(ex)
+    summary.dropped = dict(drops)
     summary.kept[split] = len(out)
     summary.lengths = lengths_summary([len(x) for x in ids])
     logger.info(summary.line())

@@ -62,6 +62,7 @@ BAD_MARGIN = "bad_margin"
 INVALID_UNICODE = "invalid_unicode"
 # reasons a valid row is dropped later (tokenisation / selection)
 RESPONSE_TOO_LONG = "response_too_long"
+PROMPT_TOO_LONG = "prompt_too_long"
 IDENTICAL_AFTER_TRUNCATION = "identical_after_truncation"
 DUPLICATE_PROMPT = "duplicate_prompt"
 TEMPLATE_ERROR = "chat_template_error"

@@ -4,23 +4,32 @@ Prompt and response are tokenised SEPARATELY and concatenated, so the boundary i
 straddles it, and `ids[:len(prompt_ids)]` is the prompt whatever the tokenizer's merges.
 
     with a chat template (and data.chat_template=true):
-        prompt_ids   = tok(apply_chat_template(messages, add_generation_prompt=True))  # ends "<|im_start|>assistant\\n"
-        response_ids = tok(assistant content) + [eos]                                  # nothing after the EOS
+        prompt_ids   = the template's text with the generation prompt, its own markers as special ids and every
+                       message's content as plain text                 # ends "<|im_start|>assistant\\n"
+        response_ids = tok(assistant content, plain) + [eos]            # nothing after the EOS
     raw text:
-        prompt_ids   = [bos if the tokenizer adds one] + tok(prompt text)
-        response_ids = tok(response text) + [eos]
+        prompt_ids   = [bos if the tokenizer adds one] + tok(prompt text, plain)
+        response_ids = tok(response text, plain) + [eos]
+
+Plain: a special-token string inside user text (`<|im_end|>`, `<|im_start|>user`) is tokenised as the
+characters it is, so user text can neither end a response early nor forge a turn; only the template's markers
+and the one appended EOS are special ids. A response's trailing EOS string is taken as its end (removed, the
+EOS id appended once).
 
 The template's own text after the EOS (SmolLM2 writes "<|im_end|>\\n") is not part of the response: a
 policy stops at the EOS, and the reward model reads its score at the EOS.
 
-Truncation keeps every response whole, with its EOS, and cuts the prompt from the LEFT (keeping a
-leading BOS): the prompt gets min(max_prompt_length, max_length - longest response) tokens. A pair is
-dropped only when a response alone is longer than max_length, or when chosen and rejected tokenise
-identically.
+Truncation keeps every response whole, with its EOS; the prompt gets min(max_prompt_length, max_length -
+longest response) tokens (`pair_budget`). A raw-text prompt is cut from the LEFT (a leading BOS kept). A chat
+prompt keeps its template whole: the oldest turns go first, then the last message's content is cut from the
+left, and a system turn is kept (`Encoder.fit_prompt`). A pair is dropped when a response alone is longer than
+max_length (`response_too_long`), when chosen and rejected tokenise identically, or when no prompt with at
+least one token of content fits (`prompt_too_long`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -28,11 +37,20 @@ from typing import Any
 
 from rlhf_cli.data.formats import IDENTICAL_AFTER_TRUNCATION, RESPONSE_TOO_LONG, Prompt
 
+logger = logging.getLogger(__name__)
+
+
+SENTINEL = "\ue000{}\ue001"  # stands in for message i's content while the template is rendered (private-use chars)
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")
+
 
 class Encoder:
     """Renders and tokenises prompts and responses for one tokenizer.
 
     `use_chat` is true when `chat_template` is requested and the tokenizer has a template.
+    User text (message contents, raw prompts, responses) is tokenised as plain text: a special-token string in
+    it (`<|im_end|>`, `<|im_start|>user`) stays those characters and never becomes a control id. Only the
+    template's own markers, and the one EOS appended to a response, are special ids.
     """
 
     def __init__(self, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None):
@@ -47,16 +65,46 @@ class Encoder:
         probe = tokenizer("a", add_special_tokens=True)["input_ids"]
         self.bos_id: int | None = bos if bos is not None and probe[:1] == [bos] else None
         """The BOS id when the tokenizer prepends one (at most one is kept at the prompt's start)."""
+        self.template_edits_text = False
+        """Set when the chat template changed a message's text (e.g. trimmed it): such prompts are tokenised
+        whole, so a special-token string inside their user text is not kept plain (warned once)."""
 
     # -- rendering ----------------------------------------------------------------------------
+    def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """The prompt's messages with `data.system_prompt` put first when it has no system message."""
+        messages = list(prompt.messages)
+        if self.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return messages
+
+    def _template(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def render_prompt(self, prompt: Prompt) -> str:
         """The prompt as the model sees it: the chat template with the generation prompt, or raw text."""
-        if self.use_chat:
-            messages = list(prompt.messages)
-            if self.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
-                messages = [{"role": "system", "content": self.system_prompt}] + messages
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return prompt.text
+        return self._template(self.messages(prompt)) if self.use_chat else prompt.text
+
+    def segments(self, prompt: Prompt, messages: list[dict[str, str]] | None = None) -> list[tuple[str, bool]]:
+        """The rendered prompt as (text, plain) pieces in order: the template's own text (plain=False: its
+        special-token strings are control ids) and each message's content (plain=True: user text). Raw text is
+        one plain piece. Raises what the chat template raises for messages it rejects."""
+        if not self.use_chat:
+            return [(prompt.text, True)]
+        messages = self.messages(prompt) if messages is None else messages
+        marked = self._template([{**m, "content": SENTINEL.format(i)} for i, m in enumerate(messages)])
+        out, pos = [], 0
+        for m in _SENTINEL.finditer(marked):
+            out += [(marked[pos:m.start()], False), (messages[int(m.group(1))]["content"], True)]
+            pos = m.end()
+        out.append((marked[pos:], False))
+        whole = self._template(messages)
+        if "".join(t for t, _ in out) != whole:  # the template edits the text it is given: no plain pieces
+            if not self.template_edits_text:
+                logger.warning("the chat template changes message text (e.g. trims it): prompts are tokenised "
+                               "whole, so special-token strings inside their text are read as special tokens")
+            self.template_edits_text = True
+            return [(whole, False)]
+        return [(t, plain) for t, plain in out if t]
 
     def response_text(self, raw: str) -> str:
         """The text tokenised for a response: stripped content (chat) or the raw text; a trailing EOS
@@ -67,22 +115,70 @@ class Encoder:
             text = text.rstrip() if self.use_chat else text
         return text
 
-    # -- tokenising (batched: one call into the fast tokenizer) ---------------------------------
-    def _ids(self, texts: Sequence[str]) -> list[list[int]]:
+    # -- tokenising (batched: one call into the fast tokenizer per kind of text) ------------------
+    def _ids(self, texts: Sequence[str], plain: bool = True) -> list[list[int]]:
         if not texts:
             return []
-        return [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+        kwargs = {"split_special_tokens": True} if plain else {}
+        return [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False, **kwargs)["input_ids"]]
 
-    def encode_prompts(self, rendered: Sequence[str]) -> list[list[int]]:
-        """Token ids of rendered prompts, with exactly one leading BOS if the tokenizer uses one."""
-        out = self._ids(rendered)
-        if self.bos_id is not None:
-            out = [ids if ids[:1] == [self.bos_id] else [self.bos_id] + ids for ids in out]
+    def encode_segments(self, prompts: Sequence[list[tuple[str, bool]]], bos: bool = True) -> list[list[int]]:
+        """Token ids of prompts given as `segments`, each piece tokenised on its own (plain pieces as plain
+        text), with exactly one leading BOS if the tokenizer uses one (`bos=False`: none added)."""
+        pieces = [(i, t, plain) for i, segs in enumerate(prompts) for t, plain in segs]
+        ids: dict[bool, list[list[int]]] = {}
+        for kind in (True, False):
+            ids[kind] = self._ids([t for _, t, plain in pieces if plain is kind], plain=kind)[::-1]
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, _, plain in pieces:
+            out[i] += ids[plain].pop()
+        if bos and self.bos_id is not None:
+            out = [x if x[:1] == [self.bos_id] else [self.bos_id] + x for x in out]
         return out
 
+    def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """Token ids of whole (untruncated) prompts; see `segments` and `encode_segments`."""
+        return self.encode_segments([self.segments(p) for p in prompts])
+
     def encode_responses(self, raws: Sequence[str]) -> list[list[int]]:
-        """Token ids of responses (raw form, see formats.py), each ending in exactly one EOS id."""
+        """Token ids of responses (raw form, see formats.py), plain text each ending in exactly one EOS id."""
         return [ids + [self.eos_id] for ids in self._ids([self.response_text(r) for r in raws])]
+
+    # -- truncation ---------------------------------------------------------------------------------
+    def fit_prompt(self, prompt: Prompt, ids: list[int], budget: int) -> list[int] | None:
+        """`ids` (the prompt's `encode_prompts` ids) made to fit `budget` tokens, or None when it cannot fit
+        with a non-empty prompt (dropped as `prompt_too_long`).
+
+        Raw text is cut from the left (a leading BOS kept). With a chat template the scaffolding stays whole:
+        the oldest whole turns are dropped first (up to the last user message; a system message, yours or
+        `data.system_prompt`, is kept, and so is the template's own default system turn), then the last
+        message's content is cut from the left, and the prompt is rendered again. None when the template's
+        text and the system turn alone leave no room for one token of the last message.
+        """
+        if len(ids) <= budget:
+            return ids
+        if not self.use_chat or self.template_edits_text:
+            cut = truncate_left(ids, budget, self.bos_id)
+            return cut if len(cut) > (self.bos_id is not None) else None
+        messages = self.messages(prompt)
+        system = messages[:1] if messages and messages[0]["role"] == "system" else []
+        turns = messages[len(system):]
+        while len(ids) > budget:
+            later = [i for i in range(1, len(turns)) if turns[i]["role"] == "user"]
+            if not later:
+                break
+            turns = turns[later[0]:]
+            (ids,) = self.encode_segments([self.segments(prompt, system + turns)])
+        if len(ids) <= budget:
+            return ids
+        segs = self.segments(prompt, system + turns)
+        last = max(i for i, (_, plain) in enumerate(segs) if plain)
+        content = self._ids([segs[last][0]])[0]
+        keep = len(content) - (len(ids) - budget)
+        if keep < 1:
+            return None
+        (head,), (tail,) = self.encode_segments([segs[:last]]), self.encode_segments([segs[last + 1:]], bos=False)
+        return head + content[-keep:] + tail
 
 
 def truncate_left(ids: list[int], budget: int, bos_id: int | None = None) -> list[int]:
@@ -96,21 +192,18 @@ def truncate_left(ids: list[int], budget: int, bos_id: int | None = None) -> lis
     return ids[len(ids) - budget:]
 
 
-def fit_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int,
-             max_prompt_length: int, bos_id: int | None = None) -> tuple[list[int] | None, str | None]:
-    """Fit a tokenised pair into `max_length` (prompt + longer response) and `max_prompt_length`.
-
-    Returns (prompt_ids, None) with the prompt cut from the left as needed, or (None, reason) when the
-    pair must be dropped: `response_too_long` (a response alone exceeds max_length) or
-    `identical_after_truncation` (chosen and rejected have the same ids). Responses are never cut.
-    """
+def pair_budget(chosen_ids: list[int], rejected_ids: list[int], max_length: int,
+                max_prompt_length: int) -> tuple[int | None, str | None]:
+    """The prompt's token budget for a tokenised pair: min(max_prompt_length, max_length - longer response),
+    or (None, reason) when the pair must be dropped: `response_too_long` (a response alone exceeds
+    max_length) or `identical_after_truncation` (chosen and rejected have the same ids). Responses are never
+    cut."""
     longest = max(len(chosen_ids), len(rejected_ids))
     if longest > max_length:
         return None, RESPONSE_TOO_LONG
     if chosen_ids == rejected_ids:
         return None, IDENTICAL_AFTER_TRUNCATION
-    budget = min(max_prompt_length, max_length - longest)
-    return truncate_left(prompt_ids, budget, bos_id), None
+    return min(max_prompt_length, max_length - longest), None
 
 
 def lengths_summary(lengths: Sequence[int]) -> dict[str, int]:

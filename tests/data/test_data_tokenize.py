@@ -3,7 +3,7 @@
 import pytest
 from data_fixtures import make_cfg, write  # noqa: F401 (pytest fixtures)
 
-from rlhf_cli.data import Encoder, Prompt, fit_pair, load_preference_data, load_prompt_data, truncate_left
+from rlhf_cli.data import Encoder, Prompt, load_preference_data, load_prompt_data, truncate_left
 
 
 class CharTokenizer:
@@ -11,7 +11,7 @@ class CharTokenizer:
 
     eos_token_id, eos_token, bos_token_id, chat_template = 2, "</s>", 1, None
 
-    def __call__(self, text, add_special_tokens=True):
+    def __call__(self, text, add_special_tokens=True, split_special_tokens=False):
         def enc(t):
             return ([1] if add_special_tokens else []) + [ord(c) + 10 for c in t]
         return {"input_ids": [enc(t) for t in text] if isinstance(text, list) else enc(text)}
@@ -25,24 +25,14 @@ def test_truncate_left_hand_computed():
     assert truncate_left([1, 6, 7, 8], 1, bos_id=1) == [1]
 
 
-def test_fit_pair_cuts_the_prompt_and_never_the_responses():
-    prompt, chosen, rejected = list(range(10, 30)), [3, 4, 2], [3, 5, 6, 7, 2]
-    assert fit_pair(prompt, chosen, rejected, max_length=12, max_prompt_length=16) == (list(range(23, 30)), None)
-    assert fit_pair(prompt, chosen, rejected, max_length=64, max_prompt_length=5) == (list(range(25, 30)), None)
-    assert fit_pair(prompt, chosen, rejected, max_length=5, max_prompt_length=4) == ([], None)
-    assert fit_pair(prompt, chosen, rejected, max_length=4, max_prompt_length=3) == (None, "response_too_long")
-    assert fit_pair(prompt, chosen, list(chosen), max_length=64, max_prompt_length=8) == (
-        None, "identical_after_truncation")
-
-
 def test_at_most_one_bos_and_boundary_with_a_bos_tokenizer():
     enc = Encoder(CharTokenizer(), chat_template=True)
     assert not enc.use_chat and enc.bos_id == 1
     prompt = Prompt(messages=[], text="ab")
-    (p_ids,) = enc.encode_prompts([enc.render_prompt(prompt)])
+    (p_ids,) = enc.encode_prompts([prompt])
     assert p_ids == [1, ord("a") + 10, ord("b") + 10]
     assert enc.encode_responses([" c", "d</s>"]) == [[ord(" ") + 10, ord("c") + 10, 2], [ord("d") + 10, 2]]
-    fitted, _ = fit_pair(p_ids + [20] * 10, [30, 2], [31, 2], max_length=6, max_prompt_length=6, bos_id=enc.bos_id)
+    fitted = enc.fit_prompt(prompt, p_ids + [20] * 10, 4)
     assert fitted == [1, 20, 20, 20] and fitted.count(1) == 1
 
 
@@ -64,7 +54,7 @@ def test_boundary_has_no_merged_tokens(tokenizer):
     """Where joint tokenisation would merge across the boundary ("wor" + "ld" -> "world"), the prompt
     ids are still exactly the prompt's own tokens."""
     enc = Encoder(tokenizer, chat_template=False)
-    (p_ids,), (r_ids,) = enc.encode_prompts(["Hello wor"]), enc.encode_responses(["ld"])
+    (p_ids,), (r_ids,) = enc.encode_prompts([Prompt(messages=[], text="Hello wor")]), enc.encode_responses(["ld"])
     joint = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
     assert joint != p_ids + r_ids[:-1]  # the merge we avoid
     assert p_ids == tokenizer("Hello wor", add_special_tokens=False)["input_ids"]
@@ -95,9 +85,10 @@ def test_truncation_keeps_eos_and_cuts_the_prompt_from_the_left(write, make_cfg,
 
 
 def test_prompt_data_is_cut_from_the_left(write, make_cfg, tokenizer):
+    """Raw text: the end of the prompt is kept. (Chat prompts keep their template: test_data_boundaries.py.)"""
     words = " ".join(f"w{i}" for i in range(100))
     path = write("p.jsonl", [{"prompt": words}, {"prompt": "short"}, {"prompt": words + " end"}])
-    cfg = make_cfg(path=path, max_prompt_length=40, test_size=1)
+    cfg = make_cfg(path=path, max_prompt_length=40, test_size=1, chat_template=False)
     out = [*load_prompt_data(cfg, tokenizer), *load_prompt_data(cfg, tokenizer, split="eval")]
     assert sorted(ex["row"] for ex in out) == [1, 2, 3]
     for ex in out:
