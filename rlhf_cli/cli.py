@@ -46,6 +46,42 @@ def usage() -> str:
     return USAGE.format(commands="\n".join(lines))
 
 
+def command_help(command: str) -> str:
+    """`rlhf <command> --help`: the command's groups with their options, and every key it reads
+    (`config.COMMAND_KEYS`) with its default and the description written under its field in config.py."""
+    import yaml
+
+    from rlhf_cli.config import COMMAND_KEYS, CONFIG_GROUPS, field_docs
+    from rlhf_cli.lineage import leaves
+
+    config_name, _, summary = COMMANDS[command]
+    conf = Path(__file__).parent / "conf"
+    chosen = {}
+    for entry in yaml.safe_load((conf / f"{config_name}.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict):
+            chosen.update(entry)
+    lines = [f"rlhf {command}: {summary}", "",
+             f"usage: rlhf {command} [group=option ...] [key=value ...]",
+             "  -m            sweep: key=a,b runs one job per value", "  --cfg job     print the composed config",
+             "  --hydra-help  Hydra's own options", "", "groups (group=option):"]
+    for group in CONFIG_GROUPS:
+        options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
+        lines.append(f"  {group:<11} " + ", ".join(f"{o} (default)" if o == chosen.get(group) else o for o in options))
+    from omegaconf import OmegaConf
+
+    values = leaves(OmegaConf.to_container(_compose(command, []), resolve=True))
+    docs = field_docs()
+    reads = COMMAND_KEYS[config_name]
+    lines += ["", "keys (key=value; default; description, from rlhf_cli/config.py):"]
+    for key, value in values.items():
+        if key.split(".")[0] not in reads:
+            continue
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        doc = (docs.get(key) or "").split(". ")[0].rstrip(".")
+        lines.append(f"  {key}={shown}  {doc if len(doc) <= 100 else doc[:99] + '…'}")
+    return "\n".join(lines)
+
+
 def _err(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr)
 
@@ -111,7 +147,7 @@ def check_sweep(command: str, overrides: list[str]) -> int:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from rlhf_cli.config import ConfigError
+    from rlhf_cli.config import ConfigError, explain_composition_error
     from rlhf_cli.preflight import VALIDATORS
 
     if (_override_value(overrides, "resume") or "null").lower() not in ("null", "none", "false", ""):
@@ -129,13 +165,31 @@ def check_sweep(command: str, overrides: list[str]) -> int:
         try:
             cfg = _compose(command, job)
         except Exception as e:  # noqa: BLE001 - Hydra's composition error (unknown group option, wrong type)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"sweep job {i} ({varying}): {first}; no job was launched") from None
+            raise ConfigError(f"sweep job {i} ({varying}): {explain_composition_error(e, job)}; no job was "
+                              f"launched") from None
         try:
             VALIDATORS[COMMANDS[command][0]](cfg, world_size=world)
         except ConfigError as e:
             raise ConfigError(f"sweep job {i} ({varying}): {e}; no job was launched") from None
     return len(jobs)
+
+
+def check_composes(command: str, overrides: list[str]) -> None:
+    """Compose the command's config before Hydra runs it, so that a bad override (a wrong type, a group option
+    that does not exist, an unquoted comma, a syntax error) is one line and exit status 2, not Hydra's
+    multi-line message. Skipped for Hydra's informational flags and sweeps (`check_sweep` composes each job).
+
+    Raises:
+        ConfigError: `config.explain_composition_error`'s line.
+    """
+    from rlhf_cli.config import ConfigError, explain_composition_error
+
+    if any(o in INFO_FLAGS for o in overrides) or is_multirun(overrides):
+        return
+    try:
+        _compose(command, overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's composition errors
+        raise ConfigError(explain_composition_error(e, overrides)) from None
 
 
 def resume_overrides(command: str, overrides: list[str]) -> list[str]:
@@ -269,10 +323,16 @@ def main(argv: list[str] | None = None) -> None:
         _err(f"unknown command '{command}'")
         print(usage(), file=sys.stderr)
         sys.exit(2)
+    if rest and rest[0] in ("--help", "-h"):
+        print(command_help(command))
+        sys.exit(0)
     try:
-        check_override_keys(COMMANDS[command][0], rest)
+        for warning in check_override_keys(COMMANDS[command][0], rest):
+            if os.environ.get("RANK", "0") == "0":
+                print(f"warning: {warning}", file=sys.stderr)
         if is_multirun(rest) and not any(o in INFO_FLAGS for o in rest):
             check_sweep(command, rest)
+        check_composes(command, rest)
         rest = resume_overrides(command, rest)
         check_output_root(command, rest)
     except (ConfigError, PermissionError) as e:

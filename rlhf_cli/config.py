@@ -26,7 +26,9 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -461,6 +463,24 @@ class RunConfig:
 COMMANDS = ("train_rm", "train_ppo", "eval")
 CONFIG_GROUPS = ("model", "data", "deepspeed", "ppo", "experiment")
 
+# the top-level keys each command reads (the shared composition gives every command every section, so that one
+# experiment file serves all three; a key given on the command line must be one its command reads)
+_COMMON = ("model", "data", "paths", "precision", "scoring_precision", "seed", "dry_run", "resume", "experiment")
+COMMAND_KEYS = {
+    "train_rm": (*_COMMON, "deepspeed", "rm", "tensorboard"),
+    "train_ppo": (*_COMMON, "deepspeed", "ppo", "reward", "reward_model", "reference", "tensorboard"),
+    "eval": (*_COMMON, "eval", "reward", "reward_model", "reference", "policy", "run_dir"),
+}
+# what a user of another toolkit (or of another command) most likely meant by a key this command does not read
+_MEANT = {
+    ("train_rm", "policy.path"): "model.name_or_path", ("train_ppo", "policy.path"): "model.name_or_path",
+    ("train_rm", "reward_model.path"): "model.name_or_path", ("eval", "model.name_or_path"): "policy.path",
+    ("train_rm", "ppo"): "rm", ("train_ppo", "rm"): "ppo", ("eval", "rm"): "eval", ("eval", "ppo"): "eval",
+    ("train_ppo", "rm.lr"): "ppo.actor_lr",
+}
+# switches a shared list of overrides gives every command: where one does nothing, a warning, not an error
+_HARMLESS = ("tensorboard",)
+
 
 def register_configs() -> None:
     """Register the schema so `defaults: [run_schema, ...]` in the primary YAMLs type-checks every file."""
@@ -516,29 +536,111 @@ def field_docs(schema: Any = None, prefix: str = "") -> dict[str, str | None]:
     return out
 
 
-def check_override_keys(command: str, overrides: list[str]) -> None:
-    """Reject `a.b=...` overrides whose key is not in the command's schema, suggesting the closest.
+def check_override_keys(command: str, overrides: list[str]) -> list[str]:
+    """Reject `a.b=...` overrides whose key is not in the command's schema, suggesting the closest, and keys
+    of the schema the command does not read (`rlhf train-ppo policy.path=...`, see `COMMAND_KEYS`), naming
+    what the user probably meant. Returns a warning line for each harmless switch the command ignores
+    (`tensorboard` in `rlhf eval`).
 
     Group selections (`model=tiny`), Hydra's own keys (`hydra.*`), additions (`+k=v`), deletions
     (`~k`) and flags are left to Hydra. Raises ConfigError naming the key and the closest valid one.
     """
+    warnings: list[str] = []
     keys = _schema_keys(RunConfig)
     groups = set(CONFIG_GROUPS)
     for ov in overrides:
         if ov.startswith("-") or "=" not in ov:
             continue
         key = ov.split("=", 1)[0]
-        if key.startswith(("+", "~", "hydra.", "hydra/")) or "/" in key or key.split("@")[0] in groups:
+        if key.startswith(("+", "~", "hydra.", "hydra/")) or "/" in key:
             continue
-        if key in keys:
+        known = (key.split("@")[0] in groups or key in keys  # a key under an open dict (deepspeed.extra.*) is fine
+                 or any(key.startswith(k + ".") and is_dict for k, is_dict in keys.items()))
+        if known:
+            ignored = _check_command_reads(command, key.split("@")[0])
+            if ignored:
+                warnings.append(ignored)
             continue
-        # a key under an open dict (deepspeed.extra.*) is fine
-        if any(key.startswith(k + ".") and is_dict for k, is_dict in keys.items()):
-            continue
-        close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
+        mine = [k for k in keys if k.split(".")[0] in COMMAND_KEYS.get(command, ())]  # the command's own first
+        close = (difflib.get_close_matches(key, mine, n=1, cutoff=0.5)
+                 or difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5))
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown config key '{key}' for `rlhf {command.replace('_', '-')}`{hint} "
                           f"(`rlhf {command.replace('_', '-')} --cfg job` lists every key)")
+    return warnings
+
+
+_TYPE_WORDS = {"Float": "a float", "Integer": "an integer"}
+
+
+def explain_composition_error(e: BaseException, overrides: Sequence[str] = ()) -> str:
+    """One line for an error Hydra or OmegaConf raised composing a command's config from its overrides:
+    `rm.lr must be a float (got 'abc')`, `no model option 'tinyy' (hf, smollm2, tiny)`, a value with an unquoted
+    comma, an override that does not parse (named, found among `overrides`). Anything else: its first line."""
+    cause = e.__cause__ or e
+    text = str(getattr(cause, "msg", None) or cause).strip()
+    first = text.splitlines()[0] if text else type(cause).__name__
+    key = getattr(cause, "full_key", None)
+    if key:
+        m = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", first)
+        if m:
+            return f"{key} must be {_TYPE_WORDS.get(m.group(2), m.group(2).lower())} (got '{m.group(1)}')"
+        m = re.match(r"Value '(.*)' is not a valid bool", first)
+        if m:
+            return f"{key} must be true or false (got '{m.group(1)}')"
+        m = re.match(r"Invalid type assigned: \w+ is not a subclass of \w+\. value: (.*)", first)
+        if m:
+            return f"{key} is a section of keys, not a value (got '{m.group(1)}'): set {key}.<key>=<value>"
+        m = re.match(r"Cannot convert '\w+' to string: '(.*)'", first)
+        if m:
+            return f"{key} must be a string (got {m.group(1)})"
+        return f"{key}: {first}"
+    missing, options = getattr(e, "missing_cfg_file", None), getattr(e, "options", None)
+    if missing and "/" in str(missing):
+        group, name = str(missing).rsplit("/", 1)
+        return f"no {group} option '{name}'" + (f" ({', '.join(options)})" if options else "")
+    m = re.match(r"Ambiguous value for argument '([^=]+)=(.*)'$", first)
+    if m:
+        k, v = m.groups()
+        return (f"{k}: the value '{v}' holds a comma, which Hydra reads as a list or a sweep; quote it inside the "
+                f"override to keep it as text: \"{k}='{v}'\"")
+    if type(e).__name__ == "OverrideParseException":
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parser, bad = OverridesParser.create(), "an override"
+        for ov in overrides:
+            try:
+                parser.parse_override(ov)
+            except Exception:  # noqa: BLE001 - the one that does not parse
+                bad = f"'{ov}'"
+                break
+        return f"{bad} does not parse as an override ({first}); quote a value holding []{{}}(),=' characters"
+    return first
+
+
+def _check_command_reads(command: str, key: str) -> str | None:
+    """Raise ConfigError when `key` (given on the command line) is a key `command` does not read, naming what
+    the user probably meant (`rlhf train-ppo policy.path=...` -> `model.name_or_path`); for a harmless switch
+    (`_HARMLESS`) return a warning line instead. None when the command reads it."""
+    section = key.split(".")[0]
+    if command not in COMMAND_KEYS or section in COMMAND_KEYS[command] or section not in _schema_keys(RunConfig):
+        return None
+    if key in _HARMLESS:
+        return f"{key} has no effect in `rlhf {command.replace('_', '-')}` (it writes no training metrics)"
+    readers = [c.replace("_", "-") for c, sections in COMMAND_KEYS.items() if section in sections]
+    meant = _MEANT.get((command, key)) or _MEANT.get((command, section))
+    if meant is not None and "." not in meant and "." in key:  # a section: its key of the same name, if any
+        leaf = key.split(".", 1)[1]
+        meant = f"{meant}.{leaf}" if f"{meant}.{leaf}" in _schema_keys(RunConfig) else f"one of the {meant}.* keys"
+    if meant is None:
+        leaf = key.split(".")[-1]
+        mine = [k for k in _schema_keys(RunConfig) if k.split(".")[0] in COMMAND_KEYS[command]]
+        close = difflib.get_close_matches(leaf, [k.split(".")[-1] for k in mine], n=1, cutoff=0.8)
+        meant = next((k for k in mine if close and k.split(".")[-1] == close[0]), None)
+    cmd = command.replace("_", "-")
+    raise ConfigError(f"`rlhf {cmd}` does not read {key} (" + (f"an `rlhf {' / '.join(readers)}` key" if readers
+                      else "no command reads it") + ")" + (f"; did you mean {meant}?" if meant else "")
+                      + f" (`rlhf {cmd} --help` lists the keys it reads)")
 
 
 # ----------------------------------------------------------------------------------------------

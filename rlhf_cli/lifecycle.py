@@ -94,11 +94,16 @@ def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
         cfg_path = run_dir / "config.yaml"
         if cfg_path.exists() and cfg.get("resume"):
             shutil.copyfile(cfg_path, run_dir / "config.prev.yaml")
-        atomic_write_text(cfg_path, OmegaConf.to_yaml(cfg, resolve=True))
+        write_config(cfg, run_dir)
         if get_status(run_dir).get("state") != "finished":
             set_status(run_dir, "running")
     engine.barrier()
     return run_dir
+
+
+def write_config(cfg: Any, run_dir: Path) -> None:
+    """Rank 0: `run_dir/config.yaml`, the resolved config (again, when a stage resolved more of it since)."""
+    atomic_write_text(Path(run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
 
 
 # what a resumed run may change from its recorded config: its length, save cadence, checkpoint pruning, logging

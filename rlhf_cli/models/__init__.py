@@ -5,6 +5,7 @@ from rlhf_cli.models.checkpoint import (
     read_reward_stats,
     require_scalar_model_dir,
     save_hf,
+    with_scoring_template,
 )
 from rlhf_cli.models.loading import (
     ModelSourceError,
@@ -40,7 +41,7 @@ __all__ = [
     "require_scalar_model_dir",
     "resolve_hf_dir",
     "response_values",
-    "save_hf",
+    "save_hf", "with_scoring_template",
     "scalar_from_causal_lm",
     "sequence_rewards",
     "token_values",

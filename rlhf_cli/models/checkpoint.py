@@ -1,6 +1,7 @@
 """Save models as plain HF directories and inspect saved ones.
 
     save_hf(model, tokenizer, out_dir, extra_config=None)   safetensors + config + tokenizer, atomically
+    with_scoring_template(tokenizer)                           a reward model's tokenizer: the chat template ends at EOS
     read_reward_stats(path) -> (mean, std) | None            reward normalisation stored by train-rm
     is_scalar_model_dir(path) -> bool                          reward model / critic, or not
     require_scalar_model_dir(path, what)                       the same, as a one-line error
@@ -88,6 +89,32 @@ def save_hf(
         elif "hf_quantizer" in vars(model):
             del model.hf_quantizer
     log.info("saved %s to %s", type(model).__name__, out)
+    return out
+
+
+def with_scoring_template(tokenizer: Any) -> Any:
+    """A copy of `tokenizer` whose chat template ends a conversation that ends with an assistant message AT its
+    EOS (SmolLM2's template writes `<|im_end|>\\n`: the newline goes), for a reward model's `final/`.
+
+    A reward model is trained and scored at the EOS closing the response; `AutoModelForSequenceClassification`
+    reads the last non-pad token. With this template the standard call,
+    `tokenizer.apply_chat_template([user, assistant], return_dict=True, return_tensors="pt")`, ends at that EOS,
+    so it scores as the run did. Prompt rendering (`add_generation_prompt=True`) is unchanged. A tokenizer without
+    a template, or whose template already ends there, is returned as it is.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    eos = tokenizer.eos_token
+    if not isinstance(template, str) or not eos:
+        return tokenizer
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    rendered = tokenizer.apply_chat_template(probe, tokenize=False)
+    if rendered.endswith(eos) or not rendered.rstrip().endswith(eos):
+        return tokenizer
+    out = copy.deepcopy(tokenizer)
+    out.chat_template = (
+        "{%- set rendered -%}" + template + "{%- endset -%}"
+        "{%- if not add_generation_prompt and messages and messages[-1]['role'] == 'assistant' "
+        "and rendered.rstrip().endswith(eos_token) -%}{{ rendered.rstrip() }}{%- else -%}{{ rendered }}{%- endif -%}")
     return out
 
 

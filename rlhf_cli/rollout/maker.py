@@ -9,6 +9,7 @@ passes and the reward model in the one `scoring_precision` gives (see config.py,
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,8 @@ from rlhf_cli.rollout.rewards import Rewards
 from rlhf_cli.rollout.sampling import sample_responses
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks
 from rlhf_cli.seeds import derive_seed
+
+log = logging.getLogger(__name__)
 
 
 class ExperienceMaker:
@@ -152,6 +155,9 @@ class ExperienceMaker:
         # token means over all ranks of the advantages the update uses (after whitening)
         adv_sums = engine.all_reduce_sum(torch.stack([(advantages * loss_mask).sum(),
                                                       (advantages.abs() * loss_mask).sum(), loss_mask.sum()]))
+        if adv_sums[2] == 0 and engine.is_main():
+            log.warning("iteration %d trains nothing: every response is masked (ppo.truncated=mask and none ended "
+                        "with EOS within ppo.max_new_tokens=%d)", iteration + 1, p.max_new_tokens)
         kl_tok = kl_estimate(logprobs, ref_logprobs, "k1") * mask
         kl_seq = kl_tok.sum(1)  # nats per sequence
         lengths = mask.sum(1)

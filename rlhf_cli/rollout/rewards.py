@@ -14,6 +14,7 @@ rank, with its one-line message (`RewardError`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from rlhf_cli.data import checker
 from rlhf_cli.errors import RewardError
 from rlhf_cli.rewards import call_reward_function, load_reward_function
 from rlhf_cli.rollout.scoring import batched_rewards
+
+log = logging.getLogger(__name__)
 
 CHECKER = "rlhf_cli.data.builtin:checker"
 
@@ -48,6 +51,9 @@ class Rewards:
             self.functions["function"] = (cfg.reward.function, load_reward_function(cfg.reward.function))
         if "model" in self.weights and reward_model is None:
             raise ValueError("the reward source `model` needs a reward model")
+        if "model" in self.weights and normalize and reward_stats is None and engine.is_main():
+            log.warning("ppo.normalize_reward=true has no effect: the reward model stored no held-out mean/std (it "
+                        "was trained without held-out pairs), so its raw scores are used")
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,

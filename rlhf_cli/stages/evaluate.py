@@ -31,7 +31,7 @@ from rlhf_cli.core import (
     win_rate,
 )
 from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
-from rlhf_cli.lifecycle import command_line_keys, prepare_run_dir, seed_everything
+from rlhf_cli.lifecycle import command_line_keys, prepare_run_dir, seed_everything, write_config
 from rlhf_cli.models import (
     is_scalar_model_dir,
     load_causal_lm,
@@ -270,6 +270,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             console.print(f"report: {path}")
         _discard_empty_run_dir(run_dir)
         return None
+    run_dir = prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
     policy_path, rm_path = cfg.policy.path, cfg.reward_model.path
     if policy_path is None and rm_path is None:
         target = read_pointer(cfg.paths.root, "ppo")
@@ -283,9 +285,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             rm_path = str(target)
     # the data the evaluated model was trained on (its held-out split), unless this command chose other data
     cfg.data, data_note = lineage.eval_data(cfg.data, policy_path or rm_path, command_line_keys())
-    run_dir = prepare_run_dir(cfg, run_dir)
-    seed_everything(cfg.seed)
     if data_note and engine.is_main():
+        write_config(cfg, run_dir)  # the data this eval reads, as run
         console.print(data_note, soft_wrap=True, highlight=False)
     if cfg.dry_run:
         print_table(f"eval (dry run): {run_dir}", {"policy": policy_path, "reward_model": rm_path, "data": data_note})

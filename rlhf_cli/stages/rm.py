@@ -19,7 +19,7 @@ from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import PairCollator, epoch_order, example_length, load_preference_data
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
-from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf
+from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf, with_scoring_template
 from rlhf_cli.rollout import forward_pairs, pair_metrics, score_pairs
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 from rlhf_cli.stages.common import model_source, print_table
@@ -150,7 +150,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():
         stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
-        save_hf(eng.module, tokenizer, final, state_dict=state_dict, extra_config={
+        save_hf(eng.module, with_scoring_template(tokenizer), final, state_dict=state_dict, extra_config={
             **stats, "rlhf_stage": "rm", "rlhf_eval_accuracy": final_stats.get("rm/accuracy"),
         })
         atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,

@@ -510,14 +510,41 @@ def test_empty_responses_do_not_crash_a_step(tmp_path, monkeypatch):
     assert all(torch.isfinite(torch.tensor(stats[k])) for k in ("policy/loss", "val/loss", "policy/entropy"))
 
 
-def test_all_rows_masked_out_do_not_crash_a_step(tmp_path):
-    """truncated=mask and no response ends: an all-zero loss mask gives zero losses, not NaN."""
+def test_all_rows_masked_out_do_not_crash_a_step_and_say_so(tmp_path, monkeypatch, caplog):
+    """truncated=mask and no response ends: an all-zero loss mask gives zero losses, not NaN, and one warning
+    line says the iteration trains nothing; with one response ended, no warning."""
+    import logging
+
     tr = build_trainer(tmp_path, ["ppo.truncated=mask"])
-    exp, _, _ = tr.maker.make_experience(0)
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.maker"):
+        exp, _, _ = tr.maker.make_experience(0)
     assert exp.mask.sum() == 0  # the random tiny model never says EOS in 6 tokens
+    (line,) = [r.getMessage() for r in caplog.records if "trains nothing" in r.getMessage()]
+    assert line == ("iteration 1 trains nothing: every response is masked (ppo.truncated=mask and none ended with "
+                    "EOS within ppo.max_new_tokens=6)")
     stats = tr.train_on(exp, 0)
     assert tr.bad_steps == 0
     assert stats["policy/loss"] == 0.0 and stats["val/loss"] == 0.0
+    caplog.clear()
+    force_eos(monkeypatch, tr, {0: 2})
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.maker"):
+        exp, _, _ = tr.maker.make_experience(1)
+    assert exp.mask.sum() > 0 and not [r for r in caplog.records if "trains nothing" in r.getMessage()]
+
+
+@pytest.mark.parametrize("stats, normalize, warned", [(None, True, True), ((0.5, 2.0), True, False),
+                                                      (None, False, False)])
+def test_normalize_reward_without_stored_stats_says_it_has_no_effect(tokenizer, caplog, stats, normalize, warned):
+    import logging
+
+    from rlhf_cli.rollout import Rewards
+
+    cfg = compose("train_ppo", [*TINY_PPO, "reward.type=model"])
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.rewards"):
+        Rewards(cfg, tokenizer, object(), stats, 2, "fp32", normalize=normalize)
+    lines = [r.getMessage() for r in caplog.records if "normalize_reward" in r.getMessage()]
+    assert lines == (["ppo.normalize_reward=true has no effect: the reward model stored no held-out mean/std (it "
+                      "was trained without held-out pairs), so its raw scores are used"] if warned else [])
 
 
 # ----------------------------------------------------------------------------------------------

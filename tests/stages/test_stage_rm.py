@@ -206,6 +206,32 @@ def test_eval_on_the_run_eval_split_gives_the_trainer_accuracy(toy_run, run_stag
         assert torch.allclose(torch.tensor(got[side]), torch.tensor(want[side]), rtol=1e-5, atol=1e-5), side
 
 
+def test_the_readmes_plain_transformers_lines_reproduce_the_runs_scores(toy_run, tokenizer):
+    """The README's snippet, run as written on the run's held-out pairs (fp32): the score of each chosen and
+    rejected reply equals the run's own `rewards.json` to 1e-4 (the exported chat template ends at the EOS)."""
+    import re
+    from pathlib import Path
+
+    from rlhf_cli.data import load_preference_data
+
+    _, run_dir, cfg = toy_run
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (snippet,) = re.findall(r"```python\n(from transformers import AutoModelForSequenceClassification.*?)```", readme,
+                            re.S)
+    assert 'final = "runs/rm/<run-id>/final"' in snippet and "chat = [" in snippet
+    rows = toy_rows(TOY_EVAL, 1)
+    want = json.loads((run_dir / "rewards.json").read_text())
+    for i, ex in enumerate(load_preference_data(cfg.data, tokenizer).eval):
+        row = rows[ex["row"] - 1]
+        for side in ("chosen", "rejected"):
+            chat = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row[side]}]
+            code = (snippet.replace('"runs/rm/<run-id>/final"', repr(str(run_dir / "final")))
+                    .replace(snippet[snippet.index("chat = ["):].split("\n")[0], f"chat = {chat!r}"))
+            scope = {}
+            exec(code, scope)  # noqa: S102 - the README's own lines
+            assert scope["score"] == pytest.approx(want[side][i], abs=1e-4), (i, side)
+
+
 def test_dry_run_writes_config_and_no_checkpoint(run_stage, toy_overrides):
     result, run_dir, _ = run_stage("train_rm", [*toy_overrides, "dry_run=true", "rm.lr=7e-4"])
     assert result is None
