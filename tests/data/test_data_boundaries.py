@@ -108,6 +108,34 @@ def test_a_long_prompt_keeps_its_template_and_loses_the_start_of_its_content(wri
     assert "Story:" not in text  # the content lost its start
 
 
+LONG_ROWS = {
+    "explicit": [{"prompt": "Story: " + LONG + " So?", "chosen": "Yes.", "rejected": "No."}] * 2,
+    "implicit": [{"chosen": "Story: " + LONG + " So? Yes.", "rejected": "Story: " + LONG + " So? No."}] * 2,
+    "hh": [_hh([("Old " + LONG, "Old answer.")], "Story: " + LONG + " So?")] * 2,
+    "conversation": [conv("Story: " + LONG + " So?", "Yes.", "No.")] * 2,
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(LONG_ROWS))
+def test_truncation_keeps_the_template_in_every_format(fmt, write, make_cfg, tokenizer):
+    path = write(f"{fmt}.jsonl", LONG_ROWS[fmt])
+    data = load_preference_data(make_cfg(path=path, format=fmt, test_size=1, max_length=64, max_prompt_length=48),
+                                tokenizer)
+    assert len(data.train + data.eval) == 2
+    for ex in data.train + data.eval:
+        text = tokenizer.decode(ex["prompt_ids"])
+        assert len(ex["prompt_ids"]) <= 48 and text.startswith("<|im_start|>system\n"), fmt
+        assert text.count("<|im_start|>") == 3 and text.endswith("<|im_end|>\n<|im_start|>assistant\n"), fmt
+        assert "So?" in text and "Old answer" not in text, fmt
+    prompts = write(f"{fmt}_p.jsonl", [{"prompt": f"Story {i}: " + LONG + " So?"} for i in range(2)])
+    loaded = load_prompt_data(make_cfg(path=prompts, format="prompt", test_size=1, max_prompt_length=48), tokenizer)
+    assert len(loaded) == 1
+    for ex in loaded:
+        text = tokenizer.decode(ex["prompt_ids"])
+        assert len(ex["prompt_ids"]) == 48 and text.startswith("<|im_start|>system\n") and text.endswith(
+            "So?<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_the_oldest_turns_go_first_and_whole(write, make_cfg, tokenizer):
     rows = [_hh([("First question " + LONG, "First answer."), ("Second?", "Second answer.")], "Last?")]
     path = write("hh.jsonl", rows)
