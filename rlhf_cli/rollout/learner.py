@@ -52,11 +52,13 @@ class PolicyLearner:
     kl_ctl: Any
     estimator: Any
     bad_steps: int
+    old_from_training: bool = False  # the maker skipped the old log-probs: they are the training forward's own
 
-    def micro_batches(self, exp: Experience, iteration: int) -> Iterator[tuple[Experience, float]]:
+    def micro_batches(self, exp: Experience, iteration: int) -> Iterator[tuple[Experience, float, torch.Tensor]]:
         """The update's order: `ppo.epochs` passes over the rollout in shuffled minibatches of `ppo.mini_batch_size`
         rows (over all ranks), each cut into micro-batches of `ppo.micro_batch_size` rows. Yields (micro-batch,
-        real response tokens of its minibatch over all ranks: the divisor of every micro-batch loss)."""
+        real response tokens of its minibatch over all ranks: the divisor of every micro-batch loss, its rows'
+        indices in `exp`)."""
         p = self.p
         n, mini = exp.input_ids.shape[0], p.mini_batch_size // engine.world_size()
         g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, iteration, engine.rank()))
@@ -66,7 +68,7 @@ class PolicyLearner:
                 rows = perm[s:s + mini]
                 num_tokens = engine.all_reduce_sum(exp.mask[rows].sum()).item()
                 for m in range(0, mini, p.micro_batch_size):
-                    yield exp.rows(rows[m:m + p.micro_batch_size]), num_tokens
+                    yield exp.rows(rows[m:m + p.micro_batch_size]), num_tokens, rows[m:m + p.micro_batch_size]
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
         """The forward and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
@@ -81,7 +83,8 @@ class PolicyLearner:
             lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
                                         with_entropy=True, with_values=shared)
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
-        pg_loss, pg_stats = policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)
+        old = lp.detach() if self.old_from_training else b.logprobs
+        pg_loss, pg_stats = policy_loss(lp, old, b.advantages, b.mask, p.clip, **agg)
         ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
         actor_loss = pg_loss - p.c2 * ent_bonus
         stats = {**pg_stats, **ent_stats}
@@ -126,7 +129,8 @@ class PolicyLearner:
         return out
 
     def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
-        """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats."""
+        """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats. With
+        `old_from_training`, the training forward's log-probs (detached, float32) are written into `exp.logprobs`."""
         ws = engine.world_size()
         sums: dict[str, float] = {}
         count, tokens = 0, 0.0
@@ -134,9 +138,11 @@ class PolicyLearner:
         self.actor.train()
         if self.critic is not None:
             self.critic.train()
-        for b, num_tokens in self.micro_batches(exp, iteration):
+        for b, num_tokens, rows in self.micro_batches(exp, iteration):
             tokens += float(b.attention_mask.sum())
             out = self.micro_step(b, num_tokens, iteration)
+            if self.old_from_training:
+                exp.logprobs[rows] = out.logprobs.float()
             # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
             for k, val in out.stats.items():
                 sums[k] = sums.get(k, 0.0) + val

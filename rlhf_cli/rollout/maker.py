@@ -52,6 +52,13 @@ class ExperienceMaker:
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
         self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
         self._order_epoch: int | None = None
+        p = self.p
+        self.old_from_training = (p.epochs == 1 and p.mini_batch_size == p.rollout_batch_size * p.n_samples_per_prompt
+                                  and not self.estimator.needs_critic and p.kl_in == "loss")
+        """The update is on-policy: one epoch of one minibatch (the whole rollout, one optimizer step), no critic,
+        and the KL in the loss, so nothing before the update reads the old log-probs. The no-grad policy pass is
+        then skipped: the old log-probs are the training forward's own, detached (ratio 1, as TRL's GRPO with one
+        step per generation), and the rollout's KL statistics come after the update (`kl_stats`)."""
 
     def prompt_batch(self, iteration: int) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
         """This rank's rows of an iteration: their prompts, sampling seeds and group ids.
@@ -98,10 +105,12 @@ class ExperienceMaker:
         shared = has_value_head(self.actor.module)
         for i in range(0, input_ids.shape[0], mb):
             ids, am = input_ids[i:i + mb], attention_mask[i:i + mb]
-            with self.actor.autocast():
-                lp, _, v = policy_forward(self.actor.module, ids, am, P, temperature, with_values=shared)
             with self.reference.autocast():
                 ref, _, _ = policy_forward(reference, ids, am, P, temperature)
+            lp, v = torch.zeros_like(ref), None  # old_from_training: filled in by the update
+            if not self.old_from_training:
+                with self.actor.autocast():
+                    lp, _, v = policy_forward(self.actor.module, ids, am, P, temperature, with_values=shared)
             if self.critic is not None:
                 with self.critic.autocast():
                     v = critic_values(self.critic.module, ids, am, P)
@@ -110,6 +119,23 @@ class ExperienceMaker:
             if v is not None:
                 vals.append(v.float())
         return torch.cat(lps), torch.cat(refs), (torch.cat(vals) if vals else None)
+
+    def kl_stats(self, exp: Experience, beta: float) -> dict[str, float]:
+        """The rollout's KL statistics (mean over ranks): `objective/kl` (k1, nats/seq), `objective/kl_k3`,
+        `objective/rlhf_reward` (score − β·KL), `objective/entropy_sampled`, and the fp32 check (`kl_fp32_check`).
+        From `exp.logprobs`: after the update when the old log-probs come from it (`old_from_training`)."""
+        return engine.reduce_stats(self._kl_stats(exp, beta))
+
+    def _kl_stats(self, exp: Experience, beta: float) -> dict[str, float]:
+        mask = exp.attention_mask[:, exp.prompt_len:].float()
+        kl_seq = (kl_estimate(exp.logprobs, exp.ref_logprobs, "k1") * mask).sum(1)  # nats per sequence
+        return {
+            "objective/kl": kl_seq.mean().item(),
+            "objective/kl_k3": (kl_estimate(exp.logprobs, exp.ref_logprobs, "k3") * mask).sum(1).mean().item(),
+            "objective/rlhf_reward": (exp.scores - beta * kl_seq).mean().item(),
+            "objective/entropy_sampled": (-(exp.logprobs * mask).sum(1)).mean().item(),
+            **self.kl_fp32_check(exp.input_ids, exp.attention_mask, exp.prompt_len, kl_seq),
+        }
 
     @torch.no_grad()
     def kl_fp32_check(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
@@ -158,18 +184,12 @@ class ExperienceMaker:
         if adv_sums[2] == 0 and engine.is_main():
             log.warning("iteration %d trains nothing: every response is masked (ppo.truncated=mask and none ended "
                         "with EOS within ppo.max_new_tokens=%d)", iteration + 1, p.max_new_tokens)
-        kl_tok = kl_estimate(logprobs, ref_logprobs, "k1") * mask
-        kl_seq = kl_tok.sum(1)  # nats per sequence
         lengths = mask.sum(1)
         gen_tokens = float(lengths.sum())
         stats = {
             "objective/scores": raw.mean().item(),
             "objective/scores_norm": score.mean().item(),
-            "objective/kl": kl_seq.mean().item(),
-            "objective/kl_k3": (kl_estimate(logprobs, ref_logprobs, "k3") * mask).sum(1).mean().item(),
             "objective/kl_beta": beta,
-            "objective/rlhf_reward": (score - beta * kl_seq).mean().item(),
-            "objective/entropy_sampled": (-(logprobs * mask).sum(1)).mean().item(),
             "advantages/mean": (adv_sums[0] / adv_sums[2].clamp(min=1)).item(),
             "advantages/abs_mean": (adv_sums[1] / adv_sums[2].clamp(min=1)).item(),
             "response/length_mean": lengths.mean().item(),
@@ -178,7 +198,7 @@ class ExperienceMaker:
             "time/scoring": t2 - t1,
             "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             **source_means,
-            **self.kl_fp32_check(input_ids, attention_mask, P, kl_seq),
+            **({} if self.old_from_training else self._kl_stats(exp, beta)),
         }
         if values is not None:
             stats["val/values_mean"] = ((values * mask).sum() / mask.sum().clamp(min=1)).item()

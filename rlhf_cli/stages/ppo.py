@@ -153,6 +153,7 @@ class PPOTrainer(PolicyLearner):
                           self.score_precision, normalize=p.normalize_reward)
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
                                      rewards, self.kl_ctl, self.score_precision)
+        self.old_from_training = self.maker.old_from_training
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""
@@ -166,6 +167,13 @@ def describe_reward(cfg: Any, rm_path: str | None) -> str:
     if len(sources) == 1:
         return names[next(iter(sources))]
     return " + ".join(f"{w:g} × {names[k]}" for k, w in sources.items())
+
+
+def check_max_kl(p: Any, roll_stats: dict[str, float], it: int) -> None:
+    """Abort the run (FloatingPointError) when the rollout's KL to the reference exceeds `ppo.max_kl`."""
+    if p.max_kl is not None and roll_stats["objective/kl"] > p.max_kl:
+        raise FloatingPointError(f"aborting at iteration {it + 1}: KL to the reference is "
+                                 f"{roll_stats['objective/kl']:.2f} nats/sequence > ppo.max_kl={p.max_kl}")
 
 
 def run(cfg: Any, run_dir: Path) -> float | None:
@@ -222,15 +230,17 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     try:
         for it in range(start, p.iterations):
             exp, roll_stats, samples = tr.maker.make_experience(it)
-            if p.max_kl is not None and roll_stats["objective/kl"] > p.max_kl:
-                raise FloatingPointError(f"aborting at iteration {it + 1}: KL to the reference is "
-                                         f"{roll_stats['objective/kl']:.2f} nats/sequence > ppo.max_kl={p.max_kl}")
+            if not tr.old_from_training:
+                check_max_kl(p, roll_stats, it)
             # a checkpoint mid-update would hold half an iteration's weights: a Ctrl-C/SIGTERM here lets
             # the update finish (a second one stops at once, without a checkpoint)
             with deferred_interrupts() as pending:
                 updating = True
                 train_stats = tr.train_on(exp, it)
                 updating = False
+            if tr.old_from_training:  # the rollout's KL, from the update's forward (it is not saved on abort)
+                roll_stats.update(tr.maker.kl_stats(exp, tr.kl_ctl.value))
+                check_max_kl(p, roll_stats, it)
             tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
             metrics.log(it + 1, record)

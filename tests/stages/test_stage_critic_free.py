@@ -124,3 +124,67 @@ def test_the_readme_reward_function_example_loads_and_scores(tmp_path):
     fn = load_reward_function(f"{path}:{command.rsplit(':', 1)[1]}")
     prompts = ["What is 2 + 3?"] * 3
     assert fn(prompts, ["2 + 3 = 5.", "It is 6", "Five"], answer=[5, 5, None]) == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("estimator, kl_estimator", [("grpo", "k3"), ("rloo", "k2")])
+def test_an_on_policy_update_takes_the_old_logprobs_from_the_training_forward(tmp_path, estimator, kl_estimator):
+    """One epoch of one minibatch (the whole rollout), no critic, KL in the loss: the no-grad policy pass is
+    skipped and the old log-probs are the training forward's own. The update, the log-probs written back and the
+    rollout's KL statistics equal those of the run that computes the separate pass."""
+    fn = f"reward.function={reward_file(tmp_path)}:length_bonus"
+    overrides = [*GROUPS, f"ppo.advantage_estimator={estimator}", "reward.type=function", fn, "ppo.kl_in=loss",
+                 f"ppo.kl_estimator={kl_estimator}", "ppo.kl_beta=0.1"]
+    runs = {}
+    for fused in (True, False):
+        tr = build_trainer(tmp_path / str(fused), overrides)
+        assert tr.old_from_training and tr.maker.old_from_training
+        tr.old_from_training = tr.maker.old_from_training = fused
+        before = snapshot(tr.actor.module)
+        exp, roll_stats, _ = tr.maker.make_experience(0)
+        if fused:
+            assert torch.equal(exp.logprobs, torch.zeros_like(exp.logprobs)) and "objective/kl" not in roll_stats
+        train_stats = tr.train_on(exp, 0)
+        if fused:
+            roll_stats.update(tr.maker.kl_stats(exp, tr.kl_ctl.value))
+        runs[fused] = (exp.logprobs.clone(), roll_stats, train_stats, snapshot(tr.actor.module))
+    (lp_f, roll_f, train_f, w_f), (lp_s, roll_s, train_s, w_s) = runs[True], runs[False]
+    assert torch.allclose(lp_f, lp_s, atol=2e-5)
+    for k in ("objective/kl", "objective/kl_k3", "objective/rlhf_reward", "objective/entropy_sampled",
+              "objective/scores"):
+        assert roll_f[k] == pytest.approx(roll_s[k], rel=1e-4, abs=1e-5), k
+    assert train_f["policy/loss"] == pytest.approx(train_s["policy/loss"], rel=1e-4, abs=1e-6)
+    assert train_f["policy/clipfrac"] == 0.0
+    for k in w_f:
+        assert torch.allclose(w_f[k], w_s[k], atol=1e-6), k
+    assert any(not torch.equal(w_f[k], before[k]) for k in w_f), "the update moved no weight"
+
+
+@pytest.mark.parametrize("overrides", [["ppo.epochs=2"], ["ppo.mini_batch_size=4"], ["ppo.kl_in=reward"],
+                                       ["ppo.advantage_estimator=gae"]])
+def test_an_update_that_is_not_on_policy_keeps_the_separate_pass(tmp_path, overrides):
+    tr = build_trainer(tmp_path, [*GROUPS, "ppo.advantage_estimator=grpo", "reward.type=checker", "ppo.kl_in=loss",
+                                  "ppo.kl_estimator=k3", *overrides])
+    assert not tr.old_from_training
+    exp, roll_stats, _ = tr.maker.make_experience(0)
+    assert "objective/kl" in roll_stats and not torch.equal(exp.logprobs, torch.zeros_like(exp.logprobs))
+
+
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_max_kl_aborts_the_run_with_or_without_the_separate_pass(run_stage, tmp_path, on_policy):
+    """Iteration 1 starts at the reference (KL 0); a later iteration's KL exceeds a tiny ppo.max_kl (iteration 2's
+    k1 estimate may be below 0): the run stops with one line and status `aborted`, and that iteration's update is
+    not saved (whether the KL came before the update or from its forward)."""
+    from rlhf_cli.config import ConfigError
+
+    fn = f"reward.function={reward_file(tmp_path)}:length_bonus"  # varies within a group: the policy moves
+    overrides = [*GROUPS, "ppo.advantage_estimator=grpo", "reward.type=function", fn, "ppo.kl_in=loss",
+                 "ppo.kl_estimator=k3", "ppo.iterations=3", "ppo.max_kl=1e-9", "ppo.actor_lr=1e-3"]
+    if not on_policy:
+        overrides.append("ppo.epochs=2")
+    with pytest.raises(ConfigError, match=r"^aborting at iteration [23]: KL to the reference is .* nats/sequence > "
+                                          r"ppo.max_kl=1e-09$"):
+        run_stage("train_ppo", overrides)
+    (run_dir,) = (tmp_path / "runs" / "ppo").iterdir()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "aborted" and status["reason"].startswith("aborting at iteration ")
+    assert not (run_dir / "final").exists() and not (run_dir / "ds").exists()  # no iteration was saved
