@@ -571,6 +571,15 @@ def check_override_keys(command: str, overrides: list[str]) -> list[str]:
 
 
 _TYPE_WORDS = {"Float": "a float", "Integer": "an integer"}
+# OmegaConf's messages for a value a typed key refuses -> what to say after the key's name
+_VALUE_ERRORS = (
+    (r"Value '(.*)' of type '\w+' could not be converted to (\w+)",
+     lambda key, got, kind: f"must be {_TYPE_WORDS.get(kind, kind.lower())} (got '{got}')"),
+    (r"Value '(.*)' is not a valid bool", lambda key, got: f"must be true or false (got '{got}')"),
+    (r"Invalid type assigned: \w+ is not a subclass of \w+\. value: (.*)",
+     lambda key, got: f"is a section of keys, not a value (got '{got}'): set {key}.<key>=<value>"),
+    (r"Cannot convert '\w+' to string: '(.*)'", lambda key, got: f"must be a string (got {got})"),
+)
 
 
 def explain_composition_error(e: BaseException, overrides: Sequence[str] = ()) -> str:
@@ -582,18 +591,10 @@ def explain_composition_error(e: BaseException, overrides: Sequence[str] = ()) -
     first = text.splitlines()[0] if text else type(cause).__name__
     key = getattr(cause, "full_key", None)
     if key:
-        m = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", first)
-        if m:
-            return f"{key} must be {_TYPE_WORDS.get(m.group(2), m.group(2).lower())} (got '{m.group(1)}')"
-        m = re.match(r"Value '(.*)' is not a valid bool", first)
-        if m:
-            return f"{key} must be true or false (got '{m.group(1)}')"
-        m = re.match(r"Invalid type assigned: \w+ is not a subclass of \w+\. value: (.*)", first)
-        if m:
-            return f"{key} is a section of keys, not a value (got '{m.group(1)}'): set {key}.<key>=<value>"
-        m = re.match(r"Cannot convert '\w+' to string: '(.*)'", first)
-        if m:
-            return f"{key} must be a string (got {m.group(1)})"
+        for pattern, say in _VALUE_ERRORS:
+            m = re.match(pattern, first)
+            if m:
+                return f"{key} {say(key, *m.groups())}"
         return f"{key}: {first}"
     missing, options = getattr(e, "missing_cfg_file", None), getattr(e, "options", None)
     if missing and "/" in str(missing):
