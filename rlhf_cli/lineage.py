@@ -207,7 +207,11 @@ def eval_data(data_cfg: Any, model_dir: str | os.PathLike, given: Iterable[str])
     if chosen and not all(_same_path(data_cfg.get(k), recorded.get(k)) for k in DATA_PATH_KEYS):
         return data_cfg, (f"data: {data_cfg.path or 'the built-in task'} as set, not the model's training data "
                           f"({where})")
-    merged = OmegaConf.merge(data_cfg, recorded)
+    try:
+        merged = OmegaConf.merge(data_cfg, recorded)
+    except Exception as e:  # noqa: BLE001 - a record today's schema rejects (an older version's)
+        return data_cfg, (f"data: the model's recorded data section is not valid today ({type(e).__name__}); "
+                          f"reading {data_cfg.path or 'the built-in task'} as set")
     for k in given:
         if k not in ("data", *DATA_PATH_KEYS):
             OmegaConf.update(merged, k, OmegaConf.select(data_cfg, k), merge=False)

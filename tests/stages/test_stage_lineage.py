@@ -142,6 +142,19 @@ def test_eval_data_rules(chain):
     assert lineage.eval_data(base, pairs.parent, []) == (base, None)
 
 
+def test_a_recorded_data_section_todays_schema_rejects_is_said_not_fatal(chain, tmp_path):
+    _, rm_dir, _ = chain["rm"]
+    shutil.copytree(rm_dir / "final", tmp_path / "final")
+    rec = json.loads((tmp_path / "final" / "rlhf_lineage.json").read_text())
+    rec["data"]["config"]["a_key_from_another_version"] = 1
+    (tmp_path / "final" / "rlhf_lineage.json").write_text(json.dumps(rec))
+    from stage_helpers import compose
+
+    base = compose("eval", ["model=tiny"]).data
+    data, note = lineage.eval_data(base, tmp_path / "final", [])
+    assert data is base and note.startswith("data: the model's recorded data section is not valid today")
+
+
 def test_eval_says_when_the_recorded_file_changed(chain, tmp_path):
     """A copy of the run whose data file is then edited: eval still reads it, and the line says it changed."""
     _, rm_dir, _ = chain["rm"]
