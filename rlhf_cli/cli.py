@@ -64,7 +64,7 @@ def command_help(command: str) -> str:
              f"usage: rlhf {command} [group=option ...] [key=value ...]",
              "  -m            sweep: key=a,b runs one job per value", "  --cfg job     print the composed config",
              "  --hydra-help  Hydra's own options", "", "groups (group=option):"]
-    for group in CONFIG_GROUPS:
+    for group in (g for g in CONFIG_GROUPS if g in COMMAND_KEYS[config_name]):
         options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
         lines.append(f"  {group:<11} " + ", ".join(f"{o} (default)" if o == chosen.get(group) else o for o in options))
     from omegaconf import OmegaConf

@@ -630,8 +630,8 @@ def _check_command_reads(command: str, key: str) -> str | None:
         return f"{key} has no effect in `rlhf {command.replace('_', '-')}` (it writes no training metrics)"
     readers = [c.replace("_", "-") for c, sections in COMMAND_KEYS.items() if section in sections]
     meant = _MEANT.get((command, key)) or _MEANT.get((command, section))
-    if meant is not None and "." not in meant and "." in key:  # a section: its key of the same name, if any
-        leaf = key.split(".", 1)[1]
+    if meant is not None and "." not in meant:  # a section: its key of the same name, if any
+        leaf = key.split(".", 1)[1] if "." in key else ""
         meant = f"{meant}.{leaf}" if f"{meant}.{leaf}" in _schema_keys(RunConfig) else f"one of the {meant}.* keys"
     if meant is None:
         leaf = key.split(".")[-1]

@@ -153,8 +153,13 @@ def read_run(run_dir: Path) -> dict[str, Any] | None:
 def _model_dir(path: str | os.PathLike) -> Path | None:
     """A local model dir given as itself, its run dir (`final/` under it) or a pointer file."""
     p = Path(os.path.expanduser(str(path)))
-    if p.is_file():  # a pointer file (latest_rm, latest_policy)
-        p = Path(p.read_text().strip())
+    if p.is_file():  # a pointer file (latest_rm, latest_policy: a small text file naming a dir); else a model file
+        if p.stat().st_size > 4096:
+            return None
+        try:
+            p = Path(p.read_text().strip())
+        except (UnicodeDecodeError, ValueError):
+            return None
     if (p / "final").is_dir():
         p = p / "final"
     return p if p.is_dir() else None
@@ -188,11 +193,12 @@ def eval_data(data_cfg: Any, model_dir: str | os.PathLike, given: Iterable[str])
     command chose another source.
 
     `data_cfg` is the composed section and `given` the keys named on the command line (`data.test_size`, or the
-    group `data`). The source is chosen when `data.path`/`data.eval_path` is set (by the command line or an
-    experiment preset) or named on the command line (`data.path=null` asks for the built-in task). Unless it
-    was chosen and differs from the recorded source, the recorded section is used, with the command line's
-    other `data.*` values on top (e.g. `data.test_size=0.2`), so the held-out split is the run's own: same
-    file, seed and rows. A model no run of ours wrote: `data_cfg`. Returns (data section, a line for the
+    group `data`). The source is chosen when `data.path` is set (by the command line or an experiment preset) or
+    named on the command line (`data.path=null` asks for the built-in task). Unless it was chosen and differs
+    from the recorded source, the recorded section is used, with the command line's other `data.*` values on
+    top (e.g. `data.test_size=0.2`, or `data.eval_path=<a held-out file>`), so the held-out split is the run's
+    own: same file, seed and rows. A model no run of ours wrote, or an older record whose relative path is not
+    found from here: `data_cfg`. Returns (data section, a line for the
     console saying which data and why; None when nothing was recorded). A recorded file that changed since
     is named in that line (its held-out rows may differ).
     """
@@ -202,18 +208,25 @@ def eval_data(data_cfg: Any, model_dir: str | os.PathLike, given: Iterable[str])
     rec = read(model_dir) or {}
     recorded = OmegaConf.create(rec.get("data", {}).get("config") or OmegaConf.to_container(rec_cfg.data))
     given = [k.removeprefix("data.") for k in given if k == "data" or k.startswith("data.")]
-    chosen = "data" in given or any(data_cfg.get(k) or k in given for k in DATA_PATH_KEYS)
+    if data_cfg.get("eval_path") and "eval_path" not in given:  # set by a preset or an in-process caller
+        given.append("eval_path")
+    chosen = "data" in given or "path" in given or data_cfg.get("path") is not None
     where = recorded.get("path") or "the built-in task"
-    if chosen and not all(_same_path(data_cfg.get(k), recorded.get(k)) for k in DATA_PATH_KEYS):
+    if chosen and not _same_path(data_cfg.get("path"), recorded.get("path")):
         return data_cfg, (f"data: {data_cfg.path or 'the built-in task'} as set, not the model's training data "
                           f"({where})")
+    relative = [recorded[k] for k in DATA_PATH_KEYS if recorded.get(k) and not Path(str(recorded[k])).is_absolute()
+                and not Path(os.path.expanduser(str(recorded[k]))).exists()]
+    if relative:  # an older record, relative to a working directory we cannot know
+        return data_cfg, (f"data: the model's recorded data.path {relative[0]} is relative and not found from here; "
+                          f"reading {data_cfg.path or 'the built-in task'} as set (give data.path=...)")
     try:
         merged = OmegaConf.merge(data_cfg, recorded)
     except Exception as e:  # noqa: BLE001 - a record today's schema rejects (an older version's)
         return data_cfg, (f"data: the model's recorded data section is not valid today ({type(e).__name__}); "
                           f"reading {data_cfg.path or 'the built-in task'} as set")
     for k in given:
-        if k not in ("data", *DATA_PATH_KEYS):
+        if k not in ("data", "path"):
             OmegaConf.update(merged, k, OmegaConf.select(data_cfg, k), merge=False)
     changed = _changed(rec.get("data", {}).get("files", []), data_files(merged))
     note = f"data: the model's training data ({where}, data.seed={merged.seed}, its held-out split)"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The demo: train-rm -> train-ppo -> eval on the defaults (SmolLM2-135M-Instruct, built-in task).
-# Pass extra Hydra overrides through DEMO_ARGS, e.g. DEMO_ARGS="paths.root=/tmp/runs".
+# Pass extra Hydra overrides through DEMO_ARGS, e.g. DEMO_ARGS="paths.root=/tmp/runs". They go to all three
+# commands, so give only keys every command reads (paths.*, seed, precision, model=..., data.*): a command
+# refuses a key it does not read (rm.* in train-ppo, ppo.* in train-rm).
 set -euo pipefail
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" TOKENIZERS_PARALLELISM=false
 args=(${DEMO_ARGS:-})

@@ -13,8 +13,10 @@ straddles it, and `ids[:len(prompt_ids)]` is the prompt whatever the tokenizer's
 
 Plain: a special-token string inside user text (`<|im_end|>`, `<|im_start|>user`) is tokenised as the
 characters it is, so user text can neither end a response early nor forge a turn; only the template's markers
-and the one appended EOS are special ids. A response's trailing EOS string is taken as its end (removed, the
-EOS id appended once).
+and the one appended EOS are special ids. A prompt whose user text holds no such string is tokenised whole,
+exactly as `apply_chat_template(..., tokenize=True)` tokenises it; one that holds one is tokenised piece by
+piece (`Encoder.segments`): the template's text with its markers, each message's content as plain text. A
+response's trailing EOS string is taken as its end (removed, the EOS id appended once).
 
 The template's own text after the EOS (SmolLM2 writes "<|im_end|>\\n") is not part of the response: a
 policy stops at the EOS, and the reward model reads its score at the EOS.
@@ -66,8 +68,11 @@ class Encoder:
         self.bos_id: int | None = bos if bos is not None and probe[:1] == [bos] else None
         """The BOS id when the tokenizer prepends one (at most one is kept at the prompt's start)."""
         self.template_edits_text = False
-        """Set when the chat template changed a message's text (e.g. trimmed it): such prompts are tokenised
-        whole, so a special-token string inside their user text is not kept plain (warned once)."""
+        """Set when the chat template changed a message's text beyond trimming it: such a prompt is one piece,
+        so a special-token string inside its user text is not kept plain (warned once)."""
+        self.special_texts = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                                     if t.special} | set(getattr(tokenizer, "all_special_tokens", [])), key=len)
+        """The special-token strings: a piece of user text holding one is tokenised plain, piece by piece."""
 
     # -- rendering ----------------------------------------------------------------------------
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
@@ -92,19 +97,21 @@ class Encoder:
             return [(prompt.text, True)]
         messages = self.messages(prompt) if messages is None else messages
         marked = self._template([{**m, "content": SENTINEL.format(i)} for i, m in enumerate(messages)])
-        out, pos = [], 0
-        for m in _SENTINEL.finditer(marked):
-            out += [(marked[pos:m.start()], False), (messages[int(m.group(1))]["content"], True)]
-            pos = m.end()
-        out.append((marked[pos:], False))
         whole = self._template(messages)
-        if "".join(t for t, _ in out) != whole:  # the template edits the text it is given: no plain pieces
-            if not self.template_edits_text:
-                logger.warning("the chat template changes message text (e.g. trims it): prompts are tokenised "
-                               "whole, so special-token strings inside their text are read as special tokens")
-            self.template_edits_text = True
-            return [(whole, False)]
-        return [(t, plain) for t, plain in out if t]
+        for edit in (lambda text: text, str.strip):  # as given, or as a trimming template (Llama 3, Gemma) writes it
+            out, pos = [], 0
+            for m in _SENTINEL.finditer(marked):
+                out += [(marked[pos:m.start()], False), (edit(messages[int(m.group(1))]["content"]), True)]
+                pos = m.end()
+            out.append((marked[pos:], False))
+            if "".join(t for t, _ in out) == whole:
+                return [(t, plain) for t, plain in out if t]
+        # the template edits message text in another way: this prompt is one piece, its markers read as markers
+        if not self.template_edits_text:
+            logger.warning("the chat template changes message text beyond trimming it: such prompts are tokenised "
+                           "whole, so special-token strings inside their text are read as special tokens")
+        self.template_edits_text = True
+        return [(whole, False)]
 
     def response_text(self, raw: str) -> str:
         """The text tokenised for a response: stripped content (chat) or the raw text; a trailing EOS
@@ -122,9 +129,16 @@ class Encoder:
         kwargs = {"split_special_tokens": True} if plain else {}
         return [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False, **kwargs)["input_ids"]]
 
+    def _holds_special(self, text: str) -> bool:
+        return any(s in text for s in self.special_texts)
+
     def encode_segments(self, prompts: Sequence[list[tuple[str, bool]]], bos: bool = True) -> list[list[int]]:
-        """Token ids of prompts given as `segments`, each piece tokenised on its own (plain pieces as plain
-        text), with exactly one leading BOS if the tokenizer uses one (`bos=False`: none added)."""
+        """Token ids of prompts given as `segments`, with exactly one leading BOS if the tokenizer uses one
+        (`bos=False`: none added). A prompt whose user text holds no special-token string is tokenised whole,
+        exactly as `apply_chat_template(..., tokenize=True)` does; one that holds one is tokenised piece by piece,
+        its user text as plain text."""
+        prompts = [segs if any(plain and self._holds_special(t) for t, plain in segs)
+                   else [("".join(t for t, _ in segs), False)] for segs in prompts]
         pieces = [(i, t, plain) for i, segs in enumerate(prompts) for t, plain in segs]
         ids: dict[bool, list[list[int]]] = {}
         for kind in (True, False):
@@ -157,7 +171,7 @@ class Encoder:
         """
         if len(ids) <= budget:
             return ids
-        if not self.use_chat or self.template_edits_text:
+        if not self.use_chat or not any(plain for _, plain in self.segments(prompt)):  # raw text, or one piece
             cut = truncate_left(ids, budget, self.bos_id)
             return cut if len(cut) > (self.bos_id is not None) else None
         messages = self.messages(prompt)

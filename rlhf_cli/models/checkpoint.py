@@ -107,7 +107,10 @@ def with_scoring_template(tokenizer: Any) -> Any:
     if not isinstance(template, str) or not eos:
         return tokenizer
     probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    rendered = tokenizer.apply_chat_template(probe, tokenize=False)
+    try:
+        rendered = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that rejects this conversation: save it as it is
+        return tokenizer
     if rendered.endswith(eos) or not rendered.rstrip().endswith(eos):
         return tokenizer
     out = copy.deepcopy(tokenizer)

@@ -53,10 +53,13 @@ class ExperienceMaker:
         self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
         self._order_epoch: int | None = None
         p = self.p
+        checks_kl = score_precision == "bf16-autocast" and p.kl_check_rows > 0  # kl_fp32_check needs the old pass
         self.old_from_training = (p.epochs == 1 and p.mini_batch_size == p.rollout_batch_size * p.n_samples_per_prompt
-                                  and not self.estimator.needs_critic and p.kl_in == "loss")
+                                  and not self.estimator.needs_critic and p.kl_in == "loss" and not checks_kl)
         """The update is on-policy: one epoch of one minibatch (the whole rollout, one optimizer step), no critic,
-        and the KL in the loss, so nothing before the update reads the old log-probs. The no-grad policy pass is
+        and the KL in the loss, so nothing before the update reads the old log-probs (nor does the bf16 KL check,
+        `kl_fp32_check`, which runs only with `scoring_precision=same` under bf16-autocast and then keeps the pass).
+        The no-grad policy pass is
         then skipped: the old log-probs are the training forward's own, detached (ratio 1, as TRL's GRPO with one
         step per generation), and the rollout's KL statistics come after the update (`kl_stats`)."""
 

@@ -189,3 +189,34 @@ def test_resume_refuses_a_data_file_changed_since_the_run_started(run_stage, tmp
     write_jsonl(pairs, pair_rows(N_PAIRS))  # the same bytes again: the run continues
     result, _, _ = run_stage("train_rm", [*overrides, f"resume={run_dir}"], run_dir=run_dir)
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+
+
+def test_a_model_file_is_recorded_by_its_path_and_never_read_as_a_pointer(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\xff\xfe" + bytes(range(256)) * 64)  # binary, larger than a pointer file
+    assert lineage.parent(str(gguf)) == {"path": str(gguf.resolve())}
+    assert lineage.read(gguf) is None and lineage.recorded_config(gguf) is None
+    pointer = tmp_path / "latest_rm"
+    pointer.write_text(str(tmp_path / "missing") + "\n")
+    assert lineage.read(pointer) is None
+
+
+def test_eval_data_takes_a_held_out_file_on_top_and_skips_a_relative_record(chain, tmp_path):
+    from stage_helpers import compose
+
+    pairs, _ = chain["files"]
+    _, rm_dir, _ = chain["rm"]
+    heldout = write_jsonl(tmp_path / "heldout.jsonl", pair_rows(6))
+    given = compose("eval", ["model=tiny", f"data.eval_path={heldout}"]).data
+    data, note = lineage.eval_data(given, rm_dir, ["data.eval_path"])
+    assert data.path == str(pairs.resolve()) and data.eval_path == str(heldout) and data.seed == 3
+    assert note.startswith("data: the model's training data")
+    # an older run dir: no lineage file, a relative data.path in its config
+    old = tmp_path / "old_run"
+    shutil.copytree(rm_dir / "final", old / "final")
+    (old / "final" / "rlhf_lineage.json").unlink()
+    cfg = (old / "final" / "rlhf_config.yaml").read_text().replace(str(pairs.resolve()), "data/pairs.jsonl")
+    (old / "final" / "rlhf_config.yaml").write_text(cfg)
+    base = compose("eval", ["model=tiny"]).data
+    data, note = lineage.eval_data(base, old, [])
+    assert data is base and note.startswith("data: the model's recorded data.path data/pairs.jsonl is relative")
