@@ -242,8 +242,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"timing: {'the single step' if steps == 1 else f'steps 2-{steps} (step 1 dropped as warm-up)'}",
     ]
     notes = [
-        "scoring: ours = checker + old log-probs (policy) + reference log-probs + advantages; TRL = checker + "
-        "reference log-probs + advantages (on-policy it takes old log-probs from the training forward)",
+        "scoring: checker + reference log-probs + advantages for both; on-policy (one optimizer step per rollout) "
+        "both take the old log-probs from the training forward (ours: `ExperienceMaker.old_from_training`)",
         "eval: `rlhf eval` with ours as policy and TRL's final policy as reference (same prompts, same per-prompt "
         "noise, fp32); its KL row is between the two trained policies and is not shown",
         f"benchmark preparation (prompts, policy dir) {prep_s:.0f} s; logs and runs under {work}",
