@@ -557,7 +557,7 @@ def check_override_keys(command: str, overrides: list[str]) -> list[str]:
         known = (key.split("@")[0] in groups or key in keys  # a key under an open dict (deepspeed.extra.*) is fine
                  or any(key.startswith(k + ".") and is_dict for k, is_dict in keys.items()))
         if known:
-            ignored = _check_command_reads(command, key.split("@")[0])
+            ignored = _check_command_reads(command, key.split("@")[0], keys)
             if ignored:
                 warnings.append(ignored)
             continue
@@ -619,12 +619,12 @@ def explain_composition_error(e: BaseException, overrides: Sequence[str] = ()) -
     return first
 
 
-def _check_command_reads(command: str, key: str) -> str | None:
+def _check_command_reads(command: str, key: str, keys: dict[str, bool]) -> str | None:
     """Raise ConfigError when `key` (given on the command line) is a key `command` does not read, naming what
     the user probably meant (`rlhf train-ppo policy.path=...` -> `model.name_or_path`); for a harmless switch
     (`_HARMLESS`) return a warning line instead. None when the command reads it."""
     section = key.split(".")[0]
-    if command not in COMMAND_KEYS or section in COMMAND_KEYS[command] or section not in _schema_keys(RunConfig):
+    if command not in COMMAND_KEYS or section in COMMAND_KEYS[command] or section not in keys:
         return None
     if key in _HARMLESS:
         return f"{key} has no effect in `rlhf {command.replace('_', '-')}` (it writes no training metrics)"
@@ -632,10 +632,10 @@ def _check_command_reads(command: str, key: str) -> str | None:
     meant = _MEANT.get((command, key)) or _MEANT.get((command, section))
     if meant is not None and "." not in meant:  # a section: its key of the same name, if any
         leaf = key.split(".", 1)[1] if "." in key else ""
-        meant = f"{meant}.{leaf}" if f"{meant}.{leaf}" in _schema_keys(RunConfig) else f"one of the {meant}.* keys"
+        meant = f"{meant}.{leaf}" if f"{meant}.{leaf}" in keys else f"one of the {meant}.* keys"
     if meant is None:
         leaf = key.split(".")[-1]
-        mine = [k for k in _schema_keys(RunConfig) if k.split(".")[0] in COMMAND_KEYS[command]]
+        mine = [k for k in keys if k.split(".")[0] in COMMAND_KEYS[command]]
         close = difflib.get_close_matches(leaf, [k.split(".")[-1] for k in mine], n=1, cutoff=0.8)
         meant = next((k for k in mine if close and k.split(".")[-1] == close[0]), None)
     cmd = command.replace("_", "-")

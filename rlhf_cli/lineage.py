@@ -20,14 +20,13 @@ the output of one of our runs (a hub id, a GGUF file) is recorded by its path al
     record(run_dir, cfg, stage, summary, parents)  lineage.json; a resume with a changed data file is refused
     read(model_dir)                                 the record beside a model, or None
     recorded_config(model_dir)                      the resolved config of the run that wrote a model, or None
-    eval_data(data_cfg, model_dir, set_keys)        the data an eval of that model reads by default
+    eval_data(data_cfg, model_dir, given)           the data an eval of that model reads by default
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -37,8 +36,6 @@ from omegaconf import OmegaConf
 
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.runs import abs_path, atomic_write_json
-
-log = logging.getLogger(__name__)
 
 FILE = "lineage.json"
 MODEL_FILE = "rlhf_lineage.json"

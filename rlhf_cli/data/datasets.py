@@ -576,7 +576,7 @@ def _render(encoder: Encoder, rows_prompts: list[tuple[int, Prompt]], data_cfg: 
     keep, texts, segments = [], [], []
     for i, (row, prompt) in enumerate(rows_prompts):
         try:
-            text, segs = encoder.render_prompt(prompt), encoder.segments(prompt)
+            segs = encoder.segments(prompt)  # their text, joined, is the rendered prompt
         except Exception as e:  # jinja2 TemplateError, or the template's own raise_exception
             if not data_cfg.skip_invalid:
                 raise DataError(source, f"the tokenizer's chat template rejects this prompt ({e})", row=row,
@@ -584,7 +584,7 @@ def _render(encoder: Encoder, rows_prompts: list[tuple[int, Prompt]], data_cfg: 
             drops[TEMPLATE_ERROR] += 1
             continue
         keep.append(i)
-        texts.append(text)
+        texts.append("".join(t for t, _ in segs))
         segments.append(segs)
     return keep, texts, segments
 

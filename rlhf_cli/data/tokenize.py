@@ -91,8 +91,9 @@ class Encoder:
 
     def segments(self, prompt: Prompt, messages: list[dict[str, str]] | None = None) -> list[tuple[str, bool]]:
         """The rendered prompt as (text, plain) pieces in order: the template's own text (plain=False: its
-        special-token strings are control ids) and each message's content (plain=True: user text). Raw text is
-        one plain piece. Raises what the chat template raises for messages it rejects."""
+        special-token strings are control ids) and each message's content (plain=True: user text); joined, their
+        texts are `render_prompt`'s. Raw text is one plain piece. Raises what the chat template raises for
+        messages it rejects."""
         if not self.use_chat:
             return [(prompt.text, True)]
         messages = self.messages(prompt) if messages is None else messages

@@ -126,14 +126,16 @@ def test_the_readme_reward_function_example_loads_and_scores(tmp_path):
     assert fn(prompts, ["2 + 3 = 5.", "It is 6", "Five"], answer=[5, 5, None]) == [1.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("estimator, kl_estimator", [("grpo", "k3"), ("rloo", "k2")])
-def test_an_on_policy_update_takes_the_old_logprobs_from_the_training_forward(tmp_path, estimator, kl_estimator):
+@pytest.mark.parametrize("estimator, kl_estimator, precision", [
+    ("grpo", "k3", "fp32"), ("rloo", "k2", "fp32"), ("grpo", "k3", "bf16-autocast"), ("grpo", "k3", "bf16")])
+def test_an_on_policy_update_takes_the_old_logprobs_from_the_training_forward(tmp_path, estimator, kl_estimator,
+                                                                               precision):
     """One epoch of one minibatch (the whole rollout), no critic, KL in the loss: the no-grad policy pass is
     skipped and the old log-probs are the training forward's own. The update, the log-probs written back and the
-    rollout's KL statistics equal those of the run that computes the separate pass."""
+    rollout's KL statistics equal those of the run that computes the separate pass, in fp32, bf16-autocast and bf16."""
     fn = f"reward.function={reward_file(tmp_path)}:length_bonus"
     overrides = [*GROUPS, f"ppo.advantage_estimator={estimator}", "reward.type=function", fn, "ppo.kl_in=loss",
-                 f"ppo.kl_estimator={kl_estimator}", "ppo.kl_beta=0.1"]
+                 f"ppo.kl_estimator={kl_estimator}", "ppo.kl_beta=0.1", f"precision={precision}"]
     runs = {}
     for fused in (True, False):
         tr = build_trainer(tmp_path / str(fused), overrides)
