@@ -46,21 +46,28 @@ def trl_child(spec_path: str) -> None:
     from trl import RewardConfig, RewardTrainer
 
     class StepTimer(TrainerCallback):
-        """Wall time and real tokens of every optimizer step (on_step_begin .. on_step_end)."""
+        """Wall time, real tokens and computed positions (real + padding, counted by a forward pre-hook on
+        the model) of every optimizer step (on_step_begin .. on_step_end)."""
 
         def __init__(self) -> None:
             self.trainer: Any = None
             self.begin = 0.0
             self.tokens_seen = 0
+            self.positions = 0
             self.steps: list[dict[str, float]] = []
 
+        def count_positions(self, module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.positions += int(ids.numel())
+
         def on_step_begin(self, args, state, control, **kwargs):
+            self.positions = 0
             self.begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.begin
             total = int(self.trainer._total_train_tokens)  # RewardTrainer sums attention_mask per micro-batch
-            self.steps.append({"seconds": seconds, "tokens": total - self.tokens_seen})
+            self.steps.append({"seconds": seconds, "tokens": total - self.tokens_seen, "positions": self.positions})
             self.tokens_seen = total
 
     tokenizer = AutoTokenizer.from_pretrained(spec["init_dir"])
@@ -82,6 +89,7 @@ def trl_child(spec_path: str) -> None:
         dataloader_pin_memory=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
     train = Dataset.from_dict({"chosen_ids": spec["chosen_ids"], "rejected_ids": spec["rejected_ids"]})
     timer = StepTimer()
+    model.register_forward_pre_hook(timer.count_positions, with_kwargs=True)
     trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
                             callbacks=[timer], optimizers=(optimizer, scheduler))
     timer.trainer = trainer
@@ -143,8 +151,10 @@ def ours_steps(run_dir: Path, batch: int) -> list[dict[str, float]]:
     for rec in read_metrics(run_dir):
         if rec.get("throughput/pairs_per_s"):
             seconds = batch / rec["throughput/pairs_per_s"]
-            steps.append({"seconds": seconds, "tokens": rec["throughput/tokens_per_s"] * seconds,
-                          "loss": rec.get("rm/loss")})
+            tokens = rec["throughput/tokens_per_s"] * seconds
+            steps.append({"seconds": seconds, "tokens": tokens, "loss": rec.get("rm/loss"),
+                          "positions": rec["throughput/positions_per_token"] * tokens,
+                          "padding": rec["throughput/padding_fraction"]})
     return steps
 
 
@@ -158,6 +168,9 @@ def heldout_metrics(chosen: list[float], rejected: list[float]) -> dict[str, flo
 
 # ----------------------------------------------------------------------------------------------
 # main
+
+LAYOUTS = {True: "each pair one [prompt | chosen | rejected] segment, pairs packed into rows",
+           False: "chosen and rejected as padded rows"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -178,6 +191,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--data", default=str(C.HH_PATH), help="an HH-format preference file")
+    p.add_argument("--packing", default="on", choices=["on", "off"],
+                   help="ours: data.packing (each pair's prompt computed once, pairs packed into rows) or plain "
+                        "padded chosen/rejected rows as TRL lays them out (RewardTrainer has no packing option)")
     p.add_argument("--trl-adamw", default="fused", choices=["fused", "plain"],
                    help="TRL's AdamW: fused (TRL's default optim adamw_torch_fused, as our engine) "
                         "or plain (the per-tensor loop)")
@@ -213,7 +229,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                  f"rm.betas=[{args.betas[0]},{args.betas[1]}]", f"rm.weight_decay={args.weight_decay}",
                  f"rm.warmup_ratio={args.warmup_ratio}", f"rm.lr_scheduler={args.lr_scheduler}",
                  f"rm.max_grad_norm={args.max_grad_norm}", "rm.eval_every=0", "rm.save_every=0",
-                 f"seed={args.seed}", "tensorboard=false", f"paths.root={work / 'runs'}"]
+                 f"seed={args.seed}", "tensorboard=false", f"paths.root={work / 'runs'}",
+                 f"data.packing={str(args.packing == 'on').lower()}"]
     cfg = C.compose("train_rm", overrides)
     tokenizer = load_tokenizer(cfg.model)
     data = load_preference_data(cfg.data, tokenizer)
@@ -284,6 +301,13 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table.add("pairs_per_s", "pairs/s", B / o_sec, B / t_sec)
     table.add("tokens_per_s", "tokens/s (real, chosen+rejected)", o_tps, t_tps)
     table.add("seconds_per_step", "s / optimizer step", o_sec, t_sec)
+    positions = [sum(s["positions"] for s in st) / sum(s["tokens"] for s in st) for st in (o_st, t_st)]
+    table.add("positions_per_token", "positions computed per real token of chosen + rejected",
+              *positions, "{:.3f}")
+    o_padding = sum(s["padding"] * s["positions"] for s in o_st) / sum(s["positions"] for s in o_st)
+    t_padding = 1 - sum(s["tokens"] for s in t_st) / sum(s["positions"] for s in t_st)
+    table.add("padding_fraction", "padding fraction of computed positions", o_padding, t_padding, "{:.3f}",
+              ratio=False)
     table.add("peak_rss_gib", "peak RSS (GiB, whole process)", ours.peak_rss_bytes / gib, trl.peak_rss_bytes / gib)
     table.add("heldout_accuracy", f"held-out accuracy ({args.eval_pairs} pairs)", o_eval["rm/accuracy"],
               t_eval["rm/accuracy"])
@@ -297,8 +321,11 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table.add("first_step_loss", "training loss, step 1", o_steps[0]["loss"], t_res["losses"][0], "{:.4f}")
     table.add("last_step_loss", f"training loss, step {args.steps}", o_steps[-1]["loss"], t_res["losses"][-1], "{:.4f}")
     table.add("model_gflops", "model GFLOP/s (6 N tokens/s)", 6 * N * o_tps / 1e9, 6 * N * t_tps / 1e9)
-    table.add("peak_fraction", f"% of measured {'bf16' if bf16 else 'fp32'} matmul peak",
+    table.add("peak_fraction", f"% of measured {'bf16' if bf16 else 'fp32'} matmul peak (real tokens)",
               100 * 6 * N * o_tps / 1e9 / peak_in_force, 100 * 6 * N * t_tps / 1e9 / peak_in_force, "{:.1f}%")
+    table.add("computed_peak_fraction", "% of that peak, positions computed (6 N positions/s, padding included)",
+              *[100 * 6 * N * tps * pos / 1e9 / peak_in_force for tps, pos in zip((o_tps, t_tps), positions)],
+              "{:.1f}%", ratio=False)
     table.note("hardware: matmul peak, measured", f"fp32 {peak['float32']:.1f} / bf16 {peak['bfloat16']:.1f} GFLOP/s")
     table.add("process_wall_s", "process wall s (incl. load, eval, save)", ours.wall_s, trl.wall_s, "{:.0f}")
 
@@ -318,10 +345,14 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"{cfg.deepspeed.zero_stage}, TRL {t_res['optimizer']}",
         f"timing: training steps only, {measured}; model load, de-quantisation, data prep, eval and saving excluded; "
         f"gradient checkpointing: ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
+        f"layout: ours data.packing={cfg.data.packing} ({LAYOUTS[bool(cfg.data.packing)]}), TRL chosen and "
+        f"rejected as padded rows (RewardTrainer has no packing or padding-free option)",
     ]
     notes = [f"hardware: a ({rows} x {init['hidden_size']}) @ ({init['hidden_size']} x {init['intermediate_size']}) "
              f"matmul (a micro-batch's tokens through an MLP projection) timed on this machine just before the runs; "
-             f"model FLOP/s = 6 x N x real tokens/s (forward + backward, N = non-embedding params)",
+             f"model FLOP/s = 6 x N x real tokens/s (forward + backward, N = non-embedding params), counting every "
+             f"chosen and rejected token even where packing computes a shared prompt once; the 'positions computed' "
+             f"row counts what each tool really ran",
              "held-out accuracy: both final models scored by rlhf_cli.rollout.score_pairs (ours inside "
              "`rlhf train-rm`, TRL's saved model here) in our scoring precision (`scoring_precision`: fp32 by default, "
              "also under bf16-autocast), and both again in fp32 (the sanity "

@@ -165,6 +165,13 @@ class DataConfig:
     group_by_length: bool = False
     """train-rm: batch pairs of similar length together (less padding, every pair once per epoch; see
     `rlhf_cli.data.epoch_order`). train-ppo samples prompts in a plain shuffled order and says so when this is set."""
+    packing: bool = True
+    """train-rm and `rlhf eval` of a reward model: each preference pair is one segment [prompt | chosen |
+    rejected] with a mask that hides chosen from rejected, so the shared prompt is computed once, and several
+    pairs share a row, so only row tails are padding (`rlhf_cli.data.PackedPairCollator`). The same scores,
+    loss and gradients as false up to float rounding. false: chosen and rejected as two padded rows each
+    (TRL's layout). Needs `model.attn_implementation` sdpa or eager; with any other it is off and says so once.
+    train-ppo does not read it yet."""
     builtin: BuiltinTaskConfig = field(default_factory=BuiltinTaskConfig)
     """The built-in arithmetic task (`data.builtin.*`), used when `data.path` is null."""
 

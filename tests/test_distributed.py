@@ -1,9 +1,10 @@
 """Two processes under torchrun (gloo, CPU) train the same models as one process on the same global batch.
 
-Reward model: ZeRO-2 and ZeRO-3 on two ranks match one rank step for step. PPO: rollouts are seeded per
-prompt position, so two ranks sample the same responses as one, and ZeRO-2 training on two ranks matches
-one rank; a ZeRO-3 chain (reward model trained under ZeRO-3, loaded as the PPO critic, generation from
-partitioned weights) runs and writes loadable checkpoints.
+Reward model: ZeRO-2 and ZeRO-3 on two ranks, with packed pairs (`data.packing`, the default), match one
+rank with plain padded pairs (`data.packing=false`) step for step: packing is exact under ZeRO-3 too. PPO:
+rollouts are seeded per prompt position, so two ranks sample the same responses as one, and ZeRO-2 training
+on two ranks matches one rank; a ZeRO-3 chain (reward model trained under ZeRO-3, loaded as the PPO critic,
+generation from partitioned weights) runs and writes loadable checkpoints.
 
 PPO runs here use one minibatch per epoch (`ppo.mini_batch_size == ppo.rollout_batch_size`): each rank
 shuffles its own rows, so with smaller minibatches their composition (not their statistics) depends on
@@ -71,7 +72,7 @@ def assert_same_weights(dir_a, dir_b):
 def one_rank(tmp_path_factory):
     """One-process reference runs: the reward model (ZeRO-0) and PPO against it."""
     root = tmp_path_factory.mktemp("one")
-    launch([*RM_ARGS, "deepspeed=zero0"], root)
+    launch([*RM_ARGS, "deepspeed=zero0", "data.packing=false"], root)
     launch([*PPO_ARGS, "deepspeed=zero0"], root)
     return root
 

@@ -2,7 +2,8 @@
 
     load_preference_data(data_cfg, tokenizer, splits=("train", "eval")) -> PreferenceData
     load_prompt_data(data_cfg, tokenizer, split="train") -> PromptData
-    PairCollator(pad_id), PromptCollator(pad_id), epoch_order(n, seeds, epoch, lengths, group_size)
+    PairCollator(pad_id), PackedPairCollator(pad_id), PromptCollator(pad_id)
+    epoch_order(n, seeds, epoch, lengths, group_size)
     check_answer(text, answer), check_answers(texts, answers)   # the built-in task's rule-based reward
 """
 
@@ -14,7 +15,14 @@ from rlhf_cli.data.builtin import (
     checker,
     parse_answer,
 )
-from rlhf_cli.data.collate import PairCollator, PromptCollator, epoch_order, example_length, pad_sequences
+from rlhf_cli.data.collate import (
+    PackedPairCollator,
+    PairCollator,
+    PromptCollator,
+    epoch_order,
+    example_length,
+    pad_sequences,
+)
 from rlhf_cli.data.datasets import (
     DataSummary,
     PreferenceData,
@@ -27,7 +35,7 @@ from rlhf_cli.data.formats import DataError, Keys, Pair, Prompt, detect_format, 
 from rlhf_cli.data.tokenize import Encoder, last_user_turn, pair_budget, truncate_left
 
 __all__ = [
-    "BuiltinProblem", "DataError", "DataSummary", "Encoder", "Keys", "Pair", "PairCollator",
+    "BuiltinProblem", "DataError", "DataSummary", "Encoder", "Keys", "PackedPairCollator", "Pair", "PairCollator",
     "PreferenceData", "Prompt", "PromptCollator", "PromptData", "builtin_splits",
     "check_answer", "check_answers", "checker", "detect_format", "epoch_order", "example_length", "pair_budget",
     "last_user_turn",

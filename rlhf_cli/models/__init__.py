@@ -17,10 +17,12 @@ from rlhf_cli.models.loading import (
 )
 from rlhf_cli.models.scalar import (
     Float32Head,
+    custom_mask_support,
     last_token_index,
     load_scalar_model,
     new_scalar_head,
     response_values,
+    rewards_at,
     scalar_from_causal_lm,
     sequence_rewards,
     token_values,
@@ -31,6 +33,7 @@ __all__ = [
     "Float32Head",
     "ModelSourceError",
     "count_parameters",
+    "custom_mask_support",
     "is_scalar_model_dir",
     "last_token_index",
     "load_causal_lm",
@@ -41,6 +44,7 @@ __all__ = [
     "require_scalar_model_dir",
     "resolve_hf_dir",
     "response_values",
+    "rewards_at",
     "save_hf", "with_scoring_template",
     "scalar_from_causal_lm",
     "sequence_rewards",

@@ -8,6 +8,7 @@ model loads with plain `AutoModelForSequenceClassification.from_pretrained(dir)`
     new_scalar_head(hidden, seed, like)                           a seeded float32-computing head `score`
     token_values(model, input_ids, attention_mask)                head output at every position (B, T)
     sequence_rewards(model, input_ids, attention_mask)            head output at the last real token (B,)
+    rewards_at(model, input_ids, attention_mask, index, position_ids=None)   head output at given positions
     response_values(model, input_ids, attention_mask, response_start)   critic values (B, T_resp)
     trunk_hidden(model, input_ids, attention_mask)                last hidden states (B, T, H)
 
@@ -173,15 +174,54 @@ def _is_scalar(model: Any) -> bool:
     return hasattr(model, "score") and type(model).__name__.endswith("ForSequenceClassification")
 
 
-def trunk_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last hidden states (B, T, H) of the trunk of a causal LM or a scalar model (wrapped or not), position ids
-    counted over real tokens only (`(attention_mask.cumsum(-1) - 1).clamp(min=0)`: the one position rule of
-    the package, so the padding side never changes a number)."""
+def trunk_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Last hidden states (B, T, H) of the trunk of a causal LM or a scalar model (wrapped or not).
+
+    attention_mask: (B, T) 1 = real token, 0 = padding; position ids are then counted over real tokens only
+    (`(attention_mask.cumsum(-1) - 1).clamp(min=0)`: the one position rule of the package, so the padding
+    side never changes a number), and `position_ids` must be None. Or a packed layout: a (B, 1, T, T) bool
+    mask ([b, 0, q, k] = query q may attend key k, at least one True per query row) with its (B, T)
+    `position_ids`, as `data.PackedPairCollator` builds; see `custom_mask_support` for the attention
+    implementations that take one. Raises ValueError for a 4D mask without position ids or on an
+    attention implementation that cannot take it.
+    """
     model = getattr(model, "module", model)  # DeepSpeed / DDP wrapper
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if attention_mask.dim() == 4:
+        if position_ids is None:
+            raise ValueError("a 4D attention mask needs explicit position_ids")
+        attention_mask = _attention_bias(model, attention_mask)
+    elif position_ids is not None:
+        raise ValueError("position_ids are counted from a 2D attention mask; pass them only with a 4D mask")
+    else:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     trunk = getattr(model, model.base_model_prefix)
     out = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
+
+
+def custom_mask_support(model: Any) -> str | None:
+    """None when `model`'s attention implementation takes a custom 4D mask (`sdpa`: as a boolean mask;
+    `eager`: converted to an additive one, since eager adds the mask to the scores and a boolean mask
+    would be added as 0/1, silently wrong); else the reason, for the caller's one log line."""
+    impl = getattr(getattr(model, "module", model).config, "_attn_implementation", None)
+    if impl in ("sdpa", "eager"):
+        return None
+    return f"attn_implementation={impl} takes no custom attention mask (sdpa and eager do)"
+
+
+def _attention_bias(model: Any, allowed: torch.Tensor) -> torch.Tensor:
+    """The 4D mask `allowed` (bool, True = attend) as `model`'s attention implementation reads it."""
+    reason = custom_mask_support(model)
+    if reason is not None:
+        raise ValueError(reason)
+    if allowed.dtype != torch.bool:
+        raise ValueError(f"a 4D attention mask must be boolean (got {allowed.dtype})")
+    if model.config._attn_implementation == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _score(model: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -214,9 +254,18 @@ def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     Equals `AutoModelForSequenceClassification(...)(input_ids, attention_mask).logits[:, 0]` on
     right-padded input whose pad id is not used inside the text. Differentiable.
     """
-    hidden = trunk_hidden(model, input_ids, attention_mask)  # (B, T, H)
     last = last_token_index(attention_mask)  # (B,)
-    return _score(model, hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+    return rewards_at(model, input_ids, attention_mask, torch.stack([torch.arange(len(last), device=last.device),
+                                                                     last], -1))
+
+
+def rewards_at(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Head outputs (N,) float32 read at N (row, column) positions `index` (N, 2) long of one trunk forward
+    over `input_ids` (B, T); the mask and position ids as `trunk_hidden` takes them (2D, or a packed 4D mask
+    with position ids). Differentiable."""
+    hidden = trunk_hidden(model, input_ids, attention_mask, position_ids)  # (B, T, H)
+    return _score(model, hidden[index[:, 0], index[:, 1]])
 
 
 def response_values(
@@ -246,4 +295,6 @@ __all__ = [
     "response_values",
     "trunk_hidden",
     "last_token_index",
+    "custom_mask_support",
+    "rewards_at",
 ]

@@ -35,7 +35,7 @@ from rlhf_cli.rollout.policy import (
 )
 from rlhf_cli.rollout.rewards import Rewards, call_on_every_rank
 from rlhf_cli.rollout.sampling import PerRowSampler, response_mask, sample_responses
-from rlhf_cli.rollout.scoring import batched_rewards, forward_pairs, pair_metrics, score_pairs
+from rlhf_cli.rollout.scoring import batched_rewards, forward_pairs, pair_collator, pair_metrics, score_pairs
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "disable_dropout",
     "explained_variance_across_ranks",
     "forward_pairs",
+    "pair_collator",
     "has_value_head",
     "lm_of",
     "pair_metrics",

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
-from rlhf_cli.data import PairCollator
-from rlhf_cli.models import sequence_rewards
+from rlhf_cli.data import PackedPairCollator, PairCollator
+from rlhf_cli.models import custom_mask_support, rewards_at, sequence_rewards
+
+log = logging.getLogger(__name__)
+_SAID: set[str] = set()
 
 
 @torch.no_grad()
@@ -24,26 +28,48 @@ def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
                           for i in range(0, input_ids.shape[0], batch_size)])
 
 
+def pair_collator(model: Any, pad_id: int, packing: bool) -> Callable[[Sequence[dict[str, Any]]], dict[str, Any]]:
+    """The collator of preference pairs for `model`: `PackedPairCollator` (prompt computed once, pairs
+    packed, `data.packing=true`) where the model's attention implementation takes a custom 4D mask, else
+    `PairCollator` (chosen and rejected as two padded rows), saying once why packing is off."""
+    if not packing:
+        return PairCollator(pad_id)
+    reason = custom_mask_support(model)
+    if reason is None:
+        return PackedPairCollator(pad_id)
+    if reason not in _SAID and engine.is_main():
+        _SAID.add(reason)
+        log.warning("data.packing=true is off for this model: %s; chosen and rejected are computed as two "
+                    "padded rows each", reason)
+    return PairCollator(pad_id)
+
+
 def forward_pairs(model: Any, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards (B,) of chosen and of rejected from ONE forward over the concatenated batch (2B, L)."""
+    """Rewards (B,) float32 of chosen and of rejected from ONE trunk forward over a collated batch:
+    `PairCollator`'s (2B, L) rows, or `PackedPairCollator`'s packed rows (each score read at its own EOS)."""
     dev = engine.device()
-    ids, mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+    ids = batch["input_ids"].to(dev)
     with engine.autocast(precision):
-        rewards = sequence_rewards(model, ids, mask).float()
-    b = ids.shape[0] // 2
-    return rewards[:b], rewards[b:]
+        if "pair_attention" in batch:
+            index = torch.cat([batch["chosen_end"], batch["rejected_end"]]).to(dev)
+            rewards = rewards_at(model, ids, batch["pair_attention"].to(dev), index, batch["position_ids"].to(dev))
+        else:
+            rewards = sequence_rewards(model, ids, batch["attention_mask"].to(dev))
+    b = rewards.shape[0] // 2
+    return rewards[:b].float(), rewards[b:].float()
 
 
 @torch.no_grad()
 def score_pairs(model: Any, pairs: Sequence[dict[str, Any]], pad_id: int, batch_size: int,
-                precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards of every pair's chosen and rejected response, sharded over ranks, gathered in order.
+                precision: str, packing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of every pair's chosen and rejected response, sharded over ranks, gathered in order;
+    `batch_size` pairs per forward, laid out as `pair_collator(model, pad_id, packing)` says.
 
     Returns two float32 tensors of shape (N,) on CPU, identical on every rank.
     """
     was_training = model.training
     model.eval()
-    collate = PairCollator(pad_id)
+    collate = pair_collator(model, pad_id, packing)
     ws = engine.world_size()
     mine = list(range(engine.rank(), len(pairs), ws))
     # every rank runs the same number of forwards (ZeRO-3 gathers weights collectively): pad the

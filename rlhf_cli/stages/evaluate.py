@@ -88,7 +88,7 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"no preference pairs in split eval.split={cfg.eval.split} of data.path={cfg.data.path}")
     model = load_scalar_model(rm_dir, cfg.precision, cfg.seed).to(engine.device())
     chosen, rejected = score_pairs(model, pairs, tokenizer.pad_token_id, cfg.eval.batch_size,
-                                   engine.scoring_precision(cfg.precision, cfg.scoring_precision))
+                                   engine.scoring_precision(cfg.precision, cfg.scoring_precision), cfg.data.packing)
     stats = pair_metrics(chosen, rejected)
     _, acc_low, acc_high = proportion_ci95((chosen > rejected).float())
     results = {

@@ -16,11 +16,11 @@ import torch
 
 from rlhf_cli import engine, lineage
 from rlhf_cli.core import pairwise_loss, sample_std
-from rlhf_cli.data import PairCollator, epoch_order, example_length, load_preference_data
+from rlhf_cli.data import epoch_order, example_length, load_preference_data
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf, with_scoring_template
-from rlhf_cli.rollout import forward_pairs, pair_metrics, score_pairs
+from rlhf_cli.rollout import forward_pairs, pair_collator, pair_metrics, score_pairs
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 from rlhf_cli.stages.common import model_source, print_table
 
@@ -78,7 +78,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     step, _ = ckpts.resume(cfg.resume, metrics)
 
     # 5. loop
-    collate = PairCollator(tokenizer.pad_token_id)
+    collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
     lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
     per_rank = rmc.batch_size // engine.world_size()
     progress = Progress(total_steps, "train-rm", PROGRESS_KEYS, enabled=engine.is_main(), start=step)
@@ -95,11 +95,12 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             mine = batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]
             t0 = time.perf_counter()
             stats_sum: dict[str, float] = {}
-            tokens = 0
+            tokens = torch.zeros(3)  # pair tokens (chosen + rejected sequences), real tokens computed, positions
             for m in range(0, per_rank, rmc.micro_batch_size):
                 exs = [train[j] for j in mine[m:m + rmc.micro_batch_size]]
                 batch = collate(exs)
-                tokens += int(batch["attention_mask"].sum())
+                tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
+                                        float(batch["attention_mask"].numel())])
                 chosen, rejected = forward_pairs(eng.module, batch, cfg.precision)
                 margin = batch["margin"].to(chosen.device) if rmc.margin and "margin" in batch else None
                 loss, stats = pairwise_loss(chosen, rejected, margin)
@@ -113,13 +114,15 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                     stats_sum[k] = stats_sum.get(k, 0.0) + v / eng.grad_accum
             step += 1
             dt = time.perf_counter() - t0
-            tok_total = engine.all_reduce_sum(torch.tensor(float(tokens))).item()
+            pair_tok, real, positions = engine.all_reduce_sum(tokens).tolist()
             record = engine.reduce_stats(stats_sum)
             record.update({"lr": eng.lr(), "grad_norm": eng.grad_norm(), "epoch": step / steps_per_epoch,
-                           "throughput/pairs_per_s": rmc.batch_size / dt, "throughput/tokens_per_s": tok_total / dt})
+                           "throughput/pairs_per_s": rmc.batch_size / dt, "throughput/tokens_per_s": pair_tok / dt,
+                           "throughput/padding_fraction": 1 - real / positions,
+                           "throughput/positions_per_token": positions / pair_tok})
             if rmc.eval_every and step % rmc.eval_every == 0 and step < total_steps and heldout:
                 eval_stats = pair_metrics(*score_pairs(eng.module, heldout, tokenizer.pad_token_id,
-                                                       rmc.eval_batch_size, score_precision))
+                                                       rmc.eval_batch_size, score_precision, cfg.data.packing))
                 record.update({f"eval/{k}": v for k, v in eval_stats.items()})
             if step % rmc.log_every == 0 or step == total_steps:
                 metrics.log(step, record)
@@ -138,7 +141,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     reward_mean = reward_std = None  # no held-out pairs: nothing measured, so no normalisation is stored
     if heldout:
         chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size,
-                                       score_precision)
+                                       score_precision, cfg.data.packing)
         final_stats = pair_metrics(chosen, rejected)
         both = torch.cat([chosen, rejected])
         reward_mean, reward_std = float(both.mean()), sample_std(both.tolist()) if both.numel() > 1 else 1.0

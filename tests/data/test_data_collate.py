@@ -6,7 +6,7 @@ import pytest
 import torch
 from data_fixtures import make_cfg  # noqa: F401 (pytest fixtures)
 
-from rlhf_cli.data import PairCollator, PromptCollator, epoch_order, example_length
+from rlhf_cli.data import PackedPairCollator, PairCollator, PromptCollator, epoch_order, example_length
 
 PAD, EOS = 0, 2
 
@@ -18,7 +18,7 @@ def _pair(p, c, r, **kw):
 def test_pair_collator_right_pads_chosen_then_rejected():
     exs = [_pair([5, 6], [7, EOS], [8, 9, 9, EOS]), _pair([5], [7, 7, EOS], [8, EOS])]
     b = PairCollator(PAD)(exs)
-    assert set(b) == {"input_ids", "attention_mask"}
+    assert set(b) == {"input_ids", "attention_mask", "pair_tokens"} and int(b["pair_tokens"]) == 4 + 4 + 6 + 3
     assert b["input_ids"].shape == b["attention_mask"].shape == (4, 6) and b["input_ids"].dtype == torch.long
     assert b["input_ids"].tolist() == [[5, 6, 7, EOS, PAD, PAD],      # chosen 0
                                        [5, 7, 7, EOS, PAD, PAD],      # chosen 1
@@ -29,11 +29,46 @@ def test_pair_collator_right_pads_chosen_then_rejected():
     assert b["input_ids"][torch.arange(4), last].tolist() == [EOS] * 4
 
 
+def test_packed_pair_collator_layout():
+    """One segment [prompt | chosen | rejected] per pair, first-fit longest first into rows as wide as the longest
+    segment; rejected positions restart after the prompt; rejected never sees chosen; padding sees itself."""
+    exs = [_pair([5, 6], [7, EOS], [8, 9, 9, EOS]), _pair([5], [7, 7, EOS], [8, EOS]), _pair([4], [EOS], [EOS])]
+    b = PackedPairCollator(PAD)(exs)
+    # segment lengths 8, 6, 3 in rows of 8: pair 2 does not fit after pair 1 (6 + 3 > 8), so three rows
+    assert b["input_ids"].tolist() == [[5, 6, 7, EOS, 8, 9, 9, EOS],
+                                       [5, 7, 7, EOS, 8, EOS, PAD, PAD],
+                                       [4, EOS, EOS, PAD, PAD, PAD, PAD, PAD]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 2, 3, 4, 5], [0, 1, 2, 3, 1, 2, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0]]
+    assert b["chosen_end"].tolist() == [[0, 3], [1, 3], [2, 1]]
+    assert b["rejected_end"].tolist() == [[0, 7], [1, 5], [2, 2]]
+    assert int(b["pair_tokens"]) == (4 + 6) + (4 + 3) + (2 + 2)
+    assert b["attention_mask"].tolist()[2] == [1, 1, 1, 0, 0, 0, 0, 0]
+    allowed = b["pair_attention"][:, 0]
+    assert allowed.dtype == torch.bool and allowed.shape == (3, 8, 8)
+    assert allowed[0, 4].tolist() == [True, True, False, False, True, False, False, False]  # rejected: prompt + itself
+    assert allowed[0, 3].tolist() == [True] * 4 + [False] * 4  # chosen EOS: prompt + chosen
+    assert allowed[2, 2].tolist() == [True, False, True] + [False] * 5  # one-token prompt, one-token responses
+    assert allowed[2, 5].tolist() == [False] * 5 + [True, False, False]  # padding attends to itself only
+    # two short pairs share a row
+    b = PackedPairCollator(PAD)([_pair([5, 6, 7], [7, EOS], [8, EOS]), _pair([4], [EOS], [EOS]),
+                                 _pair([3], [EOS], [9, EOS])])
+    assert b["input_ids"].tolist() == [[5, 6, 7, 7, EOS, 8, EOS], [3, EOS, 9, EOS, 4, EOS, EOS]]
+    assert b["chosen_end"].tolist() == [[0, 4], [1, 5], [1, 1]]
+    assert b["rejected_end"].tolist() == [[0, 6], [1, 6], [1, 3]]
+    allowed = b["pair_attention"][1, 0]
+    assert allowed[4].tolist() == [False] * 4 + [True] + [False] * 2  # the second pair's prompt sees only itself
+    assert allowed[6].tolist() == [False] * 4 + [True, False, True]
+    with pytest.raises(ValueError, match="empty chosen or rejected"):
+        PackedPairCollator(PAD)([_pair([5], [], [EOS])])
+
+
 def test_pair_collator_margin():
     b = PairCollator(PAD)([_pair([5], [7, EOS], [8, EOS], margin=0.5), _pair([5], [7, EOS], [9, EOS], margin=2)])
     assert b["margin"].tolist() == [0.5, 2.0] and b["margin"].dtype == torch.float32
     with pytest.raises(ValueError, match="some examples in the batch have a margin"):
         PairCollator(PAD)([_pair([5], [7, EOS], [8, EOS], margin=0.5), _pair([5], [7, EOS], [9, EOS])])
+    assert PackedPairCollator(PAD)([_pair([5], [7, EOS], [8, EOS], margin=0.5),
+                                    _pair([5], [7, EOS], [9, EOS], margin=2)])["margin"].tolist() == [0.5, 2.0]
 
 
 def test_prompt_collator_left_pads():

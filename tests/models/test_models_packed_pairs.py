@@ -1,0 +1,130 @@
+"""Packed preference pairs (`data.packing`): the prompt computed once, pairs sharing rows, give the scores, loss and
+gradients of the plain layout (chosen and rejected as two padded rows).
+
+Tolerances. fp32: the two layouts run the same arithmetic on the same keys at the same positions, only in matrices
+of other shapes, so results differ by reduction order: 1e-5 absolute on scores of magnitude ~1, and on each gradient
+tensor 1e-5 of its largest entry, a few ulps of float32 (1.2e-7) accumulated over a 2-layer trunk. bf16: rounding to
+8 significant bits happens at other places in the two layouts, so the packed scores may differ from the padded ones
+by bf16 noise; the test holds packing to no more error against the fp32 scores than the padded layout itself has.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from rlhf_cli.core import pairwise_loss
+from rlhf_cli.data import PackedPairCollator, PairCollator
+from rlhf_cli.models import sequence_rewards
+from rlhf_cli.rollout import forward_pairs, pair_collator, score_pairs
+
+PAD, EOS = 0, 2
+MAX_LENGTH = 12
+# (prompt, chosen, rejected) lengths: one-token prompts, one-token responses, a response ending at the max length
+# (P + C == MAX_LENGTH), chosen and rejected that differ from their first token on, rows of very different lengths
+SHAPES = [(1, 3, 5), (7, 2, 2), (4, 8, 1), (1, 11, 11), (2, 2, 2), (9, 3, 3), (1, 1, 1)]
+
+
+def make_pairs(vocab, shapes=SHAPES, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731 (ids 0-2 are pad/bos/eos)
+    pairs = []
+    for p, c, r in shapes:
+        chosen, rejected = rnd(c - 1) + [EOS], rnd(r - 1) + [EOS]
+        rejected[0] = chosen[0] + 1 if chosen[0] + 1 < vocab else 3  # differ in the first response token
+        pairs.append({"prompt_ids": rnd(p), "chosen_ids": chosen, "rejected_ids": rejected, "row": len(pairs) + 1})
+    assert any(p + c == MAX_LENGTH for p, c, _ in shapes)
+    return pairs
+
+
+def grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def loss_and_grads(model, batch, precision):
+    model.zero_grad()
+    chosen, rejected = forward_pairs(model, batch, precision)
+    loss, _ = pairwise_loss(chosen, rejected)
+    loss.backward()
+    return chosen.detach(), rejected.detach(), loss.detach(), grads(model)
+
+
+@pytest.fixture
+def scalar(tiny_scalar):
+    model = tiny_scalar
+    impl = model.config._attn_implementation
+    yield model
+    model.config._attn_implementation = impl
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_pairs_give_the_padded_scores_loss_and_gradients_fp32(scalar, impl):
+    scalar.config._attn_implementation = impl  # eager adds the mask to the scores: a boolean one would be wrong
+    pairs = make_pairs(scalar.config.vocab_size)
+    packed = PackedPairCollator(PAD)(pairs)
+    assert packed["input_ids"].shape[0] < len(pairs)  # some pairs really share a row
+    c0, r0, loss0, g0 = loss_and_grads(scalar, PairCollator(PAD)(pairs), "fp32")
+    c1, r1, loss1, g1 = loss_and_grads(scalar, packed, "fp32")
+    torch.testing.assert_close(c1, c0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(r1, r0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-6)
+    assert g0.keys() == g1.keys() and len(g0) > 5
+    for name in g0:  # relative to the tensor's largest entry: tiny entries carry the rounding of large sums
+        scale = float(g0[name].abs().max())
+        assert scale > 0 and float((g1[name] - g0[name]).abs().max()) <= 1e-5 * scale, name
+    assert (c0 - r0).abs().min() > 1e-3  # the test would see a swapped chosen/rejected read
+
+
+def test_packed_scores_equal_left_padded_sequences(scalar, pad_batch):
+    """Against the plain per-sequence forward on LEFT-padded rows (the rollout layout), not only PairCollator's."""
+    pairs = make_pairs(scalar.config.vocab_size)
+    with torch.no_grad():
+        c, r = forward_pairs(scalar, PackedPairCollator(PAD)(pairs), "fp32")
+        for key, got in (("chosen_ids", c), ("rejected_ids", r)):
+            ids, mask = pad_batch([ex["prompt_ids"] + ex[key] for ex in pairs], PAD, "left")
+            torch.testing.assert_close(got, sequence_rewards(scalar, ids, mask), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
+def test_packing_adds_no_error_beyond_bf16s_own(tiny_model_cfg, precision):
+    from rlhf_cli.models import load_scalar_model
+
+    pairs = make_pairs(256)
+    with torch.no_grad():
+        fp32 = load_scalar_model(tiny_model_cfg, "fp32", seed=0).eval()
+        exact = torch.cat(forward_pairs(fp32, PairCollator(PAD)(pairs), "fp32"))
+        model = load_scalar_model(tiny_model_cfg, precision, seed=0).eval()
+        padded = torch.cat(forward_pairs(model, PairCollator(PAD)(pairs), precision))
+        packed = torch.cat(forward_pairs(model, PackedPairCollator(PAD)(pairs), precision))
+    assert packed.dtype == torch.float32  # the float32 head survives the packed path
+    bf16_error = (padded - exact).abs().max()
+    assert 0 < bf16_error < 0.1
+    assert (packed - exact).abs().max() <= 2 * bf16_error
+
+
+def test_score_pairs_packed_equals_plain_and_keeps_the_order(scalar):
+    pairs = make_pairs(scalar.config.vocab_size)
+    plain = score_pairs(scalar, pairs, PAD, 3, "fp32", packing=False)
+    packed = score_pairs(scalar, pairs, PAD, 3, "fp32", packing=True)
+    for a, b in zip(plain, packed):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_an_attention_implementation_without_custom_masks_falls_back_once(scalar, caplog):
+    from rlhf_cli.models import trunk_hidden
+
+    scalar.config._attn_implementation = "flash_attention_2"
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli"):
+        assert isinstance(pair_collator(scalar, PAD, packing=True), PairCollator)
+        assert isinstance(pair_collator(scalar, PAD, packing=True), PairCollator)
+    said = [r.getMessage() for r in caplog.records if "data.packing=true is off" in r.getMessage()]
+    assert len(said) == 1 and "flash_attention_2" in said[0]
+    batch = PackedPairCollator(PAD)(make_pairs(scalar.config.vocab_size))
+    with pytest.raises(ValueError, match="takes no custom attention mask"):
+        trunk_hidden(scalar, batch["input_ids"], batch["pair_attention"], batch["position_ids"])
+    scalar.config._attn_implementation = "sdpa"
+    assert isinstance(pair_collator(scalar, PAD, packing=True), PackedPairCollator)
+    assert isinstance(pair_collator(scalar, PAD, packing=False), PairCollator)
+    with pytest.raises(ValueError, match="needs explicit position_ids"):
+        trunk_hidden(scalar, batch["input_ids"], batch["pair_attention"])
