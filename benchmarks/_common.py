@@ -107,6 +107,9 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
         f"precision in force: rlhf_cli precision={precision}, TRL accelerator.mixed_precision={trl_mp} "
         f"(bf16 mixed precision for both only where bf16 is native; ours scores, and trains the PPO policy, in "
         f"fp32 under bf16-autocast: scoring_precision=fp32, its default)",
+        f"layout: ours data.packing={info.get('packing', 'on') == 'on'} (--packing {info.get('packing', 'on')}: a "
+        f"shared prompt computed once, sequences packed into rows; false: each sequence its own padded row), TRL "
+        f"each sequence its own padded row",
     ]
 
 
@@ -341,9 +344,14 @@ def emit(args: Any, info: dict[str, Any], header: list[str], table: Table, notes
         "trl_mixed_precision": trl_precision, **payload, **sides})
 
 
+def packing_override(args: Any) -> str:
+    """Ours' `data.packing=...` override for `--packing`."""
+    return f"data.packing={str(args.packing == 'on').lower()}"
+
+
 def add_common_args(p: Any) -> None:
-    """The options every TRL comparison shares: `--model`, `--workdir`, `--precision`, `--out`, and the hidden
-    `--trl-child` of its TRL process."""
+    """The options every TRL comparison shares: `--model`, `--workdir`, `--precision`, `--out`, `--packing` (ours'
+    `data.packing`: `packing_override(args)`), and the hidden `--trl-child` of its TRL process."""
     p.add_argument("--model", default="smollm2", help="our model config group: smollm2 (default) or tiny (smoke test)")
     p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
@@ -351,6 +359,9 @@ def add_common_args(p: Any) -> None:
                         "else fp32; bf16-autocast forces it (on an AVX2-only CPU bf16 is emulated: numerically "
                         "real, ~7-25x slower)")
     p.add_argument("--out", default=None, help="also write the results as JSON here and as markdown beside it")
+    p.add_argument("--packing", default="on", choices=["on", "off"],
+                   help="ours: data.packing=true (a shared prompt computed once, sequences packed into rows; the "
+                        "default) or false (every sequence its own padded row, as TRL lays them out)")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
 
 
@@ -366,7 +377,7 @@ def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, 
     work.mkdir(parents=True, exist_ok=True)
     try:
         quiet()
-        run(args, work, machine_info())
+        run(args, work, {**machine_info(), "packing": args.packing})
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

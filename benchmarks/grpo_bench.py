@@ -169,7 +169,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"ppo.clip={args.clip}", "ppo.c2=0.0", f"ppo.actor_lr={args.lr}", "ppo.weight_decay=0.0",
         "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
-        f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}"]
+        f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}",
+        C.packing_override(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, steps, P, work)
     tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
     bf16 = cfg.precision != "fp32"

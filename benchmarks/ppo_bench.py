@@ -35,6 +35,7 @@ import _common as C  # noqa: E402
 
 # seconds-per-iteration parts, as `rlhf train-ppo` logs them
 PARTS = ("generation", "scoring", "training")
+SCORING_PASSES = ("reward", "policy", "reference", "critic")  # ours' `time/scoring_*`: one line each
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,7 +227,8 @@ def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
                     "training": rec["time/training"], "wall": None if prev is None else rec["time"] - prev,
                     "gen_tokens": rec["throughput/gen_tokens_per_s"] * rec["time/generation"],
                     "train_tokens": rec["throughput/train_tokens_per_s"] * rec["time/training"],
-                    "score": rec["objective/scores_norm"], "kl": rec["objective/kl"]})
+                    "score": rec["objective/scores_norm"], "kl": rec["objective/kl"],
+                    **{f"scoring_{k}": rec.get(f"time/scoring_{k}") for k in SCORING_PASSES}})
         prev = rec["time"]
     return out
 
@@ -310,7 +312,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.weight_decay=0.0", "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.normalize_reward=false",
         "ppo.whiten_advantages=true", "ppo.truncated=penalize", f"ppo.missing_eos_penalty={args.missing_eos_penalty}",
         "ppo.critic=separate", "ppo.critic_init=reward_model", "ppo.sample_every=1", "ppo.save_every=0",
-        f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}"]
+        f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}",
+        C.packing_override(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, n_it, R, work)
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
@@ -361,6 +364,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table.add("seconds_per_iteration", "s / iteration (generation+scoring+training)", o_total, t_total)
     for part in PARTS:
         table.add(f"{part}_s", f"  {part} s", avg(o_st, part), avg(t_st, part))
+        if part == "scoring" and all(x["scoring_reward"] is not None for x in o_st):
+            for name in SCORING_PASSES:  # TRL's loop times its passes as one
+                table.add(f"scoring_{name}_s", f"    {name} pass s", avg(o_st, f"scoring_{name}"), None, ratio=False)
     if n_it >= 2:
         table.add("wall_per_iteration", "s / iteration, wall (end to end)", avg(o_st, "wall"), avg(t_st, "wall"))
     table.add("gen_tokens", "generated tokens / iteration", avg(o_st, "gen_tokens"), avg(t_st, "gen_tokens"), "{:.0f}")
@@ -402,7 +408,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"timing: {measured}",
     ]
     notes = [
-        "scoring: ours = reward model + old log-probs (policy) + reference log-probs + critic values; "
+        "scoring: ours = reward model + old log-probs (policy) + reference log-probs + critic values (each timed: "
+        "the 'pass' rows; the rest of scoring is advantages and statistics); "
         "TRL = reference log-probs + value model + reward model (it takes old log-probs from generate's logits) + GAE",
         "TRL PPOTrainer in one process steps its optimizer every gradient_accumulation_steps micro-batches whatever "
         "num_mini_batches says, so the only minibatch it can match is the whole rollout: both use minibatch = rollout",

@@ -169,9 +169,6 @@ def heldout_metrics(chosen: list[float], rejected: list[float]) -> dict[str, flo
 # ----------------------------------------------------------------------------------------------
 # main
 
-LAYOUTS = {True: "each pair one [prompt | chosen | rejected] segment, pairs packed into rows",
-           False: "chosen and rejected as padded rows"}
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -191,9 +188,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--data", default=str(C.HH_PATH), help="an HH-format preference file")
-    p.add_argument("--packing", default="on", choices=["on", "off"],
-                   help="ours: data.packing (each pair's prompt computed once, pairs packed into rows) or plain "
-                        "padded chosen/rejected rows as TRL lays them out (RewardTrainer has no packing option)")
     p.add_argument("--trl-adamw", default="fused", choices=["fused", "plain"],
                    help="TRL's AdamW: fused (TRL's default optim adamw_torch_fused, as our engine) "
                         "or plain (the per-tensor loop)")
@@ -230,7 +224,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                  f"rm.warmup_ratio={args.warmup_ratio}", f"rm.lr_scheduler={args.lr_scheduler}",
                  f"rm.max_grad_norm={args.max_grad_norm}", "rm.eval_every=0", "rm.save_every=0",
                  f"seed={args.seed}", "tensorboard=false", f"paths.root={work / 'runs'}",
-                 f"data.packing={str(args.packing == 'on').lower()}"]
+                 C.packing_override(args)]
     cfg = C.compose("train_rm", overrides)
     tokenizer = load_tokenizer(cfg.model)
     data = load_preference_data(cfg.data, tokenizer)
@@ -314,7 +308,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table.add("heldout_loss", "held-out loss", o_eval["rm/loss"], t_eval["rm/loss"])
     table.add("heldout_accuracy_fp32", "held-out accuracy, same models scored in fp32 (sanity)",
               fp32_eval["ours"]["rm/accuracy"], fp32_eval["trl"]["rm/accuracy"], ratio=False)
-    table.add("heldout_ties", f"tied held-out pairs, scored in {scoring} (sanity)", o_eval["rm/ties"],
+    table.add("heldout_ties", f"tied held-out pairs, scored as the run scores ({scoring}) (sanity)", o_eval["rm/ties"],
               t_eval["rm/ties"], "{:.0f}", ratio=False)
     table.add("heldout_ties_fp32", "tied held-out pairs, scored in fp32 (sanity)", fp32_eval["ours"]["rm/ties"],
               fp32_eval["trl"]["rm/ties"], "{:.0f}", ratio=False)
@@ -345,8 +339,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"{cfg.deepspeed.zero_stage}, TRL {t_res['optimizer']}",
         f"timing: training steps only, {measured}; model load, de-quantisation, data prep, eval and saving excluded; "
         f"gradient checkpointing: ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
-        f"layout: ours data.packing={cfg.data.packing} ({LAYOUTS[bool(cfg.data.packing)]}), TRL chosen and "
-        f"rejected as padded rows (RewardTrainer has no packing or padding-free option)",
+        "TRL's RewardTrainer has no packing or padding-free option",
     ]
     notes = [f"hardware: a ({rows} x {init['hidden_size']}) @ ({init['hidden_size']} x {init['intermediate_size']}) "
              f"matmul (a micro-batch's tokens through an MLP projection) timed on this machine just before the runs; "

@@ -166,12 +166,15 @@ class DataConfig:
     """train-rm: batch pairs of similar length together (less padding, every pair once per epoch; see
     `rlhf_cli.data.epoch_order`). train-ppo samples prompts in a plain shuffled order and says so when this is set."""
     packing: bool = True
-    """train-rm and `rlhf eval` of a reward model: each preference pair is one segment [prompt | chosen |
-    rejected] with a mask that hides chosen from rejected, so the shared prompt is computed once, and several
-    pairs share a row, so only row tails are padding (`rlhf_cli.data.PackedPairCollator`). The same scores,
-    loss and gradients as false up to float rounding. false: chosen and rejected as two padded rows each
-    (TRL's layout). Needs `model.attn_implementation` sdpa or eager; with any other it is off and says so once.
-    train-ppo does not read it yet."""
+    """Compute a shared prompt once and pack sequences into rows, so only row tails are padding. train-rm and
+    `rlhf eval` of a reward model: each preference pair is one segment [prompt | chosen | rejected], with a mask
+    that hides chosen from rejected (`rlhf_cli.data.PackedPairCollator`). train-ppo and `rlhf eval` of a policy:
+    the responses of one prompt (a group of `ppo.n_samples_per_prompt`) run as [prompt | response 1 | response 2
+    | ...] (`rlhf_cli.rollout.pack_rollout`) in the reward model's pass, and in the policy, reference and critic
+    passes when `ppo.epochs=1` (`rlhf_cli.rollout.learner.packs_rollout_passes` says why not with more epochs).
+    The same scores, log-probs, values, losses and gradients as false up to float rounding. false: every
+    sequence its own padded row (TRL's layout). Needs `model.attn_implementation` sdpa or eager; with any other
+    it is off and says so once."""
     builtin: BuiltinTaskConfig = field(default_factory=BuiltinTaskConfig)
     """The built-in arithmetic task (`data.builtin.*`), used when `data.path` is null."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -88,55 +88,98 @@ class PackedPairCollator:
         self.pad_id = int(pad_id)
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        lengths = []
         for ex in examples:
             if not ex["chosen_ids"] or not ex["rejected_ids"]:
                 raise ValueError("a pair with an empty chosen or rejected response cannot be scored")
-            lengths.append(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"]))
-        width = max(lengths)
-        rows: list[list[int]] = []  # pair indices per row
-        room: list[int] = []
-        for i in sorted(range(len(examples)), key=lambda i: (-lengths[i], i)):
-            r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
-            if r is None:
-                rows.append([])
-                room.append(width)
-                r = len(rows) - 1
-            rows[r].append(i)
-            room[r] -= lengths[i]
-        n_rows = len(rows)
-        input_ids = torch.full((n_rows, width), self.pad_id, dtype=torch.long)
-        position_ids = torch.zeros((n_rows, width), dtype=torch.long)
-        segment = torch.zeros((n_rows, width), dtype=torch.long)  # pair index + 1; 0 = padding
-        part = torch.zeros((n_rows, width), dtype=torch.long)  # 0 prompt, 1 chosen, 2 rejected
-        ends = torch.zeros((len(examples), 2, 2), dtype=torch.long)
-        for r, members in enumerate(rows):
-            col = 0
-            for i in members:
-                ex = examples[i]
-                p, c, j = len(ex["prompt_ids"]), len(ex["chosen_ids"]), len(ex["rejected_ids"])
-                span = slice(col, col + p + c + j)
-                input_ids[r, span] = torch.as_tensor(ex["prompt_ids"] + ex["chosen_ids"] + ex["rejected_ids"])
-                position_ids[r, span] = torch.cat([torch.arange(p + c), torch.arange(p, p + j)])
-                segment[r, span] = i + 1
-                part[r, col + p:col + p + c] = 1
-                part[r, col + p + c:span.stop] = 2
-                ends[i, 0] = torch.tensor([r, col + p + c - 1])
-                ends[i, 1] = torch.tensor([r, span.stop - 1])
-                col = span.stop
-        same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] > 0)
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        hidden = (part[:, :, None] == 2) & (part[:, None, :] == 1)
-        pad_self = torch.eye(width, dtype=torch.bool) & (segment == 0)[:, :, None]
+        packed = pack_shared_prefixes([(ex["prompt_ids"], [ex["chosen_ids"], ex["rejected_ids"]]) for ex in examples],
+                                      self.pad_id)
+        ends = torch.tensor([[[r, c + len(ex[key]) - 1] for key, (r, c) in zip(("chosen_ids", "rejected_ids"), cols)]
+                             for ex, cols in zip(examples, packed.branch_starts)], dtype=torch.long).view(-1, 2, 2)
         batch: dict[str, torch.Tensor] = {
-            "input_ids": input_ids, "position_ids": position_ids, "attention_mask": (segment > 0).long(),
-            "pair_attention": ((same & causal & ~hidden) | pad_self)[:, None],
+            "input_ids": packed.input_ids, "position_ids": packed.position_ids,
+            "attention_mask": packed.attention_mask, "pair_attention": packed.allowed,
             "chosen_end": ends[:, 0], "rejected_end": ends[:, 1],
             "pair_tokens": torch.tensor(sum(2 * len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"])
                                             for ex in examples)),
         }
         _add_margin(batch, examples)
         return batch
+
+
+class PackedPrefixes(NamedTuple):
+    """Segments `[prefix | branch 1 | branch 2 | ...]` packed into rows (`pack_shared_prefixes`). W rows of L columns.
+
+        input_ids       (W, L) long   pad id on padding
+        position_ids    (W, L) long   a prefix at 0..P-1, each branch continuing at P; 0 on padding
+        attention_mask  (W, L) long   1 = real token
+        allowed         (W, 1, L, L) bool  [w, 0, q, k]: query q may attend key k (its segment's prefix and its
+                                      own branch, causally); a padding position attends to itself only
+        branch_starts   list per segment of (row, column) of each branch's first token
+        prefix_starts   list per segment of (row, column) of its prefix's first token
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    allowed: torch.Tensor
+    branch_starts: list[list[tuple[int, int]]]
+    prefix_starts: list[tuple[int, int]]
+
+
+def pack_shared_prefixes(segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                         pad_id: int) -> PackedPrefixes:
+    """Pack segments (prefix ids, [branch ids, ...]) so that each prefix is computed once for all its branches.
+
+    Each branch sees exactly the tokens and positions it would see as its own row `prefix + branch`: the prefix
+    at positions 0..P-1, the branch at P.., and no other branch. Segments are placed first-fit, longest first,
+    into rows as long as the longest segment, so no row is longer than the longest segment and only row tails
+    are padding. The layout of `PackedPairCollator` (a pair: prompt, [chosen, rejected]) and of a rollout group
+    (a prompt, [its n responses]: `rollout.packing`). Empty prefixes and branches are allowed; a segment must
+    hold at least one token. Raises ValueError on an empty segment.
+    """
+    lengths = [len(pre) + sum(len(b) for b in branches) for pre, branches in segments]
+    if not segments or min(lengths) == 0:
+        raise ValueError("every packed segment needs at least one token")
+    width = max(lengths)
+    rows: list[list[int]] = []  # segment indices per row
+    room: list[int] = []
+    for i in sorted(range(len(segments)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            room.append(width)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    input_ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    segment = torch.zeros((len(rows), width), dtype=torch.long)  # segment index + 1; 0 = padding
+    part = torch.zeros((len(rows), width), dtype=torch.long)  # 0 = prefix, j + 1 = branch j
+    branch_starts: list[list[tuple[int, int]]] = [[] for _ in segments]
+    prefix_starts: list[tuple[int, int]] = [(0, 0)] * len(segments)
+    for r, members in enumerate(rows):
+        col = 0
+        for i in members:
+            prefix, branches = segments[i]
+            p = len(prefix)
+            prefix_starts[i] = (r, col)
+            input_ids[r, col:col + p] = torch.as_tensor(list(prefix), dtype=torch.long)
+            position_ids[r, col:col + p] = torch.arange(p)
+            segment[r, col:col + lengths[i]] = i + 1
+            col += p
+            for j, branch in enumerate(branches):
+                branch_starts[i].append((r, col))
+                n = len(branch)
+                input_ids[r, col:col + n] = torch.as_tensor(list(branch), dtype=torch.long)
+                position_ids[r, col:col + n] = torch.arange(p, p + n)
+                part[r, col:col + n] = j + 1
+                col += n
+    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] > 0)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    visible = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])  # the prefix, or the query's branch
+    pad_self = torch.eye(width, dtype=torch.bool) & (segment == 0)[:, :, None]
+    allowed = ((same & causal & visible) | pad_self)[:, None]
+    return PackedPrefixes(input_ids, position_ids, (segment > 0).long(), allowed, branch_starts, prefix_starts)
 
 
 class PromptCollator:

@@ -8,6 +8,7 @@
                     critic's values, the per-sequence KL of two policies, dropout switched off,
                     the trained policy's final save
     scoring.py      reward-model scores of sequences and of preference pairs
+    packing.py      `data.packing` for rollouts: a group's shared prompt computed once, sequences packed into rows
     rewards.py      `Rewards`: the run's reward, one source or a weighted sum (model, checker, function)
     stats.py        whitening and explained variance over the real tokens of all ranks
 
@@ -16,12 +17,14 @@ imports it, it imports no stage.
 
 Batch layout: `[prompt | response]`, prompts left-padded to P columns, responses right-padded to R columns,
 the response mask ending at the first EOS (inclusive). logits at column P-1+t predict response token t;
-values[:, t] is the critic's head at the same column (see models/scalar.py).
+values[:, t] is the critic's head at the same column (see models/scalar.py). With `data.packing` the forwards
+run packed (packing.py) and read their outputs back into this layout.
 """
 
 from rlhf_cli.rollout.experience import Experience
 from rlhf_cli.rollout.learner import Losses, PolicyLearner
 from rlhf_cli.rollout.maker import ExperienceMaker
+from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
 from rlhf_cli.rollout.policy import (
     PolicyWithValueHead,
     critic_values,
@@ -29,6 +32,7 @@ from rlhf_cli.rollout.policy import (
     has_value_head,
     lm_of,
     policy_forward,
+    response_hidden,
     save_policy,
     sequence_kl,
     unwrap,
@@ -42,6 +46,7 @@ __all__ = [
     "Experience",
     "ExperienceMaker",
     "Losses",
+    "PackedRollout",
     "PerRowSampler",
     "PolicyLearner",
     "PolicyWithValueHead",
@@ -52,16 +57,19 @@ __all__ = [
     "disable_dropout",
     "explained_variance_across_ranks",
     "forward_pairs",
+    "pack_rollout",
     "pair_collator",
     "has_value_head",
     "lm_of",
     "pair_metrics",
     "policy_forward",
+    "response_hidden",
     "response_mask",
     "sample_responses",
     "save_policy",
     "score_pairs",
     "sequence_kl",
     "unwrap",
+    "use_packing",
     "whiten_across_ranks",
 ]

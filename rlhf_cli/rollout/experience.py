@@ -22,6 +22,7 @@ class Experience:
     advantages: torch.Tensor  # (B, R) float32, GAE (whitened if ppo.whiten_advantages)
     returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
     scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
+    groups: torch.Tensor  # (B,) long, the group id (the iteration's prompt index k) shared by a prompt's samples
 
     def rows(self, idx: torch.Tensor) -> Experience:
         return Experience(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})

@@ -30,6 +30,40 @@ from rlhf_cli.seeds import derive_seed
 log = logging.getLogger(__name__)
 
 
+def update_order(cfg: Any, iteration: int, groups: torch.Tensor) -> list[list[list[torch.Tensor]]]:
+    """The rows of this rank's rollout (B = len(groups)) in the order the update visits them: `ppo.epochs` passes,
+    each a list of shuffled minibatches of `ppo.mini_batch_size` rows (over all ranks), each a list of micro-batches
+    of `ppo.micro_batch_size` row indices (long tensors). The shuffle is seeded by (seed, iteration, rank). With
+    `ppo.n_samples_per_prompt` > 1 a minibatch's rows are ordered by group before the cut, so that a group's samples
+    share micro-batches and `data.packing` computes their prompt once; the minibatch, and so the update, is the same
+    (its loss is summed over micro-batches)."""
+    p = cfg.ppo
+    n, mini = groups.shape[0], p.mini_batch_size // engine.world_size()
+    g = torch.Generator().manual_seed(derive_seed(cfg.seed, iteration, engine.rank()))
+    order = []
+    for _ in range(p.epochs):
+        perm = torch.randperm(n, generator=g)
+        epoch = []
+        for s in range(0, n, mini):
+            rows = perm[s:s + mini]
+            if p.n_samples_per_prompt > 1:
+                rows = rows[torch.argsort(groups.cpu()[rows], stable=True)]
+            epoch.append([rows[m:m + p.micro_batch_size] for m in range(0, len(rows), p.micro_batch_size)])
+        order.append(epoch)
+    return order
+
+
+def packs_rollout_passes(cfg: Any) -> bool:
+    """Whether the policy, reference and critic passes of a rollout run packed (`data.packing`, `rollout.packing`).
+
+    Only with `ppo.epochs=1`: then every row is trained in one micro-batch, and the experience maker runs its
+    no-grad passes over the same micro-batches (`update_order`), so old log-probs, reference log-probs, values and
+    the training forward of a row all see one packed layout, and the first ratio is exactly 1 as in the plain
+    layout. A packed layout depends on a row's micro-batch, and float rounding on the layout: with more epochs a
+    row meets other rows, so these passes stay plain (each row its own padded row, whatever its micro-batch)."""
+    return bool(cfg.data.packing) and cfg.ppo.epochs == 1
+
+
 class Losses(NamedTuple):
     """One micro-batch's losses (`PPOTrainer.losses`): what each engine backpropagates, the two losses logged
     (detached), the training forward's response logprobs (B, R) (detached) and the loss modules' stats."""
@@ -55,20 +89,13 @@ class PolicyLearner:
     old_from_training: bool = False  # the maker skipped the old log-probs: they are the training forward's own
 
     def micro_batches(self, exp: Experience, iteration: int) -> Iterator[tuple[Experience, float, torch.Tensor]]:
-        """The update's order: `ppo.epochs` passes over the rollout in shuffled minibatches of `ppo.mini_batch_size`
-        rows (over all ranks), each cut into micro-batches of `ppo.micro_batch_size` rows. Yields (micro-batch,
-        real response tokens of its minibatch over all ranks: the divisor of every micro-batch loss, its rows'
-        indices in `exp`)."""
-        p = self.p
-        n, mini = exp.input_ids.shape[0], p.mini_batch_size // engine.world_size()
-        g = torch.Generator().manual_seed(derive_seed(self.cfg.seed, iteration, engine.rank()))
-        for _ in range(p.epochs):
-            perm = torch.randperm(n, generator=g)
-            for s in range(0, n, mini):
-                rows = perm[s:s + mini]
-                num_tokens = engine.all_reduce_sum(exp.mask[rows].sum()).item()
-                for m in range(0, mini, p.micro_batch_size):
-                    yield exp.rows(rows[m:m + p.micro_batch_size]), num_tokens, rows[m:m + p.micro_batch_size]
+        """The update's order (`update_order`), micro-batch by micro-batch. Yields (micro-batch, real response
+        tokens of its minibatch over all ranks: the divisor of every micro-batch loss, its rows' indices in `exp`)."""
+        for epoch in update_order(self.cfg, iteration, exp.groups):
+            for minibatch in epoch:
+                num_tokens = engine.all_reduce_sum(exp.mask[torch.cat(minibatch)].sum()).item()
+                for rows in minibatch:
+                    yield exp.rows(rows), num_tokens, rows
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
         """The forward and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
@@ -81,7 +108,7 @@ class PolicyLearner:
         shared, separate = has_value_head(self.actor.module), self.critic is not None
         with self.actor.autocast():
             lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
-                                        with_entropy=True, with_values=shared)
+                                        with_entropy=True, with_values=shared, packing=packs_rollout_passes(self.cfg))
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
         old = lp.detach() if self.old_from_training else b.logprobs
         pg_loss, pg_stats = policy_loss(lp, old, b.advantages, b.mask, p.clip, **agg)
@@ -96,7 +123,8 @@ class PolicyLearner:
         if shared or separate:
             if separate:
                 with self.critic.autocast():
-                    v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P)
+                    v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P,
+                                      packing=packs_rollout_passes(self.cfg))
             vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
             if shared:
                 actor_loss = actor_loss + p.c1 * vf_loss

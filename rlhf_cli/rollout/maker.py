@@ -20,6 +20,7 @@ from rlhf_cli import engine
 from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_estimate, kl_penalized_rewards
 from rlhf_cli.data import epoch_order
 from rlhf_cli.rollout.experience import Experience
+from rlhf_cli.rollout.learner import packs_rollout_passes, update_order
 from rlhf_cli.rollout.policy import critic_values, has_value_head, lm_of, policy_forward, sequence_kl
 from rlhf_cli.rollout.rewards import Rewards
 from rlhf_cli.rollout.sampling import sample_responses
@@ -52,6 +53,9 @@ class ExperienceMaker:
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
         self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
         self._order_epoch: int | None = None
+        self.pass_seconds = {"reward": 0.0, "reference": 0.0, "policy": 0.0, "critic": 0.0}
+        """Seconds of the last rollout's scoring, by pass: `reward` (reward model and functions), `reference`,
+        `policy` (the old log-probs; 0 when `old_from_training` skips it) and `critic` (a separate critic)."""
         p = self.p
         checks_kl = score_precision == "bf16-autocast" and p.kl_check_rows > 0  # kl_fp32_check needs the old pass
         self.old_from_training = (p.epochs == 1 and p.mini_batch_size == p.rollout_batch_size * p.n_samples_per_prompt
@@ -94,34 +98,49 @@ class ExperienceMaker:
                                     p.temperature, p.top_p, self.precision, chunk=p.micro_batch_size * 4, seeds=seeds)
 
     @torch.no_grad()
-    def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        P: int) -> tuple[torch.Tensor, ...]:
-        """Old logprobs, ref logprobs and old values (None without a critic), micro-batch by micro-batch, as
-        training computes them."""
+    def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
+                        chunks: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """Old logprobs, ref logprobs and old values (None without a critic) of every row, as training computes
+        them: over `chunks` (row-index tensors, the update's micro-batches: packed, `packs_rollout_passes`), or
+        over consecutive micro-batches of `ppo.micro_batch_size` rows (plain)."""
         with self.reference.on_device() as reference:
-            return self._forward_no_grad(input_ids, attention_mask, P, reference)
+            return self._forward_no_grad(input_ids, attention_mask, P, reference, chunks)
 
     def _forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                         reference: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+                         reference: torch.nn.Module, chunks: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         mb, temperature = self.p.micro_batch_size, self.p.temperature
-        lps, refs, vals = [], [], []
+        packing = chunks is not None
+        if chunks is None:
+            chunks = [torch.arange(i, min(i + mb, input_ids.shape[0])) for i in range(0, input_ids.shape[0], mb)]
+        B, R = input_ids.shape[0], input_ids.shape[1] - P
+        dev = input_ids.device
+        logprobs, ref_logprobs = torch.zeros(B, R, device=dev), torch.zeros(B, R, device=dev)
+        values = torch.zeros(B, R, device=dev)
+        has_values = False
         shared = has_value_head(self.actor.module)
-        for i in range(0, input_ids.shape[0], mb):
-            ids, am = input_ids[i:i + mb], attention_mask[i:i + mb]
+        clock = self.pass_seconds
+        for rows in chunks:
+            rows = rows.to(dev)
+            ids, am = input_ids[rows], attention_mask[rows]
+            t0 = time.perf_counter()
             with self.reference.autocast():
-                ref, _, _ = policy_forward(reference, ids, am, P, temperature)
-            lp, v = torch.zeros_like(ref), None  # old_from_training: filled in by the update
-            if not self.old_from_training:
+                ref_logprobs[rows], _, _ = policy_forward(reference, ids, am, P, temperature, packing=packing)
+            t1 = time.perf_counter()
+            clock["reference"] += t1 - t0
+            v = None
+            if not self.old_from_training:  # else the update fills the old log-probs in
                 with self.actor.autocast():
-                    lp, _, v = policy_forward(self.actor.module, ids, am, P, temperature, with_values=shared)
+                    logprobs[rows], _, v = policy_forward(self.actor.module, ids, am, P, temperature,
+                                                          with_values=shared, packing=packing)
+            t2 = time.perf_counter()
+            clock["policy"] += t2 - t1
             if self.critic is not None:
                 with self.critic.autocast():
-                    v = critic_values(self.critic.module, ids, am, P)
-            lps.append(lp)
-            refs.append(ref)
+                    v = critic_values(self.critic.module, ids, am, P, packing=packing)
+            clock["critic"] += time.perf_counter() - t2
             if v is not None:
-                vals.append(v.float())
-        return torch.cat(lps), torch.cat(refs), (torch.cat(vals) if vals else None)
+                values[rows], has_values = v.float(), True
+        return logprobs, ref_logprobs, (values if has_values else None)
 
     def kl_stats(self, exp: Experience, beta: float) -> dict[str, float]:
         """The rollout's KL statistics (mean over ranks): `objective/kl` (k1, nats/seq), `objective/kl_k3`,
@@ -151,7 +170,7 @@ class ExperienceMaker:
             return {}
         with self.reference.on_device() as reference:  # the weights are fp32 under bf16-autocast
             kl_fp32 = sequence_kl(self.actor.module, reference, input_ids[:k], attention_mask[:k], P,
-                                  self.p.temperature, k, "fp32")["k1"]
+                                  self.p.temperature, k, "fp32", packing=packs_rollout_passes(self.cfg))["k1"]
         return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
 
     def make_experience(self, iteration: int) -> tuple[Experience, dict[str, float], dict[str, Any]]:
@@ -161,10 +180,14 @@ class ExperienceMaker:
         input_ids, attention_mask, P, has_eos = self.generate(prompts, seeds)
         t1 = time.perf_counter()
         raw, score, source_means = self.rewards(input_ids, attention_mask, P, prompts)
+        self.pass_seconds = {"reward": time.perf_counter() - t1, "reference": 0.0, "policy": 0.0, "critic": 0.0}
         mask = attention_mask[:, P:].float()
         if p.truncated == "penalize":
             score = score - p.missing_eos_penalty * (~has_eos).float()
-        logprobs, ref_logprobs, values = self.forward_no_grad(input_ids, attention_mask, P)
+        chunks = None
+        if packs_rollout_passes(self.cfg):  # the update's own micro-batches: one packed layout per row
+            chunks = [rows for minibatch in update_order(self.cfg, iteration, groups)[0] for rows in minibatch]
+        logprobs, ref_logprobs, values = self.forward_no_grad(input_ids, attention_mask, P, chunks)
         t2 = time.perf_counter()
         valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
         loss_mask = mask * valid.float()[:, None]
@@ -180,7 +203,7 @@ class ExperienceMaker:
             advantages = whiten_across_ranks(advantages, loss_mask)
         exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
                          values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
-                         score)
+                         score, groups)
         # token means over all ranks of the advantages the update uses (after whitening)
         adv_sums = engine.all_reduce_sum(torch.stack([(advantages * loss_mask).sum(),
                                                       (advantages.abs() * loss_mask).sum(), loss_mask.sum()]))
@@ -199,6 +222,7 @@ class ExperienceMaker:
             "response/eos_frac": has_eos.float().mean().item(),
             "time/generation": t1 - t0,
             "time/scoring": t2 - t1,
+            **{f"time/scoring_{k}": v for k, v in self.pass_seconds.items()},
             "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             **source_means,
             **({} if self.old_from_training else self._kl_stats(exp, beta)),

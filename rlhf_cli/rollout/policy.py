@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from rlhf_cli import engine
 from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits
 from rlhf_cli.models import new_scalar_head, response_values, save_hf, trunk_hidden
+from rlhf_cli.rollout.packing import pack_rollout, use_packing
 
 
 class PolicyWithValueHead(torch.nn.Module):
@@ -76,18 +77,39 @@ def save_policy(
         os.replace(staging, final / "critic")
 
 
+def response_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                    packing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trunk's last hidden states that read the response entries, (B, R, H): entry t is the position of the
+    token before response token t (the prompt's last token for t = 0), as `policy_forward` and `critic_values`
+    read them. With `packing` (and a model that takes a custom mask: `rollout.use_packing`) the batch runs packed
+    (`rollout.pack_rollout`: a shared prompt once, no padding between sequences) and the second result is the
+    (B, R) bool mask of entries computed from real tokens; else the padded forward and None."""
+    if use_packing(model, packing):
+        pk = pack_rollout(input_ids, attention_mask, prompt_len)
+        hidden = trunk_hidden(model, pk.packed.input_ids, pk.packed.allowed, pk.packed.position_ids)
+        return hidden[pk.source[..., 0], pk.source[..., 1]], pk.computed
+    return trunk_hidden(model, input_ids, attention_mask)[:, prompt_len - 1:-1], None
+
+
+def _zero_outside(x: torch.Tensor | None, computed: torch.Tensor | None) -> torch.Tensor | None:
+    return x if x is None or computed is None else torch.where(computed, x, torch.zeros_like(x))
+
+
 def policy_forward(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
-    with_entropy: bool = False, with_values: bool = False,
+    with_entropy: bool = False, with_values: bool = False, packing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs of the response tokens under the policy at `temperature`.
 
     input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) nats or
     None, and, for a shared critic, values (B, R) float32 or None. Only the R response positions go
-    through the LM head; position ids count real tokens, so padding side does not matter.
+    through the LM head; position ids count real tokens, so padding side does not matter. `packing`
+    (`data.packing`) runs the batch packed (`response_hidden`): the same
+    numbers to float rounding on every entry the padded forward reads from a real token, 0 on the rest (entries
+    after a response's EOS, which every loss masks).
     """
     lm = lm_of(model)
-    hidden = trunk_hidden(lm, input_ids, attention_mask)[:, prompt_len - 1:-1]  # (B, R, H)
+    hidden, computed = response_hidden(lm, input_ids, attention_mask, prompt_len, packing)  # (B, R, H)
     logits = lm.lm_head(hidden).float() / temperature  # (B, R, V)
     labels = input_ids[:, prompt_len:]
     logprobs = logprobs_from_logits(logits, labels)
@@ -95,34 +117,41 @@ def policy_forward(
     values = None
     if with_values:
         values = unwrap(model).score(hidden).squeeze(-1).float()
-    return logprobs, entropy, values
+    return _zero_outside(logprobs, computed), _zero_outside(entropy, computed), _zero_outside(values, computed)
 
 
 @torch.no_grad()
 def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                 temperature: float, batch_size: int, precision: str,
-                estimators: Sequence[str] = ("k1",)) -> dict[str, torch.Tensor]:
+                estimators: Sequence[str] = ("k1",), packing: bool = False) -> dict[str, torch.Tensor]:
     """KL(policy ‖ reference) per sequence, nats: {estimator: (B,) float32}, the per-token estimate (`core.
     kl_estimate`) summed over each response's real tokens, on tokens the policy sampled at `temperature`.
 
     input_ids, attention_mask: (B, P+R) laid out as `policy_forward` reads them; both models run `batch_size`
-    rows at a time under `engine.autocast(precision)`.
+    rows at a time under `engine.autocast(precision)`, packed or not as `packing` says.
     """
     out: dict[str, list[torch.Tensor]] = {k: [] for k in estimators}
     for i in range(0, input_ids.shape[0], batch_size):
         ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
         with engine.autocast(precision):
-            lp, _, _ = policy_forward(policy, ids, am, prompt_len, temperature)
-            ref_lp, _, _ = policy_forward(reference, ids, am, prompt_len, temperature)
+            lp, _, _ = policy_forward(policy, ids, am, prompt_len, temperature, packing=packing)
+            ref_lp, _, _ = policy_forward(reference, ids, am, prompt_len, temperature, packing=packing)
         mask = am[:, prompt_len:].float()
         for k in estimators:
             out[k].append((kl_estimate(lp, ref_lp, k) * mask).sum(1))
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """(B, R) float32 values of a separate critic, aligned with `policy_forward`'s logprobs."""
-    return response_values(critic, input_ids, attention_mask, prompt_len)
+def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                  packing: bool = False) -> torch.Tensor:
+    """(B, R) float32 values of a separate critic, aligned with `policy_forward`'s logprobs: V(s_t) read at the
+    position before response token t, 0 where that position is padding (`models.response_values`); packed or not
+    as `packing` says (`response_hidden`), with the same numbers to float rounding."""
+    critic = unwrap(critic)
+    if not use_packing(critic, packing):
+        return response_values(critic, input_ids, attention_mask, prompt_len)
+    hidden, computed = response_hidden(critic, input_ids, attention_mask, prompt_len, packing)
+    return _zero_outside(critic.score(hidden).squeeze(-1).float(), computed)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -44,6 +44,7 @@ class Rewards:
         self.weights = reward_sources(cfg)
         self.tokenizer, self.reward_model, self.reward_stats = tokenizer, reward_model, reward_stats
         self.batch_size, self.score_precision, self.normalize = batch_size, score_precision, normalize
+        self.packing = bool(cfg.data.packing)  # the reward model scores packed rows (`batched_rewards`)
         self.functions: dict[str, tuple[str, Any]] = {}
         if "checker" in self.weights:
             self.functions["checker"] = (CHECKER, checker)
@@ -72,7 +73,8 @@ class Rewards:
         means: dict[str, float] = {}
         if "model" in self.weights:
             with self.reward_model.on_device() as rm:
-                r = batched_rewards(rm, input_ids, attention_mask, self.batch_size, self.score_precision)
+                r = batched_rewards(rm, input_ids, attention_mask, self.batch_size, self.score_precision,
+                                    prompt_len, self.packing)
             n = r
             if self.normalize and self.reward_stats is not None:
                 mean, std = self.reward_stats

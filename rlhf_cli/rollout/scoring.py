@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,36 +11,50 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator
-from rlhf_cli.models import custom_mask_support, rewards_at, sequence_rewards
-
-log = logging.getLogger(__name__)
-_SAID: set[str] = set()
+from rlhf_cli.models import rewards_at, sequence_rewards
+from rlhf_cli.rollout.packing import pack_rollout, use_packing
 
 
 @torch.no_grad()
 def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
-                    precision: str) -> torch.Tensor:
+                    precision: str, prompt_len: int | None = None, packing: bool = False) -> torch.Tensor:
     """Reward-model scores (N,) float32 of N sequences, `batch_size` rows per forward, under the run's
-    precision; on the inputs' device. See models.sequence_rewards for where each score is read."""
+    precision; on the inputs' device. See models.sequence_rewards for where each score is read.
+
+    With `packing` (`data.packing`) and `prompt_len` (the batch laid out `[prompt | response]` as
+    `sample_responses` gives it), each forward runs packed (`rollout.pack_rollout`: a prompt shared by several
+    rows once, no padding between sequences): the same scores to float rounding.
+
+    Identical sequences (the same real tokens) are scored once and share that score, so they tie exactly in any
+    layout: a group whose samples are all the same is flat (`core.group_stats`), not a group with a spread of
+    rounding errors that a group std would blow up."""
+    keys = [tuple(row[m.bool()].tolist()) for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
+    first: dict[tuple[int, ...], int] = {}  # a sequence -> its first row
+    for b, k in enumerate(keys):
+        first.setdefault(k, b)
+    slot = {k: j for j, k in enumerate(first)}
+    inverse = torch.tensor([slot[k] for k in keys], dtype=torch.long, device=input_ids.device)
+    unique = torch.tensor(list(first.values()), dtype=torch.long, device=input_ids.device)
+    input_ids, attention_mask = input_ids[unique], attention_mask[unique]
+    out = []
+    pack = prompt_len is not None and use_packing(model, packing)
     with engine.autocast(precision):
-        return torch.cat([sequence_rewards(model, input_ids[i:i + batch_size], attention_mask[i:i + batch_size]).float()
-                          for i in range(0, input_ids.shape[0], batch_size)])
+        for i in range(0, input_ids.shape[0], batch_size):
+            ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
+            if pack:
+                pk = pack_rollout(ids, am, prompt_len)
+                out.append(rewards_at(model, pk.packed.input_ids, pk.packed.allowed, pk.last,
+                                      pk.packed.position_ids).float())
+            else:
+                out.append(sequence_rewards(model, ids, am).float())
+    return torch.cat(out)[inverse]
 
 
 def pair_collator(model: Any, pad_id: int, packing: bool) -> Callable[[Sequence[dict[str, Any]]], dict[str, Any]]:
     """The collator of preference pairs for `model`: `PackedPairCollator` (prompt computed once, pairs
     packed, `data.packing=true`) where the model's attention implementation takes a custom 4D mask, else
-    `PairCollator` (chosen and rejected as two padded rows), saying once why packing is off."""
-    if not packing:
-        return PairCollator(pad_id)
-    reason = custom_mask_support(model)
-    if reason is None:
-        return PackedPairCollator(pad_id)
-    if reason not in _SAID and engine.is_main():
-        _SAID.add(reason)
-        log.warning("data.packing=true is off for this model: %s; chosen and rejected are computed as two "
-                    "padded rows each", reason)
-    return PairCollator(pad_id)
+    `PairCollator` (chosen and rejected as two padded rows), saying once why packing is off (`use_packing`)."""
+    return PackedPairCollator(pad_id) if use_packing(model, packing) else PairCollator(pad_id)
 
 
 def forward_pairs(model: Any, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:

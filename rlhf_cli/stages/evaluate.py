@@ -170,14 +170,16 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
         mask = am[:, P:].float()
         out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float()}
         if reward_model is not None:
-            out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, score_precision).cpu()
+            out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, score_precision, P,
+                                           cfg.data.packing).cpu()
         if all(x.get("answer") is not None for x in mine):
             out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
         if function is not None:
             out["function"] = call_on_every_rank({"function": (cfg.reward.function, function)}, texts,
                                                  mine)["function"]
         if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
-            kl = sequence_kl(policy, reference, ids, am, P, e.temperature, e.batch_size, score_precision, ("k1", "k3"))
+            kl = sequence_kl(policy, reference, ids, am, P, e.temperature, e.batch_size, score_precision, ("k1", "k3"),
+                             packing=cfg.data.packing)
             out["kl_k1"], out["kl_k3"] = kl["k1"], kl["k3"]
         rows.append(out)
     pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
@@ -185,6 +187,12 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     pol = _merge([g[0] for g in gathered])
     ref = _merge([g[1] for g in gathered])
     prompt_texts = [t for g in gathered for t in g[2]]
+    if "score" in pol:
+        # one sequence, one score: a response both models sampled is a tie, even where packing scored its two
+        # copies in rows of different neighbours (float rounding)
+        same = (torch.tensor([a == b for a, b in zip(pol["text"], ref["text"])], dtype=torch.bool)
+                & (pol["length"] == ref["length"]) & (pol["eos"] == ref["eos"]))
+        ref["score"] = torch.where(same, pol["score"], ref["score"])
 
     results: dict[str, Any] = {
         "mode": "policy", "policy": str(Path(policy_dir).resolve()), "reference": str(ref_path),

@@ -33,14 +33,7 @@ from rlhf_cli import engine, lineage
 from rlhf_cli.config import ConfigError, PPOConfig, reward_sources
 from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
-from rlhf_cli.lifecycle import (
-    Checkpoints,
-    command_line_keys,
-    deferred_interrupts,
-    finish_run,
-    prepare_run_dir,
-    seed_everything,
-)
+from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     count_parameters,
     load_causal_lm,
@@ -117,8 +110,6 @@ class PPOTrainer(PolicyLearner):
         if self.cfg.data.group_by_length:
             log.warning("data.group_by_length=true has no effect in train-ppo: prompts are drawn in a plain "
                         "shuffled order (it groups train-rm's pairs)")
-        if "data.packing" in command_line_keys():
-            log.warning("data.packing has no effect in train-ppo: it lays out train-rm's and eval's preference pairs")
 
     def build_models(self) -> None:
         cfg, p = self.cfg, self.p

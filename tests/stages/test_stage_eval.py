@@ -83,9 +83,12 @@ KNOWN_SCORES = [(3.0, 1.0), (2.0, 2.0), (0.5, -1.0), (-2.0, 1.0), (1.5, 1.5),
 SCORE_RE = re.compile(r"score=(-?\d+(?:\.\d+)?)")
 
 
-def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("packing", [True, False])
+def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, tokenizer, tmp_path, monkeypatch,
+                                                        packing):
     """A hand-made file whose responses carry their score ("score=1.5"); the model's scores are replaced
-    by that number, everything else (loading, batching, gathering, metrics, eval.json) is the real code."""
+    by that number, everything else (loading, batching, packing, gathering, metrics, eval.json) is the real code.
+    Packed, each score's text is what its position may attend to: the mask itself must hide chosen from rejected."""
     import rlhf_cli.rollout.scoring as scoring
 
     rows = [{"prompt": f"Question {i}: which reply is better?",
@@ -98,9 +101,14 @@ def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, to
         texts = [tokenizer.decode(ids[m.bool()]) for ids, m in zip(input_ids, attention_mask)]
         return torch.tensor([float(SCORE_RE.findall(t)[-1]) for t in texts])
 
+    def known_packed_rewards(model, input_ids, allowed, index, position_ids):  # what each read position sees
+        return known_rewards(model, input_ids[index[:, 0]], allowed[index[:, 0], 0, index[:, 1]])
+
     monkeypatch.setattr(scoring, "sequence_rewards", known_rewards)
+    monkeypatch.setattr(scoring, "rewards_at", known_packed_rewards)
     result, eval_dir, _ = run_stage("eval", [f"reward_model.path={tiny_dirs['rm']}", f"data.path={path}",
-                                             f"data.eval_path={path}", "data.format=explicit", "eval.batch_size=3"])
+                                             f"data.eval_path={path}", "data.format=explicit", "eval.batch_size=3",
+                                             f"data.packing={str(packing).lower()}"])
 
     chosen = [c for c, _ in KNOWN_SCORES]
     rejected = [r for _, r in KNOWN_SCORES]

@@ -1,0 +1,99 @@
+"""Packed rollouts (`data.packing`): the rows of a `[prompt | response]` batch that share a prompt (the
+`ppo.n_samples_per_prompt` responses of a group) become one segment `[prompt | response 1 | response 2 | ...]`,
+so the prompt is computed once, and segments share rows, so only row tails are padding.
+
+    use_packing(model, packing)                          whether the model can take it (says once when not)
+    pack_rollout(input_ids, attention_mask, prompt_len)  the packed layout and where each entry is read
+
+Every response token sees exactly the keys at exactly the positions it sees in its own padded row, so the log-probs,
+entropies and values read from a packed forward equal the padded forward's to float rounding (the layout of
+`rlhf_cli.data.pack_shared_prefixes`; prefix sharing, Wang et al. 2024). Which passes run packed:
+`rollout.learner.packs_rollout_passes`; the reward model's always may (`rollout.batched_rewards`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+
+from rlhf_cli import engine
+from rlhf_cli.data import PackedPrefixes, pack_shared_prefixes
+from rlhf_cli.models import custom_mask_support
+
+log = logging.getLogger(__name__)
+_SAID: set[str] = set()
+
+
+def use_packing(model: Any, packing: bool) -> bool:
+    """`packing` where `model`'s attention implementation takes a custom 4D mask (`models.custom_mask_support`);
+    False otherwise, with one warning per reason per process."""
+    if not packing:
+        return False
+    reason = custom_mask_support(model)
+    if reason is None:
+        return True
+    if reason not in _SAID and engine.is_main():
+        _SAID.add(reason)
+        log.warning("data.packing=true is off for this model: %s; every sequence is computed as its own padded row",
+                    reason)
+    return False
+
+
+class PackedRollout(NamedTuple):
+    """A `[prompt | response]` batch (B rows, P prompt columns, R response columns) packed for one trunk forward.
+
+    packed    the packed rows (`data.PackedPrefixes`: input_ids, position_ids, the 4D mask `allowed`)
+    source    (B, R, 2) long: (packed row, column) whose output reads response entry t of row b: the position of
+              the token before it, so logits there predict token t and a critic's value there is V(s_t), exactly
+              the position `hidden[:, P-1:-1]` reads in the padded layout
+    computed  (B, R) bool: entries the padded layout reads from a real token, t <= the response's length (the
+              entry right after the EOS included); the others sit on padding and are 0 in the packed outputs
+    last      (B, 2) long: (packed row, column) of each sequence's last real token, where a reward model's score
+              is read (`models.sequence_rewards`)
+    """
+
+    packed: PackedPrefixes
+    source: torch.Tensor
+    computed: torch.Tensor
+    last: torch.Tensor
+
+
+def pack_rollout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                 pad_id: int = 0) -> PackedRollout:
+    """Pack a rollout batch: rows whose real prompt tokens are equal share one prompt.
+
+    input_ids, attention_mask: (B, P+R) as `sample_responses` lays them out, prompts left-padded to P = `prompt_len`,
+    responses right-padded. `pad_id` fills the packed rows' tails (any id: padding attends only to itself and is
+    never read). Tensors come back on `input_ids`' device. Raises ValueError for a row with no real
+    prompt token or a response whose real tokens are not contiguous from column P.
+    """
+    ids, am = input_ids.cpu(), attention_mask.cpu().bool()
+    B, T = ids.shape
+    P, R = prompt_len, T - prompt_len
+    lengths = am[:, P:].sum(1)
+    if not bool((am[:, P:] == (torch.arange(R)[None] < lengths[:, None])).all()):
+        raise ValueError("a packed rollout needs right-padded responses starting at the prompt length")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b in range(B):
+        prompt = tuple(ids[b, :P][am[b, :P]].tolist())
+        if not prompt:
+            raise ValueError(f"row {b} has no prompt token: its first response token has nothing to be read from")
+        groups.setdefault(prompt, []).append(b)
+    segments = [(list(prompt), [ids[b, P:P + int(lengths[b])].tolist() for b in rows])
+                for prompt, rows in groups.items()]
+    packed = pack_shared_prefixes(segments, pad_id)
+    t = torch.arange(R)
+    source = torch.zeros((B, R, 2), dtype=torch.long)
+    last = torch.zeros((B, 2), dtype=torch.long)
+    for (prompt, rows), (_, pc), starts in zip(groups.items(), packed.prefix_starts, packed.branch_starts):
+        prompt_last = pc + len(prompt) - 1
+        for b, (r, c) in zip(rows, starts):
+            source[b, :, 0] = r
+            source[b, :, 1] = torch.where((t >= 1) & (t <= lengths[b]), c + t - 1, prompt_last)
+            last[b] = torch.tensor([r, c + lengths[b] - 1 if lengths[b] > 0 else prompt_last])
+    computed = t[None] <= lengths[:, None]
+    dev = input_ids.device
+    return PackedRollout(PackedPrefixes(*(x.to(dev) if torch.is_tensor(x) else x for x in packed)),
+                         source.to(dev), computed.to(dev), last.to(dev))

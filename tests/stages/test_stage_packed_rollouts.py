@@ -1,0 +1,183 @@
+"""Packed rollouts (`data.packing`, issue 21): a group's shared prompt computed once and sequences packed into rows
+give the padded forward's log-probs, entropies, values and gradients, and the same PPO and GRPO iterations.
+
+Tolerances as in tests/models/test_models_packed_pairs.py (fp32: the same arithmetic in matrices of other shapes,
+so reduction order only): 1e-5 absolute on log-probs, values and entropies; gradients to 1e-5 of each tensor's
+largest entry. A whole iteration (rollout, advantages, one update) compounds that: 1e-4 relative on its statistics
+and 1e-6 absolute on the updated weights.
+"""
+
+import pytest
+import torch
+from stage_helpers import compose
+from test_stage_critic_free import reward_file
+from test_stage_ppo import TINY_PPO, build_trainer, force_eos, snapshot, spy_losses
+
+from rlhf_cli.rollout import critic_values, pack_rollout, policy_forward
+from rlhf_cli.rollout.learner import packs_rollout_passes
+from rlhf_cli.rollout.policy import PolicyWithValueHead
+
+PAD, EOS = 0, 2
+
+
+def rollout_batch(vocab, seed=3):
+    """(input_ids, attention_mask, P) as `sample_responses` lays them out: three groups (prompts of 5, 1 and 3 real
+    tokens, left-padded to 5), responses right-padded to R = 6: one ends at the max length without EOS, one is the
+    EOS alone, others end early."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    prompts = [rnd(5), rnd(1), rnd(3)]
+    # (group, response length incl. EOS, ends with EOS)
+    rows = [(0, 6, False), (0, 3, True), (0, 1, True), (1, 4, True), (1, 6, True), (2, 2, True), (2, 5, True)]
+    P, R = 5, 6
+    ids = torch.full((len(rows), P + R), PAD)
+    am = torch.zeros_like(ids)
+    for b, (k, n, eos) in enumerate(rows):
+        p = prompts[k]
+        ids[b, P - len(p):P], am[b, P - len(p):P] = torch.tensor(p), 1
+        resp = rnd(n - 1) + ([EOS] if eos else rnd(1))
+        ids[b, P:P + n], am[b, P:P + n] = torch.tensor(resp), 1
+    return ids, am, P
+
+
+def test_pack_rollout_shares_each_prompt_once(tokenizer):
+    ids, am, P = rollout_batch(1000)
+    pk = pack_rollout(ids, am, P)
+    real = int(am.sum())
+    assert int(pk.packed.attention_mask.sum()) == real - (3 - 1) * 5 - (2 - 1) * 1 - (2 - 1) * 3  # prompts once
+    lengths = am[:, P:].sum(1)
+    assert pk.computed.tolist() == [[t <= int(n) for t in range(6)] for n in lengths]
+    # entry t reads the token before response token t: the prompt's last token for t = 0
+    for b in range(ids.shape[0]):
+        for t in range(int(lengths[b])):
+            r, c = pk.source[b, t].tolist()
+            assert pk.packed.input_ids[r, c] == ids[b, P - 1 + t]
+            assert pk.packed.position_ids[r, c] == am[b, :P + t].sum() - 1
+    with pytest.raises(ValueError, match="no prompt token"):
+        pack_rollout(ids, torch.cat([torch.zeros_like(am[:, :P]), am[:, P:]], 1), P)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_policy_forward_equals_the_padded_one(tiny_model_cfg, tokenizer, impl):
+    from rlhf_cli.models import load_causal_lm
+
+    lm = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer).eval()
+    lm.config._attn_implementation = impl
+    policy = PolicyWithValueHead(lm, seed=1)
+    ids, am, P = rollout_batch(lm.config.vocab_size)
+    mask = torch.zeros_like(am[:, P:], dtype=torch.bool)
+    mask[:] = am[:, P:].bool()  # the loss mask: real response tokens
+    out = {}
+    for packing in (False, True):
+        policy.zero_grad()
+        lp, ent, v = policy_forward(policy, ids, am, P, 0.7, with_entropy=True, with_values=True, packing=packing)
+        ((lp * mask).sum() + 0.1 * (ent * mask).sum() + (v * mask).sum()).backward()
+        out[packing] = (lp.detach(), ent.detach(), v.detach(),
+                        {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
+    (lp0, ent0, v0, g0), (lp1, ent1, v1, g1) = out[False], out[True]
+    for a, b in ((lp0, lp1), (ent0, ent1), (v0, v1)):
+        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+    computed = pack_rollout(ids, am, P).computed
+    torch.testing.assert_close(lp1[computed], lp0[computed], rtol=0, atol=1e-5)  # the entry after EOS too
+    assert (lp1[~computed] == 0).all() and (v1[~computed] == 0).all()
+    assert g0.keys() == g1.keys() and len(g0) > 5
+    for name in g0:
+        scale = float(g0[name].abs().max())
+        assert scale > 0 and float((g1[name] - g0[name]).abs().max()) <= 1e-5 * scale, name
+
+
+def test_packed_critic_values_equal_the_padded_ones_everywhere(tiny_model_cfg):
+    from rlhf_cli.models import load_scalar_model
+
+    critic = load_scalar_model(tiny_model_cfg, seed=0).eval()
+    ids, am, P = rollout_batch(critic.config.vocab_size)
+    with torch.no_grad():
+        plain = critic_values(critic, ids, am, P)
+        packed = critic_values(critic, ids, am, P, packing=True)
+    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-5)  # 0 at padding in both
+
+
+def test_packed_reward_model_scores_equal_the_padded_ones(tiny_model_cfg):
+    from rlhf_cli.models import load_scalar_model
+    from rlhf_cli.rollout import batched_rewards
+
+    rm = load_scalar_model(tiny_model_cfg, seed=0).eval()
+    ids, am, P = rollout_batch(rm.config.vocab_size)
+    plain = batched_rewards(rm, ids, am, 4, "fp32")
+    packed = batched_rewards(rm, ids, am, 4, "fp32", P, packing=True)
+    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-5)
+    assert plain.std() > 1e-3  # distinct scores: a read at the wrong token would show
+    # a sequence sampled twice (rows 2 and 7, in different rows and neighbours) gets one score: an exact tie
+    twice = torch.tensor([0, 1, 2, 3, 4, 5, 6, 2])
+    again = batched_rewards(rm, ids[twice], am[twice], 3, "fp32", P, packing=True)
+    assert again[7] == again[2] and torch.equal(again[:7], batched_rewards(rm, ids, am, 3, "fp32", P, packing=True))
+
+
+PPO = ["ppo.actor_lr=1e-4", "ppo.critic_lr=1e-4"]
+GRPO = ["ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=4", "ppo.mini_batch_size=8",
+        "ppo.advantage_estimator=grpo", "reward.type=function", "ppo.kl_in=loss", "ppo.kl_estimator=k3",
+        "ppo.actor_lr=1e-4"]
+GRPO_MINI = [*GRPO[:2], "ppo.mini_batch_size=4", "ppo.micro_batch_size=2", *GRPO[3:]]
+
+
+RM_GRPO = [*GRPO_MINI[:5], "reward.type=model", *GRPO_MINI[6:]]  # a reward model scoring a group's packed rows
+
+
+@pytest.mark.parametrize("overrides", [PPO, GRPO, GRPO_MINI, RM_GRPO],
+                         ids=["ppo-gae", "grpo-on-policy", "grpo-minibatches", "grpo-reward-model"])
+def test_a_packed_iteration_equals_the_padded_one(tmp_path, overrides):
+    runs = {}
+    if "reward.type=function" in overrides:  # the tiny model's checker score is 0 everywhere: no group signal
+        overrides = [*overrides, f"reward.function={reward_file(tmp_path)}:length_bonus"]
+    if "reward.type=model" in overrides:
+        from rlhf_cli.models import load_scalar_model, load_tokenizer, save_hf
+
+        cfg = compose("train_ppo", TINY_PPO)
+        save_hf(load_scalar_model(cfg.model, "fp32", 1), load_tokenizer(cfg.model), tmp_path / "rm")
+        overrides = [*overrides, f"reward_model.path={tmp_path / 'rm'}"]
+    for packing in (True, False):
+        tr = build_trainer(tmp_path / str(packing), [*overrides, f"data.packing={str(packing).lower()}"])
+        before = snapshot(tr.actor.module)
+        exp, roll_stats, _ = tr.maker.make_experience(0)
+        train_stats = tr.train_on(exp, 0)
+        if tr.old_from_training:
+            roll_stats.update(tr.maker.kl_stats(exp, tr.kl_ctl.value))
+        runs[packing] = (exp, roll_stats, train_stats, snapshot(tr.actor.module), before)
+    (exp1, roll1, train1, w1, before), (exp0, roll0, train0, w0, _) = runs[True], runs[False]
+    assert torch.equal(exp1.input_ids, exp0.input_ids)  # the same samples
+    m = exp0.mask.bool()
+    for name in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
+        torch.testing.assert_close(getattr(exp1, name)[m], getattr(exp0, name)[m], rtol=1e-4, atol=1e-5,
+                                   msg=lambda msg, n=name: f"{n}: {msg}")
+    for stats1, stats0 in ((roll1, roll0), (train1, train0)):
+        for k, v in stats0.items():
+            if not k.startswith(("time/", "throughput/")):
+                assert stats1[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], rtol=0, atol=1e-6, msg=lambda msg, k=k: f"{k}: {msg}")
+    assert any(not torch.equal(w1[k], before[k]) for k in w1), "the update moved no weight"
+
+
+@pytest.mark.parametrize("precision,logprobs", [("fp32", "fp32"), ("bf16-autocast", "same"), ("bf16", "fp32")])
+def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, precision, logprobs):
+    """With `ppo.epochs=1` the old log-probs are computed over the update's own micro-batches, so a row's packed
+    layout is the same in both passes: the ratio of the first minibatch is exactly 1 (as `test_stage_ppo`'s plain
+    test), in every precision; the second minibatch, after a step, moves."""
+    tr = build_trainer(tmp_path, [*GRPO_MINI[:2], "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
+                                  "ppo.advantage_estimator=gae", "reward.type=checker", "ppo.kl_in=reward",
+                                  f"precision={precision}", f"scoring_precision={logprobs}"])
+    assert packs_rollout_passes(tr.cfg) and not tr.old_from_training
+    force_eos(monkeypatch, tr, {0: 1, 5: 3})
+    exp, _, _ = tr.maker.make_experience(0)
+    calls = spy_losses(monkeypatch, tr)
+    tr.train_on(exp, 0)
+    assert len(calls) == 4  # 2 minibatches x 2 micro-batches
+    for lp, old, mask, stats in calls[:2]:
+        assert torch.equal(lp[mask.bool()], old[mask.bool()])
+        assert stats["policy/clipfrac"] == 0.0
+    assert any((lp - old)[mask.bool()].abs().max() > 0 for lp, old, mask, _ in calls[2:])
+
+
+def test_more_epochs_keep_the_policy_passes_plain(tmp_path):
+    tr = build_trainer(tmp_path, [*GRPO_MINI, "ppo.epochs=2", f"reward.function={reward_file(tmp_path)}:length_bonus"])
+    assert tr.cfg.data.packing and not packs_rollout_passes(tr.cfg)
