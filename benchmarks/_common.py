@@ -100,6 +100,7 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
     device = info["gpu"] or f"{info['cpu']}, {info['cores']} cores (torch threads {info['torch_threads']})"
     bf16 = "native" if info["bf16_native"] else "emulated (not native)"
     trl_mp = "?" if trl_precision is None else repr(trl_precision)
+    packing = info.get("packing", "on")
     return [
         title,
         " | ".join(f"{k} {v[k]}" for k in PACKAGES),
@@ -107,7 +108,7 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
         f"precision in force: rlhf_cli precision={precision}, TRL accelerator.mixed_precision={trl_mp} "
         f"(bf16 mixed precision for both only where bf16 is native; ours scores, and trains the PPO policy, in "
         f"fp32 under bf16-autocast: scoring_precision=fp32, its default)",
-        f"layout: ours data.packing={info.get('packing', 'on') == 'on'} (--packing {info.get('packing', 'on')}: a "
+        f"layout: ours data.packing={str(packing == 'on').lower()} (--packing {packing}: a "
         f"shared prompt computed once, sequences packed into rows; false: each sequence its own padded row), TRL "
         f"each sequence its own padded row",
     ]

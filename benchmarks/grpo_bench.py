@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-from ppo_bench import prepare, train_ours  # noqa: E402
+from ppo_bench import add_part_rows, prepare, train_ours  # noqa: E402
 
 PARTS = ("generation", "scoring", "training")
 
@@ -215,8 +215,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table = C.Table()
     o_total, t_total = sum(avg(o_st, p) for p in PARTS), sum(avg(t_st, p) for p in PARTS)
     table.add("seconds_per_step", "s / step (generation+scoring+training)", o_total, t_total)
-    for part in PARTS:
-        table.add(f"{part}_s", f"  {part} s", avg(o_st, part), avg(t_st, part))
+    add_part_rows(table, o_st, t_st)
     table.add("gen_tokens", "generated tokens / step", avg(o_st, "gen_tokens"), avg(t_st, "gen_tokens"), "{:.0f}")
     table.add("peak_rss_gib", "peak RSS (GiB, whole process)", ours.peak_rss_bytes / 1024**3,
               trl.peak_rss_bytes / 1024**3)

@@ -233,6 +233,16 @@ def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
     return out
 
 
+def add_part_rows(table: C.Table, o_st: list[dict[str, Any]], t_st: list[dict[str, Any]]) -> None:
+    """The generation / scoring / training rows, with ours' scoring split by pass (TRL times its passes as one)."""
+    for part in PARTS:
+        table.add(f"{part}_s", f"  {part} s", C.mean([x[part] for x in o_st]), C.mean([x[part] for x in t_st]))
+        if part == "scoring" and all(x.get("scoring_reward") is not None for x in o_st):
+            for name in SCORING_PASSES:
+                table.add(f"scoring_{name}_s", f"    {name} pass s", C.mean([x[f"scoring_{name}"] for x in o_st]),
+                          None, ratio=False)
+
+
 def ours_sample_prompts(run_dir: Path) -> dict[int, list[str]]:
     """The first prompts of every iteration as `rlhf train-ppo` logged them in samples.jsonl."""
     out: dict[int, list[str]] = {}
@@ -362,11 +372,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table = C.Table()
     o_total, t_total = sum(avg(o_st, p) for p in PARTS), sum(avg(t_st, p) for p in PARTS)
     table.add("seconds_per_iteration", "s / iteration (generation+scoring+training)", o_total, t_total)
-    for part in PARTS:
-        table.add(f"{part}_s", f"  {part} s", avg(o_st, part), avg(t_st, part))
-        if part == "scoring" and all(x["scoring_reward"] is not None for x in o_st):
-            for name in SCORING_PASSES:  # TRL's loop times its passes as one
-                table.add(f"scoring_{name}_s", f"    {name} pass s", avg(o_st, f"scoring_{name}"), None, ratio=False)
+    add_part_rows(table, o_st, t_st)
     if n_it >= 2:
         table.add("wall_per_iteration", "s / iteration, wall (end to end)", avg(o_st, "wall"), avg(t_st, "wall"))
     table.add("gen_tokens", "generated tokens / iteration", avg(o_st, "gen_tokens"), avg(t_st, "gen_tokens"), "{:.0f}")

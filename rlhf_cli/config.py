@@ -168,10 +168,11 @@ class DataConfig:
     packing: bool = True
     """Compute a shared prompt once and pack sequences into rows, so only row tails are padding. train-rm and
     `rlhf eval` of a reward model: each preference pair is one segment [prompt | chosen | rejected], with a mask
-    that hides chosen from rejected (`rlhf_cli.data.PackedPairCollator`). train-ppo and `rlhf eval` of a policy:
-    the responses of one prompt (a group of `ppo.n_samples_per_prompt`) run as [prompt | response 1 | response 2
-    | ...] (`rlhf_cli.rollout.pack_rollout`) in the reward model's pass, and in the policy, reference and critic
-    passes when `ppo.epochs=1` (`rlhf_cli.rollout.learner.packs_rollout_passes` says why not with more epochs).
+    that hides chosen from rejected (`rlhf_cli.data.PackedPairCollator`). train-ppo: the responses of one prompt
+    (a group of `ppo.n_samples_per_prompt`) run as [prompt | response 1 | response 2 | ...]
+    (`rlhf_cli.rollout.pack_rollout`) in the reward model's pass, and in the policy, reference and critic passes
+    when `ppo.epochs=1` (`rlhf_cli.rollout.learner.packs_rollout_passes` says why not with more epochs). `rlhf
+    eval` of a policy: its reward-model and KL passes run packed.
     The same scores, log-probs, values, losses and gradients as false up to float rounding. false: every
     sequence its own padded row (TRL's layout). Needs `model.attn_implementation` sdpa or eager; with any other
     it is off and says so once."""

@@ -201,13 +201,21 @@ def trunk_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def custom_mask_support(model: Any) -> str | None:
-    """None when `model`'s attention implementation takes a custom 4D mask (`sdpa`: as a boolean mask;
-    `eager`: converted to an additive one, since eager adds the mask to the scores and a boolean mask
-    would be added as 0/1, silently wrong); else the reason, for the caller's one log line."""
-    impl = getattr(getattr(model, "module", model).config, "_attn_implementation", None)
-    if impl in ("sdpa", "eager"):
-        return None
-    return f"attn_implementation={impl} takes no custom attention mask (sdpa and eager do)"
+    """None when `model` takes a custom 4D mask: its attention implementation is `sdpa` (a boolean mask) or
+    `eager` (converted to an additive one, since eager adds the mask to the scores and a boolean mask would be
+    added as 0/1, silently wrong), and it has no sliding-window layers (Mistral, Gemma 2/3, Qwen2 with
+    `use_sliding_window`), whose per-layer window mask a custom mask would replace. Else the reason, for the
+    caller's one log line."""
+    config = getattr(model, "module", model).config
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"attn_implementation={impl} takes no custom attention mask (sdpa and eager do)"
+    text = config.get_text_config()
+    sliding = any("sliding" in str(t) for t in (getattr(text, "layer_types", None) or []))
+    if sliding or (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)):
+        return (f"{text.model_type} has sliding-window attention layers, whose own mask a custom one would replace "
+                f"(sliding_window={getattr(text, 'sliding_window', None)})")
+    return None
 
 
 def _attention_bias(model: Any, allowed: torch.Tensor) -> torch.Tensor:

@@ -122,22 +122,22 @@ class ExperienceMaker:
         for rows in chunks:
             rows = rows.to(dev)
             ids, am = input_ids[rows], attention_mask[rows]
-            t0 = time.perf_counter()
+            t0 = _clock(dev)
             with self.reference.autocast():
                 ref_logprobs[rows], _, _ = policy_forward(reference, ids, am, P, temperature, packing=packing)
-            t1 = time.perf_counter()
+            t1 = _clock(dev)
             clock["reference"] += t1 - t0
             v = None
             if not self.old_from_training:  # else the update fills the old log-probs in
                 with self.actor.autocast():
                     logprobs[rows], _, v = policy_forward(self.actor.module, ids, am, P, temperature,
                                                           with_values=shared, packing=packing)
-            t2 = time.perf_counter()
+            t2 = _clock(dev)
             clock["policy"] += t2 - t1
             if self.critic is not None:
                 with self.critic.autocast():
                     v = critic_values(self.critic.module, ids, am, P, packing=packing)
-            clock["critic"] += time.perf_counter() - t2
+            clock["critic"] += _clock(dev) - t2
             if v is not None:
                 values[rows], has_values = v.float(), True
         return logprobs, ref_logprobs, (values if has_values else None)
@@ -180,7 +180,7 @@ class ExperienceMaker:
         input_ids, attention_mask, P, has_eos = self.generate(prompts, seeds)
         t1 = time.perf_counter()
         raw, score, source_means = self.rewards(input_ids, attention_mask, P, prompts)
-        self.pass_seconds = {"reward": time.perf_counter() - t1, "reference": 0.0, "policy": 0.0, "critic": 0.0}
+        self.pass_seconds = {"reward": _clock(input_ids.device) - t1, "reference": 0.0, "policy": 0.0, "critic": 0.0}
         mask = attention_mask[:, P:].float()
         if p.truncated == "penalize":
             score = score - p.missing_eos_penalty * (~has_eos).float()
@@ -237,6 +237,13 @@ class ExperienceMaker:
                    "responses": self.tokenizer.batch_decode(input_ids[:3, P:], skip_special_tokens=True),
                    "scores": raw[:3].tolist()}
         return exp, stats, samples
+
+
+def _clock(device: torch.device) -> float:
+    """`time.perf_counter()` after the device's queued work (a CUDA pass is charged to itself, not the next)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def group_metrics(scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:

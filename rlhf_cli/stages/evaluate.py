@@ -168,7 +168,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
                                                cfg.precision, chunk=e.batch_size, seeds=seeds)
         texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
         mask = am[:, P:].float()
-        out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float()}
+        out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float(),
+                               "tokens": [tuple(r[m.bool()].tolist()) for r, m in zip(ids[:, P:].cpu(), mask.cpu())]}
         if reward_model is not None:
             out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, score_precision, P,
                                            cfg.data.packing).cpu()
@@ -190,8 +191,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     if "score" in pol:
         # one sequence, one score: a response both models sampled is a tie, even where packing scored its two
         # copies in rows of different neighbours (float rounding)
-        same = (torch.tensor([a == b for a, b in zip(pol["text"], ref["text"])], dtype=torch.bool)
-                & (pol["length"] == ref["length"]) & (pol["eos"] == ref["eos"]))
+        same = torch.tensor([a == b for a, b in zip(pol["tokens"], ref["tokens"])], dtype=torch.bool)
         ref["score"] = torch.where(same, pol["score"], ref["score"])
 
     results: dict[str, Any] = {

@@ -128,3 +128,18 @@ def test_an_attention_implementation_without_custom_masks_falls_back_once(scalar
     assert isinstance(pair_collator(scalar, PAD, packing=False), PairCollator)
     with pytest.raises(ValueError, match="needs explicit position_ids"):
         trunk_hidden(scalar, batch["input_ids"], batch["pair_attention"])
+
+
+def test_a_model_with_sliding_window_layers_is_not_packed(caplog):
+    """A custom 4D mask replaces the model's per-layer sliding-window mask: such a model falls back, once."""
+    from transformers import MistralConfig
+
+    class Model:
+        config = MistralConfig(sliding_window=16)
+
+    Model.config._attn_implementation = "sdpa"
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli"):
+        assert isinstance(pair_collator(Model(), PAD, packing=True), PairCollator)
+    assert any("sliding-window" in r.getMessage() for r in caplog.records)
+    Model.config.sliding_window = None
+    assert isinstance(pair_collator(Model(), PAD, packing=True), PackedPairCollator)
