@@ -1,8 +1,8 @@
 """Two processes under torchrun (gloo, CPU) train the same models as one process on the same global batch.
 
 Reward model: ZeRO-2 and ZeRO-3 on two ranks, with packed pairs (`data.packing`, the default), match one
-rank with plain padded pairs (`data.packing=false`) step for step: packing is exact under ZeRO-3 too. PPO (packed
-on two ranks, plain on one, as for the RM and the GRPO groups):
+rank with plain padded pairs (`data.packing=false`) step for step: packing is exact under ZeRO-3 too. PPO and GRPO
+(packed on two ranks under ZeRO-2, plain on one):
 rollouts are seeded per prompt position, so two ranks sample the same responses as one, and ZeRO-2 training
 on two ranks matches one rank; a ZeRO-3 chain (reward model trained under ZeRO-3, loaded as the PPO critic,
 generation from partitioned weights) runs and writes loadable checkpoints.
@@ -128,17 +128,17 @@ def test_zero3_chain_reward_model_into_ppo_critic(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_group_advantages_match_one_rank(tmp_path):
     """GRPO with 4 samples per prompt: each rank holds whole groups, so 2 ranks compute the advantages, and then
-    the update, of 1 rank (one minibatch per epoch, see the module docstring). The 2 ranks run packed under ZeRO-3,
-    the 1 rank plain (`data.packing=false`) under ZeRO-2."""
+    the update, of 1 rank (one minibatch per epoch, see the module docstring). The 2 ranks run packed (one epoch:
+    the policy, reference and training passes too), the 1 rank plain (`data.packing=false`)."""
     fn = tmp_path / "rewards.py"  # the tiny model's checker score is 0 everywhere: a reward that varies
     fn.write_text("def length(prompts, completions, answer, **kw):\n    return [len(c) / 10 for c in completions]\n")
     args = ["train-ppo", *COMMON, "reward.type=function", f"reward.function={fn}:length",
             "ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=4",
             "ppo.rollout_batch_size=4", "ppo.mini_batch_size=16", "ppo.micro_batch_size=4", "ppo.iterations=2",
             "ppo.max_new_tokens=8", "ppo.truncated=penalize", "ppo.missing_eos_penalty=1.0", "ppo.kl_in=loss",
-            "ppo.kl_estimator=k3", "deepspeed=zero2"]
+            "ppo.kl_estimator=k3", "ppo.epochs=1", "deepspeed=zero2"]
     launch([*args, "data.packing=false"], tmp_path / "one")
-    launch([*args, "deepspeed=zero3"], tmp_path / "two", ranks=2)  # packed: each group's prompt computed once
+    launch(args, tmp_path / "two", ranks=2)  # packed (ppo.epochs=1): each group's prompt computed once
     a, b = metrics(tmp_path / "one", "ppo"), metrics(tmp_path / "two", "ppo")
     assert any(r["advantages/abs_mean"] > 0 for r in a)  # some group had a signal to compare
     assert_same_metrics(a, b, ("advantages/mean", "advantages/abs_mean", "groups/score_mean", "groups/score_std",
