@@ -68,6 +68,22 @@ class TinyArch:
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters through peft (Hu et al. 2021): train low-rank updates of the trunk's linear layers instead of
+    its weights. `r=0` (the default) trains every weight."""
+
+    r: int = 0
+    """Rank of each adapter; 0 = off (full fine-tuning)."""
+    alpha: float = 16.0
+    """The adapter's update B·A is scaled by `alpha / r`."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input, in [0, 1) (train-rm; train-ppo turns every dropout off)."""
+    target_modules: Any = "all-linear"
+    """`all-linear` (every linear layer of the trunk: not the LM head, not the scalar heads) or a list of
+    module names as peft matches them, e.g. `[q_proj, v_proj]`."""
+
+
+@dataclass
 class ModelConfig:
     """Where a causal LM and its tokenizer come from."""
 
@@ -92,6 +108,10 @@ class ModelConfig:
     """Cache for de-quantised GGUF models; default `$RLHF_CLI_CACHE` or `~/.cache/rlhf_cli`."""
     attn_implementation: str = "sdpa"
     """transformers' attention backend: `sdpa` or `eager`."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA (`model.lora.r` > 0): train-rm trains reward-model adapters and the head; train-ppo trains policy
+    adapters (and critic adapters, or a shared value head), and its reference is the policy with the adapters
+    off (no second copy). `final/` holds merged plain weights, the adapter beside them in `final/adapter/`."""
 
 
 @dataclass
@@ -706,6 +726,14 @@ def validate_common(cfg: Any) -> None:
     _one_of("precision", cfg.precision, PRECISIONS)
     _one_of("scoring_precision", cfg.scoring_precision, SCORING_PRECISIONS)
     _one_of("model.init", cfg.model.init, ("pretrained", "random"))
+    lora = cfg.model.lora
+    _check(lora.r >= 0, f"model.lora.r must be >= 0 (0 = no LoRA; got {lora.r})")
+    _check(lora.alpha > 0, f"model.lora.alpha must be > 0 (got {lora.alpha})")
+    _check(0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1) (got {lora.dropout})")
+    targets = lora.target_modules
+    _check(targets == "all-linear" or (not isinstance(targets, str) and len(targets) > 0
+                                       and all(isinstance(t, str) and t for t in targets)),
+           f"model.lora.target_modules must be all-linear or a non-empty list of module names (got {targets})")
     _one_of("deepspeed.zero_stage", cfg.deepspeed.zero_stage, (0, 1, 2, 3))
     _check(not cfg.deepspeed.offload_param or cfg.deepspeed.zero_stage == 3,
            f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {cfg.deepspeed.zero_stage})")

@@ -332,6 +332,8 @@ class TrainEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler_, config=self.config,
             dist_init_required=False)
+        # frozen weights (LoRA's base) are rebuilt from the model's source on resume: checkpoints leave them out
+        self.has_frozen = any(not p.requires_grad for p in model.parameters())
         self.grad_accum = self.config["gradient_accumulation_steps"]
         self.zero_stage = int(self.config["zero_optimization"]["stage"])
         self._grad_norm = float("nan")
@@ -385,16 +387,20 @@ class TrainEngine:
         return int(self.engine.global_steps)
 
     def save(self, ckpt_dir: str, tag: str, client_state: dict[str, Any] | None = None) -> None:
-        """Collective: every rank writes its shard of model, optimizer and scheduler state under ckpt_dir/tag."""
+        """Collective: every rank writes its shard of model, optimizer and scheduler state under ckpt_dir/tag.
+        Frozen parameters (a LoRA model's base weights) are left out: the stage rebuilds them from the model's
+        source before `load`."""
         try:
-            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {}, save_latest=False,
+                                        exclude_frozen_parameters=self.has_frozen)
         except OSError as e:  # disk full, quota...: one line; ds/latest still names the previous checkpoint
             raise save_error(f"the DeepSpeed checkpoint {tag}", os.path.join(ckpt_dir, tag), e) from e
 
     def load(self, ckpt_dir: str, tag: str) -> dict[str, Any]:
         """Collective: restore model, optimizer, scheduler; returns the client_state saved with them."""
         path, client_state = self.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=True,
-                                                         load_lr_scheduler_states=True)
+                                                         load_lr_scheduler_states=True,
+                                                         load_module_strict=not self.has_frozen)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {ckpt_dir}")
         return client_state or {}

@@ -5,7 +5,8 @@ rank with plain padded pairs (`data.packing=false`) step for step: packing is ex
 (packed on two ranks under ZeRO-2, plain on one):
 rollouts are seeded per prompt position, so two ranks sample the same responses as one, and ZeRO-2 training
 on two ranks matches one rank; a ZeRO-3 chain (reward model trained under ZeRO-3, loaded as the PPO critic,
-generation from partitioned weights) runs and writes loadable checkpoints.
+generation from partitioned weights) runs and writes loadable checkpoints. LoRA: the reward model under ZeRO-3
+and PPO under ZeRO-2 on two ranks match one rank.
 
 PPO runs here use one minibatch per epoch (`ppo.mini_batch_size == ppo.rollout_batch_size`): each rank
 shuffles its own rows, so with smaller minibatches their composition (not their statistics) depends on
@@ -123,6 +124,27 @@ def test_zero3_chain_reward_model_into_ppo_critic(tmp_path):
     for k, v in rm.items():
         assert (got[k] - v).abs().max() < 1e-3, k
     assert (tmp_path / "latest_policy").is_file()
+
+
+@pytest.mark.slow
+def test_lora_two_ranks_match_one_rank(tmp_path):
+    """LoRA (`model.lora.r=4`): the reward model under ZeRO-3 and PPO (its reference: the policy with its adapters
+    off) under ZeRO-2 on two ranks match one rank under ZeRO-0, DeepSpeed handling the frozen base weights."""
+    lora = ["model.lora.r=4", "model.lora.alpha=8"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch([*RM_ARGS, *lora, "deepspeed=zero0", "rm.lr=5e-3"], one)
+    launch([*RM_ARGS, *lora, "deepspeed=zero3", "rm.lr=5e-3"], two, ranks=2)
+    assert_same_metrics(metrics(one, "rm"), metrics(two, "rm"), RM_KEYS)
+    assert_same_weights(final_dir(one, "rm"), final_dir(two, "rm"))  # merged after the ZeRO-3 gather
+    ppo = [*PPO_ARGS, *lora, "ppo.actor_lr=1e-2", "ppo.critic_lr=1e-2"]
+    launch([*ppo, "deepspeed=zero0", f"reward_model.path={final_dir(one, 'rm')}"], one)
+    launch([*ppo, "deepspeed=zero2", f"reward_model.path={final_dir(one, 'rm')}"], two, ranks=2)
+    a, b = metrics(one, "ppo"), metrics(two, "ppo")
+    assert a[-1]["objective/kl"] != 0
+    assert_same_metrics(a, b, PPO_KEYS)
+    for name in ("", "critic"):
+        assert_same_weights(final_dir(one, "ppo") / name, final_dir(two, "ppo") / name)
+        assert (final_dir(two, "ppo") / name / "adapter" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Models: loading (hub id, local dir, GGUF, tiny random), scalar-head reward/value models, saving."""
+"""Models: loading (hub id, local dir, GGUF, tiny random), scalar-head reward/value models, LoRA adapters, saving."""
 
 from rlhf_cli.models.checkpoint import (
     is_scalar_model_dir,
@@ -15,6 +15,16 @@ from rlhf_cli.models.loading import (
     resolve_hf_dir,
     torch_dtype_for,
 )
+from rlhf_cli.models.lora import (
+    ADAPTER_DIR,
+    adapters_disabled,
+    add_lora,
+    has_lora,
+    lora_enabled,
+    merged_state_dict,
+    save_adapter,
+    without_adapters,
+)
 from rlhf_cli.models.scalar import (
     Float32Head,
     custom_mask_support,
@@ -30,6 +40,14 @@ from rlhf_cli.models.scalar import (
 )
 
 __all__ = [
+    "ADAPTER_DIR",
+    "add_lora",
+    "adapters_disabled",
+    "has_lora",
+    "lora_enabled",
+    "merged_state_dict",
+    "save_adapter",
+    "without_adapters",
     "Float32Head",
     "ModelSourceError",
     "count_parameters",

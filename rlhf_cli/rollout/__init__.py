@@ -6,7 +6,7 @@
     sampling.py     per-prompt seeds, per-row sampling inside HF `generate`, the cut at the first EOS
     policy.py       response log-probs / entropy / values of a policy (and its shared value head), a separate
                     critic's values, the per-sequence KL of two policies, dropout switched off,
-                    the trained policy's final save
+                    a LoRA policy's reference (its adapters off), the trained models' final save
     scoring.py      reward-model scores of sequences and of preference pairs
     packing.py      `data.packing` for rollouts: a group's shared prompt computed once, sequences packed into rows
     rewards.py      `Rewards`: the run's reward, one source or a weighted sum (model, checker, function)
@@ -27,12 +27,14 @@ from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
 from rlhf_cli.rollout.policy import (
     PolicyWithValueHead,
+    ReferenceWithoutAdapters,
     critic_values,
     disable_dropout,
     has_value_head,
     lm_of,
     policy_forward,
     response_hidden,
+    save_model,
     save_policy,
     sequence_kl,
     unwrap,
@@ -50,6 +52,7 @@ __all__ = [
     "PerRowSampler",
     "PolicyLearner",
     "PolicyWithValueHead",
+    "ReferenceWithoutAdapters",
     "Rewards",
     "batched_rewards",
     "call_on_every_rank",
@@ -66,6 +69,7 @@ __all__ = [
     "response_hidden",
     "response_mask",
     "sample_responses",
+    "save_model",
     "save_policy",
     "score_pairs",
     "sequence_kl",

@@ -1,13 +1,14 @@
 """The forwards of a policy and its critic over `[prompt | response]` batches: response log-probs at the
 sampling temperature (with entropy and a shared value head's values), a separate critic's values, and the
-per-sequence KL of two policies. Also the model wrappers these forwards read: the shared value head and
-dropout switched off."""
+per-sequence KL of two policies. Also the model wrappers these forwards read: the shared value head, a LoRA
+policy's reference (its adapters off) and dropout switched off."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,17 @@ from safetensors.torch import save_file
 
 from rlhf_cli import engine
 from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits
-from rlhf_cli.models import new_scalar_head, response_values, save_hf, trunk_hidden
+from rlhf_cli.models import (
+    ADAPTER_DIR,
+    has_lora,
+    merged_state_dict,
+    new_scalar_head,
+    response_values,
+    save_adapter,
+    save_hf,
+    trunk_hidden,
+    without_adapters,
+)
 from rlhf_cli.rollout.packing import pack_rollout, use_packing
 
 
@@ -47,6 +58,36 @@ def lm_of(model: Any) -> Any:
     return model.lm if isinstance(model, PolicyWithValueHead) else model
 
 
+class ReferenceWithoutAdapters:
+    """The reference policy of a LoRA run: the trained policy's own weights with its adapters off
+    (`models.without_adapters`), so no second copy of the base weights is held. It reads as an
+    `engine.FrozenModel` does (`module`, `autocast()`, `on_device()`); its passes run under no_grad like that
+    model's, and it is never offloaded (its weights are the policy's)."""
+
+    def __init__(self, policy: torch.nn.Module, precision: str) -> None:
+        self.module = without_adapters(lm_of(policy))
+        self.precision = precision
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return engine.autocast(self.precision)
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[Any]:
+        yield self.module
+
+
+def save_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, out: Path,
+               base: str | None = None, **kwargs: Any) -> None:
+    """`models.save_hf` of a trained model; a LoRA one (`models.has_lora`) is saved as its merged plain weights
+    (`models.merged_state_dict`), its adapter beside them in `out/adapter/` (peft's format, `base` recorded as
+    the base model). `kwargs` go to `save_hf` (`extra_config`)."""
+    if not has_lora(model):
+        save_hf(model, tokenizer, out, state_dict=state_dict, **kwargs)
+        return
+    save_hf(model, tokenizer, out, state_dict=merged_state_dict(model, state_dict), **kwargs)
+    save_adapter(model, state_dict, out / ADAPTER_DIR, base)
+
+
 def save_policy(
     final: Path,
     policy: torch.nn.Module,
@@ -55,23 +96,25 @@ def save_policy(
     extra_config: dict[str, Any],
     critic: torch.nn.Module | None = None,
     critic_sd: dict[str, torch.Tensor] | None = None,
+    base: str | None = None,
 ) -> None:
     """Write a trained policy to `final` in HF format (rank 0; the state dicts are consolidated ones).
 
     A `PolicyWithValueHead` is saved as its causal LM plus `value_head.safetensors` (`score.weight`), so that
     `final/` loads with `AutoModelForCausalLM`; a separate critic goes to `final/critic/` (written beside
     `final/` first, then moved in, so a crash leaves no half-written critic inside `final/`).
-    `extra_config` is added to the policy's config.json (the `rlhf_*` lineage keys).
+    `extra_config` is added to the policy's config.json (the `rlhf_*` lineage keys). LoRA models are merged, and
+    their adapters saved in `final/adapter/` and `final/critic/adapter/` (`save_model`; `base`: the base model).
     """
     if isinstance(policy, PolicyWithValueHead):
         lm_sd = {k[len("lm."):]: v for k, v in policy_sd.items() if k.startswith("lm.")}
-        save_hf(policy.lm, tokenizer, final, extra_config=extra_config, state_dict=lm_sd)
+        save_model(policy.lm, lm_sd, tokenizer, final, base, extra_config=extra_config)
         save_file({"score.weight": policy_sd["score.weight"].contiguous()}, str(final / "value_head.safetensors"))
     else:
-        save_hf(policy, tokenizer, final, extra_config=extra_config, state_dict=policy_sd)
+        save_model(policy, policy_sd, tokenizer, final, base, extra_config=extra_config)
     if critic is not None:
         staging = final.parent / "critic"
-        save_hf(critic, tokenizer, staging, state_dict=critic_sd)
+        save_model(critic, critic_sd, tokenizer, staging, base)
         if (final / "critic").exists():
             shutil.rmtree(final / "critic")
         os.replace(staging, final / "critic")

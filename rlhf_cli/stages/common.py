@@ -51,3 +51,12 @@ def model_source(model_cfg: Any) -> str | None:
     if model_cfg.init == "random":
         return None
     return model_cfg.name_or_path or model_cfg.gguf_file
+
+
+def trained_parameters(model: Any, lora_cfg: Any) -> str:
+    """What a stage's start table says of the parameters it trains: all of them, or LoRA's share."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if trained == total:
+        return f"all ({total / 1e6:.1f}M)"
+    return f"{trained / 1e6:.2f}M of {total / 1e6:.1f}M (LoRA r={lora_cfg.r}, alpha={lora_cfg.alpha:g})"

@@ -35,10 +35,12 @@ from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
 from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
+    add_lora,
     count_parameters,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    lora_enabled,
     read_reward_stats,
 )
 from rlhf_cli.preflight import resolve_reward_model
@@ -46,12 +48,13 @@ from rlhf_cli.rollout import (
     ExperienceMaker,
     PolicyLearner,
     PolicyWithValueHead,
+    ReferenceWithoutAdapters,
     Rewards,
     disable_dropout,
     save_policy,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
-from rlhf_cli.stages.common import check_same_tokenizer, model_source, print_table
+from rlhf_cli.stages.common import check_same_tokenizer, model_source, print_table, trained_parameters
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +82,14 @@ class PPOTrainer(PolicyLearner):
         self.rm_path: str | None = None
         self.reward_model: engine.FrozenModel | None = None
         self.reward_stats: tuple[float, float] | None = None  # the RM's held-out (mean, std)
-        self.reference: engine.FrozenModel | None = None
+        self.reference: engine.FrozenModel | ReferenceWithoutAdapters | None = None
         self.reference_spec: dict[str, Any] = {}  # how eval rebuilds the reference
         self.actor: engine.TrainEngine | None = None  # the policy (with the value head when ppo.critic=shared)
         self.critic: engine.TrainEngine | None = None  # ppo.critic=separate only
         self.kl_ctl: FixedKLController | AdaptiveKLController | None = None
         self.maker: ExperienceMaker | None = None  # the rollout half: prompts -> Experience
         self.n_params = 0
+        self.trained = ""  # the start table's line on the parameters trained (all, or LoRA's share)
 
     # -- build -----------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -113,9 +117,20 @@ class PPOTrainer(PolicyLearner):
 
     def build_models(self) -> None:
         cfg, p = self.cfg, self.p
-        policy = disable_dropout(load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer))
-        ref_source = cfg.reference.path or cfg.model
-        reference = load_causal_lm(ref_source, self.precision, cfg.seed, tokenizer=self.tokenizer)
+        lora = lora_enabled(cfg.model.lora)
+        policy = load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer)
+        if lora:
+            add_lora(policy, cfg.model.lora, what="policy")
+            if cfg.model.lora.dropout:
+                log.warning("model.lora.dropout=%g has no effect in train-ppo: every dropout is off, so that the "
+                            "rollout's log-probs and the update's forward see the same function",
+                            cfg.model.lora.dropout)
+        policy = disable_dropout(policy)
+        # with LoRA (and no reference.path) the reference is the policy with its adapters off: no second copy
+        reference = None
+        if not lora or cfg.reference.path:
+            reference = load_causal_lm(cfg.reference.path or cfg.model, self.precision, cfg.seed,
+                                       tokenizer=self.tokenizer)
         # how to rebuild the reference later (eval): a path, or the model config and seed it was built from
         self.reference_spec = ({"name_or_path": abs_path(cfg.reference.path)} if cfg.reference.path else
                                {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed})
@@ -125,7 +140,8 @@ class PPOTrainer(PolicyLearner):
             self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed),
                                                    self.score_precision, offload=p.offload_reference)
             self.reward_stats = read_reward_stats(self.rm_path)
-        self.reference = engine.FrozenModel(reference, self.score_precision, offload=p.offload_reference)
+        self.reference = (engine.FrozenModel(reference, self.score_precision, offload=p.offload_reference)
+                          if reference is not None else ReferenceWithoutAdapters(policy, self.score_precision))
 
         completions = p.rollout_batch_size * p.n_samples_per_prompt
         total = p.iterations * p.epochs * (completions // p.mini_batch_size)
@@ -133,6 +149,7 @@ class PPOTrainer(PolicyLearner):
                       warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
                       max_grad_norm=p.max_grad_norm)
         self.n_params = count_parameters(policy)
+        self.trained = trained_parameters(policy, cfg.model.lora)
         if not self.estimator.needs_critic:  # critic-free: the policy alone
             self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
         elif p.critic == "shared":
@@ -141,10 +158,15 @@ class PPOTrainer(PolicyLearner):
         else:
             if p.critic_init == "reward_model" and self.reward_model is not None:
                 critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
-            else:
+            elif reference is not None:
                 critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
-            # requires_grad: a copy of the (already frozen) reference would train only its head
-            critic = disable_dropout(critic).requires_grad_(True)
+            else:  # LoRA: the reference is the base model, loaded here once more for the critic's own trunk
+                critic = load_scalar_model(cfg.model, self.precision, cfg.seed)
+            if lora:  # its own adapters on its own trunk, the head trained in full
+                add_lora(critic, cfg.model.lora, heads=("score",), what="critic")
+            else:  # requires_grad: a copy of the (already frozen) reference would train only its head
+                critic.requires_grad_(True)
+            critic = disable_dropout(critic)
             self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
@@ -203,7 +225,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         return None
     tr.build_models()
     print_table(f"train-ppo: {run_dir}", {
-        "policy": cfg.model.name, "params (non-embedding)": tr.n_params,
+        "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "trained policy params": tr.trained,
+        "reference": ("the policy with its LoRA adapters off" if isinstance(tr.reference, ReferenceWithoutAdapters)
+                      else cfg.reference.path or cfg.model.name),
         "reward": describe_reward(cfg, tr.rm_path),
         "reward normalisation": tr.reward_stats if p.normalize_reward else None,
         "advantage estimator": p.advantage_estimator,
@@ -280,7 +304,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                  "rlhf_reward_sources": reward_sources(cfg), "rlhf_reward_function": cfg.reward.function,
                  "rlhf_advantage_estimator": p.advantage_estimator}
         save_policy(final, tr.actor.module, actor_sd, tr.tokenizer, extra,
-                    tr.critic.module if tr.critic is not None else None, critic_sd)
+                    tr.critic.module if tr.critic is not None else None, critic_sd, base=model_source(cfg.model))
         pointer = finish_run(cfg, run_dir, final, "ppo", iterations=done)
         summary = ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")
         print_table("train-ppo finished", {k: record.get(k) for k in summary}

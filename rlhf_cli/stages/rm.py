@@ -2,7 +2,8 @@
 
 Steps: load tokenizer and pairs → build the scalar model → DeepSpeed engine → (resume) → loop over
 optimizer steps (one forward per micro-batch over chosen and rejected together) with periodic eval
-and checkpoints → final eval and reward statistics → `final/` in HF format → `latest_rm` pointer.
+and checkpoints → final eval and reward statistics → `final/` in HF format (a LoRA model merged, its
+adapter in `final/adapter/`) → `latest_rm` pointer.
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import epoch_order, example_length, load_preference_data
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
-from rlhf_cli.models import count_parameters, load_scalar_model, load_tokenizer, save_hf, with_scoring_template
-from rlhf_cli.rollout import forward_pairs, pair_collator, pair_metrics, score_pairs
+from rlhf_cli.models import (
+    add_lora,
+    count_parameters,
+    load_scalar_model,
+    load_tokenizer,
+    lora_enabled,
+    with_scoring_template,
+)
+from rlhf_cli.rollout import forward_pairs, pair_collator, pair_metrics, save_model, score_pairs
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
-from rlhf_cli.stages.common import model_source, print_table
+from rlhf_cli.stages.common import model_source, print_table, trained_parameters
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 
     # 2. model; held-out pairs are scored in `scoring_precision` (fp32 under bf16-autocast by default)
     model = load_scalar_model(cfg.model, cfg.precision, cfg.seed)
+    if lora_enabled(cfg.model.lora):  # adapters on the trunk, the head `score` trained in full
+        add_lora(model, cfg.model.lora, heads=("score",), what="reward model")
     score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
     steps_per_epoch = len(train) // rmc.batch_size
     total_steps = rmc.max_steps or steps_per_epoch * rmc.epochs
@@ -55,6 +65,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                     rmc.batch_size)
     print_table(f"train-rm: {run_dir}", {
         "model": cfg.model.name, "params (non-embedding)": count_parameters(model),
+        "trained params": trained_parameters(model, cfg.model.lora),
         "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
         "pairs per epoch": f"{len(train) - dropped} ({dropped} in a partial batch dropped)" if dropped else len(train),
         "batch / micro / world": f"{rmc.batch_size} / {rmc.micro_batch_size} / {engine.world_size()}",
@@ -153,9 +164,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():
         stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
-        save_hf(eng.module, with_scoring_template(tokenizer), final, state_dict=state_dict, extra_config={
-            **stats, "rlhf_stage": "rm", "rlhf_eval_accuracy": final_stats.get("rm/accuracy"),
-        })
+        save_model(eng.module, state_dict, with_scoring_template(tokenizer), final, model_source(cfg.model),
+                   extra_config={**stats, "rlhf_stage": "rm", "rlhf_eval_accuracy": final_stats.get("rm/accuracy")})
         atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,
                                                      "reward_std": reward_std, "steps": step})
         pointer = finish_run(cfg, run_dir, final, "rm", steps=step)
