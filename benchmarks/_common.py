@@ -111,6 +111,7 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
         f"layout: ours data.packing={str(packing == 'on').lower()} (--packing {packing}: a "
         f"shared prompt computed once, sequences packed into rows; false: each sequence its own padded row), TRL "
         f"each sequence its own padded row",
+        info.get("trained", "trained: every weight (full fine-tuning), both tools"),
     ]
 
 
@@ -350,9 +351,37 @@ def packing_override(args: Any) -> str:
     return f"data.packing={str(args.packing == 'on').lower()}"
 
 
+def lora_overrides(args: Any) -> list[str]:
+    """Ours' `model.lora.*` overrides for `--lora-r` / `--lora-alpha` ([] for full fine-tuning)."""
+    if not args.lora_r:
+        return []
+    return [f"model.lora.r={args.lora_r}", f"model.lora.alpha={lora_alpha(args)}", "model.lora.dropout=0.0",
+            "model.lora.target_modules=all-linear"]
+
+
+def lora_alpha(args: Any) -> float:
+    return float(args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r)
+
+
+def trl_lora_spec(args: Any) -> dict[str, Any] | None:
+    """What the TRL child needs to build the same LoRA: peft's LoraConfig arguments, or None."""
+    if not args.lora_r:
+        return None
+    return {"r": args.lora_r, "lora_alpha": lora_alpha(args), "lora_dropout": 0.0, "target_modules": "all-linear"}
+
+
+def layout_lora_line(args: Any) -> str:
+    """The header's line on what is trained: every weight, or LoRA's settings (both tools)."""
+    if not args.lora_r:
+        return "trained: every weight (full fine-tuning), both tools"
+    return (f"trained: LoRA r={args.lora_r} alpha={lora_alpha(args):g} dropout 0 on all linear layers of the trunk, "
+            f"both tools (ours model.lora.*, TRL a peft LoraConfig)")
+
+
 def add_common_args(p: Any) -> None:
     """The options every TRL comparison shares: `--model`, `--workdir`, `--precision`, `--out`, `--packing` (ours'
-    `data.packing`: `packing_override(args)`), and the hidden `--trl-child` of its TRL process."""
+    `data.packing`: `packing_override(args)`), `--lora-r`/`--lora-alpha` (`lora_overrides(args)`,
+    `trl_lora_spec(args)`), and the hidden `--trl-child` of its TRL process."""
     p.add_argument("--model", default="smollm2", help="our model config group: smollm2 (default) or tiny (smoke test)")
     p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
@@ -363,6 +392,10 @@ def add_common_args(p: Any) -> None:
     p.add_argument("--packing", default="on", choices=["on", "off"],
                    help="ours: data.packing=true (a shared prompt computed once, sequences packed into rows; the "
                         "default) or false (every sequence its own padded row, as TRL lays them out)")
+    p.add_argument("--lora-r", type=int, default=0,
+                   help="LoRA rank for both tools (0: full fine-tuning, the default): ours model.lora.r, TRL a peft "
+                        "LoraConfig with the same r, alpha and target modules (all linear layers of the trunk)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha for both tools (default: 2 x --lora-r)")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
 
 
@@ -378,7 +411,7 @@ def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, 
     work.mkdir(parents=True, exist_ok=True)
     try:
         quiet()
-        run(args, work, {**machine_info(), "packing": args.packing})
+        run(args, work, {**machine_info(), "packing": args.packing, "trained": layout_lora_line(args)})
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

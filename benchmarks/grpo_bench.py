@@ -93,8 +93,13 @@ def trl_child(spec_path: str) -> None:
                           "training": wall - cur["gen_and_score"], "wall": wall, "gen_tokens": cur["gen_tokens"]})
             state["prev_end"], state["cur"] = now, fresh()
 
+    peft_config = None
+    if spec.get("lora"):  # TRL's LoRA GRPO: the reference is the policy with its adapters off
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(task_type="CAUSAL_LM", bias="none", **spec["lora"])
     trainer = GRPOTrainer(model=model, reward_funcs=checker_with_eos_penalty, args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[StepTimer()])
+                          processing_class=tokenizer, callbacks=[StepTimer()], peft_config=peft_config)
     generate, generate_and_score = trainer._generate, trainer._generate_and_score_completions
 
     def timed_generate(prompts):
@@ -113,7 +118,10 @@ def trl_child(spec_path: str) -> None:
 
     trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_generate_and_score
     trainer.train()
-    trainer.save_model(spec["model_out"])
+    if spec.get("lora"):  # plain merged weights, as ours' final/
+        trainer.model.merge_and_unload().save_pretrained(spec["model_out"])
+    else:
+        trainer.save_model(spec["model_out"])
     tokenizer.save_pretrained(spec["model_out"])
     logs = [h for h in trainer.state.log_history if "reward" in h]
     Path(spec["result"]).write_text(json.dumps({
@@ -170,7 +178,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
         f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}",
-        C.packing_override(args)]
+        C.packing_override(args), *C.lora_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, steps, P, work)
     tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
     bf16 = cfg.precision != "fp32"
@@ -187,7 +195,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "beta": args.beta,
             "clip": args.clip, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
             "bf16": bf16, "seed": args.seed, "output_dir": str(work / "trl_grpo"),
-            "model_out": str(work / "trl_grpo" / "final"), "result": str(work / "trl_grpo_result.json")}
+            "model_out": str(work / "trl_grpo" / "final"), "result": str(work / "trl_grpo_result.json"),
+            "lora": C.trl_lora_spec(args)}
     (work / "trl_grpo_spec.json").write_text(json.dumps(spec))
     env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
     if bf16:

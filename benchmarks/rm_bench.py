@@ -72,6 +72,13 @@ def trl_child(spec_path: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["init_dir"])
     model = AutoModelForSequenceClassification.from_pretrained(spec["init_dir"], num_labels=1, dtype=torch.float32)
+    timer = StepTimer()
+    model.register_forward_pre_hook(timer.count_positions, with_kwargs=True)
+    if spec.get("lora"):  # adapters on the trunk, the head trained in full (as ours); the optimizer sees only those
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", bias="none", modules_to_save=["score"],
+                                                 **spec["lora"]))
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": spec["weight_decay"]},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -88,13 +95,15 @@ def trl_child(spec_path: str) -> None:
         eval_strategy="no", report_to="none", disable_tqdm=True, seed=spec["seed"], disable_dropout=True,
         dataloader_pin_memory=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
     train = Dataset.from_dict({"chosen_ids": spec["chosen_ids"], "rejected_ids": spec["rejected_ids"]})
-    timer = StepTimer()
-    model.register_forward_pre_hook(timer.count_positions, with_kwargs=True)
     trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
                             callbacks=[timer], optimizers=(optimizer, scheduler))
     timer.trainer = trainer
     trainer.train()
-    trainer.save_model(spec["model_out"])
+    if spec.get("lora"):  # plain merged weights, as ours' final/
+        trainer.model.merge_and_unload().save_pretrained(spec["model_out"])
+        tokenizer.save_pretrained(spec["model_out"])
+    else:
+        trainer.save_model(spec["model_out"])
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     Path(spec["result"]).write_text(json.dumps({
         "mixed_precision": str(trainer.accelerator.mixed_precision), "steps": timer.steps, "losses": losses,
@@ -224,7 +233,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                  f"rm.warmup_ratio={args.warmup_ratio}", f"rm.lr_scheduler={args.lr_scheduler}",
                  f"rm.max_grad_norm={args.max_grad_norm}", "rm.eval_every=0", "rm.save_every=0",
                  f"seed={args.seed}", "tensorboard=false", f"paths.root={work / 'runs'}",
-                 C.packing_override(args)]
+                 C.packing_override(args), *C.lora_overrides(args)]
     cfg = C.compose("train_rm", overrides)
     tokenizer = load_tokenizer(cfg.model)
     data = load_preference_data(cfg.data, tokenizer)
@@ -259,7 +268,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
             "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm, "bf16": bf16,
             "lr_multipliers": [schedule(s) for s in range(args.steps)], "max_length": args.max_length,
             "seed": args.seed, "fused_adamw": args.trl_adamw == "fused", "output_dir": str(work / "trl_rm"),
-            "model_out": str(work / "trl_rm" / "final"), "result": str(work / "trl_rm_result.json")}
+            "model_out": str(work / "trl_rm" / "final"), "result": str(work / "trl_rm_result.json"),
+            "lora": C.trl_lora_spec(args)}
     (work / "trl_rm_spec.json").write_text(json.dumps(spec))
     trl = C.run_child([sys.executable, __file__, "--trl-child", str(work / "trl_rm_spec.json")], work / "trl_rm.log")
     C.check_child("TRL RewardTrainer", trl)

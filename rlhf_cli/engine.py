@@ -294,6 +294,58 @@ def zero_loss(model: torch.nn.Module) -> torch.Tensor:
     return sum((p.float() * 0).sum() for p in model.parameters() if p.requires_grad)
 
 
+FROZEN_KEY = "rlhf_frozen"  # a checkpoint's record of the frozen weights it was trained on (see TrainEngine.load)
+
+
+def _frozen_record(model: torch.nn.Module) -> dict[str, Any]:
+    """What a checkpoint that leaves the frozen weights out must match on resume: the names of the trained
+    parameters, and the float64 sum and absolute sum of the frozen ones (a different base model, or the same
+    path now holding other weights, changes them)."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    with torch.no_grad():
+        total = sum(float(p.detach().double().sum()) for p in frozen)
+        absolute = sum(float(p.detach().double().abs().sum()) for p in frozen)
+    return {"trained": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+            "frozen_sum": total, "frozen_abs_sum": absolute, "frozen_numel": sum(p.numel() for p in frozen)}
+
+
+def _check_frozen_record(saved: dict[str, Any] | None, now: dict[str, Any], where: str) -> None:
+    """Raise ConfigError (one line) when the checkpoint at `where` was trained on other frozen weights or trains
+    other parameters than this run's model."""
+    from rlhf_cli.errors import ConfigError
+
+    if saved is None:
+        raise ConfigError(f"resume: the checkpoint {where} holds every weight (a full fine-tuning run) but this run "
+                          f"freezes some (LoRA): resume it with its recorded config")
+    if saved["trained"] != now["trained"]:
+        extra = sorted(set(saved["trained"]) ^ set(now["trained"]))[:3]
+        raise ConfigError(f"resume: the checkpoint {where} trained other parameters than this run's model "
+                          f"({len(saved['trained'])} vs {len(now['trained'])}; e.g. {extra}): resume with the "
+                          f"recorded model.lora.* settings")
+    if any(saved[k] != now[k] for k in ("frozen_sum", "frozen_abs_sum", "frozen_numel")):
+        raise ConfigError(f"resume: the frozen base weights this run rebuilt differ from the ones the checkpoint "
+                          f"{where} was trained on (sum {now['frozen_sum']:.9g} vs {saved['frozen_sum']:.9g}): the "
+                          f"model path or pointer now names other weights; point model.name_or_path at the original")
+
+
+def _exclude_tied_frozen(ds_engine: Any, model: torch.nn.Module) -> None:
+    """Make `exclude_frozen_parameters` leave out every name of a frozen tensor, tied ones included.
+
+    DeepSpeed drops the frozen names `named_parameters()` lists, which names a tied tensor once: a frozen
+    embedding tied to the LM head stayed in every checkpoint under the head's name (a third of SmolLM2)."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    base = ds_engine.module_state_dict
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        sd = base(*args, **kwargs)
+        if kwargs.get("exclude_frozen_parameters"):
+            for name in frozen:
+                sd.pop(name, None)
+        return sd
+
+    ds_engine.module_state_dict = module_state_dict
+
+
 class TrainEngine:
     """A trainable model on DeepSpeed: AdamW, LR schedule, clipping, ZeRO stage, precision.
 
@@ -322,6 +374,7 @@ class TrainEngine:
         self.precision = precision
         self.config = ds_config(ds_cfg, precision, train_batch_size=train_batch_size,
                                 micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
+        frozen_record = _frozen_record(model)  # before ZeRO-3 partitions the weights
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
@@ -332,8 +385,12 @@ class TrainEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler_, config=self.config,
             dist_init_required=False)
-        # frozen weights (LoRA's base) are rebuilt from the model's source on resume: checkpoints leave them out
+        # frozen weights (LoRA's base) are rebuilt from the model's source on resume: checkpoints leave them out,
+        # and record a fingerprint of them (and the trained names) that `load` checks
         self.has_frozen = any(not p.requires_grad for p in model.parameters())
+        self._frozen_record = frozen_record if self.has_frozen else None
+        if self.has_frozen:
+            _exclude_tied_frozen(self.engine, model)
         self.grad_accum = self.config["gradient_accumulation_steps"]
         self.zero_stage = int(self.config["zero_optimization"]["stage"])
         self._grad_norm = float("nan")
@@ -390,8 +447,11 @@ class TrainEngine:
         """Collective: every rank writes its shard of model, optimizer and scheduler state under ckpt_dir/tag.
         Frozen parameters (a LoRA model's base weights) are left out: the stage rebuilds them from the model's
         source before `load`."""
+        client_state = dict(client_state or {})
+        if self._frozen_record is not None:
+            client_state[FROZEN_KEY] = self._frozen_record
         try:
-            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state or {}, save_latest=False,
+            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False,
                                         exclude_frozen_parameters=self.has_frozen)
         except OSError as e:  # disk full, quota...: one line; ds/latest still names the previous checkpoint
             raise save_error(f"the DeepSpeed checkpoint {tag}", os.path.join(ckpt_dir, tag), e) from e
@@ -403,7 +463,11 @@ class TrainEngine:
                                                          load_module_strict=not self.has_frozen)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {ckpt_dir}")
-        return client_state or {}
+        client_state = dict(client_state or {})
+        saved = client_state.pop(FROZEN_KEY, None)
+        if self._frozen_record is not None:
+            _check_frozen_record(saved, self._frozen_record, os.path.join(ckpt_dir, tag))
+        return client_state
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (un-partitioned) state dict on rank 0 (ZeRO-3 gathers; other stages return module's)."""

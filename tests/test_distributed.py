@@ -6,7 +6,7 @@ rank with plain padded pairs (`data.packing=false`) step for step: packing is ex
 rollouts are seeded per prompt position, so two ranks sample the same responses as one, and ZeRO-2 training
 on two ranks matches one rank; a ZeRO-3 chain (reward model trained under ZeRO-3, loaded as the PPO critic,
 generation from partitioned weights) runs and writes loadable checkpoints. LoRA: the reward model under ZeRO-3
-and PPO under ZeRO-2 on two ranks match one rank.
+and PPO under ZeRO-2 on two ranks match one rank; LoRA PPO runs under ZeRO-3.
 
 PPO runs here use one minibatch per epoch (`ppo.mini_batch_size == ppo.rollout_batch_size`): each rank
 shuffles its own rows, so with smaller minibatches their composition (not their statistics) depends on
@@ -145,6 +145,14 @@ def test_lora_two_ranks_match_one_rank(tmp_path):
     for name in ("", "critic"):
         assert_same_weights(final_dir(one, "ppo") / name, final_dir(two, "ppo") / name)
         assert (final_dir(two, "ppo") / name / "adapter" / "adapter_model.safetensors").is_file()
+    # ZeRO-3: the reference view reads the partitioned policy; the merged final/ is gathered first
+    three = tmp_path / "three"
+    launch([*ppo, "deepspeed=zero3", "ppo.epochs=1", f"reward_model.path={final_dir(one, 'rm')}"], three, ranks=2)
+    c = metrics(three, "ppo")
+    assert len(c) == 2 and abs(c[0]["objective/kl"]) < 1e-6  # iteration 1 samples the base model itself
+    merged = load_file(final_dir(three, "ppo") / "model.safetensors")
+    assert merged.keys() == load_file(final_dir(one, "ppo") / "model.safetensors").keys()  # plain names
+    assert (final_dir(three, "ppo") / "critic" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow

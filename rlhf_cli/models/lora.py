@@ -57,8 +57,9 @@ def add_lora(model: torch.nn.Module, lora_cfg: Any, heads: Sequence[str] = (), w
     trainable parameters are then the adapters' A and B and the heads' copies.
 
     Raises:
-        ConfigError: `target_modules` names no module of `model` (the message lists its linear modules), or
-            names a layer that is not `nn.Linear` (the merge into plain weights handles linear layers only).
+        ConfigError: `target_modules` names no module of `model` (the message lists its linear modules), names
+            a layer that is not `nn.Linear` (the merge into plain weights handles linear layers only), or one
+            outside the trunk (the LM head: a LoRA policy's reference reads it with the adapters off).
     """
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
@@ -75,12 +76,17 @@ def add_lora(model: torch.nn.Module, lora_cfg: Any, heads: Sequence[str] = (), w
         raise ConfigError(f"model.lora.target_modules={targets} matches no module of the {what} "
                           f"({type(model).__name__}); its linear modules: {', '.join(linear_module_names(model))}"
                           ) from None
-    wrong = [n for n, m in model.named_modules() if isinstance(m, LoraLayer) and not isinstance(m.base_layer,
-                                                                                                torch.nn.Linear)]
-    if wrong:
-        raise ConfigError(f"model.lora.target_modules={targets} takes {wrong[0]} ({type(wrong[0]).__name__}), "
-                          f"not a linear layer: LoRA here adapts linear layers only "
-                          f"({', '.join(linear_module_names(model))})")
+    adapted = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    trunk = f"{model.base_model_prefix}."
+    for name, m in adapted:
+        if not isinstance(m.base_layer, torch.nn.Linear):
+            raise ConfigError(f"model.lora.target_modules={targets} takes {name} ({type(m.base_layer).__name__}), "
+                              f"not a linear layer: LoRA here adapts linear layers only "
+                              f"({', '.join(linear_module_names(model))})")
+        if not name.startswith(trunk):
+            raise ConfigError(f"model.lora.target_modules={targets} takes {name}, outside the trunk ({trunk}*): "
+                              f"adapters go on the trunk's linear layers (the LM head is the reference's too, and "
+                              f"often tied to the embeddings; scalar heads train in full)")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("LoRA on the %s: r=%d alpha=%g dropout=%g targets=%s heads=%s: %.2fM of %.1fM parameters trained",

@@ -97,6 +97,7 @@ def save_policy(
     critic: torch.nn.Module | None = None,
     critic_sd: dict[str, torch.Tensor] | None = None,
     base: str | None = None,
+    critic_base: str | None = None,
 ) -> None:
     """Write a trained policy to `final` in HF format (rank 0; the state dicts are consolidated ones).
 
@@ -104,7 +105,8 @@ def save_policy(
     `final/` loads with `AutoModelForCausalLM`; a separate critic goes to `final/critic/` (written beside
     `final/` first, then moved in, so a crash leaves no half-written critic inside `final/`).
     `extra_config` is added to the policy's config.json (the `rlhf_*` lineage keys). LoRA models are merged, and
-    their adapters saved in `final/adapter/` and `final/critic/adapter/` (`save_model`; `base`: the base model).
+    their adapters saved in `final/adapter/` and `final/critic/adapter/` (`save_model`; `base`, `critic_base`: the
+    models they adapt, recorded in each adapter's config).
     """
     if isinstance(policy, PolicyWithValueHead):
         lm_sd = {k[len("lm."):]: v for k, v in policy_sd.items() if k.startswith("lm.")}
@@ -114,7 +116,7 @@ def save_policy(
         save_model(policy, policy_sd, tokenizer, final, base, extra_config=extra_config)
     if critic is not None:
         staging = final.parent / "critic"
-        save_model(critic, critic_sd, tokenizer, staging, base)
+        save_model(critic, critic_sd, tokenizer, staging, critic_base)
         if (final / "critic").exists():
             shutil.rmtree(final / "critic")
         os.replace(staging, final / "critic")

@@ -37,6 +37,7 @@ from rlhf_cli.models import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    lora_enabled,
     read_reward_stats,
     require_scalar_model_dir,
     resolve_hf_dir,
@@ -280,6 +281,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         return None
     run_dir = prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
+    if lora_enabled(cfg.model.lora) and engine.is_main():
+        log.warning("model.lora.r=%d has no effect in `rlhf eval`: a LoRA run's final/ holds merged plain weights, "
+                    "evaluated as they are", cfg.model.lora.r)
     policy_path, rm_path = cfg.policy.path, cfg.reward_model.path
     if policy_path is None and rm_path is None:
         target = read_pointer(cfg.paths.root, "ppo")

@@ -90,6 +90,7 @@ class PPOTrainer(PolicyLearner):
         self.maker: ExperienceMaker | None = None  # the rollout half: prompts -> Experience
         self.n_params = 0
         self.trained = ""  # the start table's line on the parameters trained (all, or LoRA's share)
+        self.critic_base: str | None = None  # where a separate critic's trunk came from (its adapter's base)
 
     # -- build -----------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -119,8 +120,12 @@ class PPOTrainer(PolicyLearner):
         cfg, p = self.cfg, self.p
         lora = lora_enabled(cfg.model.lora)
         policy = load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer)
+        self.n_params = count_parameters(policy)
         if lora:
             add_lora(policy, cfg.model.lora, what="policy")
+            if p.offload_reference and not cfg.reference.path:
+                log.warning("ppo.offload_reference=true: with LoRA the reference is the policy with its adapters off, "
+                            "so there is no reference copy to offload (the reward model still is)")
             if cfg.model.lora.dropout:
                 log.warning("model.lora.dropout=%g has no effect in train-ppo: every dropout is off, so that the "
                             "rollout's log-probs and the update's forward see the same function",
@@ -148,7 +153,6 @@ class PPOTrainer(PolicyLearner):
         common = dict(train_batch_size=p.mini_batch_size, micro_batch_size=p.micro_batch_size, total_steps=total,
                       warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
                       max_grad_norm=p.max_grad_norm)
-        self.n_params = count_parameters(policy)
         self.trained = trained_parameters(policy, cfg.model.lora)
         if not self.estimator.needs_critic:  # critic-free: the policy alone
             self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
@@ -158,8 +162,10 @@ class PPOTrainer(PolicyLearner):
         else:
             if p.critic_init == "reward_model" and self.reward_model is not None:
                 critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
+                self.critic_base = abs_path(self.rm_path)
             elif reference is not None:
                 critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
+                self.critic_base = abs_path(cfg.reference.path) if cfg.reference.path else model_source(cfg.model)
             else:  # LoRA: the reference is the base model, loaded here once more for the critic's own trunk
                 critic = load_scalar_model(cfg.model, self.precision, cfg.seed)
             if lora:  # its own adapters on its own trunk, the head trained in full
@@ -169,6 +175,7 @@ class PPOTrainer(PolicyLearner):
             critic = disable_dropout(critic)
             self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
             self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
+        self.critic_base = self.critic_base or model_source(cfg.model)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
         rewards = Rewards(cfg, self.tokenizer, self.reward_model, self.reward_stats, p.micro_batch_size,
@@ -214,8 +221,12 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if cfg.dry_run:
         tr.rm_path = cfg.reward_model.path
         policy = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tr.tokenizer)
+        n_params = count_parameters(policy)
+        if lora_enabled(cfg.model.lora):  # its target modules are checked here too
+            add_lora(policy, cfg.model.lora, what="policy")
         print_table(f"train-ppo (dry run): {run_dir}", {
-            "policy": cfg.model.name, "params (non-embedding)": count_parameters(policy),
+            "policy": cfg.model.name, "params (non-embedding)": n_params,
+            "trained policy params": trained_parameters(policy, cfg.model.lora),
             "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,
             "prompts × samples / mini / micro / world": batches, "advantage estimator": p.advantage_estimator,
             "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
@@ -304,7 +315,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                  "rlhf_reward_sources": reward_sources(cfg), "rlhf_reward_function": cfg.reward.function,
                  "rlhf_advantage_estimator": p.advantage_estimator}
         save_policy(final, tr.actor.module, actor_sd, tr.tokenizer, extra,
-                    tr.critic.module if tr.critic is not None else None, critic_sd, base=model_source(cfg.model))
+                    tr.critic.module if tr.critic is not None else None, critic_sd, base=model_source(cfg.model),
+                    critic_base=tr.critic_base)
         pointer = finish_run(cfg, run_dir, final, "ppo", iterations=done)
         summary = ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")
         print_table("train-ppo finished", {k: record.get(k) for k in summary}

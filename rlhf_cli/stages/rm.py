@@ -53,6 +53,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 
     # 2. model; held-out pairs are scored in `scoring_precision` (fp32 under bf16-autocast by default)
     model = load_scalar_model(cfg.model, cfg.precision, cfg.seed)
+    n_params = count_parameters(model)
     if lora_enabled(cfg.model.lora):  # adapters on the trunk, the head `score` trained in full
         add_lora(model, cfg.model.lora, heads=("score",), what="reward model")
     score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
@@ -64,7 +65,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                     "each epoch reshuffles, so different pairs sit out)", len(train) - dropped, len(train), dropped,
                     rmc.batch_size)
     print_table(f"train-rm: {run_dir}", {
-        "model": cfg.model.name, "params (non-embedding)": count_parameters(model),
+        "model": cfg.model.name, "params (non-embedding)": n_params,
         "trained params": trained_parameters(model, cfg.model.lora),
         "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
         "pairs per epoch": f"{len(train) - dropped} ({dropped} in a partial batch dropped)" if dropped else len(train),

@@ -77,7 +77,7 @@ def test_merged_state_dict_equals_peft_merge_and_loads_into_the_plain_class(tiny
 
 
 def test_bf16_merge_adds_the_delta_in_fp32_and_rounds_once(tiny_model_cfg):
-    model = randomise_adapters(add_lora(load_scalar_model(tiny_model_cfg, "bf16", seed=0), lora()))
+    model = randomise_adapters(add_lora(load_scalar_model(tiny_model_cfg, "bf16", seed=0), lora(), heads=("score",)))
     sd = model.state_dict()
     merged = merged_state_dict(model, sd)
     layer = model.model.layers[0].self_attn.q_proj
@@ -136,7 +136,11 @@ def test_target_modules_naming_nothing_lists_the_linear_modules(tiny_model_cfg):
     assert "q_proj" in msg and "down_proj" in msg
 
 
-def test_target_modules_naming_an_embedding_is_refused(tiny_model_cfg, tokenizer):
+def test_target_modules_naming_an_embedding_or_the_lm_head_is_refused(tiny_model_cfg, tokenizer):
     model = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer)
-    with pytest.raises(ConfigError, match="not a linear layer"):
+    with pytest.raises(ConfigError, match=r"model\.embed_tokens \(Embedding\), not a linear layer"):
         add_lora(model, lora(target_modules=["embed_tokens"]))
+    # the LM head is read by the reference with the adapters off, and tied to the embeddings here
+    model = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match="takes lm_head, outside the trunk"):
+        add_lora(model, lora(target_modules=["q_proj", "lm_head"]))

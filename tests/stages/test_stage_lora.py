@@ -112,6 +112,11 @@ def test_resume_reproduces_the_uninterrupted_lora_run(run_stage):
              "critic/model.safetensors", f"critic/{ADAPTER_DIR}/adapter_model.safetensors")
     final_weights = {name: load_safetensors(run_dir / "final" / name) for name in files}
 
+    # the checkpoints hold adapters, heads and their optimizer state: not the frozen base, nor the embedding
+    # matrix tied to the LM head (DeepSpeed names a tied tensor once)
+    ckpt = sum(f.stat().st_size for f in (run_dir / "ds" / "step-1").rglob("*") if f.is_file())
+    assert ckpt < (run_dir / "final" / "model.safetensors").stat().st_size / 4, ckpt
+
     (run_dir / "ds" / "latest").write_text("step-1\n")
     set_status(run_dir, "running")
     run_stage("train_ppo", [*overrides, f"resume={run_dir}"], run_dir=run_dir)
@@ -131,11 +136,29 @@ def test_resume_reproduces_the_uninterrupted_lora_run(run_stage):
 def test_lora_trains_under_bf16(run_stage, precision):
     from transformers import AutoModelForCausalLM
 
-    _, run_dir, _ = run_stage("train_ppo", [*RUN, *LORA, "ppo.iterations=1", "ppo.actor_lr=1e-2",
-                                            f"precision={precision}"])
+    _, run_dir, cfg = run_stage("train_ppo", [*RUN, *LORA, "ppo.iterations=1", "ppo.actor_lr=1e-2",
+                                              f"precision={precision}"])
     record = read_metrics(run_dir)[-1]
     assert record["policy/loss"] == record["policy/loss"]  # finite
-    AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    trained = AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
+    base = load_causal_lm(cfg.model, cfg.precision, cfg.seed).state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert trained[q].dtype == base[q].dtype
+    assert not torch.equal(trained[q], base[q])  # the update survived the merge and the cast
+
+
+def test_resume_onto_other_base_weights_is_refused(tmp_path):
+    """A LoRA checkpoint leaves the frozen base out; resuming it onto other base weights (the model path now
+    names another model) stops with one line instead of merging the adapters onto the wrong base."""
+    from rlhf_cli.config import ConfigError
+
+    tr = build_trainer(tmp_path / "a", LORA)
+    tr.actor.save(str(tmp_path / "ds"), "step-1", {"step": 1})
+    assert tr.actor.load(str(tmp_path / "ds"), "step-1")["step"] == 1  # the same base: fine
+    other = build_trainer(tmp_path / "b", [*LORA, "seed=1"])  # the tiny model's weights come from the seed
+    with pytest.raises(ConfigError, match="frozen base weights this run rebuilt differ") as e:
+        other.actor.load(str(tmp_path / "ds"), "step-1")
+    assert "\n" not in str(e.value)
 
 
 def test_lora_settings_are_checked_in_one_line(tmp_path):
