@@ -322,7 +322,11 @@ def _check_frozen_record(saved: dict[str, Any] | None, now: dict[str, Any], wher
         raise ConfigError(f"resume: the checkpoint {where} trained other parameters than this run's model "
                           f"({len(saved['trained'])} vs {len(now['trained'])}; e.g. {extra}): resume with the "
                           f"recorded model.lora.* settings")
-    if any(saved[k] != now[k] for k in ("frozen_sum", "frozen_abs_sum", "frozen_numel")):
+    # float64 sums of the same weights agree to summation order (another torch, another device): a relative
+    # 1e-9 of the absolute sum; other weights differ by far more
+    tol = 1e-9 * max(now["frozen_abs_sum"], 1.0)
+    if (saved["frozen_numel"] != now["frozen_numel"] or abs(saved["frozen_sum"] - now["frozen_sum"]) > tol
+            or abs(saved["frozen_abs_sum"] - now["frozen_abs_sum"]) > tol):
         raise ConfigError(f"resume: the frozen base weights this run rebuilt differ from the ones the checkpoint "
                           f"{where} was trained on (sum {now['frozen_sum']:.9g} vs {saved['frozen_sum']:.9g}): the "
                           f"model path or pointer now names other weights; point model.name_or_path at the original")
