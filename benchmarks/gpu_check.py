@@ -75,7 +75,7 @@ def run(cmd: Sequence[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
 
 
 def rlhf(command: str, overrides: Sequence[str], root: Path, log: Path, env: dict[str, str]) -> dict[str, Any]:
-    return run([sys.executable, "-m", "rlhf_cli", command, *overrides, f"paths.root={root}", "tensorboard=false"],
+    return run([sys.executable, "-m", "rlhf_cli", command, *overrides, f"paths.root={root}"],
                log, env)
 
 

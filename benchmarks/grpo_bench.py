@@ -177,7 +177,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"ppo.clip={args.clip}", "ppo.c2=0.0", f"ppo.actor_lr={args.lr}", "ppo.weight_decay=0.0",
         "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
-        f"seed={args.seed}", f"precision={args.precision}", "tensorboard=false", f"paths.root={work / 'runs'}",
+        f"seed={args.seed}", f"precision={args.precision}", f"paths.root={work / 'runs'}",
         C.packing_override(args), *C.lora_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, steps, P, work)
     tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     ev = C.run_child([sys.executable, "-m", "rlhf_cli", "eval", f"model={args.model}",
                       f"policy.path={ours_dir / 'final'}", f"reference.path={spec['model_out']}", "precision=fp32",
                       f"eval.max_new_tokens={args.max_new_tokens}", f"eval.temperature={args.temperature}",
-                      f"eval.num_prompts={args.eval_prompts}", f"seed={args.seed}", "tensorboard=false",
+                      f"eval.num_prompts={args.eval_prompts}", f"seed={args.seed}",
                       f"paths.root={work / 'runs'}", f"hydra.run.dir={eval_dir}"], work / "eval.log")
     C.check_child("rlhf eval", ev)
     res = json.loads((eval_dir / "eval.json").read_text())["results"]

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                  f"rm.betas=[{args.betas[0]},{args.betas[1]}]", f"rm.weight_decay={args.weight_decay}",
                  f"rm.warmup_ratio={args.warmup_ratio}", f"rm.lr_scheduler={args.lr_scheduler}",
                  f"rm.max_grad_norm={args.max_grad_norm}", "rm.eval_every=0", "rm.save_every=0",
-                 f"seed={args.seed}", "tensorboard=false", f"paths.root={work / 'runs'}",
+                 f"seed={args.seed}", f"paths.root={work / 'runs'}",
                  C.packing_override(args), *C.lora_overrides(args)]
     cfg = C.compose("train_rm", overrides)
     tokenizer = load_tokenizer(cfg.model)

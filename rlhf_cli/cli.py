@@ -51,8 +51,7 @@ def command_help(command: str) -> str:
     (`config.COMMAND_KEYS`) with its default and the description written under its field in config.py."""
     import yaml
 
-    from rlhf_cli.config import COMMAND_KEYS, CONFIG_GROUPS, field_docs
-    from rlhf_cli.lineage import leaves
+    from rlhf_cli.config import COMMAND_KEYS, CONFIG_GROUPS, field_docs, leaves
 
     config_name, _, summary = COMMANDS[command]
     conf = Path(__file__).parent / "conf"

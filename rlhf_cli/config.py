@@ -43,6 +43,8 @@ SCORING_PRECISIONS = ("fp32", "same")
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
 # the reward sources `reward.type` / `reward.weights` name
 REWARD_SOURCES = ("model", "checker", "function")
+# the names `logger` takes: `jsonl` and the trackers of runs.TRACKERS (a test keeps the two equal)
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,6 +432,24 @@ class EvalOptions:
     held out), `train`, or `all`."""
 
 
+@dataclass
+class TrackerConfig:
+    """`tracker.*`: how the trackers of `logger` (wandb, mlflow, trackio) name and group a run."""
+
+    project: str = "rlhf_cli"
+    """The wandb project, mlflow experiment and trackio project the run is logged to (TensorBoard has none: a
+    run is its `<run dir>/tb/` dir)."""
+    name: str | None = None
+    """The run's name in wandb, mlflow and trackio; null = the run dir's name (its start time, or a sweep job's
+    number)."""
+    group: str | None = None
+    """The run's group: wandb's and trackio's group, mlflow's tag `sweep`; null = the sweep dir's name
+    (`sweep-<time>`) for a job of a sweep (`-m`), else no group."""
+    mlflow_tracking_uri: str | None = None
+    """Where mlflow stores runs: `sqlite:///<file>.db`, `http://<host>:<port>`, ...; null = `MLFLOW_TRACKING_URI`
+    when set, else mlflow's default (`sqlite:///mlflow.db` in the working directory since mlflow 3)."""
+
+
 # ----------------------------------------------------------------------------------------------
 # primary configs, one per command
 
@@ -487,8 +507,15 @@ class RunConfig:
     """Compose, validate, build data and model, write the run dir and config, print a summary, exit 0."""
     resume: str | None = None
     """null: new run; `true`: continue the newest unfinished run of this stage in place; or a run dir."""
-    tensorboard: bool = True
-    """Also log to TensorBoard when the `tensorboard` package is installed."""
+    logger: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where train-rm and train-ppo send their metrics (rank 0): `jsonl` (`<run dir>/metrics.jsonl`, always on,
+    also when left out) and any of the trackers `tensorboard` (`<run dir>/tb/`), `wandb`, `mlflow`, `trackio`,
+    e.g. `logger=[jsonl,tensorboard,wandb]`. Each tracker runs through its own library, installed by its extra
+    (`pip install -e '.[wandb]'`; `.[trackers]` installs all four), and gets the metric names and values of
+    metrics.jsonl and the resolved config as the run's parameters. A tracker that is not installed or does not
+    start is reported in one line and the run goes on without it."""
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    """The trackers' project, run name and group (`tracker.*`)."""
 
 
 COMMANDS = ("train_rm", "train_ppo", "eval")
@@ -498,8 +525,8 @@ CONFIG_GROUPS = ("model", "data", "deepspeed", "ppo", "experiment")
 # experiment file serves all three; a key given on the command line must be one its command reads)
 _COMMON = ("model", "data", "paths", "precision", "scoring_precision", "seed", "dry_run", "resume", "experiment")
 COMMAND_KEYS = {
-    "train_rm": (*_COMMON, "deepspeed", "rm", "tensorboard"),
-    "train_ppo": (*_COMMON, "deepspeed", "ppo", "reward", "reward_model", "reference", "tensorboard"),
+    "train_rm": (*_COMMON, "deepspeed", "rm", "logger", "tracker"),
+    "train_ppo": (*_COMMON, "deepspeed", "ppo", "reward", "reward_model", "reference", "logger", "tracker"),
     "eval": (*_COMMON, "eval", "reward", "reward_model", "reference", "policy", "run_dir"),
 }
 # what a user of another toolkit (or of another command) most likely meant by a key this command does not read
@@ -509,8 +536,13 @@ _MEANT = {
     ("train_rm", "ppo"): "rm", ("train_ppo", "rm"): "ppo", ("eval", "rm"): "eval", ("eval", "ppo"): "eval",
     ("train_ppo", "rm.lr"): "ppo.actor_lr",
 }
-# switches a shared list of overrides gives every command: where one does nothing, a warning, not an error
-_HARMLESS = ("tensorboard",)
+# sections a shared list of overrides gives every command: where one does nothing, a warning, not an error
+_HARMLESS = ("logger", "tracker")
+# keys that no longer exist -> the one line that says what replaced them
+_REPLACED = {
+    "tensorboard": "tensorboard is no longer a key: TensorBoard is one of the loggers, logger=[jsonl,tensorboard] "
+                   "(without `logger`, metrics go to metrics.jsonl only)",
+}
 
 
 def register_configs() -> None:
@@ -551,6 +583,17 @@ def _attribute_docs() -> dict[tuple[str, str], str]:
     return out
 
 
+def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every leaf of a resolved config container (`OmegaConf.to_container`), e.g.
+    {"ppo.clip": 0.2, "rm.betas": [0.9, 0.95], ...}."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
 def field_docs(schema: Any = None, prefix: str = "") -> dict[str, str | None]:
     """Every dotted config key (`ppo.clip`, `model.arch.hidden_size`) -> its description, the attribute
     docstring written under the field in this file (whitespace folded), or None when it has none (a test
@@ -570,8 +613,8 @@ def field_docs(schema: Any = None, prefix: str = "") -> dict[str, str | None]:
 def check_override_keys(command: str, overrides: list[str]) -> list[str]:
     """Reject `a.b=...` overrides whose key is not in the command's schema, suggesting the closest, and keys
     of the schema the command does not read (`rlhf train-ppo policy.path=...`, see `COMMAND_KEYS`), naming
-    what the user probably meant. Returns a warning line for each harmless switch the command ignores
-    (`tensorboard` in `rlhf eval`).
+    what the user probably meant. Returns a warning line for each harmless key the command ignores
+    (`logger`, `tracker.*` in `rlhf eval`). A key that was replaced (`_REPLACED`: `tensorboard`) says by what.
 
     Group selections (`model=tiny`), Hydra's own keys (`hydra.*`), additions (`+k=v`), deletions
     (`~k`) and flags are left to Hydra. Raises ConfigError naming the key and the closest valid one.
@@ -592,6 +635,8 @@ def check_override_keys(command: str, overrides: list[str]) -> list[str]:
             if ignored:
                 warnings.append(ignored)
             continue
+        if key in _REPLACED:
+            raise ConfigError(_REPLACED[key])
         mine = [k for k in keys if k.split(".")[0] in COMMAND_KEYS.get(command, ())]  # the command's own first
         close = (difflib.get_close_matches(key, mine, n=1, cutoff=0.5)
                  or difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5))
@@ -610,6 +655,8 @@ _VALUE_ERRORS = (
     (r"Invalid type assigned: \w+ is not a subclass of \w+\. value: (.*)",
      lambda key, got: f"is a section of keys, not a value (got '{got}'): set {key}.<key>=<value>"),
     (r"Cannot convert '\w+' to string: '(.*)'", lambda key, got: f"must be a string (got {got})"),
+    (r"Invalid value assigned: \w+ is not a ListConfig, list or tuple",
+     lambda key: f"must be a list in brackets, e.g. {key}=[a,b]"),
 )
 
 
@@ -621,6 +668,8 @@ def explain_composition_error(e: BaseException, overrides: Sequence[str] = ()) -
     text = str(getattr(cause, "msg", None) or cause).strip()
     first = text.splitlines()[0] if text else type(cause).__name__
     key = getattr(cause, "full_key", None)
+    if key in _REPLACED:  # an experiment file that still sets it
+        return _REPLACED[key]
     if key:
         for pattern, say in _VALUE_ERRORS:
             m = re.match(pattern, first)
@@ -653,11 +702,11 @@ def explain_composition_error(e: BaseException, overrides: Sequence[str] = ()) -
 def _check_command_reads(command: str, key: str, keys: dict[str, bool]) -> str | None:
     """Raise ConfigError when `key` (given on the command line) is a key `command` does not read, naming what
     the user probably meant (`rlhf train-ppo policy.path=...` -> `model.name_or_path`); for a harmless switch
-    (`_HARMLESS`) return a warning line instead. None when the command reads it."""
+    (a section in `_HARMLESS`) return a warning line instead. None when the command reads it."""
     section = key.split(".")[0]
     if command not in COMMAND_KEYS or section in COMMAND_KEYS[command] or section not in keys:
         return None
-    if key in _HARMLESS:
+    if section in _HARMLESS:
         return f"{key} has no effect in `rlhf {command.replace('_', '-')}` (it writes no training metrics)"
     readers = [c.replace("_", "-") for c, sections in COMMAND_KEYS.items() if section in sections]
     meant = _MEANT.get((command, key)) or _MEANT.get((command, section))
@@ -757,6 +806,15 @@ def validate_common(cfg: Any) -> None:
            f"got {cfg.paths.keep_checkpoints})")
 
 
+def validate_logging(cfg: Any) -> None:
+    """`logger` (train-rm, train-ppo): known names only; `tracker.project` is a name."""
+    unknown = [str(name) for name in cfg.logger if name not in LOGGERS]
+    _check(not unknown, f"logger: {', '.join(repr(n) for n in unknown)} {'is' if len(unknown) == 1 else 'are'} not "
+                        f"one of {', '.join(LOGGERS)} (e.g. logger=[jsonl,tensorboard])")
+    _check(bool(cfg.tracker.project), "tracker.project must be a non-empty name (the wandb project, mlflow "
+                                      "experiment and trackio project)")
+
+
 def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_name: str) -> None:
     _check(batch > 0 and micro > 0,
            f"{prefix}.{batch_name} ({batch}) and {prefix}.micro_batch_size ({micro}) must be > 0")
@@ -767,6 +825,7 @@ def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_n
 
 def validate_rm(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
+    validate_logging(cfg)
     r = cfg.rm
     _check_finite("rm", r)
     _check(r.lr > 0, f"rm.lr must be > 0 (got {r.lr})")
@@ -790,6 +849,7 @@ def validate_rm(cfg: Any, world_size: int = 1) -> None:
 
 def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
+    validate_logging(cfg)
     p = cfg.ppo
     _check_finite("ppo", p)
     _check(0 <= p.gamma <= 1, f"ppo.gamma (γ) must be in [0, 1] (got {p.gamma})")

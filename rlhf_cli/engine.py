@@ -378,7 +378,8 @@ class TrainEngine:
         self.precision = precision
         self.config = ds_config(ds_cfg, precision, train_batch_size=train_batch_size,
                                 micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
-        frozen_record = _frozen_record(model)  # before ZeRO-3 partitions the weights
+        has_frozen = any(not p.requires_grad for p in model.parameters())
+        frozen_record = _frozen_record(model) if has_frozen else None  # before ZeRO-3 partitions the weights
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
@@ -391,8 +392,7 @@ class TrainEngine:
             dist_init_required=False)
         # frozen weights (LoRA's base) are rebuilt from the model's source on resume: checkpoints leave them out,
         # and record a fingerprint of them (and the trained names) that `load` checks
-        self.has_frozen = any(not p.requires_grad for p in model.parameters())
-        self._frozen_record = frozen_record if self.has_frozen else None
+        self.has_frozen, self._frozen_record = has_frozen, frozen_record
         if self.has_frozen:
             _exclude_tied_frozen(self.engine, model)
         self.grad_accum = self.config["gradient_accumulation_steps"]

@@ -33,10 +33,10 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine
+from rlhf_cli.config import leaves
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lineage import FILE as LINEAGE_FILE
 from rlhf_cli.lineage import MODEL_FILE as MODEL_LINEAGE_FILE
-from rlhf_cli.lineage import leaves
 from rlhf_cli.runs import (
     MetricsLogger,
     atomic_write_text,
@@ -46,6 +46,7 @@ from rlhf_cli.runs import (
     latest_tag,
     save_error,
     set_status,
+    sweep_name,
     write_pointer,
 )
 
@@ -108,8 +109,9 @@ def write_config(cfg: Any, run_dir: Path) -> None:
 
 # what a resumed run may change from its recorded config: its length, save cadence, checkpoint pruning, logging
 RESUMABLE_KEYS = ("rm.max_steps", "rm.epochs", "ppo.iterations", "rm.save_every", "ppo.save_every",
-                  "paths.keep_checkpoints", "rm.eval_every", "rm.log_every", "ppo.sample_every", "tensorboard",
-                  "resume", "dry_run")
+                  "paths.keep_checkpoints", "rm.eval_every", "rm.log_every", "ppo.sample_every", "logger",
+                  "tracker.project", "tracker.name", "tracker.group", "tracker.mlflow_tracking_uri", "resume",
+                  "dry_run")
 
 
 def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
@@ -308,7 +310,7 @@ def is_sweep_job(run_dir: Path) -> bool:
     from hydra.types import RunMode
 
     running = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    return running or Path(run_dir).parent.name.startswith("sweep-")
+    return running or sweep_name(run_dir) is not None
 
 
 def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path | None:

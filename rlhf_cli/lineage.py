@@ -236,13 +236,3 @@ def _same_path(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return abs_path(str(a)) == abs_path(str(b))
-
-
-def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted key: value} of every leaf of a resolved config container."""
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(leaves(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}

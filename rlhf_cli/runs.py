@@ -1,4 +1,4 @@
-"""Run directories, atomic files, pointer files, metrics (JSONL + TensorBoard) and console progress.
+"""Run directories, atomic files, pointer files, metrics (JSONL and the trackers of `logger`) and console progress.
 
 Layout shared by every stage::
 
@@ -7,6 +7,7 @@ Layout shared by every stage::
         .hydra/                           Hydra's composed config and overrides
         <command>.log                     the log
         metrics.jsonl                     one JSON object per logged step
+        tb/, wandb/                       TensorBoard event files, wandb's local files (with those loggers)
         ds/<tag>/                         DeepSpeed checkpoints (every rank writes its shard)
         ds/latest                         tag of the newest complete DeepSpeed checkpoint (atomic)
         final/                            the HF-format model for the next stage
@@ -16,6 +17,7 @@ Layout shared by every stage::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -23,9 +25,12 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_cli.config import TrackerConfig, leaves
 from rlhf_cli.errors import SaveError
 
 log = logging.getLogger(__name__)
@@ -191,24 +196,176 @@ def append_samples(run_dir: Path, iteration: int, samples: dict[str, Any]) -> No
     log.info("sample (iteration %d, score %.3f): %r", iteration, samples["scores"][0], samples["responses"][0][:200])
 
 
+def sweep_name(run_dir: Path | str) -> str | None:
+    """The sweep dir's name (`sweep-<time>`) when `run_dir` is one job of a sweep (`<stage>/sweep-<time>/<job>`),
+    else None."""
+    parent = Path(run_dir).parent.name
+    return parent if parent.startswith("sweep-") else None
+
+
+@dataclass
+class TrackerRun:
+    """What every tracker is told about the run it records (`tracker.*` resolved against the run dir)."""
+
+    run_dir: Path
+    """Where local files go: TensorBoard's `tb/`, wandb's `wandb/`."""
+    project: str
+    """`tracker.project`: wandb project, mlflow experiment, trackio project."""
+    name: str
+    """`tracker.name`, or the run dir's name."""
+    group: str | None
+    """`tracker.group`, or the sweep dir's name for a sweep job, or None."""
+    config: dict[str, Any]
+    """The resolved config, nested as config.yaml."""
+    mlflow_tracking_uri: str | None
+    """`tracker.mlflow_tracking_uri`; None leaves mlflow's own choice (MLFLOW_TRACKING_URI, else its default)."""
+
+
+class Tracker:
+    """One tracker of `logger=[...]`, driven through its own library (imported in `start`, so a missing one
+    is found there). `start` opens the tracker's run and raises when it cannot; `log` sends one step's metrics
+    (finite floats, the names of metrics.jsonl); `close` finishes the run."""
+
+    def start(self, run: TrackerRun) -> None:
+        raise NotImplementedError
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class TensorBoardTracker(Tracker):
+    """Event files in `<run dir>/tb/` (torch.utils.tensorboard); the config as text under the tag `config`."""
+
+    def start(self, run: TrackerRun) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run.run_dir / "tb"))
+        text = json.dumps(run.config, indent=2, default=str)
+        self.writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()))  # a markdown code block
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    """A wandb run (files under `<run dir>/wandb/`); offline when the user sets WANDB_MODE=offline (`wandb sync`
+    uploads it later). The config is the run's config."""
+
+    def start(self, run: TrackerRun) -> None:
+        import wandb
+
+        self.run = wandb.init(project=run.project, name=run.name, group=run.group, config=run.config,
+                              dir=str(run.run_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker(Tracker):
+    """An mlflow run in the experiment `tracker.project`, tagged `sweep=<group>`; the config's leaves are its
+    params (dotted keys, values cut to mlflow's length limit)."""
+
+    def start(self, run: TrackerRun) -> None:
+        import mlflow
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+        if run.mlflow_tracking_uri:
+            mlflow.set_tracking_uri(run.mlflow_tracking_uri)
+        mlflow.set_experiment(run.project)
+        self.run = mlflow.start_run(run_name=run.name, tags={"sweep": run.group} if run.group else None)
+        mlflow.log_params({k: str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in leaves(run.config).items()})
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        import mlflow
+
+        mlflow.log_metrics(metrics, step=step, run_id=self.run.info.run_id)
+
+    def close(self) -> None:
+        import mlflow
+
+        mlflow.end_run()
+
+
+class TrackioTracker(Tracker):
+    """A trackio run (a local SQLite database under TRACKIO_DIR, by default ~/.cache/huggingface/trackio; no
+    dashboard is started: `trackio show` opens one)."""
+
+    def start(self, run: TrackerRun) -> None:
+        import trackio
+
+        group = {"group": run.group} if run.group else {}  # older trackio has no groups
+        self.run = trackio.init(project=run.project, name=run.name, config=run.config, embed=False, **group)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+TRACKERS: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
+                                      "mlflow": MlflowTracker, "trackio": TrackioTracker}
+"""The trackers `logger` may name besides `jsonl` (config.LOGGERS); each is installed by the extra of its name."""
+
+
+def _release(adapter: Tracker) -> None:
+    """Close a tracker that failed (so a half-opened run does not block the next one, e.g. mlflow's active run);
+    it has already been reported, so a second failure here is ignored."""
+    with contextlib.suppress(Exception):
+        adapter.close()
+
+
+def _reason(e: BaseException) -> str:
+    """An exception as one line: `Type: first line of its message`."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 class MetricsLogger:
-    """Append metrics to `<run_dir>/metrics.jsonl` (and TensorBoard when installed); rank 0 only.
+    """Append metrics to `<run_dir>/metrics.jsonl` and send them to the trackers of `logger`; rank 0 only.
 
     Each record is `{"step": int, "time": float, <name>: float, ...}`; non-finite floats are written
-    as null so the file stays valid JSON.
+    as null so the file stays valid JSON. Every tracker gets the same names with their finite values at `step`.
+    A tracker that is not installed or does not start, or that fails while logging, is reported in one
+    warning and left out; metrics.jsonl gets every record regardless.
+
+    loggers: `logger` (`jsonl` is always on); tracker: the `tracker.*` section (default: config.TrackerConfig's
+    defaults); config: the resolved config (nested dict), the trackers' run parameters.
     """
 
-    def __init__(self, run_dir: Path | str, enabled: bool = True, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path | str, enabled: bool = True, loggers: Sequence[str] = ("jsonl",),
+                 tracker: Any = None, config: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
+        self.trackers: dict[str, Tracker] = {}
+        if not enabled:
+            return
+        tracker = tracker if tracker is not None else TrackerConfig()
+        run = TrackerRun(run_dir=Path(run_dir), project=tracker.project, name=tracker.name or Path(run_dir).name,
+                         group=tracker.group or sweep_name(run_dir), config=config or {},
+                         mlflow_tracking_uri=tracker.mlflow_tracking_uri)
+        for name in dict.fromkeys(n for n in loggers if n != "jsonl"):  # in order, once each
+            adapter = TRACKERS[name]()
             try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
-            except Exception:  # tensorboard not installed: JSONL only
-                self.tb = None
+                adapter.start(run)
+            except Exception as e:  # noqa: BLE001 - a tracker that does not start never stops the run
+                hint = f"; pip install -e '.[{name}]' adds it" if isinstance(e, ImportError) else ""
+                log.warning("logger %s: %s (%s%s); the run goes on without it", name,
+                            "not installed" if isinstance(e, ImportError) else "did not start", _reason(e), hint)
+                _release(adapter)
+            else:
+                self.trackers[name] = adapter
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -221,22 +378,31 @@ class MetricsLogger:
                 rec[k] = v
         with open(self.path, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
-            for k, v in rec.items():
-                if k not in ("step", "time") and isinstance(v, float):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        scalars = {k: v for k, v in rec.items() if k not in ("step", "time") and isinstance(v, float)}
+        for name, adapter in list(self.trackers.items()):
+            try:
+                adapter.log(int(step), scalars)
+            except Exception as e:  # noqa: BLE001 - a tracker that breaks is dropped, the run goes on
+                log.warning("logger %s: failed at step %d (%s); the run goes on without it", name, step, _reason(e))
+                del self.trackers[name]
+                _release(adapter)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past `step` (after resuming from a checkpoint taken at `step`)."""
+        """Drop records past `step` (after resuming from a checkpoint taken at `step`). metrics.jsonl only: each
+        start of a run is a new run in the trackers."""
         if not self.enabled or not self.path.is_file():
             return
         keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
         atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        """Finish every tracker's run (a failure is one warning)."""
+        for name, adapter in self.trackers.items():
+            try:
+                adapter.close()
+            except Exception as e:  # noqa: BLE001 - the metrics are in metrics.jsonl either way
+                log.warning("logger %s: did not close cleanly (%s)", name, _reason(e))
+        self.trackers = {}
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:

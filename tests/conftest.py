@@ -56,7 +56,7 @@ def tokenizer(tiny_model_cfg):
         require(False, str(e))
 
 
-SMOKE = ["model=tiny", "precision=fp32", "tensorboard=false"]
+SMOKE = ["model=tiny", "precision=fp32"]
 
 
 @pytest.fixture

@@ -172,15 +172,31 @@ def test_help_lists_the_groups_and_the_keys_each_command_reads_with_their_descri
                                 "ppo.actor_lr? (`rlhf train-ppo --help` lists the keys it reads)"),
     ("train-rm", "ppo.max_steps=3", "unknown config key 'ppo.max_steps' for `rlhf train-rm`; did you mean "
                                     "'rm.max_steps'? (`rlhf train-rm --cfg job` lists every key)"),
+    ("train-ppo", "tensorboard=true",
+     "tensorboard is no longer a key: TensorBoard is one of the loggers, logger=[jsonl,tensorboard] (without "
+     "`logger`, metrics go to metrics.jsonl only)"),
 ])
 def test_a_key_the_command_does_not_read_is_refused_naming_what_was_meant(tmp_path, command, override, line):
     out = rlhf(command, "model=tiny", override, f"paths.root={tmp_path}")
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"error: {line}"]
 
 
-def test_a_harmless_switch_a_command_ignores_is_a_warning(tmp_path):
-    out = rlhf("eval", "model=tiny", "tensorboard=false", "dry_run=true", f"paths.root={tmp_path}")
-    assert "warning: tensorboard has no effect in `rlhf eval` (it writes no training metrics)" in out.stderr
+def test_logging_keys_a_command_ignores_are_a_warning(tmp_path):
+    """One override list for train-rm, train-ppo and eval: eval warns about the logging keys and does not refuse
+    them (here it then stops for its own reason: nothing to evaluate under an empty paths.root)."""
+    out = rlhf("eval", "model=tiny", "logger=[jsonl,tensorboard]", "tracker.project=demo", "dry_run=true",
+               f"paths.root={tmp_path}")
+    warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("warning:")]
+    assert warnings == ["warning: logger has no effect in `rlhf eval` (it writes no training metrics)",
+                        "warning: tracker.project has no effect in `rlhf eval` (it writes no training metrics)"]
+    assert not [ln for ln in out.stderr.splitlines() if ln.startswith("error:") and ("logger" in ln or "tracker" in ln)]
+
+
+def test_an_unknown_logger_is_one_line_naming_the_loggers(tmp_path):
+    out = rlhf("train-rm", "model=tiny", "logger=[jsonl,tensorbord]", f"paths.root={tmp_path}")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: logger: 'tensorbord' is not one of jsonl, tensorboard, wandb, mlflow, trackio "
+        "(e.g. logger=[jsonl,tensorboard])"]
 
 
 def test_a_quoted_comma_value_is_text():
@@ -244,7 +260,7 @@ def test_a_sweep_is_validated_whole_before_any_job_launches(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_jobs_move_no_pointer_and_the_sweep_is_named_at_the_end(tmp_path):
-    out = rlhf("train-rm", "-m", "experiment=smoke", "rm.max_steps=2", "rm.lr=1e-3,2e-3", "tensorboard=false",
+    out = rlhf("train-rm", "-m", "experiment=smoke", "rm.max_steps=2", "rm.lr=1e-3,2e-3",
                f"paths.root={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
     (sweep,) = list((tmp_path / "rm").glob("sweep-*"))
@@ -255,7 +271,7 @@ def test_sweep_jobs_move_no_pointer_and_the_sweep_is_named_at_the_end(tmp_path):
 
 
 def test_resume_true_continues_the_newest_unfinished_run_in_place(tmp_path):
-    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=4", "rm.max_steps=8", "tensorboard=false"]
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=4", "rm.max_steps=8"]
     out = rlhf("train-rm", *common)
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = [p for p in (tmp_path / "rm").iterdir()]
@@ -287,7 +303,7 @@ def test_resume_continues_the_recorded_run_and_refuses_changed_data(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"Is {i} even?", "chosen": "yes" if i % 2 == 0 else "no",
                                          "rejected": "no" if i % 2 == 0 else "yes"}) + "\n" for i in range(40)))
-    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=2", "tensorboard=false"]
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=2"]
     out = rlhf("train-rm", *common, f"data.path={pairs}", "rm.max_steps=4")
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = list((tmp_path / "rm").iterdir())
@@ -311,7 +327,7 @@ def test_resume_continues_the_recorded_run_and_refuses_changed_data(tmp_path):
 
 @pytest.mark.slow
 def test_a_ppo_resume_keeps_the_reward_model_it_started_with(tmp_path):
-    common = ["experiment=smoke", f"paths.root={tmp_path}", "tensorboard=false"]
+    common = ["experiment=smoke", f"paths.root={tmp_path}"]
     assert rlhf("train-rm", *common, "rm.max_steps=2").returncode == 0
     first_rm = (tmp_path / "latest_rm").read_text().strip()
     out = rlhf("train-ppo", *common, "ppo.iterations=1", "ppo.save_every=1")
@@ -329,7 +345,7 @@ def test_a_ppo_resume_keeps_the_reward_model_it_started_with(tmp_path):
 
 
 def test_keep_checkpoints_0_deletes_ds_after_final_and_resume_says_why(tmp_path):
-    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=2", "rm.max_steps=4", "tensorboard=false",
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.save_every=2", "rm.max_steps=4",
               "paths.keep_checkpoints=0"]
     out = rlhf("train-rm", *common)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -345,7 +361,7 @@ def test_sigterm_checkpoints_and_resume_finishes(tmp_path):
     import signal
     import time
 
-    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.max_steps=400", "rm.epochs=50", "tensorboard=false",
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.max_steps=400", "rm.epochs=50",
               "rm.log_every=1"]
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli", "train-rm", *common], cwd=REPO, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

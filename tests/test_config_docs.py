@@ -6,7 +6,7 @@ from pathlib import Path
 from rlhf_cli.config import field_docs
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = "ppo|rm|data|model|eval|paths|deepspeed|reward|reward_model|reference|policy"
+SECTIONS = "ppo|rm|data|model|eval|paths|deepspeed|reward|reward_model|reference|policy|tracker"
 # a key as the docs quote it: `ppo.clip` or `ppo.clip=0.1` (a file name such as `eval.json` is not a key)
 QUOTED_KEY = re.compile(rf"`((?:{SECTIONS})\.[a-z_][a-z_0-9.]*[a-z_0-9])(?:=[^`]*)?`")
 

@@ -126,7 +126,7 @@ def finished_root(tmp_path_factory):
     from rlhf_cli.stages import rm
 
     root = tmp_path_factory.mktemp("finished")
-    cfg = compose("train_rm", ["model=tiny", "precision=fp32", "tensorboard=false", f"paths.root={root}", *TINY_RM])
+    cfg = compose("train_rm", ["model=tiny", "precision=fp32", f"paths.root={root}", *TINY_RM])
     VALIDATORS["train_rm"](cfg)
     rm.run(cfg, root / "rm" / "first")
     return root

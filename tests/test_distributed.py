@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-COMMON = ["experiment=smoke", "tensorboard=false"]
+COMMON = ["experiment=smoke"]
 RM_ARGS = ["train-rm", *COMMON, "rm.max_steps=6"]
 PPO_ARGS = ["train-ppo", *COMMON, "ppo.iterations=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8",
             "ppo.micro_batch_size=2", "ppo.epochs=2", "ppo.max_new_tokens=8", "ppo.kl_target=1.0", "ppo.kl_horizon=100"]

@@ -16,7 +16,7 @@ import pytest
 from stage_helpers import HH_PATH, REPO, SMOLLM2, require
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-SMALL = ["experiment=hh_smollm2", "tensorboard=false", "data.max_samples=40", "data.max_length=192",
+SMALL = ["experiment=hh_smollm2", "data.max_samples=40", "data.max_length=192",
          "data.max_prompt_length=160",
          "paths.keep_checkpoints=0"]  # else ~5 GB of SmolLM2 DeepSpeed state stays on disk
 

@@ -17,7 +17,7 @@ from stage_helpers import REPO, compose, subprocess_env
 from rlhf_cli.config import ConfigError
 from rlhf_cli.preflight import VALIDATORS
 
-TINY = ["model=tiny", "precision=fp32", "tensorboard=false"]
+TINY = ["model=tiny", "precision=fp32"]
 # the smallest train-ppo run that gets to build its models (reward model from reward_model.path); run_stage adds TINY
 TINY_PPO = ["ppo.rollout_batch_size=4", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
             "ppo.max_new_tokens=4", "ppo.iterations=1", "ppo.epochs=1", "data.builtin.ppo_train=8",

@@ -15,7 +15,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-ARGS = ["train-rm", "experiment=smoke", "tensorboard=false", "rm.max_steps=6", "rm.save_every=2", "rm.eval_every=0"]
+ARGS = ["train-rm", "experiment=smoke", "rm.max_steps=6", "rm.save_every=2", "rm.eval_every=0"]
 
 WRAPPER = r"""
 import os, sys, torch, safetensors.torch, transformers.modeling_utils as mu

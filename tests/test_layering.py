@@ -6,9 +6,9 @@ A module may import the package's modules of a LOWER layer, and of its own unit 
     0  core/  errors.py  seeds.py      (core/: torch and the standard library only; errors.py: stdlib only)
     1  config.py                       (third-party: hydra and omegaconf only)
     2  runs.py
-    3  engine.py  data/  models/  report.py  rewards.py  lineage.py
+    3  engine.py  data/  models/  rewards.py  lineage.py
                                        (engine.py: the only module that imports deepspeed)
-    4  preflight.py  lifecycle.py  rollout/
+    4  preflight.py  lifecycle.py  rollout/  report/
     5  stages/                         (a stage imports `stages/common.py`, never another stage)
     6  cli.py                          (it loads a stage by name at run time: no module but a stage
                                         imports a stage, so `rlhf --help` stays light)
@@ -47,8 +47,8 @@ LAYERS = {
     "core": 0, "errors": 0, "seeds": 0,
     "config": 1,
     "runs": 2,
-    "engine": 3, "data": 3, "models": 3, "report": 3, "rewards": 3, "lineage": 3,
-    "preflight": 4, "lifecycle": 4, "rollout": 4,
+    "engine": 3, "data": 3, "models": 3, "rewards": 3, "lineage": 3,
+    "preflight": 4, "lifecycle": 4, "rollout": 4, "report": 4,
     "stages": 5,
     "cli": 6, "__init__": 6,
     "__main__": 7,

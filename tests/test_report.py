@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import os
 import re
 from pathlib import Path
 
@@ -97,34 +98,53 @@ def test_run_summary_table_uses_last_non_null(tmp_path):
     assert "time" not in names and "step" not in names
 
 
-def test_sweep_report_one_summary_table(tmp_path):
+def test_sweep_report_table_shows_what_was_swept_sorted_best_first(tmp_path):
     sweep = tmp_path / "runs" / "rm" / "sweep-2024-01-01_00-00-00"
     only = ("rm/loss", "rm/accuracy", "eval/rm/accuracy")
     write_run(sweep / "0", rm_records(acc_shift=0.0, only=only), overrides=["rm.lr=1e-5", "model=tiny"])
     write_run(sweep / "1", rm_records(acc_shift=0.1, only=only),
               overrides=["rm.lr=3e-5", "model=tiny", "+rm.margin=true"])
+    write_run(sweep / "2", rm_records(acc_shift=0.05, only=only), overrides=["rm.lr=2e-5", "model=tiny"])
     (sweep / "multirun.yaml").write_text("{}\n")
 
     columns, rows = summary_table(sweep)
-    assert columns[:5] == ["job", "state", "rm.lr", "model", "rm.margin"]
-    assert [r[:5] for r in rows] == [["0", "finished", "1e-5", "tiny", ""], ["1", "finished", "3e-5", "tiny", "true"]]
-    acc = columns.index("eval/rm/accuracy")
-    assert [r[acc] for r in rows] == [pytest.approx(0.6), pytest.approx(0.7)]
+    # only the swept keys (model=tiny is the same in every job), then the headline metrics; sorted by held-out
+    # accuracy, best first and marked
+    assert columns == ["job", "rm.lr", "rm.margin", "held-out acc", "train acc", "loss"]
+    assert [r[:3] for r in rows] == [["1 ★", "3e-5", "true"], ["2", "2e-5", ""], ["0", "1e-5", ""]]
+    assert [r[3] for r in rows] == [pytest.approx(0.7), pytest.approx(0.65), pytest.approx(0.6)]
 
     html_path = build_report(sweep)
     assert html_path == sweep / "report" / "report.html"
     text = html_path.read_text()
-    assert text.count("<table>") == 1  # one summary table; jobs contribute curves only
-    for job in ("0", "1"):
-        assert sorted(p.name for p in (sweep / "report" / job).glob("*.png")) == ["rm_accuracy.png", "rm_loss.png"]
-    assert len(embedded_pngs(text)) == len(list((sweep / "report").rglob("*.png")))
+    assert text.count("<table") == 2  # the jobs' table, and the shared settings (folded)
+    assert "<tr class=best><td>1 ★</td>" in text
+    shared = text[text.index("<details><summary>settings shared by every job"):]
+    assert "override model" in shared[:shared.index("</details>")]
+    # one plot per metric, a line per job: the captions name the jobs drawn
+    captions = re.findall(r"<figcaption>([^<]*)</figcaption>", text)
+    assert sorted(c.split(":")[0] for c in captions) == sorted(only)
+    assert all(c.endswith("3 of 3 jobs (1, 2, 0)") for c in captions), captions
+    assert len(embedded_pngs(text)) == len(captions) == len(list((sweep / "report").glob("*.png")))
 
+
+def test_sweep_console_table_fits_80_columns(tmp_path):
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=400)
+    sweep = tmp_path / "runs" / "ppo" / "sweep-2024-01-01_00-00-00"
+    for job, (clip, lr, beta) in enumerate([("0.1", "1e-6", "0.05"), ("0.2", "3e-6", "0.1"), ("0.3", "1e-5", "0.2")]):
+        recs = [{**r, "objective/rlhf_reward": r["objective/rlhf_reward"] + job} for r in ppo_records()]
+        write_run(sweep / str(job), recs, overrides=[f"ppo.clip={clip}", f"ppo.actor_lr={lr}", f"ppo.kl_beta={beta}",
+                                                     "experiment=smoke", "model=tiny"])
+    columns, rows = summary_table(sweep)
+    assert columns == ["job", "ppo.clip", "ppo.actor_lr", "ppo.kl_beta", "reward", "RM score", "KL", "length"]
+    console = Console(file=io.StringIO(), width=80)
     print_summary(console, columns, rows, title="sweep")
     out = console.file.getvalue()
-    assert "rm.lr" in out and "3e-5" in out and "0.7" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    for cell in ("ppo.clip", "ppo.actor_lr", "1e-5", "0.3", "2.495", "RM score", "2 ★"):
+        assert cell in out, (cell, out)
+    assert "…" not in out
 
 
 def test_overrides_parsing(tmp_path):
@@ -164,3 +184,191 @@ def test_sample_std_is_bessel_corrected_and_zero_below_two_values():
     assert sample_std(values) == pytest.approx(statistics.stdev(values), rel=1e-12)
     assert sample_std([1e9 + 1, 1e9 + 2, 1e9 + 3]) == pytest.approx(1.0, rel=1e-12)  # no cancellation
     assert sample_std([5.0]) == 0.0 and sample_std([]) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# an eval's page over the chain RM run → PPO run → eval
+
+
+def policy_results(score_gain=0.5, score_ci=0.1, acc_gain=-0.08, acc_ci=0.05, n=128):
+    from rlhf_cli.core import reward_hacking
+
+    r = {"mode": "policy", "policy": "/x/ppo/a/final", "reference": "ref", "prompts": n,
+         "score_gain": score_gain, "score_gain_ci95": score_ci, "score_gain_rm_std": score_gain / 0.8,
+         "score_gain_rm_std_ci95": score_ci / 0.8, "win_rate": 0.7, "win_rate_ci95_low": 0.62,
+         "win_rate_ci95_high": 0.77, "reference/accuracy": 0.11, "policy/accuracy": 0.11 + acc_gain,
+         "accuracy_gain": acc_gain, "accuracy_gain_ci95": acc_ci, "kl_k1": 3.1, "kl_k1_ci95": 0.4, "kl_k3": 3.3,
+         "kl_k3_ci95": 0.5, "samples": []}
+    return {**r, **reward_hacking(r)}
+
+
+def write_chain(root: Path, results) -> Path:
+    """RM run, PPO run and eval dir as the stages leave them, linked through lineage.json files."""
+    rm = write_run(root / "rm" / "a", rm_records(only=("rm/loss", "rm/accuracy", "eval/rm/accuracy", "rm/margin")))
+    ppo = write_run(root / "ppo" / "b", ppo_records())
+    ev = root / "eval" / "c"
+    ev.mkdir(parents=True)
+    lin = lambda stage, run, parents: json.dumps({"stage": stage, "run_dir": str(run), "parents": parents})  # noqa: E731
+    (rm / "lineage.json").write_text(lin("rm", rm, {"model": {"path": "/hub/tiny"}}))
+    (ppo / "lineage.json").write_text(lin("ppo", ppo, {"reward_model": {"path": str(rm / "final"), "stage": "rm",
+                                                                        "run_dir": str(rm)}}))
+    (ev / "lineage.json").write_text(lin("eval", ev, {
+        "policy": {"path": str(ppo / "final"), "stage": "ppo", "run_dir": str(ppo)},
+        "reward_model": {"path": str(rm / "final"), "stage": "rm", "run_dir": str(rm)}}))
+    (ev / "eval.json").write_text(json.dumps({"results": results, "config": {"eval": {"num_samples": 3},
+                                                                             "seed": 1}}))
+    lines = [{"prompt": f"What is {i} + {i}? " + "long words " * 40, "policy": "The answer is " + "x" * 300,
+              "reference": f"REFERENCE-{i} says {2 * i}", "policy_score": 0.1 * i, "reference_score": -0.1 * i,
+              "policy_length": 20 + i, "reference_length": 10 + i, "policy_correct": 0.0,
+              "reference_correct": 1.0, "policy_function": None, "reference_function": None} for i in range(6)]
+    (ev / "responses.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (ev / "rewards.json").write_text(json.dumps({"policy": [x["policy_score"] for x in lines],
+                                                 "reference": [x["reference_score"] for x in lines]}))
+    return ev
+
+
+def section_titles(text):
+    return re.findall(r"<h2>([^<]*)</h2>", text) + re.findall(r"<summary>([^<]*)</summary>", text)
+
+
+def test_eval_page_over_the_chain_has_the_headline_and_every_section(tmp_path):
+    from rlhf_cli.report import chain_runs
+
+    ev = write_chain(tmp_path, policy_results())
+    assert [(s, p.name) for s, p in chain_runs(ev)] == [("rm", "a"), ("ppo", "b")]
+    text = build_report(ev).read_text()
+    titles = section_titles(text)
+    expected = ["Did RLHF help?", "reward-model training", "PPO training", "reward distributions",
+                "length vs reward", "samples", "every number of eval.json", "config of the rm run",
+                "config of the ppo run", "config of this eval"]
+    for want in expected:
+        assert any(t.startswith(want) for t in titles), (want, titles)
+    headline = text[text.index("<h2>Did RLHF help?</h2>"):text.index("</section>")]
+    assert "+0.62 RM std (95 % interval ± 0.12" in headline  # 0.5 / 0.8 RM std
+    assert "wins 70% of 128 held-out prompts (95 % interval 62%–77%)" in headline
+    assert "accuracy went from 0.110 for the reference to 0.030 for the policy" in headline
+    assert "(a real loss)" in headline
+    assert "3.300 ± 0.500 nats of KL" in headline
+    assert 3 <= headline.count(". ") + 1 <= 6
+    # RM curves with held-out accuracy; the PPO run's curves; each PNG drawn from data
+    rm_pngs = sorted(p.name for p in (ev / "report" / "rm_a").glob("*.png"))
+    assert rm_pngs == ["rm_accuracy.png", "rm_loss.png", "rm_margin.png"]
+    ppo_pngs = {p.name for p in (ev / "report" / "ppo_b").glob("*.png")}
+    assert {"ppo_score.png", "ppo_kl.png", "ppo_kl_beta.png", "ppo_entropy.png", "ppo_length.png", "ppo_eos.png",
+            "ppo_clipfrac.png", "ppo_loss.png", "ppo_explained_var.png"} == ppo_pngs
+    assert len(embedded_pngs(text)) == len(rm_pngs) + len(ppo_pngs) + 2  # + histogram + length vs reward
+    # samples: the first eval.num_samples rows, both columns, scores and the checker's verdict, in a wrapping table
+    samples = text[text.index("<h2>samples"):]
+    samples = samples[:samples.index("</section>")]
+    assert "<table class=wrap>" in samples and samples.count("<tr>") == 1 + 3
+    assert "REFERENCE-2 says 4" in samples and "REFERENCE-3" not in samples
+    assert samples.count("✓") == 3 and samples.count("✗") == 3
+
+
+@pytest.mark.parametrize("gains, verdict", [
+    ((0.5, 0.1, -0.08, 0.05), "warning"),  # RM up beyond its interval, checker down beyond its interval
+    ((0.53, 0.11, -0.04, 0.07), "possible"),  # run B4 of docs/results.md: the checker's interval contains 0
+    ((0.05, 0.1, -0.02, 0.05), "possible"),  # both intervals straddle 0, point estimates apart
+    ((0.5, 0.1, 0.08, 0.05), "none"),  # both rose
+    ((-0.5, 0.1, -0.08, 0.05), "none"),  # the RM score fell too
+])
+def test_hacking_warning_only_when_the_intervals_move_apart(tmp_path, gains, verdict):
+    results = policy_results(*gains)
+    assert results["reward_hacking"] == verdict
+    text = build_report(write_chain(tmp_path, results)).read_text()
+    assert ("<p class=alert>Warning: reward hacking: the RM score rose" in text) == (verdict == "warning")
+    assert ("Possible reward hacking:" in text) == (verdict == "possible")
+
+
+# ----------------------------------------------------------------------------------------------
+# the page as a real browser draws it (headless Chromium, 1300 px wide)
+
+CHROMIUM = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).is_file()), None)
+VIEWPORT = 1300
+# runs after every image has loaded and writes what it measured into the DOM, which --dump-dom then prints
+PROBE = """<script>
+window.addEventListener('load', () => {
+  const wide = [];
+  for (const el of document.querySelectorAll('body *')) {
+    if (el.scrollWidth > el.clientWidth + 1 && getComputedStyle(el).display !== 'inline')
+      wide.push(el.tagName + (el.className ? '.' + el.className : '') + ' ' + el.scrollWidth + '>' + el.clientWidth);
+  }
+  const imgs = [...document.images];
+  const cells = [...document.querySelectorAll('td')].filter(td => td.textContent.includes('REFERENCE-0'));
+  const out = {
+    viewport: window.innerWidth, page: document.documentElement.scrollWidth, wide: wide,
+    images: imgs.length, broken: imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.alt),
+    reference_cells: cells.map(td => { const r = td.getBoundingClientRect();
+                                       return {left: r.left, right: r.right, width: r.width}; }),
+  };
+  const pre = document.createElement('pre'); pre.id = 'probe'; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def render(html_path: Path, tmp_path: Path) -> dict:
+    """What Chromium measured on the page at `VIEWPORT` px (see `PROBE`)."""
+    import subprocess
+
+    page = tmp_path / "probed.html"
+    page.write_text(html_path.read_text().replace("</body>", PROBE + "</body>"))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+             f"--user-data-dir={tmp_path / 'chromium'}", f"--window-size={VIEWPORT},900", "--virtual-time-budget=10000",
+             "--dump-dom", page.as_uri()]
+    out = subprocess.run([CHROMIUM, *flags], capture_output=True, text=True, timeout=120)
+    found = re.search(r'<pre id="probe">(.*?)</pre>', out.stdout, re.S)
+    assert found, f"chromium printed no probe (exit {out.returncode}): {out.stderr[-2000:]}"
+    import html as html_lib
+
+    return json.loads(html_lib.unescape(found.group(1)))
+
+
+@pytest.fixture
+def chromium():
+    if CHROMIUM is None:
+        if os.environ.get("RLHF_REQUIRE_BROWSER"):  # CI installs Debian's chromium: there the test must run
+            pytest.fail("RLHF_REQUIRE_BROWSER is set but chromium is not installed")
+        pytest.skip("chromium not installed (Debian: apt-get install chromium)")
+    return CHROMIUM
+
+
+def test_eval_page_fits_the_browser_and_every_image_loads(tmp_path, chromium):
+    ev = write_chain(tmp_path / "chain", policy_results())
+    got = render(build_report(ev), tmp_path)
+    assert got["viewport"] == VIEWPORT and got["page"] == VIEWPORT  # nothing wider than the window
+    assert got["wide"] == []  # no element scrolls or clips its content: tables wrap
+    assert got["images"] == len(embedded_pngs((ev / "report" / "report.html").read_text())) > 10
+    assert got["broken"] == []
+    (cell,) = got["reference_cells"]  # the reference column of the samples is on screen
+    assert cell["width"] > 100 and cell["right"] <= VIEWPORT
+
+
+def test_browser_check_catches_a_cut_off_table_and_a_broken_image(tmp_path, chromium):
+    """The probe can fail: a no-wrap table wider than the page inside an overflow:hidden box, and an image that
+    does not decode."""
+    from rlhf_cli.report.html import Section, Table, write_html
+
+    page = write_html(tmp_path / "bad" / "report.html", "bad", [Section("samples", tables=[
+        Table(["prompt", "policy", "reference"], [["p", "x" * 600, "REFERENCE-0"]])])])
+    bad_png = tmp_path / "bad.png"
+    bad_png.write_bytes(PNG_MAGIC + b"not a png")
+    text = page.read_text().replace("</style>", ".scroll { overflow: hidden; } td { white-space: nowrap; }</style>")
+    text = text.replace("</body>", f'<img alt="bad" src="data:image/png;base64,'
+                                   f'{base64.b64encode(bad_png.read_bytes()).decode()}"></body>')
+    page.write_text(text)
+    got = render(page, tmp_path)
+    assert any(w.startswith("DIV.scroll") for w in got["wide"])
+    assert got["broken"] == ["bad"]
+    assert got["reference_cells"][0]["left"] > VIEWPORT  # cut off: beyond the window's right edge
+
+
+def test_sweep_page_fits_the_browser_and_every_image_loads(tmp_path, chromium):
+    sweep = tmp_path / "runs" / "ppo" / "sweep-2024-01-01_00-00-00"
+    for job, clip in enumerate(("0.1", "0.2", "0.3")):
+        write_run(sweep / str(job), ppo_records(n=60), overrides=[f"ppo.clip={clip}", "model=tiny"])
+    html_path = build_report(sweep)
+    got = render(html_path, tmp_path)
+    assert got["page"] == VIEWPORT and got["wide"] == [] and got["broken"] == []
+    assert got["images"] == len(re.findall("<figcaption>", html_path.read_text())) == len(ppo_records(n=1)[0]) - 2

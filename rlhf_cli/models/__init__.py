@@ -22,6 +22,7 @@ from rlhf_cli.models.lora import (
     has_lora,
     lora_enabled,
     merged_state_dict,
+    parameter_counts,
     save_adapter,
     without_adapters,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "has_lora",
     "lora_enabled",
     "merged_state_dict",
+    "parameter_counts",
     "save_adapter",
     "without_adapters",
     "Float32Head",

@@ -87,30 +87,39 @@ def add_lora(model: torch.nn.Module, lora_cfg: Any, heads: Sequence[str] = (), w
             raise ConfigError(f"model.lora.target_modules={targets} takes {name}, outside the trunk ({trunk}*): "
                               f"adapters go on the trunk's linear layers (the LM head is the reference's too, and "
                               f"often tied to the embeddings; scalar heads train in full)")
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trained, total = parameter_counts(model)
     log.info("LoRA on the %s: r=%d alpha=%g dropout=%g targets=%s heads=%s: %.2fM of %.1fM parameters trained",
-             what, config.r, config.lora_alpha, config.lora_dropout, targets, list(heads), trainable / 1e6,
+             what, config.r, config.lora_alpha, config.lora_dropout, targets, list(heads), trained / 1e6,
              total / 1e6)
     return model
 
 
-def has_lora(model: Any) -> bool:
-    """Whether `model` (or the module a DeepSpeed engine wraps) carries LoRA adapters."""
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trained, total) parameter counts of a model; `total` counts the model's own weights, not LoRA's adapters
+    and not peft's trained copies of the heads (`modules_to_save`), so that it reads as the model's size."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n and ".modules_to_save." not in n)
+    return trained, total
+
+
+def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from peft.tuners.lora import LoraLayer
 
-    model = getattr(model, "module", model)
-    return any(isinstance(m, LoraLayer) for m in model.modules())
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def has_lora(model: Any) -> bool:
+    """Whether `model` (or the module a DeepSpeed engine wraps) carries LoRA adapters."""
+    return bool(_lora_layers(getattr(model, "module", model)))
 
 
 @contextlib.contextmanager
-def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+def adapters_disabled(model: torch.nn.Module, layers: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
     """For the block, every LoRA layer of `model` computes its base layer alone (peft's `enable_adapters(False)`):
     the function of the model the adapters were added to. The adapters' `requires_grad` flags are put back as
-    they were on exit (peft's toggle resets them)."""
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    they were on exit (peft's toggle resets them). `layers`: the model's LoRA layers when the caller keeps them
+    (found by a walk over every module otherwise)."""
+    layers = _lora_layers(model) if layers is None else layers
     flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
     for m in layers:
         m.enable_adapters(False)
@@ -126,11 +135,11 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 class _TrunkWithoutAdapters:
     """Calls a LoRA model's trunk with the adapters switched off (see `without_adapters`)."""
 
-    def __init__(self, lm: torch.nn.Module, trunk: torch.nn.Module) -> None:
-        self.lm, self.trunk = lm, trunk
+    def __init__(self, lm: torch.nn.Module, trunk: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+        self.lm, self.trunk, self.layers = lm, trunk, layers
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with adapters_disabled(self.lm):
+        with adapters_disabled(self.lm, self.layers):
             return self.trunk(*args, **kwargs)
 
 
@@ -146,6 +155,7 @@ class without_adapters:  # noqa: N801 - reads as a function: `reference = withou
 
     def __init__(self, lm: torch.nn.Module) -> None:
         self._lm = lm
+        self._layers = _lora_layers(lm)  # once: adapters are added before the view is made, never after
 
     @property
     def config(self) -> Any:
@@ -164,7 +174,7 @@ class without_adapters:  # noqa: N801 - reads as a function: `reference = withou
 
     def __getattr__(self, name: str) -> Any:
         if name == self._lm.base_model_prefix:
-            return _TrunkWithoutAdapters(self._lm, getattr(self._lm, name))
+            return _TrunkWithoutAdapters(self._lm, getattr(self._lm, name), self._layers)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 

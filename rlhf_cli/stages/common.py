@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from rlhf_cli import engine
 from rlhf_cli.errors import ConfigError
-from rlhf_cli.models import resolve_hf_dir
+from rlhf_cli.models import parameter_counts, resolve_hf_dir
 
 log = logging.getLogger(__name__)
 console = Console(stderr=False)
@@ -55,9 +55,7 @@ def model_source(model_cfg: Any) -> str | None:
 
 def trained_parameters(model: Any, lora_cfg: Any) -> str:
     """What a stage's start table says of the parameters it trains: all of them, or LoRA's share."""
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # the model's own weights: not the adapters, not peft's trained copies of the heads
-    total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n and ".modules_to_save." not in n)
+    trained, total = parameter_counts(model)
     if trained == total:
         return f"all ({total / 1e6:.1f}M)"
     return f"{trained / 1e6:.2f}M of {total / 1e6:.1f}M (LoRA r={lora_cfg.r}, alpha={lora_cfg.alpha:g})"

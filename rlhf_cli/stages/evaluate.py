@@ -42,13 +42,7 @@ from rlhf_cli.models import (
     require_scalar_model_dir,
     resolve_hf_dir,
 )
-from rlhf_cli.report import (
-    build_report,
-    print_summary,
-    summary_table,
-    write_policy_report,
-    write_rm_report,
-)
+from rlhf_cli.report import RESPONSES_FILE, build_report, eval_headline, is_eval_dir, print_summary, summary_table
 from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.rollout import (
     batched_rewards,
@@ -58,7 +52,7 @@ from rlhf_cli.rollout import (
     score_pairs,
     sequence_kl,
 )
-from rlhf_cli.runs import atomic_write_json, read_pointer, set_status
+from rlhf_cli.runs import atomic_write_json, atomic_write_text, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
 
@@ -101,10 +95,8 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
         "rejected_mean": float(rejected.mean()), "rejected_std": sample_std(rejected.tolist()),
         "data": data.summary,
     }
-    rewards = {"chosen": chosen.tolist(), "rejected": rejected.tolist()}
     if engine.is_main():
-        atomic_write_json(run_dir / "rewards.json", rewards)
-        write_rm_report(run_dir / "report", f"reward model eval: {rm_dir}", results, rewards)
+        atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
     return results
 
 
@@ -227,7 +219,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     if "function" in pol:
         results["function_gain"], results["function_gain_ci95"] = mean_ci95(pol["function"] - ref["function"])
     results.update(reward_hacking(results))
-    if results.get("reward_hacking"):
+    if results.get("reward_hacking", "none") != "none":
         log.warning("%s", results["headline"])
     results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
     results["kl_k3"], results["kl_k3_ci95"] = mean_ci95(pol["kl_k3"])
@@ -237,10 +229,18 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     keys = ["prompt", "policy", "policy_score", "reference", "reference_score"]
     results["samples"] = [dict(zip(keys, s)) for s in samples]
     if engine.is_main():
-        rewards = {"policy": pol["score"].tolist(), "reference": ref["score"].tolist()} if "score" in pol else None
-        if rewards is not None:
-            atomic_write_json(run_dir / "rewards.json", rewards)
-        write_policy_report(run_dir / "report", f"policy eval: {policy_dir}", results, samples, rewards)
+        if "score" in pol:
+            atomic_write_json(run_dir / "rewards.json", {"policy": pol["score"].tolist(),
+                                                         "reference": ref["score"].tolist()})
+        lines = []
+        for i, prompt in enumerate(prompt_texts):  # every prompt's pair, for the report and for the user
+            line = {"prompt": last_user_turn(prompt), "policy": pol["text"][i], "reference": ref["text"][i]}
+            for side, t in (("policy", pol), ("reference", ref)):
+                line[f"{side}_length"] = int(t["length"][i])
+                for key in ("score", "correct", "function"):
+                    line[f"{side}_{key}"] = _get(t, key, i)
+            lines.append(json.dumps(line) + "\n")
+        atomic_write_text(run_dir / RESPONSES_FILE, "".join(lines))
     return results
 
 
@@ -273,7 +273,10 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     if cfg.run_dir:  # report of a past run: nothing to train or load
         path = build_report(cfg.run_dir)
-        if engine.is_main():
+        if engine.is_main() and is_eval_dir(cfg.run_dir):  # an eval's page, rebuilt: its verdict
+            console.print(" ".join(eval_headline(cfg.run_dir)), soft_wrap=True, highlight=False)
+            console.print(f"report: {path}")
+        elif engine.is_main():
             columns, rows = summary_table(cfg.run_dir)
             print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
             console.print(f"report: {path}")
@@ -320,8 +323,11 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             print_summary(console, ["prompt", "policy", "score", "reference", "score"],
                           [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120],
                             s["reference_score"]] for s in results["samples"]], title="samples")
+        report = build_report(run_dir)  # the verdict, then the runs the model came from (eval.json, lineage.json)
         set_status(run_dir, "finished")
-        console.print(f"eval.json: {run_dir / 'eval.json'}\nreport: {run_dir / 'report' / 'report.html'}")
+        if results.get("headline"):
+            console.print(results["headline"], soft_wrap=True, highlight=False)
+        console.print(f"eval.json: {run_dir / 'eval.json'}\nreport: {report}")
     engine.barrier()
     return headline
 

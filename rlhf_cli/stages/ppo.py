@@ -247,7 +247,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "prompts × samples / mini / micro / world": batches,
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",
         "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})"})
-    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
+    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
+                            config=OmegaConf.to_container(cfg, resolve=True))
 
     # 2. resume
     ckpts = Checkpoints(run_dir, {"actor": tr.actor, **({"critic": tr.critic} if tr.critic is not None else {})},

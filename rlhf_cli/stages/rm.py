@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from rlhf_cli import engine, lineage
 from rlhf_cli.core import pairwise_loss, sample_std
@@ -83,7 +84,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         micro_batch_size=rmc.micro_batch_size, total_steps=total_steps,
         warmup_steps=int(rmc.warmup_ratio * total_steps), scheduler=rmc.lr_scheduler,
         weight_decay=rmc.weight_decay, betas=tuple(rmc.betas), max_grad_norm=rmc.max_grad_norm)
-    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), tensorboard=cfg.tensorboard)
+    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
+                            config=OmegaConf.to_container(cfg, resolve=True))
 
     # 4. resume
     ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints)

@@ -111,8 +111,10 @@ def test_saved_adapter_loads_with_peft_onto_the_base_model(tiny_model_cfg, ids, 
     assert loaded.peft_config["default"].base_model_name_or_path == "tiny"
 
 
-def test_adapters_off_give_the_base_model_and_the_policy_keeps_its_own(tiny_model_cfg, tokenizer, ids):
-    base = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer).eval()
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16"])
+def test_adapters_off_give_the_base_model_and_the_policy_keeps_its_own(tiny_model_cfg, tokenizer, ids, precision):
+    """Bit-exact in each precision: with the adapters off, peft's layer runs the base layer's own forward."""
+    base = load_causal_lm(tiny_model_cfg, precision, seed=0, tokenizer=tokenizer).eval()
     policy = randomise_adapters(add_lora(copy.deepcopy(base), lora())).eval()
     flags = {n: p.requires_grad for n, p in policy.named_parameters()}
     P = 4

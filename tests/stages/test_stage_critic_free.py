@@ -102,7 +102,7 @@ def test_reward_function_gets_the_answers_and_its_values_are_the_scores(tmp_path
 ])
 def test_a_bad_reward_function_stops_the_run_with_one_line(tmp_path, body, needle):
     path = reward_file(tmp_path, body)
-    out = subprocess.run([sys.executable, "-m", "rlhf_cli", "train-ppo", "experiment=smoke", "tensorboard=false",
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli", "train-ppo", "experiment=smoke",
                           *GROUPS, "ppo.advantage_estimator=grpo", "reward.type=function", f"reward.function={path}:f",
                           f"paths.root={tmp_path / 'runs'}"],
                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,

@@ -289,28 +289,41 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
     assert (out["policy/accuracy_ci95_low"], out["policy/accuracy_ci95_high"]) == pytest.approx(WILSON_1_OF_6, abs=1e-4)
     assert out["warning"].startswith("too few held-out prompts (6)")
     assert out["reference"] == str(tiny_dirs["reference"])
-    # the checker fell (row 1): hacking exactly when the RM score rose
-    assert out["reward_hacking"] == (out["score_gain"] > 0)
+    # the checker fell (row 1) with an interval containing 0: at most "possible" hacking, when the RM score rose
+    assert out["reward_hacking"] == ("possible" if out["score_gain"] > 0 else "none")
     assert f"checker accuracy {out['accuracy_gain']:+.3f} ± " in out["headline"]
 
 
-def test_reward_hacking_verdict():
+def test_reward_hacking_verdict_is_read_from_the_intervals():
     from rlhf_cli.core import reward_hacking
 
-    rm_up = {"score_gain": 0.5, "score_gain_ci95": 0.1}
+    rm_up = {"score_gain": 0.5, "score_gain_ci95": 0.1}  # interval [0.4, 0.6]: a real rise
     assert reward_hacking({"accuracy_gain": -0.1, "accuracy_gain_ci95": 0.05}) == {}  # no RM: nothing to say
     assert reward_hacking(rm_up) == {}  # nothing checkable
-    out = reward_hacking({**rm_up, "accuracy_gain": -0.04, "accuracy_gain_ci95": 0.07})
-    assert out["reward_hacking"] is True
+    # both moves real and opposite: the warning
+    out = reward_hacking({**rm_up, "accuracy_gain": -0.1, "accuracy_gain_ci95": 0.05})
+    assert out["reward_hacking"] == "warning"
     assert out["headline"].startswith("reward hacking: the RM score rose while checker accuracy fell (RM score "
-                                      "+0.500 ± 0.100; checker accuracy -0.040 ± 0.070;")
+                                      "+0.500 ± 0.100; checker accuracy -0.100 ± 0.050;")
     out = reward_hacking({**rm_up, "accuracy_gain": 0.1, "accuracy_gain_ci95": 0.07, "function_gain": -0.2,
                           "function_gain_ci95": 0.1})
-    assert out["reward_hacking"] is True and "while reward.function fell" in out["headline"]
+    assert out["reward_hacking"] == "warning" and "while reward.function fell" in out["headline"]
+    # run B4 of docs/results.md: the checker's interval contains 0, so only the note
+    out = reward_hacking({"score_gain": 0.53, "score_gain_ci95": 0.11, "accuracy_gain": -0.04,
+                          "accuracy_gain_ci95": 0.07})
+    assert out["reward_hacking"] == "possible" and out["headline"].startswith("possible reward hacking")
+    # both intervals straddle 0, point estimates apart: the note
+    out = reward_hacking({"score_gain": 0.05, "score_gain_ci95": 0.1, "accuracy_gain": -0.02,
+                          "accuracy_gain_ci95": 0.05})
+    assert out["reward_hacking"] == "possible"
+    # the RM interval straddles 0 while the checker really fell: still only the note (the RM rise is not shown)
+    out = reward_hacking({"score_gain": 0.05, "score_gain_ci95": 0.1, "accuracy_gain": -0.2,
+                          "accuracy_gain_ci95": 0.05})
+    assert out["reward_hacking"] == "possible"
     out = reward_hacking({**rm_up, "accuracy_gain": 0.1, "accuracy_gain_ci95": 0.07})
-    assert out["reward_hacking"] is False and out["headline"].startswith("no reward hacking")
+    assert out["reward_hacking"] == "none" and out["headline"].startswith("no reward hacking: the RM score rose")
     out = reward_hacking({"score_gain": -0.5, "score_gain_ci95": 0.1, "accuracy_gain": -0.1, "accuracy_gain_ci95": 0})
-    assert out["reward_hacking"] is False and out["headline"].startswith("the RM score did not rise")
+    assert out["reward_hacking"] == "none" and out["headline"].startswith("no reward hacking: the RM score did not")
 
 
 def test_policy_eval_scores_both_sides_with_the_reward_function(run_stage, tiny_dirs, tokenizer, monkeypatch,
@@ -410,8 +423,22 @@ def test_policy_eval_end_to_end_on_the_smoke_pipeline(pipeline):
         assert 1 <= out[f"{role}/length_mean"] <= MAX_NEW_TOKENS
     assert len(out["samples"]) == 8
     assert saved["config"]["eval"]["max_new_tokens"] == MAX_NEW_TOKENS
-    assert (eval_dir / "report" / "report.html").is_file()
     assert json.loads((eval_dir / "status.json").read_text())["state"] == "finished"
+    # every prompt's pair, as the report reads it
+    lines = [json.loads(ln) for ln in (eval_dir / "responses.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 and [x["policy_score"] for x in lines] == json.loads(
+        (eval_dir / "rewards.json").read_text())["policy"]
+    assert all(x["policy_correct"] in (0.0, 1.0) and 1 <= x["reference_length"] <= MAX_NEW_TOKENS for x in lines)
+    # the page: the verdict, then the RM and PPO runs found through the recorded parents
+    html = (eval_dir / "report" / "report.html").read_text()
+    for title in ("<h2>Did RLHF help?</h2>", f"<h2>reward-model training: {rm_dir.resolve()}</h2>",
+                  f"<h2>PPO training: {ppo_dir.resolve()}</h2>", "<h2>reward distributions</h2>",
+                  "<h2>length vs reward</h2>", "<h2>samples (the first 8 of 8 held-out prompts)</h2>",
+                  "<summary>config of the rm run (a)</summary>", "<summary>config of the ppo run (a)</summary>"):
+        assert title in html, title
+    assert f"wins {out['win_rate']:.0%} of 8 held-out prompts" in html
+    assert (eval_dir / "report" / "rm_a" / "rm_loss.png").is_file()
+    assert (eval_dir / "report" / "ppo_a" / "ppo_kl.png").is_file()
 
 
 def test_report_of_a_past_rm_run(pipeline, run_stage):

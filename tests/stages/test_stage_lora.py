@@ -35,7 +35,7 @@ def lora_rm(tmp_path_factory):
     from rlhf_cli.stages import rm
 
     root = tmp_path_factory.mktemp("lora_rm")
-    cfg = compose("train_rm", ["model=tiny", "precision=fp32", "tensorboard=false", f"paths.root={root}", *RM_RUN])
+    cfg = compose("train_rm", ["model=tiny", "precision=fp32", f"paths.root={root}", *RM_RUN])
     rm.run(cfg, root / "rm" / "run")
     return root / "rm" / "run", cfg
 

@@ -31,7 +31,7 @@ from rlhf_cli.stages.ppo import PPOTrainer
 # 8 rollouts, minibatches of 4, micro-batches of 2 (two accumulation steps per optimizer step),
 # 6 new tokens, a sampling temperature != 1 so a missing `/ T` anywhere shows up.
 TINY_PPO = [
-    "model=tiny", "precision=fp32", "tensorboard=false", "reward.type=checker",
+    "model=tiny", "precision=fp32", "reward.type=checker",
     "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
     "ppo.max_new_tokens=6", "ppo.temperature=0.7", "ppo.iterations=1", "ppo.epochs=1",
 ]

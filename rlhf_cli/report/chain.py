@@ -1,0 +1,235 @@
+"""An eval's page: did RLHF help? The verdict in plain words first, then the runs the evaluated model came from.
+
+`eval_sections(eval_dir, out_dir)` reads what `rlhf eval` wrote into its run dir:
+
+    eval.json          {"results": {...}, "config": {...}}   (the numbers; `mode` is `policy` or `reward_model`)
+    responses.jsonl    policy eval: a line per held-out prompt, {"prompt", "policy", "reference",
+                       "policy_score", "reference_score", "policy_length", "reference_length",
+                       "policy_correct", "reference_correct", "policy_function", "reference_function"}
+                       (null where not measured)
+    rewards.json       the score lists of the histogram (policy/reference, or chosen/rejected)
+    lineage.json       the parents it evaluated (see `rlhf_cli.lineage`)
+
+and walks the recorded parents (eval → policy's PPO run → its reward model's RM run) to draw each training run's
+curves. Sections, in order: the headline (3–5 sentences, and a red box when reward hacking is shown); the RM
+training curves (loss, accuracy with held-out accuracy, margin); the PPO curves; the reward distributions; length
+vs reward; side-by-side samples with their scores and the checker's verdict; every number; each stage's resolved
+config, folded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli import lineage
+from rlhf_cli.report.html import Section, Table
+from rlhf_cli.report.plots import HIST_FILE, plot_length_vs_reward, plot_rewards, plot_run
+from rlhf_cli.report.read import config_rows, flatten, read_config, read_rewards
+
+EVAL_FILE = "eval.json"
+RESPONSES_FILE = "responses.jsonl"
+STAGE_PANELS = {
+    "rm": ("reward-model training", ("rm_loss", "rm_accuracy", "rm_margin")),
+    "ppo": ("PPO training", ("ppo_score", "ppo_kl", "ppo_kl_beta", "ppo_entropy", "ppo_length", "ppo_eos",
+                             "ppo_clipfrac", "ppo_loss", "ppo_explained_var")),
+}
+"""Per training stage: the section's name and the `plots.PANELS` it draws (RM accuracy overlays held-out accuracy;
+the PPO loss panel holds the value loss)."""
+SAMPLE_COLUMNS = ["prompt", "policy", "RM score", "checker", "reference", "RM score", "checker"]
+SAMPLE_WIDTHS = ["18%", "28%", "7%", "7%", "26%", "7%", "7%"]
+
+
+def is_eval_dir(path: Path | str) -> bool:
+    """True when `path` is the run dir of an `rlhf eval` (holds `eval.json`)."""
+    return (Path(path) / EVAL_FILE).is_file()
+
+
+def read_eval(eval_dir: Path | str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(results, config) of `<eval_dir>/eval.json`. Raises ValueError naming the file when it is not JSON."""
+    path = Path(eval_dir) / EVAL_FILE
+    try:
+        obj = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return obj.get("results") or {}, obj.get("config") or {}
+
+
+def read_responses(eval_dir: Path | str) -> list[dict[str, Any]]:
+    """The per-prompt lines of `<eval_dir>/responses.jsonl` (empty when missing: an RM eval, or an older eval)."""
+    path = Path(eval_dir) / RESPONSES_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def chain_runs(run_dir: Path | str) -> list[tuple[str, Path]]:
+    """The training runs a run's models came from, as recorded in `lineage.json` files: [(stage, run dir)],
+    reward-model runs first, then PPO runs, each once; runs whose dir is gone are left out."""
+    found: dict[Path, str] = {}
+    queue = [lineage.read_run(Path(run_dir))]
+    while queue:
+        rec = queue.pop(0)
+        for parent in (rec or {}).get("parents", {}).values():
+            run, stage = parent.get("run_dir"), parent.get("stage")
+            if not run or stage not in STAGE_PANELS or not Path(run).is_dir() or Path(run) in found:
+                continue
+            found[Path(run)] = stage
+            queue.append(lineage.read_run(Path(run)))
+    order = list(STAGE_PANELS)
+    return sorted(((stage, run) for run, stage in found.items()), key=lambda x: order.index(x[0]))
+
+
+# ----------------------------------------------------------------------------------------------
+# the headline
+
+
+def _interval(gain: float, half: float) -> str:
+    return f"{gain:+.3f} ± {half:.3f}"
+
+
+def _moved(gain: float, half: float, up: str, down: str, flat: str) -> str:
+    return up if gain - half > 0 else down if gain + half < 0 else flat
+
+
+def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
+    """(sentences, alert) summing up a policy eval's `results` in plain words: whether the policy beats the
+    reference on the reward model (gain in RM std when known), what the ground truth says (checker, reward
+    function), the KL spent, and the reward-hacking verdict (`core.reward_hacking`: the alert for a "warning",
+    a sentence for a "possible"). Every number comes with its 95 % interval (paired: policy − reference)."""
+    out = []
+    n = r.get("prompts")
+    if "score_gain" in r:
+        if "score_gain_rm_std" in r:
+            amount = (f"{r['score_gain_rm_std']:+.2f} RM std (95 % interval ± {r['score_gain_rm_std_ci95']:.2f}; "
+                      f"{_interval(r['score_gain'], r['score_gain_ci95'])} in RM units)")
+        else:
+            amount = f"{_interval(r['score_gain'], r['score_gain_ci95'])} in RM units (95 % interval)"
+        verb = _moved(r["score_gain"], r["score_gain_ci95"], "beats", "loses to", "does not measurably beat")
+        out.append(f"On the reward model, the policy {verb} the reference: paired score gain {amount}, and it wins "
+                   f"{r['win_rate']:.0%} of {n} held-out prompts (95 % interval {r['win_rate_ci95_low']:.0%}–"
+                   f"{r['win_rate_ci95_high']:.0%}).")
+    else:
+        out.append("No reward model scored these samples, so this eval says nothing about RM score.")
+    truth = False
+    if "accuracy_gain" in r:
+        truth = True
+        change = _moved(r["accuracy_gain"], r["accuracy_gain_ci95"], "a real gain", "a real loss", "within noise")
+        out.append(f"The ground truth (the checker) says: accuracy went from {r['reference/accuracy']:.3f} for the "
+                   f"reference to {r['policy/accuracy']:.3f} for the policy, a paired change of "
+                   f"{_interval(r['accuracy_gain'], r['accuracy_gain_ci95'])} ({change}).")
+    if "function_gain" in r:
+        truth = True
+        change = _moved(r["function_gain"], r["function_gain_ci95"], "a real gain", "a real loss", "within noise")
+        out.append(f"reward.function's mean went from {r['reference/function_mean']:.3f} to "
+                   f"{r['policy/function_mean']:.3f}, a paired change of "
+                   f"{_interval(r['function_gain'], r['function_gain_ci95'])} ({change}).")
+    if not truth:
+        out.append("There is no ground truth for these prompts (no answers for the checker, no reward.function "
+                   "given to rlhf eval): the reward model is the only judge.")
+    if "kl_k3" in r:
+        out.append(f"The policy spent {r['kl_k3']:.3f} ± {r['kl_k3_ci95']:.3f} nats of KL from the reference per "
+                   f"response (k3 estimator; k1 reads {r['kl_k1']:.3f}).")
+    alert = ""
+    verdict = r.get("reward_hacking")
+    if verdict == "warning":
+        alert = f"Warning: {r['headline']}. Both moves lie beyond their 95 % intervals."
+    elif verdict == "possible":
+        out.append("Possible reward hacking: the RM score went up while the ground truth went down, but at least one "
+                   "of the two intervals contains 0; more held-out prompts (eval.num_prompts) would tell.")
+    if r.get("warning"):
+        out.append(f"Caution: {r['warning']}.")
+    return out, alert
+
+
+def rm_headline(r: dict[str, Any]) -> list[str]:
+    """Sentences summing up a reward-model eval's `results`: held-out pairwise accuracy with its interval, ties,
+    and the mean margin."""
+    out = [f"The reward model ranks the chosen response above the rejected one on {r['accuracy']:.1%} of "
+           f"{r['pairs']} held-out pairs (95 % interval {r['accuracy_ci95_low']:.1%}–{r['accuracy_ci95_high']:.1%}; "
+           f"ties count as wrong: {r['ties']}).",
+           f"Its mean margin (chosen − rejected) is {r['margin_mean']:.3f} and its Bradley-Terry loss "
+           f"{r['loss']:.3f} nats (0.693 is a coin)."]
+    if r.get("warning"):
+        out.append(f"Caution: {r['warning']}.")
+    return out
+
+
+def eval_headline(eval_dir: Path | str) -> list[str]:
+    """The headline sentences of an eval dir's page (the alert first when there is one)."""
+    results, _ = read_eval(eval_dir)
+    if results.get("mode") == "reward_model":
+        return rm_headline(results)
+    sentences, alert = policy_headline(results)
+    return [alert, *sentences] if alert else sentences
+
+
+# ----------------------------------------------------------------------------------------------
+# sections
+
+
+def _verdict(correct: Any) -> str:
+    return "–" if correct is None else "✓" if correct >= 0.5 else "✗"
+
+
+def _samples(rows: list[dict[str, Any]], n: int) -> Table:
+    return Table(SAMPLE_COLUMNS, [[x["prompt"], x["policy"], x.get("policy_score"), _verdict(x.get("policy_correct")),
+                                   x["reference"], x.get("reference_score"), _verdict(x.get("reference_correct"))]
+                                  for x in rows[:n]], widths=SAMPLE_WIDTHS)
+
+
+def _length_vs_reward(rows: list[dict[str, Any]], out_dir: Path) -> Section:
+    title = "length vs reward"
+    for key, label in (("score", "RM score"), ("function", "reward.function")):
+        if rows and all(x.get(f"policy_{key}") is not None for x in rows):
+            points = {side: ([x[f"{side}_length"] for x in rows], [x[f"{side}_{key}"] for x in rows])
+                      for side in ("policy", "reference")}
+            path = plot_length_vs_reward(points, out_dir / "length_vs_reward.png", label)
+            return Section(title, images=[path], text=(
+                "Each dot is one held-out response (tokens on x), with a least-squares line per side. A policy "
+                "cloud shifted right along a rising line is the commonest hack: longer, not better."))
+    return Section(title, text="No per-response reward to plot (no reward model and no reward.function).")
+
+
+def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
+    """(page title, sections) of an eval's page, its PNGs written into `out_dir` (see the module docstring)."""
+    results, config = read_eval(eval_dir)
+    runs = chain_runs(eval_dir)
+    if results.get("mode") == "reward_model":
+        title = f"reward model eval: {results.get('reward_model')}"
+        sections = [Section("Is the reward model any good?", text=" ".join(rm_headline(results)))]
+    else:
+        title = f"policy eval: did RLHF help? ({results.get('policy')})"
+        sentences, alert = policy_headline(results)
+        sections = [Section("Did RLHF help?", text=" ".join(sentences), alert=alert)]
+    for stage, run in runs:
+        name, panels = STAGE_PANELS[stage]
+        images = plot_run(run, out_dir / f"{stage}_{run.name}", panels=panels, rewards=False)
+        sections.append(Section(f"{name}: {run}", images=images,
+                                text="" if images else "this run logged none of these metrics"))
+    if not runs:
+        sections.append(Section("training runs", text="No training run of ours was found through the recorded "
+                                                      "parents (lineage.json): only this eval's numbers are shown."))
+    rewards = read_rewards(eval_dir)
+    if rewards:
+        what = "RM score: policy vs reference" if "policy" in rewards else "RM scores: chosen vs rejected"
+        sections.append(Section("reward distributions", images=[plot_rewards(rewards, out_dir / HIST_FILE, what)]))
+    rows = read_responses(eval_dir)
+    if results.get("mode") != "reward_model":
+        sections.append(_length_vs_reward(rows, out_dir))
+        n = int((config.get("eval") or {}).get("num_samples", 8))
+        sections.append(Section(f"samples (the first {min(n, len(rows))} of {len(rows)} held-out prompts)",
+                                tables=[_samples(rows, n)],
+                                text="Both sides answer the same prompt with the same sampling noise."))
+    numbers = [[k, v] for k, v in flatten({k: v for k, v in results.items() if k != "samples"}).items()]
+    sections.append(Section("every number of eval.json", tables=[Table(["metric", "value"], numbers)],
+                            collapsed=True))
+    for stage, run in runs:
+        sections.append(Section(f"config of the {stage} run ({run.name})",
+                                tables=[Table(["key", "value"], config_rows(read_config(run), stage))],
+                                collapsed=True))
+    if config:
+        sections.append(Section("config of this eval", tables=[Table(["key", "value"], config_rows(config, "eval"))],
+                                collapsed=True))
+    return title, sections
