@@ -273,6 +273,7 @@ def run_command(command: str, cfg) -> float | None:
     from rlhf_cli.errors import USER_ERRORS as errors  # the user's mistakes: one line, exit status 2
     from rlhf_cli.errors import SaveError
     from rlhf_cli.lifecycle import command_line_keys, is_sweep_job, mark_failed, resume_config
+    from rlhf_cli.runs import close_open_loggers
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if is_sweep_job(run_dir) and command != "eval":
@@ -295,13 +296,16 @@ def run_command(command: str, cfg) -> float | None:
         # a failed save leaves the run resumable (its message says so), and so does a failed resume attempt
         if not isinstance(e, SaveError) and not cfg.get("resume"):
             mark_failed(run_dir, str(e))
+        close_open_loggers("failed")
         _err(str(e))
         sys.exit(2)
     except Exception as e:  # a crash in our code; the traceback follows
         if not cfg.get("resume"):
             mark_failed(run_dir, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        close_open_loggers("failed")
         raise
     except KeyboardInterrupt:
+        close_open_loggers("killed")
         _err("interrupted (training stages checkpoint before exiting: continue with resume=true)")
         sys.exit(130)
 

@@ -224,7 +224,8 @@ class TrackerRun:
 class Tracker:
     """One tracker of `logger=[...]`, driven through its own library (imported in `start`, so a missing one
     is found there). `start` opens the tracker's run and raises when it cannot; `log` sends one step's metrics
-    (finite floats, the names of metrics.jsonl); `close` finishes the run."""
+    (finite floats, the names of metrics.jsonl); `resume` brings a new start of a resumed run level with
+    metrics.jsonl; `close` finishes the run with its status (`finished`, `failed`, `killed`)."""
 
     def start(self, run: TrackerRun) -> None:
         raise NotImplementedError
@@ -232,7 +233,13 @@ class Tracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
+    def resume(self, step: int, records: list[dict[str, float]]) -> None:
+        """After a resume from the checkpoint at `step`: this start is a new run in the tracker, so the records
+        metrics.jsonl keeps (steps <= `step`) are replayed into it."""
+        for rec in records:
+            self.log(int(rec["step"]), _scalars(rec))
+
+    def close(self, status: str = "finished") -> None:
         raise NotImplementedError
 
 
@@ -242,7 +249,8 @@ class TensorBoardTracker(Tracker):
     def start(self, run: TrackerRun) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run.run_dir / "tb"))
+        self.log_dir = str(run.run_dir / "tb")
+        self.writer = SummaryWriter(log_dir=self.log_dir)
         text = json.dumps(run.config, indent=2, default=str)
         self.writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()))  # a markdown code block
 
@@ -251,7 +259,15 @@ class TensorBoardTracker(Tracker):
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def resume(self, step: int, records: list[dict[str, float]]) -> None:
+        """The same `tb/` dir holds the earlier starts' events: TensorBoard's `purge_step` hides those after the
+        checkpoint, so the curves continue from `step` without a second copy."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step + 1)
+
+    def close(self, status: str = "finished") -> None:
         self.writer.close()
 
 
@@ -268,8 +284,8 @@ class WandbTracker(Tracker):
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str = "finished") -> None:
+        self.run.finish(exit_code=0 if status == "finished" else 1)  # wandb marks a non-zero exit `failed`
 
 
 class MlflowTracker(Tracker):
@@ -291,10 +307,10 @@ class MlflowTracker(Tracker):
 
         mlflow.log_metrics(metrics, step=step, run_id=self.run.info.run_id)
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
         import mlflow
 
-        mlflow.end_run()
+        mlflow.end_run(status=status.upper())  # FINISHED, FAILED, KILLED: mlflow's RunStatus names
 
 
 class TrackioTracker(Tracker):
@@ -310,8 +326,8 @@ class TrackioTracker(Tracker):
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str = "finished") -> None:
+        self.run.finish()  # trackio records no run status
 
 
 TRACKERS: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
@@ -323,7 +339,25 @@ def _release(adapter: Tracker) -> None:
     """Close a tracker that failed (so a half-opened run does not block the next one, e.g. mlflow's active run);
     it has already been reported, so a second failure here is ignored."""
     with contextlib.suppress(Exception):
-        adapter.close()
+        adapter.close("failed")
+
+
+def _scalars(rec: dict[str, Any]) -> dict[str, float]:
+    """The metrics of a metrics.jsonl record that trackers take: its finite numbers, without `step` and `time`."""
+    return {k: float(v) for k, v in rec.items() if k not in ("step", "time") and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+_OPEN: list[MetricsLogger] = []
+"""The loggers whose trackers are open, for `close_open_loggers`."""
+
+
+def close_open_loggers(status: str) -> None:
+    """Finish the trackers of every logger still open, with `status` (`failed`, `killed`): the command line calls
+    this when a run stops on an error or Ctrl-C, so that the trackers record it as such (mlflow would otherwise
+    mark it FINISHED at exit)."""
+    for logger in list(_OPEN):
+        logger.close(status)
 
 
 def _reason(e: BaseException) -> str:
@@ -366,6 +400,8 @@ class MetricsLogger:
                 _release(adapter)
             else:
                 self.trackers[name] = adapter
+        if self.trackers:
+            _OPEN.append(self)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -378,7 +414,7 @@ class MetricsLogger:
                 rec[k] = v
         with open(self.path, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
-        scalars = {k: v for k, v in rec.items() if k not in ("step", "time") and isinstance(v, float)}
+        scalars = _scalars(rec)
         for name, adapter in list(self.trackers.items()):
             try:
                 adapter.log(int(step), scalars)
@@ -388,21 +424,33 @@ class MetricsLogger:
                 _release(adapter)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past `step` (after resuming from a checkpoint taken at `step`). metrics.jsonl only: each
-        start of a run is a new run in the trackers."""
+        """After resuming from a checkpoint taken at `step`: drop metrics.jsonl's records past `step`, and bring
+        each tracker level with it (`Tracker.resume`: TensorBoard purges the later events of its `tb/` dir; a
+        resumed run is a new run in wandb, mlflow and trackio, and gets the kept records replayed)."""
         if not self.enabled or not self.path.is_file():
             return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
+        kept = [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+        kept = [rec for rec in kept if rec.get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
+        for name, adapter in list(self.trackers.items()):
+            try:
+                adapter.resume(step, kept)
+            except Exception as e:  # noqa: BLE001 - as in `log`: the tracker is dropped, the run goes on
+                log.warning("logger %s: failed to resume at step %d (%s); the run goes on without it", name, step,
+                            _reason(e))
+                del self.trackers[name]
+                _release(adapter)
 
-    def close(self) -> None:
-        """Finish every tracker's run (a failure is one warning)."""
+    def close(self, status: str = "finished") -> None:
+        """Finish every tracker's run with `status` (`finished`, `failed`, `killed`); a failure is one warning."""
         for name, adapter in self.trackers.items():
             try:
-                adapter.close()
+                adapter.close(status)
             except Exception as e:  # noqa: BLE001 - the metrics are in metrics.jsonl either way
                 log.warning("logger %s: did not close cleanly (%s)", name, _reason(e))
         self.trackers = {}
+        if self in _OPEN:
+            _OPEN.remove(self)
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:

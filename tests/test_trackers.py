@@ -236,8 +236,8 @@ class Recording(Tracker):
             raise ConnectionError("server went away\nsecond line")
         self.steps.append((step, metrics))
 
-    def close(self):
-        self.closed = True
+    def close(self, status="finished"):
+        self.closed = status
 
 
 @pytest.fixture
@@ -256,7 +256,7 @@ def test_every_tracker_gets_the_finite_numbers_of_the_jsonl_record(tmp_path, rec
         logger.log(step, metrics)
     adapter = logger.trackers["tensorboard"]
     logger.close()
-    assert adapter.closed and logger.trackers == {}
+    assert adapter.closed == "finished" and logger.trackers == {}
     assert adapter.steps[1] == (2, {"rm/loss": 0.61, "objective/kl": 0.013, "lr": 2e-5})  # no NaN, no text
     got = {}
     for step, metrics in adapter.steps:
@@ -351,3 +351,52 @@ def test_train_rm_logs_to_tensorboard_from_the_command_line(tmp_path):
         assert got[name] == [(s, pytest.approx(v, rel=1e-6)) for s, v in points], name
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert '"max_steps": 2' in config_text and os.path.isfile(run_dir / "config.yaml")
+
+
+def test_a_resumed_run_replays_the_kept_records_into_its_new_tracker_run(tmp_path, recording):
+    first = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"], config=CONFIG)
+    for step, metrics in STEPS:
+        first.log(step, metrics)
+    # the process dies after step 3; the run resumes from the checkpoint at step 2
+    again = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"], config=CONFIG)
+    again.truncate_after(2)
+    again.log(3, {"rm/loss": 0.5})
+    adapter = again.trackers["tensorboard"]
+    assert [s for s, _ in adapter.steps] == [1, 2, 3]  # level with metrics.jsonl: kept records, then the new step
+    assert adapter.steps[0][1] == {"rm/loss": 0.6931, "objective/kl": 0.0, "lr": 1e-5, "grad_norm": 2.5}
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_a_resumed_run_continues_tensorboards_curves_without_the_steps_after_the_checkpoint(tmp_path):
+    need("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"], config=CONFIG)
+    for step, metrics in STEPS:
+        first.log(step, metrics)
+    first.close()
+    again = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"], config=CONFIG)
+    again.truncate_after(2)
+    again.log(3, {"rm/loss": 0.5})
+    again.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("rm/loss")] == [(1, 0.6931), (2, 0.61), (3, 0.5)]
+
+
+def test_a_run_that_stops_on_an_error_closes_its_trackers_as_failed(tmp_path, recording, mlflow_uri):
+    from mlflow import MlflowClient
+
+    from rlhf_cli.runs import close_open_loggers
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard", "mlflow"], config=CONFIG,
+                           tracker=TrackerConfig(project="rlhf-fail", mlflow_tracking_uri=uri))
+    logger.log(1, {"rm/loss": 0.7})
+    adapter = logger.trackers["tensorboard"]
+    close_open_loggers("failed")  # what the command line does when a stage raises
+    assert adapter.closed == "failed" and logger.trackers == {}
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("rlhf-fail").experiment_id])
+    assert run.info.status == "FAILED"
+    close_open_loggers("failed")  # nothing left open: a no-op

@@ -108,6 +108,14 @@ def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
+def _adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module peft switches with `enable_adapters`: the LoRA layers, and the heads trained in full through
+    `modules_to_save` (off, such a wrapper runs the original head it keeps)."""
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return [m for m in _lora_layers(model)] + [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
+
+
 def has_lora(model: Any) -> bool:
     """Whether `model` (or the module a DeepSpeed engine wraps) carries LoRA adapters."""
     return bool(_lora_layers(getattr(model, "module", model)))
@@ -115,11 +123,11 @@ def has_lora(model: Any) -> bool:
 
 @contextlib.contextmanager
 def adapters_disabled(model: torch.nn.Module, layers: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
-    """For the block, every LoRA layer of `model` computes its base layer alone (peft's `enable_adapters(False)`):
-    the function of the model the adapters were added to. The adapters' `requires_grad` flags are put back as
-    they were on exit (peft's toggle resets them). `layers`: the model's LoRA layers when the caller keeps them
-    (found by a walk over every module otherwise)."""
-    layers = _lora_layers(model) if layers is None else layers
+    """For the block, every LoRA layer of `model` computes its base layer alone and every head trained through
+    `modules_to_save` is its original (peft's `enable_adapters(False)`): the function of the model the adapters
+    were added to. The adapters' `requires_grad` flags are put back as they were on exit (peft's toggle resets
+    them). `layers`: those modules when the caller keeps them (found by a walk over every module otherwise)."""
+    layers = _adapter_layers(model) if layers is None else layers
     flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
     for m in layers:
         m.enable_adapters(False)
@@ -132,30 +140,34 @@ def adapters_disabled(model: torch.nn.Module, layers: Sequence[torch.nn.Module] 
             p.requires_grad_(flag)
 
 
-class _TrunkWithoutAdapters:
-    """Calls a LoRA model's trunk with the adapters switched off (see `without_adapters`)."""
+class _WithoutAdapters:
+    """Calls one module of a LoRA model (its trunk, a head) with the model's adapters switched off (see
+    `without_adapters`)."""
 
-    def __init__(self, lm: torch.nn.Module, trunk: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
-        self.lm, self.trunk, self.layers = lm, trunk, layers
+    def __init__(self, model: torch.nn.Module, module: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+        self.model, self.inner, self.layers = model, module, layers
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with adapters_disabled(self.lm, self.layers):
-            return self.trunk(*args, **kwargs)
+        with adapters_disabled(self.model, self.layers):
+            return self.inner(*args, **kwargs)
 
 
 class without_adapters:  # noqa: N801 - reads as a function: `reference = without_adapters(policy)`
-    """A LoRA causal LM seen as its base model, sharing its weights: the reference policy of a LoRA run (TRL and
-    OpenRLHF do the same), with no second copy of the weights.
+    """A LoRA model seen as its base model, sharing its weights: the reference policy of a LoRA run (TRL and
+    OpenRLHF do the same), or the reward model under a LoRA critic grown from it, with no second copy of the
+    weights.
 
-    It answers what the package's forwards read from a causal LM (`config`, `base_model_prefix`, the trunk under
-    that name, `lm_head`, `parameters()`); the trunk runs with every adapter off for that one call, so the policy
-    itself may run with its adapters between two of the reference's calls. The LM head carries no adapter
-    (`target_modules=all-linear` leaves it out). Not an `nn.Module`: nothing can train or move it by mistake.
+    It answers what the package's forwards read from a causal LM or a scalar model (`config`,
+    `base_model_prefix`, the trunk under that name, `lm_head`, `score`, `parameters()`); the trunk and the
+    scalar head run with every adapter off for that one call (the head as the original that peft's
+    `modules_to_save` keeps), so the trained model itself may run with its adapters between two of the view's
+    calls. The LM head carries no adapter (`target_modules=all-linear` leaves it out). Not an `nn.Module`:
+    nothing can train or move it by mistake.
     """
 
-    def __init__(self, lm: torch.nn.Module) -> None:
-        self._lm = lm
-        self._layers = _lora_layers(lm)  # once: adapters are added before the view is made, never after
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._lm = model
+        self._layers = _adapter_layers(model)  # once: adapters are added before the view is made, never after
 
     @property
     def config(self) -> Any:
@@ -173,8 +185,8 @@ class without_adapters:  # noqa: N801 - reads as a function: `reference = withou
         return self._lm.parameters()
 
     def __getattr__(self, name: str) -> Any:
-        if name == self._lm.base_model_prefix:
-            return _TrunkWithoutAdapters(self._lm, getattr(self._lm, name), self._layers)
+        if name in (self._lm.base_model_prefix, "score"):
+            return _WithoutAdapters(self._lm, getattr(self._lm, name), self._layers)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli import lineage
+from rlhf_cli.core import reward_hacking
 from rlhf_cli.report.html import Section, Table
 from rlhf_cli.report.plots import HIST_FILE, plot_length_vs_reward, plot_rewards, plot_run
 from rlhf_cli.report.read import config_rows, flatten, read_config, read_rewards
@@ -37,7 +38,6 @@ STAGE_PANELS = {
 }
 """Per training stage: the section's name and the `plots.PANELS` it draws (RM accuracy overlays held-out accuracy;
 the PPO loss panel holds the value loss)."""
-SAMPLE_COLUMNS = ["prompt", "policy", "RM score", "checker", "reference", "RM score", "checker"]
 SAMPLE_WIDTHS = ["18%", "28%", "7%", "7%", "26%", "7%", "7%"]
 
 
@@ -68,17 +68,28 @@ def chain_runs(run_dir: Path | str) -> list[tuple[str, Path]]:
     """The training runs a run's models came from, as recorded in `lineage.json` files: [(stage, run dir)],
     reward-model runs first, then PPO runs, each once; runs whose dir is gone are left out."""
     found: dict[Path, str] = {}
-    queue = [lineage.read_run(Path(run_dir))]
+    queue = [_lineage(Path(run_dir))]
     while queue:
         rec = queue.pop(0)
-        for parent in (rec or {}).get("parents", {}).values():
+        parents = rec.get("parents") if isinstance(rec, dict) else None
+        for parent in (parents.values() if isinstance(parents, dict) else []):
+            if not isinstance(parent, dict):
+                continue
             run, stage = parent.get("run_dir"), parent.get("stage")
-            if not run or stage not in STAGE_PANELS or not Path(run).is_dir() or Path(run) in found:
+            if not isinstance(run, str) or stage not in STAGE_PANELS or not Path(run).is_dir() or Path(run) in found:
                 continue
             found[Path(run)] = stage
-            queue.append(lineage.read_run(Path(run)))
+            queue.append(_lineage(Path(run)))
     order = list(STAGE_PANELS)
     return sorted(((stage, run) for run, stage in found.items()), key=lambda x: order.index(x[0]))
+
+
+def _lineage(run_dir: Path) -> Any:
+    """A run's lineage record, or None when it is missing or unreadable (a parent's files are not the eval's)."""
+    try:
+        return lineage.read_run(run_dir)
+    except (OSError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,13 +104,26 @@ def _moved(gain: float, half: float, up: str, down: str, flat: str) -> str:
     return up if gain - half > 0 else down if gain + half < 0 else flat
 
 
+def _bounds(r: dict[str, Any], key: str) -> str:
+    """` (95 % interval a–b)` of a proportion from `<key>_ci95_low/_high`, or from an older eval's `<key>_ci95`
+    half-width; "" when neither was stored."""
+    if f"{key}_ci95_low" in r and f"{key}_ci95_high" in r:
+        low, high = r[f"{key}_ci95_low"], r[f"{key}_ci95_high"]
+    elif f"{key}_ci95" in r:
+        low, high = r[key] - r[f"{key}_ci95"], r[key] + r[f"{key}_ci95"]
+    else:
+        return ""
+    return f" (95 % interval {low:.1%}–{high:.1%})"
+
+
 def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
-    """(sentences, alert) summing up a policy eval's `results` in plain words: whether the policy beats the
-    reference on the reward model (gain in RM std when known), what the ground truth says (checker, reward
-    function), the KL spent, and the reward-hacking verdict (`core.reward_hacking`: the alert for a "warning",
-    a sentence for a "possible"). Every number comes with its 95 % interval (paired: policy − reference)."""
+    """(sentences, alert) summing up a policy eval's `results` in plain words, at most 5 sentences: whether the
+    policy beats the reference on the reward model (gain in RM std when known), what the ground truth says
+    (checker, reward function), the KL spent, the reward-hacking verdict (`core.reward_hacking`, read from the
+    intervals: the alert for a "warning", a sentence for a "possible"), and a small-sample caution. Every number
+    comes with its 95 % interval (paired: policy − reference). An older eval's results (a boolean verdict) get
+    the verdict recomputed from their gains."""
     out = []
-    n = r.get("prompts")
     if "score_gain" in r:
         if "score_gain_rm_std" in r:
             amount = (f"{r['score_gain_rm_std']:+.2f} RM std (95 % interval ± {r['score_gain_rm_std_ci95']:.2f}; "
@@ -107,34 +131,36 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
         else:
             amount = f"{_interval(r['score_gain'], r['score_gain_ci95'])} in RM units (95 % interval)"
         verb = _moved(r["score_gain"], r["score_gain_ci95"], "beats", "loses to", "does not measurably beat")
-        out.append(f"On the reward model, the policy {verb} the reference: paired score gain {amount}, and it wins "
-                   f"{r['win_rate']:.0%} of {n} held-out prompts (95 % interval {r['win_rate_ci95_low']:.0%}–"
-                   f"{r['win_rate_ci95_high']:.0%}).")
+        wins = (f", and it wins {r['win_rate']:.0%} of {r.get('prompts')} held-out prompts{_bounds(r, 'win_rate')}"
+                if "win_rate" in r else "")
+        out.append(f"On the reward model, the policy {verb} the reference: paired score gain {amount}{wins}.")
     else:
         out.append("No reward model scored these samples, so this eval says nothing about RM score.")
-    truth = False
+    truths = []
     if "accuracy_gain" in r:
-        truth = True
         change = _moved(r["accuracy_gain"], r["accuracy_gain_ci95"], "a real gain", "a real loss", "within noise")
-        out.append(f"The ground truth (the checker) says: accuracy went from {r['reference/accuracy']:.3f} for the "
-                   f"reference to {r['policy/accuracy']:.3f} for the policy, a paired change of "
-                   f"{_interval(r['accuracy_gain'], r['accuracy_gain_ci95'])} ({change}).")
+        truths.append(f"checker accuracy went from {r['reference/accuracy']:.3f} for the reference to "
+                      f"{r['policy/accuracy']:.3f} for the policy, a paired change of "
+                      f"{_interval(r['accuracy_gain'], r['accuracy_gain_ci95'])} ({change})")
     if "function_gain" in r:
-        truth = True
         change = _moved(r["function_gain"], r["function_gain_ci95"], "a real gain", "a real loss", "within noise")
-        out.append(f"reward.function's mean went from {r['reference/function_mean']:.3f} to "
-                   f"{r['policy/function_mean']:.3f}, a paired change of "
-                   f"{_interval(r['function_gain'], r['function_gain_ci95'])} ({change}).")
-    if not truth:
+        truths.append(f"reward.function's mean went from {r['reference/function_mean']:.3f} to "
+                      f"{r['policy/function_mean']:.3f}, a paired change of "
+                      f"{_interval(r['function_gain'], r['function_gain_ci95'])} ({change})")
+    if truths:
+        out.append(f"The ground truth says: {'; '.join(truths)}.")
+    else:
         out.append("There is no ground truth for these prompts (no answers for the checker, no reward.function "
                    "given to rlhf eval): the reward model is the only judge.")
     if "kl_k3" in r:
         out.append(f"The policy spent {r['kl_k3']:.3f} ± {r['kl_k3_ci95']:.3f} nats of KL from the reference per "
                    f"response (k3 estimator; k1 reads {r['kl_k1']:.3f}).")
+    verdict, line = r.get("reward_hacking"), r.get("headline")
+    if not isinstance(verdict, str):  # an eval written before the verdict was read from intervals
+        verdict, line = (lambda v: (v.get("reward_hacking"), v.get("headline")))(reward_hacking(r))
     alert = ""
-    verdict = r.get("reward_hacking")
     if verdict == "warning":
-        alert = f"Warning: {r['headline']}. Both moves lie beyond their 95 % intervals."
+        alert = f"Warning: {line}. Both moves lie beyond their 95 % intervals."
     elif verdict == "possible":
         out.append("Possible reward hacking: the RM score went up while the ground truth went down, but at least one "
                    "of the two intervals contains 0; more held-out prompts (eval.num_prompts) would tell.")
@@ -147,10 +173,9 @@ def rm_headline(r: dict[str, Any]) -> list[str]:
     """Sentences summing up a reward-model eval's `results`: held-out pairwise accuracy with its interval, ties,
     and the mean margin."""
     out = [f"The reward model ranks the chosen response above the rejected one on {r['accuracy']:.1%} of "
-           f"{r['pairs']} held-out pairs (95 % interval {r['accuracy_ci95_low']:.1%}–{r['accuracy_ci95_high']:.1%}; "
-           f"ties count as wrong: {r['ties']}).",
-           f"Its mean margin (chosen − rejected) is {r['margin_mean']:.3f} and its Bradley-Terry loss "
-           f"{r['loss']:.3f} nats (0.693 is a coin)."]
+           f"{r.get('pairs')} held-out pairs{_bounds(r, 'accuracy')}; ties count as wrong: {r.get('ties', '?')}.",
+           f"Its mean margin (chosen − rejected) is {r.get('margin_mean', float('nan')):.3f} and its Bradley-Terry "
+           f"loss {r.get('loss', float('nan')):.3f} nats (0.693 is a coin)."]
     if r.get("warning"):
         out.append(f"Caution: {r['warning']}.")
     return out
@@ -174,9 +199,14 @@ def _verdict(correct: Any) -> str:
 
 
 def _samples(rows: list[dict[str, Any]], n: int) -> Table:
-    return Table(SAMPLE_COLUMNS, [[x["prompt"], x["policy"], x.get("policy_score"), _verdict(x.get("policy_correct")),
-                                   x["reference"], x.get("reference_score"), _verdict(x.get("reference_correct"))]
-                                  for x in rows[:n]], widths=SAMPLE_WIDTHS)
+    """The first `n` prompts side by side: each reply with its RM score (reward.function's when no reward model
+    scored them) and the checker's verdict."""
+    key, label = ("function", "function") if rows and rows[0].get("policy_score") is None \
+        and rows[0].get("policy_function") is not None else ("score", "RM score")
+    columns = ["prompt", "policy", label, "checker", "reference", label, "checker"]
+    return Table(columns, [[x.get("prompt"), x.get("policy"), x.get(f"policy_{key}"),
+                            _verdict(x.get("policy_correct")), x.get("reference"), x.get(f"reference_{key}"),
+                            _verdict(x.get("reference_correct"))] for x in rows[:n]], widths=SAMPLE_WIDTHS)
 
 
 def _length_vs_reward(rows: list[dict[str, Any]], out_dir: Path) -> Section:
@@ -189,6 +219,8 @@ def _length_vs_reward(rows: list[dict[str, Any]], out_dir: Path) -> Section:
             return Section(title, images=[path], text=(
                 "Each dot is one held-out response (tokens on x), with a least-squares line per side. A policy "
                 "cloud shifted right along a rising line is the commonest hack: longer, not better."))
+    if not rows:
+        return Section(title, text=f"This eval predates {RESPONSES_FILE}: run `rlhf eval` again for this plot.")
     return Section(title, text="No per-response reward to plot (no reward model and no reward.function).")
 
 
@@ -203,9 +235,9 @@ def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
         title = f"policy eval: did RLHF help? ({results.get('policy')})"
         sentences, alert = policy_headline(results)
         sections = [Section("Did RLHF help?", text=" ".join(sentences), alert=alert)]
-    for stage, run in runs:
+    for i, (stage, run) in enumerate(runs):
         name, panels = STAGE_PANELS[stage]
-        images = plot_run(run, out_dir / f"{stage}_{run.name}", panels=panels, rewards=False)
+        images = plot_run(run, out_dir / f"{i}_{stage}_{run.name}", panels=panels, rewards=False)
         sections.append(Section(f"{name}: {run}", images=images,
                                 text="" if images else "this run logged none of these metrics"))
     if not runs:
@@ -219,8 +251,11 @@ def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
     if results.get("mode") != "reward_model":
         sections.append(_length_vs_reward(rows, out_dir))
         n = int((config.get("eval") or {}).get("num_samples", 8))
-        sections.append(Section(f"samples (the first {min(n, len(rows))} of {len(rows)} held-out prompts)",
-                                tables=[_samples(rows, n)],
+        shown = rows or [{"prompt": x.get("prompt"), "policy": x.get("policy"), "reference": x.get("reference"),
+                          "policy_score": x.get("policy_score"), "reference_score": x.get("reference_score")}
+                         for x in results.get("samples") or []]  # an older eval: its stored samples
+        of = f"{len(rows)} held-out prompts" if rows else f"{results.get('prompts')} held-out prompts"
+        sections.append(Section(f"samples (the first {min(n, len(shown))} of {of})", tables=[_samples(shown, n)],
                                 text="Both sides answer the same prompt with the same sampling noise."))
     numbers = [[k, v] for k, v in flatten({k: v for k, v in results.items() if k != "samples"}).items()]
     sections.append(Section("every number of eval.json", tables=[Table(["metric", "value"], numbers)],

@@ -60,10 +60,15 @@ def job_label(job: Path, swept: dict[str, str]) -> str:
 def summarize(jobs: list[Path]) -> SweepSummary:
     """The sweep table of `jobs` (run dirs of one sweep, in job order)."""
     overrides = {j: read_overrides(j) for j in jobs}
+    configs = {j: flatten(read_config(j)) for j in jobs}
     records = {j: load_records(j) for j in jobs}
-    keys = list(dict.fromkeys(k for o in overrides.values() for k in o))
-    swept = [k for k in keys if len({overrides[j].get(k) for j in jobs}) > 1]
-    shared_overrides = {k: overrides[jobs[0]][k] for k in keys if k not in swept}
+    value = {j: _settings(overrides[j], configs[j]) for j in jobs}
+    keys = [k for k in dict.fromkeys(k for o in overrides.values() for k in o) if k != "resume"]
+    # a resumed job lacks the group choices of its first start (`model=tiny`: no config leaf says it): it does not
+    # count against a key it has no value for
+    swept = [k for k in keys if len({_canonical(value[j].get(k, "")) for j in jobs
+                                     if k in value[j] or "resume" not in overrides[j]}) > 1]
+    shared_overrides = {k: value[jobs[0]].get(k, "") for k in keys if k not in swept}
     stage = run_stage(jobs[0], records[jobs[0]])
     logged = set().union(*(metric_names(r) for r in records.values()))
     headline = [h for h in HEADLINE_METRICS.get(stage, ()) if h[0] in logged]
@@ -73,7 +78,7 @@ def summarize(jobs: list[Path]) -> SweepSummary:
     show_state = any(s != "finished" for s in states.values())
     columns = ["job", *(["state"] if show_state else []), *swept, *(label for _, label, _ in headline)]
     finals = {j: final_metrics(records[j]) for j in jobs}
-    rows = {j: [j.name, *([states[j]] if show_state else []), *(overrides[j].get(k, "") for k in swept),
+    rows = {j: [j.name, *([states[j]] if show_state else []), *(value[j].get(k, "") for k in swept),
                 *(finals[j].get(m, {}).get("final") for m, _, _ in headline)] for j in jobs}
     sort_by = next(((m, d) for m, _, d in headline if d and any(finals[j].get(m, {}).get("final") is not None
                                                                  for j in jobs)), None)
@@ -86,10 +91,24 @@ def summarize(jobs: list[Path]) -> SweepSummary:
         order = valued + [j for j in jobs if j not in valued]
         best = 0
         rows[order[0]][0] = f"{order[0].name} ★"
-    configs = [flatten(read_config(j)) for j in jobs]
-    same = {k: v for k, v in configs[0].items() if all(c.get(k, object()) == v for c in configs[1:])}
+    first, *rest = (configs[j] for j in jobs)
+    same = {k: v for k, v in first.items() if all(c.get(k, object()) == v for c in rest)}
     return SweepSummary(columns, [rows[j] for j in order], best, sort_by[0] if sort_by else None,
                         {**{f"override {k}": v for k, v in shared_overrides.items()}, **same}, order)
+
+
+def _settings(overrides: dict[str, str], config: dict[str, Any]) -> dict[str, str]:
+    """A job's settings by key: its command-line overrides, and for every other key its recorded config value (a
+    resumed job's `.hydra/overrides.yaml` holds only `resume=...`: Hydra rewrites it at each start)."""
+    return {**{k: str(v) for k, v in config.items()}, **overrides}
+
+
+def _canonical(value: str) -> Any:
+    """A setting as compared across jobs: `1e-5` (typed) and `1e-05` (recorded) are the same number."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def _file_stem(metric: str) -> str:
@@ -99,10 +118,10 @@ def _file_stem(metric: str) -> str:
 def sweep_sections(sweep: Path, jobs: list[Path], out_dir: Path) -> list[Section]:
     """The sweep page's sections, with one PNG per metric written to `out_dir` (`<metric>.png`, a line per job)."""
     summary = summarize(jobs)
-    overrides = {j: read_overrides(j) for j in jobs}
-    swept = [c for c in summary.columns if c in set().union(*overrides.values())]
+    value = {j: _settings(read_overrides(j), flatten(read_config(j))) for j in jobs}
+    swept = [c for c in summary.columns if any(c in v for v in value.values()) and c not in ("job", "state")]
     records = {j: load_records(j) for j in jobs}
-    labels = {j: job_label(j, {k: overrides[j].get(k, "") for k in swept}) for j in jobs}
+    labels = {j: job_label(j, {k: value[j].get(k, "") for k in swept}) for j in jobs}
     order = "job order" if summary.sort_by is None else f"sorted by {summary.sort_by}, best marked ★"
     sections = [
         Section("summary", text=f"{len(jobs)} jobs of {sweep.resolve()}; {order}. Columns: the swept settings and "

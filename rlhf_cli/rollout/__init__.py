@@ -26,8 +26,8 @@ from rlhf_cli.rollout.learner import Losses, PolicyLearner
 from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
 from rlhf_cli.rollout.policy import (
+    FrozenWithoutAdapters,
     PolicyWithValueHead,
-    ReferenceWithoutAdapters,
     critic_values,
     disable_dropout,
     has_value_head,
@@ -52,7 +52,7 @@ __all__ = [
     "PerRowSampler",
     "PolicyLearner",
     "PolicyWithValueHead",
-    "ReferenceWithoutAdapters",
+    "FrozenWithoutAdapters",
     "Rewards",
     "batched_rewards",
     "call_on_every_rank",

@@ -58,14 +58,15 @@ def lm_of(model: Any) -> Any:
     return model.lm if isinstance(model, PolicyWithValueHead) else model
 
 
-class ReferenceWithoutAdapters:
-    """The reference policy of a LoRA run: the trained policy's own weights with its adapters off
-    (`models.without_adapters`), so no second copy of the base weights is held. It reads as an
-    `engine.FrozenModel` does (`module`, `autocast()`, `on_device()`); its passes run under no_grad like that
-    model's, and it is never offloaded (its weights are the policy's)."""
+class FrozenWithoutAdapters:
+    """A LoRA model with its adapters off (`models.without_adapters`), read as an `engine.FrozenModel` is
+    (`module`, `autocast()`, `on_device()`): the reference policy of a LoRA run (the trained policy's own
+    weights), or the reward model under a LoRA critic grown from it (the critic's own weights, its head the
+    original that peft keeps). No second copy of the base weights is held; the passes run under no_grad as that
+    model's do, and it is never offloaded (its weights are the trained model's)."""
 
-    def __init__(self, policy: torch.nn.Module, precision: str) -> None:
-        self.module = without_adapters(lm_of(policy))
+    def __init__(self, model: torch.nn.Module, precision: str) -> None:
+        self.module = without_adapters(model)
         self.precision = precision
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -272,14 +272,15 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     if cfg.run_dir:  # report of a past run: nothing to train or load
-        path = build_report(cfg.run_dir)
-        if engine.is_main() and is_eval_dir(cfg.run_dir):  # an eval's page, rebuilt: its verdict
-            console.print(" ".join(eval_headline(cfg.run_dir)), soft_wrap=True, highlight=False)
+        if engine.is_main():  # one process writes the page (every rank would race over the same files)
+            path = build_report(cfg.run_dir)
+            if is_eval_dir(cfg.run_dir):  # an eval's page, rebuilt: its verdict
+                console.print(" ".join(eval_headline(cfg.run_dir)), soft_wrap=True, highlight=False)
+            else:
+                columns, rows = summary_table(cfg.run_dir)
+                print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
             console.print(f"report: {path}")
-        elif engine.is_main():
-            columns, rows = summary_table(cfg.run_dir)
-            print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
-            console.print(f"report: {path}")
+        engine.barrier()
         _discard_empty_run_dir(run_dir)
         return None
     run_dir = prepare_run_dir(cfg, run_dir)
@@ -323,7 +324,12 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             print_summary(console, ["prompt", "policy", "score", "reference", "score"],
                           [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120],
                             s["reference_score"]] for s in results["samples"]], title="samples")
-        report = build_report(run_dir)  # the verdict, then the runs the model came from (eval.json, lineage.json)
+        try:  # the verdict, then the runs the model came from (eval.json, lineage.json and the parents' files)
+            report = build_report(run_dir)
+        except Exception as e:  # noqa: BLE001 - eval.json is written: a page that cannot be drawn fails nothing
+            report = f"not written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); " \
+                     f"`rlhf eval run_dir={run_dir}` tries again"
+            log.warning("report %s", report)
         set_status(run_dir, "finished")
         if results.get("headline"):
             console.print(results["headline"], soft_wrap=True, highlight=False)

@@ -46,9 +46,9 @@ from rlhf_cli.models import (
 from rlhf_cli.preflight import resolve_reward_model
 from rlhf_cli.rollout import (
     ExperienceMaker,
+    FrozenWithoutAdapters,
     PolicyLearner,
     PolicyWithValueHead,
-    ReferenceWithoutAdapters,
     Rewards,
     disable_dropout,
     save_policy,
@@ -80,9 +80,9 @@ class PPOTrainer(PolicyLearner):
         self.prompts: list[dict[str, Any]] = []
         # build_models
         self.rm_path: str | None = None
-        self.reward_model: engine.FrozenModel | None = None
+        self.reward_model: engine.FrozenModel | FrozenWithoutAdapters | None = None
         self.reward_stats: tuple[float, float] | None = None  # the RM's held-out (mean, std)
-        self.reference: engine.FrozenModel | ReferenceWithoutAdapters | None = None
+        self.reference: engine.FrozenModel | FrozenWithoutAdapters | None = None
         self.reference_spec: dict[str, Any] = {}  # how eval rebuilds the reference
         self.actor: engine.TrainEngine | None = None  # the policy (with the value head when ppo.critic=shared)
         self.critic: engine.TrainEngine | None = None  # ppo.critic=separate only
@@ -140,13 +140,23 @@ class PPOTrainer(PolicyLearner):
         self.reference_spec = ({"name_or_path": abs_path(cfg.reference.path)} if cfg.reference.path else
                                {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed})
         self.rm_path = resolve_reward_model(cfg)
+        # a LoRA critic grown from the reward model shares its weights: the reward model is that critic with its
+        # adapters off (its head the original that peft keeps), so its weights are held once
+        shared_rm_critic = None
         if self.rm_path is not None:
             check_same_tokenizer(self.tokenizer, self.rm_path, "reward model")
-            self.reward_model = engine.FrozenModel(load_scalar_model(self.rm_path, self.precision, cfg.seed),
-                                                   self.score_precision, offload=p.offload_reference)
+            rm = load_scalar_model(self.rm_path, self.precision, cfg.seed)
+            if lora and self.estimator.needs_critic and p.critic == "separate" and p.critic_init == "reward_model":
+                shared_rm_critic = disable_dropout(add_lora(rm, cfg.model.lora, heads=("score",), what="critic"))
+                self.reward_model = FrozenWithoutAdapters(shared_rm_critic, self.score_precision)
+                if p.offload_reference:
+                    log.warning("ppo.offload_reference=true: the reward model is the LoRA critic with its adapters "
+                                "off (ppo.critic_init=reward_model), trained on the device, so it is not offloaded")
+            else:
+                self.reward_model = engine.FrozenModel(rm, self.score_precision, offload=p.offload_reference)
             self.reward_stats = read_reward_stats(self.rm_path)
         self.reference = (engine.FrozenModel(reference, self.score_precision, offload=p.offload_reference)
-                          if reference is not None else ReferenceWithoutAdapters(policy, self.score_precision))
+                          if reference is not None else FrozenWithoutAdapters(policy, self.score_precision))
 
         completions = p.rollout_batch_size * p.n_samples_per_prompt
         total = p.iterations * p.epochs * (completions // p.mini_batch_size)
@@ -160,7 +170,10 @@ class PPOTrainer(PolicyLearner):
             model = PolicyWithValueHead(policy, cfg.seed)
             self.actor = engine.TrainEngine(model, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
         else:
-            if p.critic_init == "reward_model" and self.reward_model is not None:
+            if shared_rm_critic is not None:  # LoRA: adapters already on the reward model's own weights
+                critic = shared_rm_critic
+                self.critic_base = abs_path(self.rm_path)
+            elif p.critic_init == "reward_model" and self.reward_model is not None:
                 critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
                 self.critic_base = abs_path(self.rm_path)
             elif reference is not None:
@@ -168,7 +181,9 @@ class PPOTrainer(PolicyLearner):
                 self.critic_base = abs_path(cfg.reference.path) if cfg.reference.path else model_source(cfg.model)
             else:  # LoRA: the reference is the base model, loaded here once more for the critic's own trunk
                 critic = load_scalar_model(cfg.model, self.precision, cfg.seed)
-            if lora:  # its own adapters on its own trunk, the head trained in full
+            if critic is shared_rm_critic:  # adapters added with the reward model's view above
+                pass
+            elif lora:  # its own adapters on its own trunk, the head trained in full
                 add_lora(critic, cfg.model.lora, heads=("score",), what="critic")
             else:  # requires_grad: a copy of the (already frozen) reference would train only its head
                 critic.requires_grad_(True)
@@ -237,12 +252,15 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     tr.build_models()
     print_table(f"train-ppo: {run_dir}", {
         "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "trained policy params": tr.trained,
-        "reference": ("the policy with its LoRA adapters off" if isinstance(tr.reference, ReferenceWithoutAdapters)
+        "reference": ("the policy with its LoRA adapters off" if isinstance(tr.reference, FrozenWithoutAdapters)
                       else cfg.reference.path or cfg.model.name),
         "reward": describe_reward(cfg, tr.rm_path),
         "reward normalisation": tr.reward_stats if p.normalize_reward else None,
         "advantage estimator": p.advantage_estimator,
-        "critic": f"{p.critic} ({p.critic_init})" if tr.estimator.needs_critic else "none (critic-free)",
+        "critic": (f"{p.critic} ({p.critic_init}"
+                   + ("; the reward model is this critic with its LoRA adapters off)"
+                      if isinstance(tr.reward_model, FrozenWithoutAdapters) else ")")
+                   if tr.estimator.needs_critic else "none (critic-free)"),
         "prompts": len(tr.prompts), "iterations": p.iterations,
         "prompts × samples / mini / micro / world": batches,
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",

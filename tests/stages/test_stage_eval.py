@@ -437,8 +437,8 @@ def test_policy_eval_end_to_end_on_the_smoke_pipeline(pipeline):
                   "<summary>config of the rm run (a)</summary>", "<summary>config of the ppo run (a)</summary>"):
         assert title in html, title
     assert f"wins {out['win_rate']:.0%} of 8 held-out prompts" in html
-    assert (eval_dir / "report" / "rm_a" / "rm_loss.png").is_file()
-    assert (eval_dir / "report" / "ppo_a" / "ppo_kl.png").is_file()
+    assert (eval_dir / "report" / "0_rm_a" / "rm_loss.png").is_file()
+    assert (eval_dir / "report" / "1_ppo_a" / "ppo_kl.png").is_file()
 
 
 def test_report_of_a_past_rm_run(pipeline, run_stage):

@@ -11,7 +11,7 @@ from test_stage_ppo import RUN, build_trainer, load_safetensors
 
 from rlhf_cli.data import load_preference_data
 from rlhf_cli.models import ADAPTER_DIR, load_causal_lm, load_scalar_model, load_tokenizer
-from rlhf_cli.rollout import ReferenceWithoutAdapters, policy_forward, score_pairs
+from rlhf_cli.rollout import FrozenWithoutAdapters, policy_forward, score_pairs
 from rlhf_cli.runs import read_metrics, set_status
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
@@ -82,7 +82,7 @@ def test_lora_reward_model_feeds_ppo(lora_rm, run_stage):
 @pytest.mark.parametrize("critic", ["separate", "shared"])
 def test_reference_is_the_base_model_before_and_after_an_update(tmp_path, critic):
     tr = build_trainer(tmp_path, [*LORA, "ppo.actor_lr=1e-2", "ppo.critic_lr=1e-2", f"ppo.critic={critic}"])
-    assert isinstance(tr.reference, ReferenceWithoutAdapters)
+    assert isinstance(tr.reference, FrozenWithoutAdapters)
     base = load_causal_lm(tr.cfg.model, "fp32", tr.cfg.seed, tokenizer=tr.tokenizer).eval()
     P = None
     for it in range(2):
@@ -173,3 +173,33 @@ def test_lora_settings_are_checked_in_one_line(tmp_path):
             VALIDATORS["train_ppo"](cfg)
     with pytest.raises(ConfigError, match="matches no module of the policy"):
         build_trainer(tmp_path, ["model.lora.r=4", "model.lora.target_modules=[nope]"])
+
+
+def test_a_lora_critic_grown_from_the_reward_model_holds_its_weights_once(lora_rm, tmp_path):
+    """`ppo.critic_init=reward_model` with LoRA: the critic's adapters go on the reward model's own weights, and the
+    reward model is that critic with its adapters off (its head the original peft keeps): the same scores as the
+    reward model loaded on its own, before and after the critic's updates."""
+    from rlhf_cli.models import sequence_rewards, token_values
+    from rlhf_cli.rollout import batched_rewards
+
+    run_dir, _ = lora_rm
+    tr = build_trainer(tmp_path, [*LORA, "reward.type=model", f"reward_model.path={run_dir}", "ppo.critic=separate",
+                                  "ppo.critic_init=reward_model", "ppo.critic_lr=1e-2"])
+    assert isinstance(tr.reward_model, FrozenWithoutAdapters)
+    critic_weights = {p.data_ptr() for p in tr.critic.module.parameters()}
+    assert all(p.data_ptr() in critic_weights for p in tr.reward_model.module.parameters())  # one copy
+    rm = load_scalar_model(str(run_dir / "final"), "fp32", tr.cfg.seed).eval()
+    for it in range(2):
+        exp, _, _ = tr.maker.make_experience(it)
+        ids, am, P = exp.input_ids, exp.attention_mask, exp.prompt_len
+        with torch.no_grad():
+            want = sequence_rewards(rm, ids, am)
+        got = batched_rewards(tr.reward_model.module, ids, am, 4, "fp32", P, False)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        tr.train_on(exp, it)
+    with torch.no_grad():  # the critic itself moved: its adapters and its head's trained copy
+        moved = (token_values(tr.critic.module, ids, am) - token_values(rm, ids, am))[am.bool()].abs().max()
+    assert moved > 1e-4
+    held = optimizer_params(tr.critic)
+    assert held and all(is_adapter_or_head(n) for n in held)
+    assert tr.critic_base == str((run_dir / "final").resolve()) or tr.critic_base.endswith("final")
