@@ -196,8 +196,9 @@ class DataConfig:
     when `ppo.epochs=1` (`rlhf_cli.rollout.learner.packs_rollout_passes` says why not with more epochs). `rlhf
     eval` of a policy: its reward-model and KL passes run packed.
     The same scores, log-probs, values, losses and gradients as false up to float rounding. false: every
-    sequence its own padded row (TRL's layout). Needs `model.attn_implementation` sdpa or eager; with any other
-    it is off and says so once."""
+    sequence its own padded row (TRL's layout). Needs `model.attn_implementation` sdpa or eager and a model
+    without sliding-window attention layers (Mistral, Gemma 2/3, Qwen2 with `use_sliding_window`: a custom mask
+    would replace their window mask); otherwise it is off and says so once."""
     builtin: BuiltinTaskConfig = field(default_factory=BuiltinTaskConfig)
     """The built-in arithmetic task (`data.builtin.*`), used when `data.path` is null."""
 
@@ -346,7 +347,9 @@ class PPOConfig:
     critic: str = "separate"
     """`separate` (own engine and optimiser) or `shared` (value head on the policy trunk)."""
     critic_init: str = "reward_model"
-    """Initial weights of a separate critic: `reward_model` (DeepSpeed-Chat, NeMo-Aligner) or `policy`."""
+    """Initial weights of a separate critic: `reward_model` (DeepSpeed-Chat, NeMo-Aligner) or `policy`. With LoRA
+    (`model.lora.r` > 0), `reward_model` puts the critic's adapters on the reward model's own weights, and the
+    reward model is then that critic with its adapters off: one copy of those weights."""
     aggregation: str = "token-mean"
     """Loss aggregation: `token-mean` or `seq-mean-token-mean`."""
     actor_lr: float = 1e-5

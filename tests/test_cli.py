@@ -387,3 +387,10 @@ def test_sigterm_checkpoints_and_resume_finishes(tmp_path):
     out = rlhf("train-rm", *resumed)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
+
+
+def test_report_of_a_path_that_holds_no_run_is_one_line(tmp_path):
+    out = rlhf("eval", f"run_dir={tmp_path / 'nope'}", f"paths.root={tmp_path}")
+    assert out.returncode == 2
+    nope = tmp_path / "nope"
+    assert out.stderr.strip().splitlines()[-1] == f"error: run_dir={nope}: report: '{nope}' does not exist"

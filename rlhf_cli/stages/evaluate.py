@@ -42,7 +42,16 @@ from rlhf_cli.models import (
     require_scalar_model_dir,
     resolve_hf_dir,
 )
-from rlhf_cli.report import RESPONSES_FILE, build_report, eval_headline, is_eval_dir, print_summary, summary_table
+from rlhf_cli.report import (
+    RESPONSES_FILE,
+    build_report,
+    eval_headline,
+    is_eval_dir,
+    is_run_dir,
+    job_dirs,
+    print_summary,
+    summary_table,
+)
 from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.rollout import (
     batched_rewards,
@@ -272,6 +281,11 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     if cfg.run_dir:  # report of a past run: nothing to train or load
+        if not (is_eval_dir(cfg.run_dir) or is_run_dir(cfg.run_dir) or job_dirs(cfg.run_dir)):
+            try:  # no page to build: its one-line reason, on every rank alike
+                build_report(cfg.run_dir)
+            except FileNotFoundError as e:
+                raise ConfigError(f"run_dir={cfg.run_dir}: {e}") from None
         if engine.is_main():  # one process writes the page (every rank would race over the same files)
             path = build_report(cfg.run_dir)
             if is_eval_dir(cfg.run_dir):  # an eval's page, rebuilt: its verdict
