@@ -400,10 +400,12 @@ def test_a_resumed_sweep_job_keeps_its_swept_value(tmp_path):
     value comes from its recorded config."""
     sweep = tmp_path / "runs" / "rm" / "sweep-2024-01-01_00-00-00"
     only = ("rm/loss", "eval/rm/accuracy")
-    cfg = lambda lr: {"rm": {"lr": lr}, "model": {"name": "tiny"}, "seed": 1}  # noqa: E731
-    write_run(sweep / "0", rm_records(only=only), overrides=["rm.lr=1e-5", "model=tiny"], config=cfg(1e-5))
+    cfg = lambda lr: {"rm": {"lr": lr}, "model": {"name": "tiny", "lora": {"target_modules": ["q_proj", "v_proj"]}},  # noqa: E731
+                      "data": {"packing": False}, "seed": 1}
+    shared = ["model=tiny", "data.packing=false", "model.lora.target_modules=[q_proj,v_proj]"]
+    write_run(sweep / "0", rm_records(only=only), overrides=["rm.lr=1e-5", *shared], config=cfg(1e-5))
     write_run(sweep / "1", rm_records(acc_shift=0.1, only=only), overrides=[f"resume={sweep / '1'}"],
               config=cfg(3e-5))
     columns, rows = summary_table(sweep)
-    assert columns == ["job", "rm.lr", "held-out acc", "loss"]
+    assert columns == ["job", "rm.lr", "held-out acc", "loss"]  # the shared overrides read as the recorded values
     assert [r[:2] for r in rows] == [["1 ★", "3e-05"], ["0", "1e-5"]]

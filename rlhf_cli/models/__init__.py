@@ -9,6 +9,7 @@ from rlhf_cli.models.checkpoint import (
 )
 from rlhf_cli.models.loading import (
     ModelSourceError,
+    configure_training,
     count_parameters,
     load_causal_lm,
     load_tokenizer,
@@ -52,6 +53,7 @@ __all__ = [
     "without_adapters",
     "Float32Head",
     "ModelSourceError",
+    "configure_training",
     "count_parameters",
     "custom_mask_support",
     "is_scalar_model_dir",

@@ -148,8 +148,13 @@ class _WithoutAdapters:
         self.model, self.inner, self.layers = model, module, layers
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with adapters_disabled(self.model, self.layers):
-            return self.inner(*args, **kwargs)
+        training = self.inner.training  # the trained model may be in train mode: the frozen view never is
+        self.inner.eval()
+        try:
+            with adapters_disabled(self.model, self.layers):
+                return self.inner(*args, **kwargs)
+        finally:
+            self.inner.train(training)
 
 
 class without_adapters:  # noqa: N801 - reads as a function: `reference = without_adapters(policy)`

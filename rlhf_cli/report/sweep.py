@@ -8,10 +8,13 @@ A sweep dir is `<root>/<stage>/sweep-<time>/` holding job dirs `0/`, `1/`, ... (
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from rlhf_cli.report.html import Section, Table
 from rlhf_cli.report.plots import PANELS, plot_jobs
@@ -78,7 +81,7 @@ def summarize(jobs: list[Path]) -> SweepSummary:
     show_state = any(s != "finished" for s in states.values())
     columns = ["job", *(["state"] if show_state else []), *swept, *(label for _, label, _ in headline)]
     finals = {j: final_metrics(records[j]) for j in jobs}
-    rows = {j: [j.name, *([states[j]] if show_state else []), *(value[j].get(k, "") for k in swept),
+    rows = {j: [j.name, *([states[j]] if show_state else []), *(_text(value[j].get(k, "")) for k in swept),
                 *(finals[j].get(m, {}).get("final") for m, _, _ in headline)] for j in jobs}
     sort_by = next(((m, d) for m, _, d in headline if d and any(finals[j].get(m, {}).get("final") is not None
                                                                  for j in jobs)), None)
@@ -97,18 +100,35 @@ def summarize(jobs: list[Path]) -> SweepSummary:
                         {**{f"override {k}": v for k, v in shared_overrides.items()}, **same}, order)
 
 
-def _settings(overrides: dict[str, str], config: dict[str, Any]) -> dict[str, str]:
-    """A job's settings by key: its command-line overrides, and for every other key its recorded config value (a
-    resumed job's `.hydra/overrides.yaml` holds only `resume=...`: Hydra rewrites it at each start)."""
-    return {**{k: str(v) for k, v in config.items()}, **overrides}
+def _settings(overrides: dict[str, str], config: dict[str, Any]) -> dict[str, Any]:
+    """A job's settings by key: its command-line overrides (text as typed), and for every other key its recorded
+    config value (a resumed job's `.hydra/overrides.yaml` holds only `resume=...`: Hydra rewrites it at each
+    start)."""
+    return {**config, **overrides}
 
 
-def _canonical(value: str) -> Any:
-    """A setting as compared across jobs: `1e-5` (typed) and `1e-05` (recorded) are the same number."""
-    try:
+def _text(value: Any) -> str:
+    """A setting as the table shows it: an override as typed, a recorded value as YAML writes it."""
+    return value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix(
+        "\n...").strip()
+
+
+def _canonical(value: Any) -> Any:
+    """A setting as compared across jobs, typed: `1e-5` (typed) and 1e-05 (recorded) are one number, `false` and
+    False one boolean, `[q_proj,v_proj]` and the recorded list one list."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    if isinstance(value, str):  # YAML 1.1 reads `1e-5` as text
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    except ValueError:
-        return value
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
 
 
 def _file_stem(metric: str) -> str:
@@ -121,7 +141,7 @@ def sweep_sections(sweep: Path, jobs: list[Path], out_dir: Path) -> list[Section
     value = {j: _settings(read_overrides(j), flatten(read_config(j))) for j in jobs}
     swept = [c for c in summary.columns if any(c in v for v in value.values()) and c not in ("job", "state")]
     records = {j: load_records(j) for j in jobs}
-    labels = {j: job_label(j, {k: value[j].get(k, "") for k in swept}) for j in jobs}
+    labels = {j: job_label(j, {k: _text(value[j].get(k, "")) for k in swept}) for j in jobs}
     order = "job order" if summary.sort_by is None else f"sorted by {summary.sort_by}, best marked ★"
     sections = [
         Section("summary", text=f"{len(jobs)} jobs of {sweep.resolve()}; {order}. Columns: the swept settings and "

@@ -36,6 +36,7 @@ from rlhf_cli.data import load_prompt_data
 from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     add_lora,
+    configure_training,
     count_parameters,
     load_causal_lm,
     load_scalar_model,
@@ -146,7 +147,10 @@ class PPOTrainer(PolicyLearner):
         if self.rm_path is not None:
             check_same_tokenizer(self.tokenizer, self.rm_path, "reward model")
             rm = load_scalar_model(self.rm_path, self.precision, cfg.seed)
-            if lora and self.estimator.needs_critic and p.critic == "separate" and p.critic_init == "reward_model":
+            # not under ZeRO-3: there the view's forwards would gather the critic's partitioned weights collectively,
+            # and reward scoring runs a number of forwards that differs between ranks (identical rows scored once)
+            if (lora and self.estimator.needs_critic and p.critic == "separate" and p.critic_init == "reward_model"
+                    and cfg.deepspeed.zero_stage < 3):
                 shared_rm_critic = disable_dropout(add_lora(rm, cfg.model.lora, heads=("score",), what="critic"))
                 self.reward_model = FrozenWithoutAdapters(shared_rm_critic, self.score_precision)
                 if p.offload_reference:
@@ -181,6 +185,7 @@ class PPOTrainer(PolicyLearner):
                 self.critic_base = abs_path(cfg.reference.path) if cfg.reference.path else model_source(cfg.model)
             else:  # LoRA: the reference is the base model, loaded here once more for the critic's own trunk
                 critic = load_scalar_model(cfg.model, self.precision, cfg.seed)
+            configure_training(critic, cfg.model.gradient_checkpointing)  # one loaded from a path has it off
             if critic is shared_rm_critic:  # adapters added with the reward model's view above
                 pass
             elif lora:  # its own adapters on its own trunk, the head trained in full

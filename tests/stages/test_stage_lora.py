@@ -203,3 +203,19 @@ def test_a_lora_critic_grown_from_the_reward_model_holds_its_weights_once(lora_r
     held = optimizer_params(tr.critic)
     assert held and all(is_adapter_or_head(n) for n in held)
     assert tr.critic_base == str((run_dir / "final").resolve()) or tr.critic_base.endswith("final")
+
+
+def test_the_critic_takes_gradient_checkpointing_and_zero3_keeps_a_separate_reward_model(lora_rm, tmp_path):
+    """A critic loaded from the reward model's path takes `model.gradient_checkpointing`; under ZeRO-3 the reward
+    model stays its own frozen copy (a view's forwards would gather the partitioned critic collectively, and
+    reward scoring runs a number of forwards that differs between ranks)."""
+    from rlhf_cli import engine
+
+    run_dir, _ = lora_rm
+    common = [*LORA, "reward.type=model", f"reward_model.path={run_dir}", "ppo.critic=separate",
+              "ppo.critic_init=reward_model", "model.gradient_checkpointing=true"]
+    tr = build_trainer(tmp_path / "z0", common)
+    assert isinstance(tr.reward_model, FrozenWithoutAdapters)
+    assert tr.critic.module.is_gradient_checkpointing and tr.actor.module.is_gradient_checkpointing
+    tr = build_trainer(tmp_path / "z3", [*common, "deepspeed=zero3"])
+    assert isinstance(tr.reward_model, engine.FrozenModel)
