@@ -113,7 +113,7 @@ def _adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     `modules_to_save` (off, such a wrapper runs the original head it keeps)."""
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    return [m for m in _lora_layers(model)] + [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
+    return _lora_layers(model) + [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
 
 
 def has_lora(model: Any) -> bool:

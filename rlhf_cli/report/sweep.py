@@ -19,6 +19,7 @@ import yaml
 from rlhf_cli.report.html import Section, Table
 from rlhf_cli.report.plots import PANELS, plot_jobs
 from rlhf_cli.report.read import (
+    Records,
     final_metrics,
     flatten,
     load_records,
@@ -53,6 +54,10 @@ class SweepSummary:
     """Settings with the same value in every job: the overrides every job shares, then every config leaf."""
     jobs: list[Path]
     """The job dirs, in the rows' order."""
+    records: dict[Path, Records]
+    """Each job's metrics records (as read for the table; the plots draw them)."""
+    labels: dict[Path, str]
+    """Each job's legend entry: its name and swept settings (`job_label`)."""
 
 
 def job_label(job: Path, swept: dict[str, str]) -> str:
@@ -96,8 +101,9 @@ def summarize(jobs: list[Path]) -> SweepSummary:
         rows[order[0]][0] = f"{order[0].name} ★"
     first, *rest = (configs[j] for j in jobs)
     same = {k: v for k, v in first.items() if all(c.get(k, object()) == v for c in rest)}
+    labels = {j: job_label(j, {k: _text(value[j].get(k, "")) for k in swept}) for j in jobs}
     return SweepSummary(columns, [rows[j] for j in order], best, sort_by[0] if sort_by else None,
-                        {**{f"override {k}": v for k, v in shared_overrides.items()}, **same}, order)
+                        {**{f"override {k}": v for k, v in shared_overrides.items()}, **same}, order, records, labels)
 
 
 def _settings(overrides: dict[str, str], config: dict[str, Any]) -> dict[str, Any]:
@@ -138,10 +144,7 @@ def _file_stem(metric: str) -> str:
 def sweep_sections(sweep: Path, jobs: list[Path], out_dir: Path) -> list[Section]:
     """The sweep page's sections, with one PNG per metric written to `out_dir` (`<metric>.png`, a line per job)."""
     summary = summarize(jobs)
-    value = {j: _settings(read_overrides(j), flatten(read_config(j))) for j in jobs}
-    swept = [c for c in summary.columns if any(c in v for v in value.values()) and c not in ("job", "state")]
-    records = {j: load_records(j) for j in jobs}
-    labels = {j: job_label(j, {k: _text(value[j].get(k, "")) for k in swept}) for j in jobs}
+    records, labels = summary.records, summary.labels
     order = "job order" if summary.sort_by is None else f"sorted by {summary.sort_by}, best marked ★"
     sections = [
         Section("summary", text=f"{len(jobs)} jobs of {sweep.resolve()}; {order}. Columns: the swept settings and "
