@@ -36,7 +36,7 @@ import _common as C  # noqa: E402
 
 # seconds-per-iteration parts, as `rlhf train-ppo` logs them
 PARTS = ("generation", "scoring", "training")
-SCORING_PASSES = ("reward", "policy", "reference", "critic")  # ours' `time/scoring_*`: one line each
+SCORING_PASSES = ("reward", "policy", "reference", "critic", "packing")  # ours' `time/scoring_*`: one line each
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,7 +249,8 @@ def add_part_rows(table: C.Table, o_st: list[dict[str, Any]], t_st: list[dict[st
         table.add(f"{part}_s", f"  {part} s", C.mean([x[part] for x in o_st]), C.mean([x[part] for x in t_st]))
         if part == "scoring" and all(x.get("scoring_reward") is not None for x in o_st):
             for name in SCORING_PASSES:
-                table.add(f"scoring_{name}_s", f"    {name} pass s", C.mean([x[f"scoring_{name}"] for x in o_st]),
+                label = "building packed layouts s" if name == "packing" else f"{name} pass s"
+                table.add(f"scoring_{name}_s", f"    {label}", C.mean([x[f"scoring_{name}"] or 0.0 for x in o_st]),
                           None, ratio=False)
 
 

@@ -192,9 +192,9 @@ class DataConfig:
     `rlhf eval` of a reward model: each preference pair is one segment [prompt | chosen | rejected], with a mask
     that hides chosen from rejected (`rlhf_cli.data.PackedPairCollator`). train-ppo: the responses of one prompt
     (a group of `ppo.n_samples_per_prompt`) run as [prompt | response 1 | response 2 | ...]
-    (`rlhf_cli.rollout.pack_rollout`) in the reward model's pass, and in the policy, reference and critic passes
-    when `ppo.epochs=1` (`rlhf_cli.rollout.learner.packs_rollout_passes` says why not with more epochs). `rlhf
-    eval` of a policy: its reward-model and KL passes run packed.
+    (`rlhf_cli.rollout.pack_rollout`) in every pass: reward model, reference, policy and critic, no-grad and
+    training (each row keeps its micro-batch across `ppo.epochs`, `rlhf_cli.rollout.learner.update_order`, so it
+    has one layout in every pass). `rlhf eval` of a policy: its reward-model and KL passes run packed.
     The same scores, log-probs, values, losses and gradients as false up to float rounding. false: every
     sequence its own padded row (TRL's layout). Needs `model.attn_implementation` sdpa or eager and a model
     without sliding-window attention layers (Mistral, Gemma 2/3, Qwen2 with `use_sliding_window`: a custom mask

@@ -2,7 +2,7 @@
 
     load_preference_data(data_cfg, tokenizer, splits=("train", "eval")) -> PreferenceData
     load_prompt_data(data_cfg, tokenizer, split="train") -> PromptData
-    PairCollator(pad_id), PackedPairCollator(pad_id), PromptCollator(pad_id)
+    PairCollator(pad_id), PackedPairCollator(pad_id, attention_tokens), PromptCollator(pad_id)
     epoch_order(n, seeds, epoch, lengths, group_size)
     check_answer(text, answer), check_answers(texts, answers)   # the built-in task's rule-based reward
 """
@@ -24,6 +24,7 @@ from rlhf_cli.data.collate import (
     example_length,
     pack_shared_prefixes,
     pad_sequences,
+    row_width,
 )
 from rlhf_cli.data.datasets import (
     DataSummary,
@@ -43,5 +44,5 @@ __all__ = [
     "check_answer", "check_answers", "checker", "detect_format", "epoch_order", "example_length", "pair_budget",
     "last_user_turn",
     "load_preference_data", "load_prompt_data", "pack_shared_prefixes", "pad_sequences", "parse_answer", "parse_pair",
-    "parse_prompt", "read_rows", "truncate_left",
+    "parse_prompt", "read_rows", "row_width", "truncate_left",
 ]

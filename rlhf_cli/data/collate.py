@@ -62,13 +62,14 @@ class PackedPairCollator:
     """Preference examples -> packed rows: the prompt computed once per pair, no padding between pairs.
 
     Each pair is ONE segment `[prompt | chosen | rejected]`; segments are placed first-fit, longest
-    first, into rows as long as the longest segment of the batch (so no row is longer than the longest
-    pair), and only each row's tail is padding. In a segment, positions run 0..P-1 over the prompt,
-    P..P+C-1 over chosen and restart at P over rejected; a token attends to the tokens of its own
-    segment at or before its column, except that rejected never sees chosen. So every chosen and
-    rejected token sees exactly the keys, at exactly the positions, it sees in `PairCollator`'s two
-    rows, and each score is read at its own EOS: the same scores up to float rounding, computed from
-    P + C + R tokens instead of 2P + C + R plus padding (prefix sharing: Wang et al. 2024,
+    first, into rows as long as the longest segment of the batch, or wider where the model's
+    `attention_tokens` says that costs less (`row_width`), and only each row's tail is padding. In a
+    segment, positions run 0..P-1 over the prompt, P..P+C-1 over chosen and restart at P over
+    rejected; a token attends to the tokens of its own segment at or before its column, except that
+    rejected never sees chosen. So every chosen and rejected token sees exactly the keys, at exactly
+    the positions, it sees in `PairCollator`'s two rows, and each score is read at its own EOS: the
+    same scores up to float rounding, computed from P + C + R tokens instead of 2P + C + R plus
+    padding (prefix sharing: Wang et al. 2024,
     "Accelerating Direct Preference Optimization with Prefix Sharing").
 
         input_ids        (R, L) long   R <= B rows
@@ -84,15 +85,16 @@ class PackedPairCollator:
     Raises ValueError when a pair has an empty chosen or rejected response.
     """
 
-    def __init__(self, pad_id: int):
+    def __init__(self, pad_id: int, attention_tokens: float | None = None):
         self.pad_id = int(pad_id)
+        self.attention_tokens = attention_tokens  # row widths (`row_width`): the model's `models.attention_tokens`
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         for ex in examples:
             if not ex["chosen_ids"] or not ex["rejected_ids"]:
                 raise ValueError("a pair with an empty chosen or rejected response cannot be scored")
         packed = pack_shared_prefixes([(ex["prompt_ids"], [ex["chosen_ids"], ex["rejected_ids"]]) for ex in examples],
-                                      self.pad_id)
+                                      self.pad_id, self.attention_tokens)
         ends = torch.tensor([[[r, c + len(ex[key]) - 1] for key, (r, c) in zip(("chosen_ids", "rejected_ids"), cols)]
                              for ex, cols in zip(examples, packed.branch_starts)], dtype=torch.long).view(-1, 2, 2)
         batch: dict[str, torch.Tensor] = {
@@ -126,24 +128,11 @@ class PackedPrefixes(NamedTuple):
     prefix_starts: list[tuple[int, int]]
 
 
-def pack_shared_prefixes(segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                         pad_id: int) -> PackedPrefixes:
-    """Pack segments (prefix ids, [branch ids, ...]) so that each prefix is computed once for all its branches.
-
-    Each branch sees exactly the tokens and positions it would see as its own row `prefix + branch`: the prefix
-    at positions 0..P-1, the branch at P.., and no other branch. Segments are placed first-fit, longest first,
-    into rows as long as the longest segment, so no row is longer than the longest segment and only row tails
-    are padding. The layout of `PackedPairCollator` (a pair: prompt, [chosen, rejected]) and of a rollout group
-    (a prompt, [its n responses]: `rollout.packing`). Empty prefixes and branches are allowed; a segment must
-    hold at least one token. Raises ValueError on an empty segment.
-    """
-    lengths = [len(pre) + sum(len(b) for b in branches) for pre, branches in segments]
-    if not segments or min(lengths) == 0:
-        raise ValueError("every packed segment needs at least one token")
-    width = max(lengths)
-    rows: list[list[int]] = []  # segment indices per row
+def _first_fit(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Segment indices per row: first-fit, longest first, into rows of `width` (>= the longest segment)."""
+    rows: list[list[int]] = []
     room: list[int] = []
-    for i in sorted(range(len(segments)), key=lambda i: (-lengths[i], i)):
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
         if r is None:
             rows.append([])
@@ -151,6 +140,45 @@ def pack_shared_prefixes(segments: Sequence[tuple[Sequence[int], Sequence[Sequen
             r = len(rows) - 1
         rows[r].append(i)
         room[r] -= lengths[i]
+    return rows
+
+
+def row_width(lengths: Sequence[int], attention_tokens: float | None) -> int:
+    """The packed row length for segments of `lengths` tokens: the one of least estimated cost.
+
+    A row of L positions costs L × (1 + L / `attention_tokens`) (the linear layers per position, plus attention
+    over up to L keys; `models.attention_tokens`: the key count at which they cost the same). Wider rows leave
+    less padding at the rows' tails but make attention dearer. Candidates: the longest segment, and the total
+    spread evenly over k rows (k = 1..n, and 10 % wider), up to 4x the longest. None: the longest segment."""
+    longest, total = max(lengths), sum(lengths)
+    if attention_tokens is None:
+        return longest
+    candidates = {longest} | {max(longest, -(-total * f // (10 * k))) for k in range(1, len(lengths) + 1)
+                              for f in (10, 11)}
+
+    def cost(w: int) -> tuple[float, int]:
+        return len(_first_fit(lengths, w)) * w * (1 + w / attention_tokens), w
+
+    return min((w for w in candidates if w <= 4 * longest), key=cost)
+
+
+def pack_shared_prefixes(segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                         pad_id: int, attention_tokens: float | None = None) -> PackedPrefixes:
+    """Pack segments (prefix ids, [branch ids, ...]) so that each prefix is computed once for all its branches.
+
+    Each branch sees exactly the tokens and positions it would see as its own row `prefix + branch`: the prefix
+    at positions 0..P-1, the branch at P.., and no other branch. Segments are placed first-fit, longest first,
+    into rows of `row_width(lengths, attention_tokens)` (as long as the longest segment when `attention_tokens`
+    is None; wider when that leaves less padding for less cost), so only row tails are padding. The layout of
+    `PackedPairCollator` (a pair: prompt, [chosen, rejected]) and of a rollout group (a prompt, [its n
+    responses]: `rollout.packing`). Empty prefixes and branches are allowed; a segment must hold at least one
+    token. Raises ValueError on an empty segment.
+    """
+    lengths = [len(pre) + sum(len(b) for b in branches) for pre, branches in segments]
+    if not segments or min(lengths) == 0:
+        raise ValueError("every packed segment needs at least one token")
+    width = row_width(lengths, attention_tokens)
+    rows = _first_fit(lengths, width)
     input_ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     segment = torch.zeros((len(rows), width), dtype=torch.long)  # segment index + 1; 0 = padding

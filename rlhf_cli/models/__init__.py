@@ -29,6 +29,7 @@ from rlhf_cli.models.lora import (
 )
 from rlhf_cli.models.scalar import (
     Float32Head,
+    attention_tokens,
     custom_mask_support,
     last_token_index,
     load_scalar_model,
@@ -55,7 +56,7 @@ __all__ = [
     "ModelSourceError",
     "configure_training",
     "count_parameters",
-    "custom_mask_support",
+    "attention_tokens", "custom_mask_support",
     "is_scalar_model_dir",
     "last_token_index",
     "load_causal_lm",

@@ -3,7 +3,8 @@ the no-grad passes computed for them, all in the training forward's layout (see 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -23,9 +24,20 @@ class Experience:
     returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
     scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
     groups: torch.Tensor  # (B,) long, the group id (the iteration's prompt index k) shared by a prompt's samples
+    layouts: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
+    """`rollout.PackedRollout` of row sets, keyed by their row indices in order: the packed layouts the no-grad
+    passes built (`data.packing`), so the update's forwards of the same micro-batch reuse them."""
 
     def rows(self, idx: torch.Tensor) -> Experience:
-        return Experience(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        """The rows `idx` as an Experience of their own (a micro-batch); it keeps their packed layout, if known."""
+        sliced = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name != "layouts"}
+        layout = self.layouts.get(tuple(idx.tolist()))
+        return Experience(**sliced, layouts={} if layout is None else {tuple(range(len(idx))): layout})
+
+    @property
+    def layout(self) -> Any:
+        """The packed layout of all rows, in order (a `rollout.PackedRollout`), or None when none was built."""
+        return self.layouts.get(tuple(range(self.input_ids.shape[0])))
 
     @property
     def prompt_len(self) -> int:

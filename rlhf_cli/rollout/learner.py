@@ -32,36 +32,41 @@ log = logging.getLogger(__name__)
 
 def update_order(cfg: Any, iteration: int, groups: torch.Tensor) -> list[list[list[torch.Tensor]]]:
     """The rows of this rank's rollout (B = len(groups)) in the order the update visits them: `ppo.epochs` passes,
-    each a list of shuffled minibatches of `ppo.mini_batch_size` rows (over all ranks), each a list of micro-batches
-    of `ppo.micro_batch_size` row indices (long tensors). The shuffle is seeded by (seed, iteration, rank). With
-    `ppo.n_samples_per_prompt` > 1 a minibatch's rows are ordered by group before the cut, so that a group's samples
-    share micro-batches and `data.packing` computes their prompt once; the minibatch, and so the update, is the same
-    (its loss is summed over micro-batches)."""
+    each a list of minibatches of `ppo.mini_batch_size` rows (over all ranks), each a list of micro-batches of
+    `ppo.micro_batch_size` row indices (long tensors). Shuffles are seeded by (seed, iteration, rank).
+
+    The micro-batches are drawn once per iteration: a shuffle of the rows cut into minibatches, and with
+    `ppo.n_samples_per_prompt` > 1 a minibatch's rows ordered by group before the cut into micro-batches, so that
+    a group's samples share micro-batches and `data.packing` computes their prompt once (the minibatch, and so the
+    update, is the same: its loss is summed over micro-batches). The first epoch visits them in that order; each
+    later epoch shuffles the same micro-batches into new minibatches (veRL keeps its micro-batches across epochs,
+    and OpenRLHF's packed samples are shuffled whole). So a row is in one micro-batch, with the same rows, in every
+    pass of an iteration: its packed layout, and the float rounding that depends on it, is the one the no-grad
+    passes saw (`packs_rollout_passes`)."""
     p = cfg.ppo
     n, mini = groups.shape[0], p.mini_batch_size // engine.world_size()
     g = torch.Generator().manual_seed(derive_seed(cfg.seed, iteration, engine.rank()))
-    order = []
-    for _ in range(p.epochs):
-        perm = torch.randperm(n, generator=g)
-        epoch = []
-        for s in range(0, n, mini):
-            rows = perm[s:s + mini]
-            if p.n_samples_per_prompt > 1:
-                rows = rows[torch.argsort(groups.cpu()[rows], stable=True)]
-            epoch.append([rows[m:m + p.micro_batch_size] for m in range(0, len(rows), p.micro_batch_size)])
-        order.append(epoch)
-    return order
+    perm = torch.randperm(n, generator=g)
+    micro: list[torch.Tensor] = []
+    for s in range(0, n, mini):
+        rows = perm[s:s + mini]
+        if p.n_samples_per_prompt > 1:
+            rows = rows[torch.argsort(groups.cpu()[rows], stable=True)]
+        micro += [rows[m:m + p.micro_batch_size] for m in range(0, len(rows), p.micro_batch_size)]
+    per_mini = -(-mini // p.micro_batch_size)
+    order = [list(range(len(micro)))] + [torch.randperm(len(micro), generator=g).tolist()
+                                         for _ in range(p.epochs - 1)]
+    return [[[micro[j] for j in epoch[s:s + per_mini]] for s in range(0, len(micro), per_mini)] for epoch in order]
 
 
 def packs_rollout_passes(cfg: Any) -> bool:
     """Whether the policy, reference and critic passes of a rollout run packed (`data.packing`, `rollout.packing`).
 
-    Only with `ppo.epochs=1`: then every row is trained in one micro-batch, and the experience maker runs its
-    no-grad passes over the same micro-batches (`update_order`), so old log-probs, reference log-probs, values and
-    the training forward of a row all see one packed layout, and the first ratio is exactly 1 as in the plain
-    layout. A packed layout depends on a row's micro-batch, and float rounding on the layout: with more epochs a
-    row meets other rows, so these passes stay plain (each row its own padded row, whatever its micro-batch)."""
-    return bool(cfg.data.packing) and cfg.ppo.epochs == 1
+    A packed layout depends on a row's micro-batch, and float rounding on the layout. The update keeps each row in
+    one micro-batch for the whole iteration (`update_order`), and the experience maker runs its no-grad passes
+    over those micro-batches, so old log-probs, reference log-probs, values and every epoch's training forward of
+    a row see one packed layout, and the first ratio is exactly 1 as in the plain layout."""
+    return bool(cfg.data.packing)
 
 
 class Losses(NamedTuple):
@@ -106,9 +111,12 @@ class PolicyLearner:
         to the minibatch's."""
         p, P = self.p, b.prompt_len
         shared, separate = has_value_head(self.actor.module), self.critic is not None
+        packing: Any = packs_rollout_passes(self.cfg)
+        if packing and b.layout is not None:  # the layout the maker built for these rows
+            packing = b.layout
         with self.actor.autocast():
             lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
-                                        with_entropy=True, with_values=shared, packing=packs_rollout_passes(self.cfg))
+                                        with_entropy=True, with_values=shared, packing=packing)
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
         old = lp.detach() if self.old_from_training else b.logprobs
         pg_loss, pg_stats = policy_loss(lp, old, b.advantages, b.mask, p.clip, **agg)
@@ -123,8 +131,7 @@ class PolicyLearner:
         if shared or separate:
             if separate:
                 with self.critic.autocast():
-                    v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P,
-                                      packing=packs_rollout_passes(self.cfg))
+                    v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P, packing=packing)
             vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
             if shared:
                 actor_loss = actor_loss + p.c1 * vf_loss

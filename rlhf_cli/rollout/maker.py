@@ -19,8 +19,10 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_estimate, kl_penalized_rewards
 from rlhf_cli.data import epoch_order
+from rlhf_cli.models import attention_tokens
 from rlhf_cli.rollout.experience import Experience
 from rlhf_cli.rollout.learner import packs_rollout_passes, update_order
+from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
 from rlhf_cli.rollout.policy import critic_values, has_value_head, lm_of, policy_forward, sequence_kl
 from rlhf_cli.rollout.rewards import Rewards
 from rlhf_cli.rollout.sampling import sample_responses
@@ -53,9 +55,10 @@ class ExperienceMaker:
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
         self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
         self._order_epoch: int | None = None
-        self.pass_seconds = {"reward": 0.0, "reference": 0.0, "policy": 0.0, "critic": 0.0}
+        self.pass_seconds = {"reward": 0.0, "reference": 0.0, "policy": 0.0, "critic": 0.0, "packing": 0.0}
         """Seconds of the last rollout's scoring, by pass: `reward` (reward model and functions), `reference`,
-        `policy` (the old log-probs; 0 when `old_from_training` skips it) and `critic` (a separate critic)."""
+        `policy` (the old log-probs; 0 when `old_from_training` skips it), `critic` (a separate critic) and
+        `packing` (building the packed layouts of the other three, once per micro-batch)."""
         p = self.p
         checks_kl = score_precision == "bf16-autocast" and p.kl_check_rows > 0  # kl_fp32_check needs the old pass
         self.old_from_training = (p.epochs == 1 and p.mini_batch_size == p.rollout_batch_size * p.n_samples_per_prompt
@@ -99,17 +102,21 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                        chunks: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+                        chunks: list[torch.Tensor] | None = None,
+                        layouts: dict[tuple[int, ...], PackedRollout] | None = None) -> tuple[torch.Tensor, ...]:
         """Old logprobs, ref logprobs and old values (None without a critic) of every row, as training computes
         them: over `chunks` (row-index tensors, the update's micro-batches: packed, `packs_rollout_passes`), or
-        over consecutive micro-batches of `ppo.micro_batch_size` rows (plain)."""
+        over consecutive micro-batches of `ppo.micro_batch_size` rows (plain). Packed, each chunk's layout is
+        built once for the three passes and kept in `layouts` (keyed by the chunk's rows) for the update."""
         with self.reference.on_device() as reference:
-            return self._forward_no_grad(input_ids, attention_mask, P, reference, chunks)
+            return self._forward_no_grad(input_ids, attention_mask, P, reference, chunks,
+                                         {} if layouts is None else layouts)
 
     def _forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                         reference: torch.nn.Module, chunks: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+                         reference: torch.nn.Module, chunks: list[torch.Tensor] | None,
+                         layouts: dict[tuple[int, ...], PackedRollout]) -> tuple[torch.Tensor, ...]:
         mb, temperature = self.p.micro_batch_size, self.p.temperature
-        packing = chunks is not None
+        packed = chunks is not None
         if chunks is None:
             chunks = [torch.arange(i, min(i + mb, input_ids.shape[0])) for i in range(0, input_ids.shape[0], mb)]
         B, R = input_ids.shape[0], input_ids.shape[1] - P
@@ -118,10 +125,17 @@ class ExperienceMaker:
         values = torch.zeros(B, R, device=dev)
         has_values = False
         shared = has_value_head(self.actor.module)
+        policy_lm = lm_of(self.actor.module)
         clock = self.pass_seconds
         for rows in chunks:
             rows = rows.to(dev)
             ids, am = input_ids[rows], attention_mask[rows]
+            t0 = _clock(dev)
+            packing: bool | PackedRollout = packed
+            if packed and use_packing(policy_lm, True):  # else each model decides for itself
+                packing = layouts[tuple(rows.tolist())] = pack_rollout(
+                    ids, am, P, attention_tokens=attention_tokens(policy_lm))
+            clock["packing"] += _clock(dev) - t0
             t0 = _clock(dev)
             with self.reference.autocast():
                 ref_logprobs[rows], _, _ = policy_forward(reference, ids, am, P, temperature, packing=packing)
@@ -180,14 +194,15 @@ class ExperienceMaker:
         input_ids, attention_mask, P, has_eos = self.generate(prompts, seeds)
         t1 = time.perf_counter()
         raw, score, source_means = self.rewards(input_ids, attention_mask, P, prompts)
-        self.pass_seconds = {"reward": _clock(input_ids.device) - t1, "reference": 0.0, "policy": 0.0, "critic": 0.0}
+        self.pass_seconds = {"reward": _clock(input_ids.device) - t1, "reference": 0.0, "policy": 0.0, "critic": 0.0,
+                             "packing": 0.0}
         mask = attention_mask[:, P:].float()
         if p.truncated == "penalize":
             score = score - p.missing_eos_penalty * (~has_eos).float()
-        chunks = None
+        chunks, layouts = None, {}
         if packs_rollout_passes(self.cfg):  # the update's own micro-batches: one packed layout per row
             chunks = [rows for minibatch in update_order(self.cfg, iteration, groups)[0] for rows in minibatch]
-        logprobs, ref_logprobs, values = self.forward_no_grad(input_ids, attention_mask, P, chunks)
+        logprobs, ref_logprobs, values = self.forward_no_grad(input_ids, attention_mask, P, chunks, layouts)
         t2 = time.perf_counter()
         valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
         loss_mask = mask * valid.float()[:, None]
@@ -203,7 +218,7 @@ class ExperienceMaker:
             advantages = whiten_across_ranks(advantages, loss_mask)
         exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
                          values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
-                         score, groups)
+                         score, groups, layouts)
         # token means over all ranks of the advantages the update uses (after whitening)
         adv_sums = engine.all_reduce_sum(torch.stack([(advantages * loss_mask).sum(),
                                                       (advantages.abs() * loss_mask).sum(), loss_mask.sum()]))

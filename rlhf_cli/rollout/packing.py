@@ -7,8 +7,9 @@ so the prompt is computed once, and segments share rows, so only row tails are p
 
 Every response token sees exactly the keys at exactly the positions it sees in its own padded row, so the log-probs,
 entropies and values read from a packed forward equal the padded forward's to float rounding (the layout of
-`rlhf_cli.data.pack_shared_prefixes`; prefix sharing, Wang et al. 2024). Which passes run packed:
-`rollout.learner.packs_rollout_passes`; the reward model's always may (`rollout.batched_rewards`).
+`rlhf_cli.data.pack_shared_prefixes`; prefix sharing, Wang et al. 2024). Every pass of a rollout runs packed
+(`rollout.learner.packs_rollout_passes`, `rollout.batched_rewards`); the experience maker builds each micro-batch's
+layout once and the update reuses it (`Experience.layouts`).
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ class PackedRollout(NamedTuple):
 
 
 def pack_rollout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                 pad_id: int = 0) -> PackedRollout:
+                 pad_id: int = 0, attention_tokens: float | None = None) -> PackedRollout:
     """Pack a rollout batch: rows whose real prompt tokens are equal share one prompt.
 
     input_ids, attention_mask: (B, P+R) as `sample_responses` lays them out, prompts left-padded to P = `prompt_len`,
     responses right-padded. `pad_id` fills the packed rows' tails (any id: padding attends only to itself and is
-    never read). Tensors come back on `input_ids`' device. Raises ValueError for a row with no real
-    prompt token or a response whose real tokens are not contiguous from column P.
+    never read). `attention_tokens` (`models.attention_tokens` of the model that will run it) lets rows grow wider
+    than the longest segment where that costs less (`data.row_width`). Tensors come back on `input_ids`' device.
+    Raises ValueError for a row with no real prompt token or a response whose real tokens are not contiguous
+    from column P.
     """
     ids, am = input_ids.cpu(), attention_mask.cpu().bool()
     B, T = ids.shape
@@ -83,7 +86,7 @@ def pack_rollout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
         groups.setdefault(prompt, []).append(b)
     segments = [(list(prompt), [ids[b, P:P + int(lengths[b])].tolist() for b in rows])
                 for prompt, rows in groups.items()]
-    packed = pack_shared_prefixes(segments, pad_id)
+    packed = pack_shared_prefixes(segments, pad_id, attention_tokens)
     t = torch.arange(R)
     source = torch.zeros((B, R, 2), dtype=torch.long)
     last = torch.zeros((B, 2), dtype=torch.long)

@@ -19,6 +19,7 @@ from rlhf_cli import engine
 from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits
 from rlhf_cli.models import (
     ADAPTER_DIR,
+    attention_tokens,
     has_lora,
     merged_state_dict,
     new_scalar_head,
@@ -28,7 +29,7 @@ from rlhf_cli.models import (
     trunk_hidden,
     without_adapters,
 )
-from rlhf_cli.rollout.packing import pack_rollout, use_packing
+from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
 
 
 class PolicyWithValueHead(torch.nn.Module):
@@ -124,17 +125,23 @@ def save_policy(
 
 
 def response_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                    packing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    packing: bool | PackedRollout = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The trunk's last hidden states that read the response entries, (B, R, H): entry t is the position of the
     token before response token t (the prompt's last token for t = 0), as `policy_forward` and `critic_values`
     read them. With `packing` (and a model that takes a custom mask: `rollout.use_packing`) the batch runs packed
     (`rollout.pack_rollout`: a shared prompt once, no padding between sequences) and the second result is the
-    (B, R) bool mask of entries computed from real tokens; else the padded forward and None."""
-    if use_packing(model, packing):
-        pk = pack_rollout(input_ids, attention_mask, prompt_len)
+    (B, R) bool mask of entries computed from real tokens; else the padded forward and None. `packing` may be
+    the batch's `PackedRollout`, built once for several passes (it must be `pack_rollout` of these rows)."""
+    if use_packing(model, _wants_packing(packing)):
+        pk = packing if isinstance(packing, PackedRollout) else pack_rollout(
+            input_ids, attention_mask, prompt_len, attention_tokens=attention_tokens(model))
         hidden = trunk_hidden(model, pk.packed.input_ids, pk.packed.allowed, pk.packed.position_ids)
         return hidden[pk.source[..., 0], pk.source[..., 1]], pk.computed
     return trunk_hidden(model, input_ids, attention_mask)[:, prompt_len - 1:-1], None
+
+
+def _wants_packing(packing: bool | PackedRollout) -> bool:
+    return isinstance(packing, PackedRollout) or bool(packing)
 
 
 def _zero_outside(x: torch.Tensor | None, computed: torch.Tensor | None) -> torch.Tensor | None:
@@ -143,14 +150,14 @@ def _zero_outside(x: torch.Tensor | None, computed: torch.Tensor | None) -> torc
 
 def policy_forward(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
-    with_entropy: bool = False, with_values: bool = False, packing: bool = False,
+    with_entropy: bool = False, with_values: bool = False, packing: bool | PackedRollout = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs of the response tokens under the policy at `temperature`.
 
     input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) nats or
     None, and, for a shared critic, values (B, R) float32 or None. Only the R response positions go
     through the LM head; position ids count real tokens, so padding side does not matter. `packing`
-    (`data.packing`) runs the batch packed (`response_hidden`): the same
+    (`data.packing`, or the batch's `PackedRollout`) runs the batch packed (`response_hidden`): the same
     numbers to float rounding on every entry the padded forward reads from a real token, 0 on the rest (entries
     after a response's EOS, which every loss masks).
     """
@@ -189,12 +196,12 @@ def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_
 
 
 def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                  packing: bool = False) -> torch.Tensor:
+                  packing: bool | PackedRollout = False) -> torch.Tensor:
     """(B, R) float32 values of a separate critic, aligned with `policy_forward`'s logprobs: V(s_t) read at the
     position before response token t, 0 where that position is padding (`models.response_values`); packed or not
     as `packing` says (`response_hidden`), with the same numbers to float rounding."""
     critic = unwrap(critic)
-    if not use_packing(critic, packing):
+    if not use_packing(critic, _wants_packing(packing)):
         return response_values(critic, input_ids, attention_mask, prompt_len)
     hidden, computed = response_hidden(critic, input_ids, attention_mask, prompt_len, packing)
     return _zero_outside(critic.score(hidden).squeeze(-1).float(), computed)

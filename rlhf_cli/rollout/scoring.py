@@ -11,7 +11,7 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator
-from rlhf_cli.models import rewards_at, sequence_rewards
+from rlhf_cli.models import attention_tokens, rewards_at, sequence_rewards
 from rlhf_cli.rollout.packing import pack_rollout, use_packing
 
 
@@ -42,7 +42,7 @@ def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
         for i in range(0, input_ids.shape[0], batch_size):
             ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
             if pack:
-                pk = pack_rollout(ids, am, prompt_len)
+                pk = pack_rollout(ids, am, prompt_len, attention_tokens=attention_tokens(model))
                 out.append(rewards_at(model, pk.packed.input_ids, pk.packed.allowed, pk.last,
                                       pk.packed.position_ids).float())
             else:
@@ -54,7 +54,7 @@ def pair_collator(model: Any, pad_id: int, packing: bool) -> Callable[[Sequence[
     """The collator of preference pairs for `model`: `PackedPairCollator` (prompt computed once, pairs
     packed, `data.packing=true`) where the model's attention implementation takes a custom 4D mask, else
     `PairCollator` (chosen and rejected as two padded rows), saying once why packing is off (`use_packing`)."""
-    return PackedPairCollator(pad_id) if use_packing(model, packing) else PairCollator(pad_id)
+    return PackedPairCollator(pad_id, attention_tokens(model)) if use_packing(model, packing) else PairCollator(pad_id)
 
 
 def forward_pairs(model: Any, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:

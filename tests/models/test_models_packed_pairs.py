@@ -58,12 +58,15 @@ def scalar(tiny_scalar):
     model.zero_grad()
 
 
+@pytest.mark.parametrize("attention_tokens", [None, 1e9], ids=["rows-of-the-longest", "wide-rows"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_packed_pairs_give_the_padded_scores_loss_and_gradients_fp32(scalar, impl):
+def test_packed_pairs_give_the_padded_scores_loss_and_gradients_fp32(scalar, impl, attention_tokens):
     scalar.config._attn_implementation = impl  # eager adds the mask to the scores: a boolean one would be wrong
     pairs = make_pairs(scalar.config.vocab_size)
-    packed = PackedPairCollator(PAD)(pairs)
+    packed = PackedPairCollator(PAD, attention_tokens)(pairs)
     assert packed["input_ids"].shape[0] < len(pairs)  # some pairs really share a row
+    longest = max(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"]) for ex in pairs)
+    assert (packed["input_ids"].shape[1] > longest) == (attention_tokens is not None)  # wide rows where asked
     c0, r0, loss0, g0 = loss_and_grads(scalar, PairCollator(PAD)(pairs), "fp32")
     c1, r1, loss1, g1 = loss_and_grads(scalar, packed, "fp32")
     torch.testing.assert_close(c1, c0, rtol=0, atol=1e-5)
@@ -143,3 +146,32 @@ def test_a_model_with_sliding_window_layers_is_not_packed(caplog):
     assert any("sliding-window" in r.getMessage() for r in caplog.records)
     Model.config.sliding_window = None
     assert isinstance(pair_collator(Model(), PAD, packing=True), PackedPairCollator)
+
+
+def test_row_width_takes_the_cheapest_candidate():
+    from rlhf_cli.data import row_width
+    from rlhf_cli.data.collate import _first_fit
+
+    assert row_width([10, 9, 3, 2], None) == 10  # rows of the longest segment
+    assert row_width([10, 9, 3, 2], 3072) == 12  # [10, 2] and [9, 3]: two rows, no padding
+    assert row_width([10, 10], 3072) == 10  # one wide row would save no position and cost attention
+    assert row_width([100, 100, 100, 50], 3072) == 350  # one row: no padding at 11 % more attention
+    assert row_width([100] * 9, 1e9) == 100  # ties go to the narrower row
+    assert row_width([100] * 4 + [50], 1e9) == 100  # one row of 450 would save 50 positions: over 4x the longest
+    lengths = [57, 31, 88, 12, 40, 40, 63, 9]
+    cost = lambda w: len(_first_fit(lengths, w)) * w * (1 + w / 500)  # noqa: E731
+    best = row_width(lengths, 500)
+    assert 88 <= best <= 4 * 88 and all(cost(best) <= cost(w) for w in range(88, 4 * 88 + 1))
+
+
+def test_attention_tokens_from_the_config():
+    """SmolLM2-135M's shape: (2·576·576 + 2·576·3·64 + 3·576·1536) / (2·576) = 3072 keys."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from rlhf_cli.models import attention_tokens
+
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    assert attention_tokens(SimpleNamespace(config=cfg)) == 3072
+    assert attention_tokens(SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: object()))) is None

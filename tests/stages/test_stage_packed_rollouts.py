@@ -123,8 +123,10 @@ GRPO_MINI = [*GRPO[:2], "ppo.mini_batch_size=4", "ppo.micro_batch_size=2", *GRPO
 RM_GRPO = [*GRPO_MINI[:5], "reward.type=model", *GRPO_MINI[6:]]  # a reward model scoring a group's packed rows
 
 
-@pytest.mark.parametrize("overrides", [PPO, GRPO, GRPO_MINI, RM_GRPO],
-                         ids=["ppo-gae", "grpo-on-policy", "grpo-minibatches", "grpo-reward-model"])
+@pytest.mark.parametrize("overrides", [PPO, GRPO, GRPO_MINI, RM_GRPO, [*PPO, "ppo.epochs=2"],
+                                       [*GRPO_MINI, "ppo.epochs=2"]],
+                         ids=["ppo-gae", "grpo-on-policy", "grpo-minibatches", "grpo-reward-model", "ppo-2-epochs",
+                              "grpo-minibatches-2-epochs"])
 def test_a_packed_iteration_equals_the_padded_one(tmp_path, overrides):
     runs = {}
     if "reward.type=function" in overrides:  # the tiny model's checker score is 0 everywhere: no group signal
@@ -158,26 +160,63 @@ def test_a_packed_iteration_equals_the_padded_one(tmp_path, overrides):
     assert any(not torch.equal(w1[k], before[k]) for k in w1), "the update moved no weight"
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
 @pytest.mark.parametrize("precision,logprobs", [("fp32", "fp32"), ("bf16-autocast", "same"), ("bf16", "fp32")])
-def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, precision, logprobs):
-    """With `ppo.epochs=1` the old log-probs are computed over the update's own micro-batches, so a row's packed
-    layout is the same in both passes: the ratio of the first minibatch is exactly 1 (as `test_stage_ppo`'s plain
-    test), in every precision; the second minibatch, after a step, moves."""
+def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, precision, logprobs, epochs):
+    """The old log-probs are computed over the update's own micro-batches, which keep their rows in every epoch
+    (`update_order`), so a row's packed layout is the same in every pass: the ratio of the first minibatch is
+    exactly 1 (as `test_stage_ppo`'s plain test), in every precision; the second minibatch, after a step, moves.
+    The layouts are built once per micro-batch, by the maker, and the update reuses them."""
+    import rlhf_cli.rollout.policy as policy_module
+
     tr = build_trainer(tmp_path, [*GRPO_MINI[:2], "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
                                   "ppo.advantage_estimator=gae", "reward.type=checker", "ppo.kl_in=reward",
-                                  f"precision={precision}", f"scoring_precision={logprobs}"])
+                                  f"ppo.epochs={epochs}", f"precision={precision}", f"scoring_precision={logprobs}"])
     assert packs_rollout_passes(tr.cfg) and not tr.old_from_training
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.maker.make_experience(0)
+    assert len(exp.layouts) == 4  # one per micro-batch, for the reference, policy and critic passes
+    built = []
+    real = policy_module.pack_rollout
+    monkeypatch.setattr(policy_module, "pack_rollout", lambda *a, **k: built.append(1) or real(*a, **k))
     calls = spy_losses(monkeypatch, tr)
     tr.train_on(exp, 0)
-    assert len(calls) == 4  # 2 minibatches x 2 micro-batches
+    assert not built  # the update's actor and critic forwards reuse them
+    assert len(calls) == 4 * epochs  # 2 minibatches x 2 micro-batches per epoch
     for lp, old, mask, stats in calls[:2]:
         assert torch.equal(lp[mask.bool()], old[mask.bool()])
         assert stats["policy/clipfrac"] == 0.0
     assert any((lp - old)[mask.bool()].abs().max() > 0 for lp, old, mask, _ in calls[2:])
 
 
-def test_more_epochs_keep_the_policy_passes_plain(tmp_path):
-    tr = build_trainer(tmp_path, [*GRPO_MINI, "ppo.epochs=2", f"reward.function={reward_file(tmp_path)}:length_bonus"])
-    assert tr.cfg.data.packing and not packs_rollout_passes(tr.cfg)
+@pytest.mark.parametrize("n_samples", [1, 4])
+def test_the_update_keeps_each_micro_batch_across_epochs(n_samples):
+    """`update_order`: the first epoch is the seeded shuffle cut into minibatches and micro-batches (a minibatch's
+    rows ordered by group); every later epoch visits the same micro-batches, each row once, in new minibatches."""
+    from types import SimpleNamespace
+
+    from rlhf_cli.rollout.learner import update_order
+
+    B, mini, micro = 32, 8, 2
+    cfg = SimpleNamespace(seed=5, ppo=SimpleNamespace(mini_batch_size=mini, micro_batch_size=micro, epochs=3,
+                                                      n_samples_per_prompt=n_samples))
+    groups = torch.arange(B) // n_samples
+    order = update_order(cfg, 2, groups)
+    assert len(order) == 3 and all(len(epoch) == B // mini for epoch in order)
+    as_sets = [sorted(tuple(r.tolist()) for mb in epoch for r in mb) for epoch in order]
+    assert as_sets[0] == as_sets[1] == as_sets[2]  # the same micro-batches, rows in the same order
+    for epoch in order:
+        rows = torch.cat([r for mb in epoch for r in mb])
+        assert sorted(rows.tolist()) == list(range(B))  # each row once per epoch
+        assert all(len(mb) == mini // micro and all(len(r) == micro for r in mb) for mb in epoch)
+    if n_samples > 1:  # the first epoch's minibatches are ordered by group (so every micro-batch is)
+        for mb in order[0]:
+            g = groups[torch.cat(mb)]
+            assert torch.equal(g, g.sort(stable=True).values)
+    minibatches = [[sorted(torch.cat(mb).tolist()) for mb in epoch] for epoch in order]
+    assert minibatches[1] != minibatches[0] or minibatches[2] != minibatches[0]  # reshuffled into new minibatches
+    assert [[r.tolist() for r in mb] for mb in order[0]] == [[r.tolist() for r in mb] for mb in
+                                                             update_order(cfg, 2, groups)[0]]  # seeded
+    cfg.ppo.epochs = 1
+    assert [[r.tolist() for r in mb] for mb in update_order(cfg, 2, groups)[0]] == \
+        [[r.tolist() for r in mb] for mb in order[0]]  # more epochs do not change the first
