@@ -149,17 +149,21 @@ def row_width(lengths: Sequence[int], attention_tokens: float | None) -> int:
     A row of L positions costs L × (1 + L / `attention_tokens`) (the linear layers per position, plus attention
     over up to L keys; `models.attention_tokens`: the key count at which they cost the same). Wider rows leave
     less padding at the rows' tails but make attention dearer. Candidates: the longest segment, and the total
-    spread evenly over k rows (k = 1..n, and 10 % wider), up to 4x the longest. None: the longest segment."""
-    longest, total = max(lengths), sum(lengths)
-    if attention_tokens is None:
+    spread evenly over k rows (up to 16 values of k, and 10 % wider), whose attention memory (rows × L², the
+    4D mask and, under eager attention, the scores) is at most twice that of rows of the longest segment.
+    None, or a value <= 0: the longest segment. Raises ValueError on no segments.
+    """
+    if not lengths:
+        raise ValueError("no segments to pack")
+    longest, total, n = max(lengths), sum(lengths), len(lengths)
+    if attention_tokens is None or attention_tokens <= 0:
         return longest
-    candidates = {longest} | {max(longest, -(-total * f // (10 * k))) for k in range(1, len(lengths) + 1)
-                              for f in (10, 11)}
-
-    def cost(w: int) -> tuple[float, int]:
-        return len(_first_fit(lengths, w)) * w * (1 + w / attention_tokens), w
-
-    return min((w for w in candidates if w <= 4 * longest), key=cost)
+    ks = {1 + round(i * (n - 1) / 15) for i in range(16)} if n > 16 else set(range(1, n + 1))
+    candidates = {longest} | {max(longest, -(-total * f // (10 * k))) for k in ks for f in (10, 11)}
+    rows = {w: len(_first_fit(lengths, w)) for w in candidates}
+    memory = 2 * rows[longest] * longest ** 2
+    return min((w for w in candidates if rows[w] * w ** 2 <= memory),
+               key=lambda w: (rows[w] * w * (1 + w / attention_tokens), w))
 
 
 def pack_shared_prefixes(segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],

@@ -222,16 +222,19 @@ def attention_tokens(model: Any) -> float | None:
     """The number of keys at which one query's attention costs what its linear layers cost, per decoder layer:
     (linear weights per layer) / (2 × heads × head_dim), from the model's config, since a query over L keys
     takes 4·L·heads·head_dim FLOPs (QKᵀ and AV) and a position 2 per linear weight (attention projections with
-    `num_key_value_heads`, a gated MLP of `intermediate_size`: Llama and its kin). SmolLM2-135M: 3072. Used to
-    choose packed row widths (`data.row_width`). None when the config lacks a field."""
-    text = getattr(model, "module", model).config.get_text_config()
+    `num_key_value_heads`, a gated MLP of `intermediate_size`: Llama and its kin; an ungated MLP is overstated by
+    a third, which only moves the row widths chosen). SmolLM2-135M: 3072. Used to choose packed row widths
+    (`data.row_width`), never for a number a run reports. None when the config lacks a field or has zeros."""
     try:
+        text = getattr(model, "module", model).config.get_text_config()
         hidden, heads, inner = int(text.hidden_size), int(text.num_attention_heads), int(text.intermediate_size)
-    except (AttributeError, TypeError):
+        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+        kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return None
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-    kv = int(getattr(text, "num_key_value_heads", None) or heads)
     width = heads * head_dim
+    if min(hidden, width, kv, inner) <= 0:
+        return None
     weights = 2 * hidden * width + 2 * hidden * kv * head_dim + 3 * hidden * inner
     return weights / (2 * width)
 

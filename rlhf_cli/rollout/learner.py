@@ -40,9 +40,11 @@ def update_order(cfg: Any, iteration: int, groups: torch.Tensor) -> list[list[li
     a group's samples share micro-batches and `data.packing` computes their prompt once (the minibatch, and so the
     update, is the same: its loss is summed over micro-batches). The first epoch visits them in that order; each
     later epoch shuffles the same micro-batches into new minibatches (veRL keeps its micro-batches across epochs,
-    and OpenRLHF's packed samples are shuffled whole). So a row is in one micro-batch, with the same rows, in every
-    pass of an iteration: its packed layout, and the float rounding that depends on it, is the one the no-grad
-    passes saw (`packs_rollout_passes`)."""
+    and OpenRLHF's packed samples are shuffled whole); when a minibatch is one micro-batch (`ppo.mini_batch_size`
+    = `ppo.micro_batch_size` × world size), later epochs visit the same minibatches in a new order. So a row is in
+    one micro-batch, with the same rows, in every pass of an iteration: its packed layout, and the float rounding
+    that depends on it, is the one the no-grad passes saw (`packs_rollout_passes`). The plain layout
+    (`data.packing=false`) takes the same order, so the switch changes no update beyond float rounding."""
     p = cfg.ppo
     n, mini = groups.shape[0], p.mini_batch_size // engine.world_size()
     g = torch.Generator().manual_seed(derive_seed(cfg.seed, iteration, engine.rank()))

@@ -133,8 +133,9 @@ class ExperienceMaker:
             t0 = _clock(dev)
             packing: bool | PackedRollout = packed
             if packed and use_packing(policy_lm, True):  # else each model decides for itself
+                # kept on the CPU (the 4D masks of every micro-batch live until the update ends), moved per pass
                 packing = layouts[tuple(rows.tolist())] = pack_rollout(
-                    ids, am, P, attention_tokens=attention_tokens(policy_lm))
+                    ids.cpu(), am.cpu(), P, attention_tokens=attention_tokens(policy_lm))
             clock["packing"] += _clock(dev) - t0
             t0 = _clock(dev)
             with self.reference.autocast():
@@ -182,6 +183,8 @@ class ExperienceMaker:
         k = min(self.p.kl_check_rows, input_ids.shape[0])
         if k == 0 or self.score_precision != "bf16-autocast":
             return {}
+        # the first k rows packed together, a layout other than the rollout's micro-batches: in fp32 that moves
+        # the KL by float rounding (~1e-6 nats), far below the bf16 noise this check measures
         with self.reference.on_device() as reference:  # the weights are fp32 under bf16-autocast
             kl_fp32 = sequence_kl(self.actor.module, reference, input_ids[:k], attention_mask[:k], P,
                                   self.p.temperature, k, "fp32", packing=packs_rollout_passes(self.cfg))["k1"]

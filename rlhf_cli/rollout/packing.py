@@ -60,6 +60,14 @@ class PackedRollout(NamedTuple):
     computed: torch.Tensor
     last: torch.Tensor
 
+    def to(self, device: torch.device) -> PackedRollout:
+        """The same layout with its tensors on `device` (itself when they are there already)."""
+        if self.source.device == torch.device(device):
+            return self
+        move = lambda x: x.to(device) if torch.is_tensor(x) else x  # noqa: E731
+        return PackedRollout(PackedPrefixes(*map(move, self.packed)), *map(move, (self.source, self.computed,
+                                                                                   self.last)))
+
 
 def pack_rollout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                  pad_id: int = 0, attention_tokens: float | None = None) -> PackedRollout:

@@ -131,9 +131,10 @@ def response_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     read them. With `packing` (and a model that takes a custom mask: `rollout.use_packing`) the batch runs packed
     (`rollout.pack_rollout`: a shared prompt once, no padding between sequences) and the second result is the
     (B, R) bool mask of entries computed from real tokens; else the padded forward and None. `packing` may be
-    the batch's `PackedRollout`, built once for several passes (it must be `pack_rollout` of these rows)."""
+    the batch's `PackedRollout`, built once for several passes (it must be `pack_rollout` of these rows; it is
+    moved to the batch's device for the call)."""
     if use_packing(model, _wants_packing(packing)):
-        pk = packing if isinstance(packing, PackedRollout) else pack_rollout(
+        pk = packing.to(input_ids.device) if isinstance(packing, PackedRollout) else pack_rollout(
             input_ids, attention_mask, prompt_len, attention_tokens=attention_tokens(model))
         hidden = trunk_hidden(model, pk.packed.input_ids, pk.packed.allowed, pk.packed.position_ids)
         return hidden[pk.source[..., 0], pk.source[..., 1]], pk.computed

@@ -301,6 +301,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                 roll_stats.update(tr.maker.kl_stats(exp, tr.kl_ctl.value))
                 check_max_kl(p, roll_stats, it)
             tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
+            del exp  # its tensors and packed layouts are not held through the next rollout
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
             metrics.log(it + 1, record)
             if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:

@@ -152,16 +152,20 @@ def test_row_width_takes_the_cheapest_candidate():
     from rlhf_cli.data import row_width
     from rlhf_cli.data.collate import _first_fit
 
-    assert row_width([10, 9, 3, 2], None) == 10  # rows of the longest segment
+    assert row_width([10, 9, 3, 2], None) == row_width([10, 9, 3, 2], 0) == 10  # rows of the longest segment
     assert row_width([10, 9, 3, 2], 3072) == 12  # [10, 2] and [9, 3]: two rows, no padding
     assert row_width([10, 10], 3072) == 10  # one wide row would save no position and cost attention
-    assert row_width([100, 100, 100, 50], 3072) == 350  # one row: no padding at 11 % more attention
     assert row_width([100] * 9, 1e9) == 100  # ties go to the narrower row
-    assert row_width([100] * 4 + [50], 1e9) == 100  # one row of 450 would save 50 positions: over 4x the longest
-    lengths = [57, 31, 88, 12, 40, 40, 63, 9]
-    cost = lambda w: len(_first_fit(lengths, w)) * w * (1 + w / 500)  # noqa: E731
+    # one row of 350 would save 50 positions but hold 3x the attention memory of four rows of 100
+    assert row_width([100, 100, 100, 50], 1e9) == 100
+    lengths = [57, 31, 88, 12, 40, 40, 63, 9, 50, 45, 70, 22]  # 527 tokens: 7 rows of 88 are 616 positions
+    rows = lambda w: len(_first_fit(lengths, w))  # noqa: E731
     best = row_width(lengths, 500)
-    assert 88 <= best <= 4 * 88 and all(cost(best) <= cost(w) for w in range(88, 4 * 88 + 1))
+    assert best > 88 and rows(best) * best < 616  # wider rows, fewer positions
+    assert rows(best) * best * (1 + best / 500) < 616 * (1 + 88 / 500)  # at a lower estimated cost
+    assert rows(best) * best ** 2 <= 2 * rows(88) * 88 ** 2  # within twice the attention memory
+    with pytest.raises(ValueError, match="no segments"):
+        row_width([], 3072)
 
 
 def test_attention_tokens_from_the_config():

@@ -189,15 +189,31 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
     assert any((lp - old)[mask.bool()].abs().max() > 0 for lp, old, mask, _ in calls[2:])
 
 
-@pytest.mark.parametrize("n_samples", [1, 4])
-def test_the_update_keeps_each_micro_batch_across_epochs(n_samples):
+def first_epoch_before(cfg, iteration, groups):
+    """The first epoch as `update_order` drew it before micro-batches were kept across epochs (commit 16dc0e9)."""
+    from rlhf_cli.seeds import derive_seed
+
+    p, n = cfg.ppo, groups.shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(cfg.seed, iteration, 0)))
+    epoch = []
+    for s in range(0, n, p.mini_batch_size):
+        rows = perm[s:s + p.mini_batch_size]
+        if p.n_samples_per_prompt > 1:
+            rows = rows[torch.argsort(groups[rows], stable=True)]
+        epoch.append([rows[m:m + p.micro_batch_size] for m in range(0, len(rows), p.micro_batch_size)])
+    return epoch
+
+
+@pytest.mark.parametrize("n_samples,mini", [(1, 8), (4, 8), (1, 2)])
+def test_the_update_keeps_each_micro_batch_across_epochs(n_samples, mini):
     """`update_order`: the first epoch is the seeded shuffle cut into minibatches and micro-batches (a minibatch's
-    rows ordered by group); every later epoch visits the same micro-batches, each row once, in new minibatches."""
+    rows ordered by group), as before; every later epoch visits the same micro-batches, each row once, in new
+    minibatches, or, when a minibatch is one micro-batch, the same minibatches in a new order."""
     from types import SimpleNamespace
 
     from rlhf_cli.rollout.learner import update_order
 
-    B, mini, micro = 32, 8, 2
+    B, micro = 32, 2
     cfg = SimpleNamespace(seed=5, ppo=SimpleNamespace(mini_batch_size=mini, micro_batch_size=micro, epochs=3,
                                                       n_samples_per_prompt=n_samples))
     groups = torch.arange(B) // n_samples
@@ -214,9 +230,12 @@ def test_the_update_keeps_each_micro_batch_across_epochs(n_samples):
             g = groups[torch.cat(mb)]
             assert torch.equal(g, g.sort(stable=True).values)
     minibatches = [[sorted(torch.cat(mb).tolist()) for mb in epoch] for epoch in order]
-    assert minibatches[1] != minibatches[0] or minibatches[2] != minibatches[0]  # reshuffled into new minibatches
-    assert [[r.tolist() for r in mb] for mb in order[0]] == [[r.tolist() for r in mb] for mb in
-                                                             update_order(cfg, 2, groups)[0]]  # seeded
+    if mini > micro:  # reshuffled into new minibatches
+        assert all(sorted(m) != sorted(minibatches[0]) for m in minibatches[1:])
+    else:  # the same minibatches, visited in a new order
+        assert all(sorted(m) == sorted(minibatches[0]) and m != minibatches[0] for m in minibatches[1:])
+    listed = lambda epoch: [[r.tolist() for r in mb] for mb in epoch]  # noqa: E731
+    assert listed(order[0]) == listed(first_epoch_before(cfg, 2, groups))  # the first epoch is unchanged
+    assert listed(order[0]) == listed(update_order(cfg, 2, groups)[0])  # seeded
     cfg.ppo.epochs = 1
-    assert [[r.tolist() for r in mb] for mb in update_order(cfg, 2, groups)[0]] == \
-        [[r.tolist() for r in mb] for mb in order[0]]  # more epochs do not change the first
+    assert listed(update_order(cfg, 2, groups)[0]) == listed(order[0])  # more epochs do not change the first

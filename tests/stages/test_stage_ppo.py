@@ -341,7 +341,7 @@ def test_garbage_in_padded_positions_changes_no_loss(tmp_path, monkeypatch, aggr
     g = torch.Generator().manual_seed(0)
     fills = {"logprobs": 1e6, "ref_logprobs": -float("inf"), "values": float("nan"), "advantages": float("inf"),
              "returns": -1e6, "rewards": float("nan")}
-    # the tensors, dirtied below; packed layouts are rebuilt from the dirty ids (real tokens only)
+    # the tensors, dirtied below (minibatch_losses runs the plain layout, where padding would show)
     dirty = Experience(**{f: getattr(exp, f).clone() for f in exp.__dataclass_fields__ if f != "layouts"})
     for name, value in fills.items():
         getattr(dirty, name)[pad] = value
