@@ -86,6 +86,32 @@ def test_packed_policy_forward_equals_the_padded_one(tiny_model_cfg, tokenizer, 
         assert scale > 0 and float((g1[name] - g0[name]).abs().max()) <= 1e-5 * scale, name
 
 
+@pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
+def test_packed_rollout_passes_add_no_error_beyond_bf16s_own(tiny_model_cfg, tokenizer, precision):
+    """bf16 rounds at other places in the packed and padded layouts, so they differ by bf16 noise: packing is held
+    to no more error against the fp32 numbers than the padded layout itself has (log-probs, entropies, shared
+    values, a separate critic's values), as the packed reward-model pairs are (test_models_packed_pairs)."""
+    from rlhf_cli import engine
+    from rlhf_cli.models import load_causal_lm, load_scalar_model
+
+    ids, am, P = rollout_batch(256)
+    mask = am[:, P:].bool()
+
+    def passes(prec, packing):
+        lm = load_causal_lm(tiny_model_cfg, prec, seed=0, tokenizer=tokenizer).eval()
+        policy, critic = PolicyWithValueHead(lm, seed=1), load_scalar_model(tiny_model_cfg, prec, seed=2).eval()
+        with torch.no_grad(), engine.autocast(prec):
+            lp, ent, v = policy_forward(policy, ids, am, P, 0.7, with_entropy=True, with_values=True,
+                                        packing=packing)
+            return torch.stack([lp, ent, v, critic_values(critic, ids, am, P, packing=packing)]).float()
+
+    exact, padded, packed = passes("fp32", False), passes(precision, False), passes(precision, True)
+    for k, name in enumerate(("logprobs", "entropy", "shared values", "critic values")):
+        bf16_error = (padded[k] - exact[k])[mask].abs().max()
+        assert 0 < bf16_error < 0.5, name
+        assert (packed[k] - exact[k])[mask].abs().max() <= 2 * bf16_error, name
+
+
 def test_packed_critic_values_equal_the_padded_ones_everywhere(tiny_model_cfg):
     from rlhf_cli.models import load_scalar_model
 
