@@ -224,7 +224,7 @@ def attention_tokens(model: Any) -> float | None:
     takes 4·L·heads·head_dim FLOPs (QKᵀ and AV) and a position 2 per linear weight (attention projections with
     `num_key_value_heads`, a gated MLP of `intermediate_size`: Llama and its kin; an ungated MLP is overstated by
     a third, which only moves the row widths chosen). SmolLM2-135M: 3072. Used to choose packed row widths
-    (`data.row_width`), never for a number a run reports. None when the config lacks a field or has zeros."""
+    (`rlhf_cli.data.row_width`), never for a number a run reports. None when the config lacks a field or has zeros."""
     try:
         text = getattr(model, "module", model).config.get_text_config()
         hidden, heads, inner = int(text.hidden_size), int(text.num_attention_heads), int(text.intermediate_size)

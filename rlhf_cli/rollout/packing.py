@@ -76,9 +76,9 @@ def pack_rollout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
     input_ids, attention_mask: (B, P+R) as `sample_responses` lays them out, prompts left-padded to P = `prompt_len`,
     responses right-padded. `pad_id` fills the packed rows' tails (any id: padding attends only to itself and is
     never read). `attention_tokens` (`models.attention_tokens` of the model that will run it) lets rows grow wider
-    than the longest segment where that costs less (`data.row_width`). Tensors come back on `input_ids`' device.
-    Raises ValueError for a row with no real prompt token or a response whose real tokens are not contiguous
-    from column P.
+    than the longest segment where that costs less (`rlhf_cli.data.row_width`). Tensors come back on
+    `input_ids`' device. Raises ValueError for a row with no real prompt token or a response whose real tokens
+    are not contiguous from column P.
     """
     ids, am = input_ids.cpu(), attention_mask.cpu().bool()
     B, T = ids.shape
