@@ -55,6 +55,48 @@ def test_engine_step_changes_weights_and_lowers_loss(zero_stage, precision, tmp_
         assert torch.equal(v, saved[k])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16"])
+def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
+    """World size 1, ZeRO 0: DeepSpeed's gradient all-reduce is off, and the weights after accumulated steps equal
+    those of an engine that runs it (bit for bit: it was an identity); ZeRO 2 keeps it (it reduces into its
+    partitions)."""
+    ds = lambda stage: SimpleNamespace(zero_stage=stage, offload_optimizer=False, offload_param=False,  # noqa: E731
+                                       extra={})
+    kw = dict(lr=1e-2, train_batch_size=4, micro_batch_size=2, total_steps=10, max_grad_norm=1.0)
+    engines = [engine.TrainEngine(_tiny(), ds(0), precision, **kw) for _ in range(2)]
+    assert engines[0].engine.enable_backward_allreduce is False
+    engines[1].engine.enable_backward_allreduce = True  # DeepSpeed's default
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    for eng in engines:
+        for _ in range(4):  # 2 optimizer steps of 2 micro-batches
+            with eng.autocast():
+                loss = eng(input_ids=x, labels=x).loss
+            eng.backward_mean(loss)
+            eng.step()
+    a, b = (e.module.state_dict() for e in engines)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert engines[0].grad_norm() == engines[1].grad_norm()
+    assert engine.TrainEngine(_tiny(), ds(2), precision, **kw).engine.enable_backward_allreduce is True
+
+
+def test_cpu_init_builds_no_shared_memory_op():
+    """On the CPU accelerator DeepSpeed's shm all-reduce op (a C++ JIT build, 40-80 s) is neither built nor loaded."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import deepspeed.comm.comm as c; from rlhf_cli import engine; engine.init_distributed(); "
+            "import torch; t = torch.ones(3); engine.dist.all_reduce(t); "
+            "print(c.cdb.shm_comm_op is None, hasattr(torch.ops.deepspeed, 'inference_all_reduce_'), t.tolist())")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "built successfully" not in out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "True False [1.0, 1.0, 1.0]"
+
+
 def test_ds_config_from_groups():
     ds = SimpleNamespace(zero_stage=3, offload_optimizer=True, offload_param=True,
                          extra={"zero_optimization": {"overlap_comm": True}})

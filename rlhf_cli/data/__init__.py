@@ -17,12 +17,12 @@ from rlhf_cli.data.builtin import (
 )
 from rlhf_cli.data.collate import (
     PackedPairCollator,
-    PackedPrefixes,
+    PackedTries,
     PairCollator,
     PromptCollator,
     epoch_order,
     example_length,
-    pack_shared_prefixes,
+    pack_tries,
     pad_sequences,
     row_width,
 )
@@ -38,11 +38,11 @@ from rlhf_cli.data.formats import DataError, Keys, Pair, Prompt, detect_format, 
 from rlhf_cli.data.tokenize import Encoder, last_user_turn, pair_budget, truncate_left
 
 __all__ = [
-    "BuiltinProblem", "DataError", "DataSummary", "Encoder", "Keys", "PackedPairCollator", "PackedPrefixes", "Pair",
+    "BuiltinProblem", "DataError", "DataSummary", "Encoder", "Keys", "PackedPairCollator", "PackedTries", "Pair",
     "PairCollator",
     "PreferenceData", "Prompt", "PromptCollator", "PromptData", "builtin_splits",
     "check_answer", "check_answers", "checker", "detect_format", "epoch_order", "example_length", "pair_budget",
     "last_user_turn",
-    "load_preference_data", "load_prompt_data", "pack_shared_prefixes", "pad_sequences", "parse_answer", "parse_pair",
+    "load_preference_data", "load_prompt_data", "pack_tries", "pad_sequences", "parse_answer", "parse_pair",
     "parse_prompt", "read_rows", "row_width", "truncate_left",
 ]

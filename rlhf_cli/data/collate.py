@@ -59,17 +59,16 @@ def _add_margin(batch: dict[str, torch.Tensor], examples: Sequence[dict[str, Any
 
 
 class PackedPairCollator:
-    """Preference examples -> packed rows: the prompt computed once per pair, no padding between pairs.
+    """Preference examples -> packed rows: every shared prefix computed once, no padding between pairs.
 
-    Each pair is ONE segment `[prompt | chosen | rejected]`; segments are placed first-fit, longest
-    first, into rows as long as the longest segment of the batch, or wider where the model's
-    `attention_tokens` says that costs less (`row_width`), and only each row's tail is padding. In a
-    segment, positions run 0..P-1 over the prompt, P..P+C-1 over chosen and restart at P over
-    rejected; a token attends to the tokens of its own segment at or before its column, except that
-    rejected never sees chosen. So every chosen and rejected token sees exactly the keys, at exactly
-    the positions, it sees in `PairCollator`'s two rows, and each score is read at its own EOS: the
-    same scores up to float rounding, computed from P + C + R tokens instead of 2P + C + R plus
-    padding (prefix sharing: Wang et al. 2024,
+    Each pair's two sequences, prompt + chosen and prompt + rejected, are one token trie: the prompt (and
+    any first tokens chosen and rejected have in common) once, then each one's own tokens (`pack_tries`).
+    Positions are each token's index in its own sequence, and a token attends to exactly the tokens of its own
+    sequence before it. Where the model's `attention_tokens` says it costs less, pairs that begin alike (the
+    chat template's system prompt) share one trie too, and rows may hold several tries (`row_width`); only each
+    row's tail is padding. So every chosen and rejected token sees exactly the keys, at exactly the positions,
+    it sees in `PairCollator`'s two rows, and each score is read at its own EOS: the same scores up to float
+    rounding, from far fewer positions than 2P + C + R plus padding (prefix sharing: Wang et al. 2024,
     "Accelerating Direct Preference Optimization with Prefix Sharing").
 
         input_ids        (R, L) long   R <= B rows
@@ -87,16 +86,16 @@ class PackedPairCollator:
 
     def __init__(self, pad_id: int, attention_tokens: float | None = None):
         self.pad_id = int(pad_id)
-        self.attention_tokens = attention_tokens  # row widths (`row_width`): the model's `models.attention_tokens`
+        self.attention_tokens = attention_tokens  # tries and row widths: the model's `models.attention_tokens`
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         for ex in examples:
             if not ex["chosen_ids"] or not ex["rejected_ids"]:
                 raise ValueError("a pair with an empty chosen or rejected response cannot be scored")
-        packed = pack_shared_prefixes([(ex["prompt_ids"], [ex["chosen_ids"], ex["rejected_ids"]]) for ex in examples],
-                                      self.pad_id, self.attention_tokens)
-        ends = torch.tensor([[[r, c + len(ex[key]) - 1] for key, (r, c) in zip(("chosen_ids", "rejected_ids"), cols)]
-                             for ex, cols in zip(examples, packed.branch_starts)], dtype=torch.long).view(-1, 2, 2)
+        packed = pack_tries([[list(ex["prompt_ids"]) + list(ex[key]) for key in ("chosen_ids", "rejected_ids")]
+                             for ex in examples], self.pad_id, self.attention_tokens)
+        ends = torch.tensor([[[r, int(cols[-1])] for r, cols in paths] for paths in packed.paths],
+                            dtype=torch.long).view(-1, 2, 2)
         batch: dict[str, torch.Tensor] = {
             "input_ids": packed.input_ids, "position_ids": packed.position_ids,
             "attention_mask": packed.attention_mask, "pair_attention": packed.allowed,
@@ -108,24 +107,26 @@ class PackedPairCollator:
         return batch
 
 
-class PackedPrefixes(NamedTuple):
-    """Segments `[prefix | branch 1 | branch 2 | ...]` packed into rows (`pack_shared_prefixes`). W rows of L columns.
+class PackedTries(NamedTuple):
+    """Groups of sequences packed as token tries (`pack_tries`). W rows of L columns.
 
         input_ids       (W, L) long   pad id on padding
-        position_ids    (W, L) long   a prefix at 0..P-1, each branch continuing at P; 0 on padding
+        position_ids    (W, L) long   a token's index in its sequence (its depth in the trie); 0 on padding
         attention_mask  (W, L) long   1 = real token
-        allowed         (W, 1, L, L) bool  [w, 0, q, k]: query q may attend key k (its segment's prefix and its
-                                      own branch, causally); a padding position attends to itself only
-        branch_starts   list per segment of (row, column) of each branch's first token
-        prefix_starts   list per segment of (row, column) of its prefix's first token
+        allowed         (W, 1, L, L) bool  [w, 0, q, k]: query q may attend key k, that is k is q or a token
+                                      before it in a sequence through q; a padding position attends to itself only
+        paths           per group, per sequence: (row, (n,) long columns of its n tokens, in order)
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
     allowed: torch.Tensor
-    branch_starts: list[list[tuple[int, int]]]
-    prefix_starts: list[tuple[int, int]]
+    paths: list[list[tuple[int, torch.Tensor]]]
+
+
+MAX_GROUPS_PER_TRIE = 16
+"""At most this many groups share one trie (`pack_tries`): bounds the search and a trie's length."""
 
 
 def _first_fit(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -166,52 +167,126 @@ def row_width(lengths: Sequence[int], attention_tokens: float | None) -> int:
                key=lambda w: (rows[w] * w * (1 + w / attention_tokens), w))
 
 
-def pack_shared_prefixes(segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                         pad_id: int, attention_tokens: float | None = None) -> PackedPrefixes:
-    """Pack segments (prefix ids, [branch ids, ...]) so that each prefix is computed once for all its branches.
+class _Trie:
+    """Token trie of sequences: node n holds `token[n]` at depth `depth[n]`; children in insertion order."""
 
-    Each branch sees exactly the tokens and positions it would see as its own row `prefix + branch`: the prefix
-    at positions 0..P-1, the branch at P.., and no other branch. Segments are placed first-fit, longest first,
-    into rows of `row_width(lengths, attention_tokens)` (as long as the longest segment when `attention_tokens`
-    is None; wider when that leaves less padding for less cost), so only row tails are padding. The layout of
-    `PackedPairCollator` (a pair: prompt, [chosen, rejected]) and of a rollout group (a prompt, [its n
-    responses]: `rollout.packing`). Empty prefixes and branches are allowed; a segment must hold at least one
-    token. Raises ValueError on an empty segment.
+    def __init__(self) -> None:
+        self.token: list[int] = []
+        self.depth: list[int] = []
+        self.children: list[dict[int, int]] = [{}]  # [0] is the root (no token); node n is children index n + 1
+
+    def add(self, seq: Sequence[int]) -> list[int]:
+        """Insert `seq`; returns the node of each of its tokens."""
+        path, at = [], 0
+        for d, tok in enumerate(seq):
+            nxt = self.children[at].get(tok)
+            if nxt is None:
+                nxt = len(self.token)
+                self.token.append(int(tok))
+                self.depth.append(d)
+                self.children.append({})
+                self.children[at][tok] = nxt
+            path.append(nxt)
+            at = nxt + 1
+        return path
+
+    def layout(self) -> tuple[list[int], list[int]]:
+        """Depth-first pre-order: (column of each node, column just past its subtree)."""
+        col, end = [0] * len(self.token), [0] * len(self.token)
+        stack, c = [(child, False) for child in reversed(list(self.children[0].values()))], 0
+        while stack:
+            n, done = stack.pop()
+            if done:
+                end[n] = c
+                continue
+            col[n], c = c, c + 1
+            stack.append((n, True))
+            stack.extend((child, False) for child in reversed(list(self.children[n + 1].values())))
+        return col, end
+
+
+def _merge_groups(groups: Sequence[Sequence[Sequence[int]]], attention_tokens: float | None) -> list[list[int]]:
+    """Which groups share a trie: runs of groups in order of their first sequence, chosen to minimise the summed
+    cost L × (1 + L / `attention_tokens`) of the tries (L: a trie's nodes), each trie at most 4x the longest
+    group's own and at most `MAX_GROUPS_PER_TRIE` groups. None (or <= 0): every group its own trie."""
+    n = len(groups)
+    if attention_tokens is None or attention_tokens <= 0 or n == 1:
+        return [[i] for i in range(n)]
+    order = sorted(range(n), key=lambda i: (list(groups[i][0]), i))
+    own = []
+    for g in groups:
+        trie = _Trie()
+        for seq in g:
+            trie.add(seq)
+        own.append(len(trie.token))
+    cap = 4 * max(own)
+    best = [0.0] + [float("inf")] * n  # best[j]: least cost of the first j groups in `order`
+    cut = [0] * (n + 1)
+    for i in range(n):
+        trie = _Trie()
+        for j in range(i, min(n, i + MAX_GROUPS_PER_TRIE)):
+            for seq in groups[order[j]]:
+                trie.add(seq)
+            size = len(trie.token)
+            if j > i and size > cap:
+                break
+            cost = best[i] + size * (1 + size / attention_tokens)
+            if cost < best[j + 1]:
+                best[j + 1], cut[j + 1] = cost, i
+    runs, j = [], n
+    while j > 0:
+        runs.append(order[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
+
+
+def pack_tries(groups: Sequence[Sequence[Sequence[int]]], pad_id: int,
+               attention_tokens: float | None = None) -> PackedTries:
+    """Pack groups of sequences so that every prefix two sequences share is computed once.
+
+    A group's sequences (a pair's prompt + chosen and prompt + rejected; a prompt's sampled responses) always
+    share one token trie, laid out depth first: a token is computed once for all the sequences that begin with
+    the same tokens up to it, sits at position = its index in them, and attends to exactly the tokens before
+    it in those sequences, so each sequence sees exactly the tokens and positions of its own padded row.
+    Given `attention_tokens` (`models.attention_tokens`), groups that begin alike (e.g. the chat template's
+    system prompt) share a trie where the cost model says so (`_merge_groups`), and tries are placed first-fit,
+    longest first, into rows of `row_width`; else each group is its own trie in rows of the longest. Only row
+    tails are padding. The layout of `PackedPairCollator` and of packed rollouts (`rollout.pack_rollout`).
+    Raises ValueError on no groups, an empty group or an empty sequence.
     """
-    lengths = [len(pre) + sum(len(b) for b in branches) for pre, branches in segments]
-    if not segments or min(lengths) == 0:
-        raise ValueError("every packed segment needs at least one token")
+    if not groups or any(not g for g in groups) or any(not len(s) for g in groups for s in g):
+        raise ValueError("every packed group needs at least one sequence of at least one token")
+    tries, paths = [], [[] for _ in groups]  # paths[group][seq] = (trie index, nodes)
+    for run in _merge_groups(groups, attention_tokens):
+        trie = _Trie()
+        for g in run:
+            paths[g] = [(len(tries), trie.add(seq)) for seq in groups[g]]
+        tries.append(trie)
+    lengths = [len(t.token) for t in tries]
     width = row_width(lengths, attention_tokens)
     rows = _first_fit(lengths, width)
     input_ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    segment = torch.zeros((len(rows), width), dtype=torch.long)  # segment index + 1; 0 = padding
-    part = torch.zeros((len(rows), width), dtype=torch.long)  # 0 = prefix, j + 1 = branch j
-    branch_starts: list[list[tuple[int, int]]] = [[] for _ in segments]
-    prefix_starts: list[tuple[int, int]] = [(0, 0)] * len(segments)
+    real = torch.zeros((len(rows), width), dtype=torch.long)
+    end = torch.arange(1, width + 1).repeat(len(rows), 1)  # column just past each column's subtree (padding: itself)
+    where: list[tuple[int, list[int]]] = [(0, [])] * len(tries)  # (row, column of each node)
     for r, members in enumerate(rows):
-        col = 0
+        offset = 0
         for i in members:
-            prefix, branches = segments[i]
-            p = len(prefix)
-            prefix_starts[i] = (r, col)
-            input_ids[r, col:col + p] = torch.as_tensor(list(prefix), dtype=torch.long)
-            position_ids[r, col:col + p] = torch.arange(p)
-            segment[r, col:col + lengths[i]] = i + 1
-            col += p
-            for j, branch in enumerate(branches):
-                branch_starts[i].append((r, col))
-                n = len(branch)
-                input_ids[r, col:col + n] = torch.as_tensor(list(branch), dtype=torch.long)
-                position_ids[r, col:col + n] = torch.arange(p, p + n)
-                part[r, col:col + n] = j + 1
-                col += n
-    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] > 0)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    visible = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])  # the prefix, or the query's branch
-    pad_self = torch.eye(width, dtype=torch.bool) & (segment == 0)[:, :, None]
-    allowed = ((same & causal & visible) | pad_self)[:, None]
-    return PackedPrefixes(input_ids, position_ids, (segment > 0).long(), allowed, branch_starts, prefix_starts)
+            col, stop = tries[i].layout()
+            cols = torch.tensor(col, dtype=torch.long) + offset
+            input_ids[r, cols] = torch.tensor(tries[i].token, dtype=torch.long)
+            position_ids[r, cols] = torch.tensor(tries[i].depth, dtype=torch.long)
+            real[r, cols] = 1
+            end[r, cols] = torch.tensor(stop, dtype=torch.long) + offset
+            where[i] = (r, [c + offset for c in col])
+            offset += lengths[i]
+    q = torch.arange(width)
+    # k is q or an ancestor of q: the trie's depth-first order puts q inside k's subtree [k, end[k])
+    allowed = ((q[None, None, :] <= q[None, :, None]) & (q[None, :, None] < end[:, None, :]))[:, None]
+    columns = [[(where[t][0], torch.tensor([where[t][1][n] for n in nodes], dtype=torch.long))
+                for t, nodes in g] for g in paths]
+    return PackedTries(input_ids, position_ids, real, allowed, columns)
 
 
 class PromptCollator:

@@ -32,12 +32,12 @@ def test_pair_collator_right_pads_chosen_then_rejected():
 def test_packed_pair_collator_layout():
     """One segment [prompt | chosen | rejected] per pair, first-fit longest first into rows as wide as the longest
     segment; rejected positions restart after the prompt; rejected never sees chosen; padding sees itself."""
-    exs = [_pair([5, 6], [7, EOS], [8, 9, 9, EOS]), _pair([5], [7, 7, EOS], [8, EOS]), _pair([4], [EOS], [EOS])]
+    exs = [_pair([5, 6], [7, EOS], [8, 9, 9, EOS]), _pair([5], [7, 7, EOS], [8, EOS]), _pair([4], [EOS], [9])]
     b = PackedPairCollator(PAD)(exs)
     # segment lengths 8, 6, 3 in rows of 8: pair 2 does not fit after pair 1 (6 + 3 > 8), so three rows
     assert b["input_ids"].tolist() == [[5, 6, 7, EOS, 8, 9, 9, EOS],
                                        [5, 7, 7, EOS, 8, EOS, PAD, PAD],
-                                       [4, EOS, EOS, PAD, PAD, PAD, PAD, PAD]]
+                                       [4, EOS, 9, PAD, PAD, PAD, PAD, PAD]]
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 2, 3, 4, 5], [0, 1, 2, 3, 1, 2, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0]]
     assert b["chosen_end"].tolist() == [[0, 3], [1, 3], [2, 1]]
     assert b["rejected_end"].tolist() == [[0, 7], [1, 5], [2, 2]]
@@ -50,14 +50,21 @@ def test_packed_pair_collator_layout():
     assert allowed[2, 2].tolist() == [True, False, True] + [False] * 5  # one-token prompt, one-token responses
     assert allowed[2, 5].tolist() == [False] * 5 + [True, False, False]  # padding attends to itself only
     # two short pairs share a row
-    b = PackedPairCollator(PAD)([_pair([5, 6, 7], [7, EOS], [8, EOS]), _pair([4], [EOS], [EOS]),
+    b = PackedPairCollator(PAD)([_pair([5, 6, 7], [7, EOS], [8, EOS]), _pair([4], [EOS], [9]),
                                  _pair([3], [EOS], [9, EOS])])
-    assert b["input_ids"].tolist() == [[5, 6, 7, 7, EOS, 8, EOS], [3, EOS, 9, EOS, 4, EOS, EOS]]
+    assert b["input_ids"].tolist() == [[5, 6, 7, 7, EOS, 8, EOS], [3, EOS, 9, EOS, 4, EOS, 9]]
     assert b["chosen_end"].tolist() == [[0, 4], [1, 5], [1, 1]]
     assert b["rejected_end"].tolist() == [[0, 6], [1, 6], [1, 3]]
     allowed = b["pair_attention"][1, 0]
     assert allowed[4].tolist() == [False] * 4 + [True] + [False] * 2  # the second pair's prompt sees only itself
     assert allowed[6].tolist() == [False] * 4 + [True, False, True]
+    # chosen and rejected that begin alike share those positions; identical ones share every position
+    b = PackedPairCollator(PAD)([_pair([5, 6], [7, 8, EOS], [7, 9, EOS]), _pair([4], [7, EOS], [7, EOS])])
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, EOS, 9, EOS], [4, 7, EOS, PAD, PAD, PAD, PAD]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4], [0, 1, 2, 0, 0, 0, 0]]
+    assert b["chosen_end"].tolist() == [[0, 4], [1, 2]] and b["rejected_end"].tolist() == [[0, 6], [1, 2]]
+    assert b["pair_attention"][0, 0, 6].tolist() == [True, True, True, False, False, True, True]
+    assert int(b["pair_tokens"]) == (2 + 3) * 2 + (1 + 2) * 2
     with pytest.raises(ValueError, match="empty chosen or rejected"):
         PackedPairCollator(PAD)([_pair([5], [], [EOS])])
 
@@ -122,3 +129,80 @@ def test_epoch_order_plain_shuffle_and_example_length():
     order = epoch_order(10, (1,), 0)
     assert sorted(order) == list(range(10)) and order == epoch_order(10, (1,), 0) != list(range(10))
     assert epoch_order(10, (1,), 0, [example_length(ex) for ex in exs], group_size=0) == order  # no groups: plain
+
+
+def _check_tries(groups, packed):
+    """Each sequence reads back from its columns, at positions 0..n-1, and each of its tokens attends to exactly
+    the columns of its own tokens up to it; padding attends to itself only; no column is computed twice in a trie
+    for tokens two sequences share from the start."""
+    allowed = packed.allowed[:, 0]
+    for g, paths in zip(groups, packed.paths):
+        assert len(paths) == len(g)
+        for seq, (r, cols) in zip(g, paths):
+            assert packed.input_ids[r, cols].tolist() == list(seq)
+            assert packed.position_ids[r, cols].tolist() == list(range(len(seq)))
+            for i, c in enumerate(cols.tolist()):
+                assert allowed[r, c].nonzero().flatten().tolist() == sorted(cols[:i + 1].tolist())
+    pads = (packed.attention_mask == 0).nonzero().tolist()
+    for r, c in pads:
+        assert allowed[r, c].nonzero().flatten().tolist() == [c]
+
+
+def test_pack_tries_computes_a_shared_start_once():
+    """Within a group: the prompt and the first tokens two responses share are one position each. Without
+    `attention_tokens` groups never share a trie, even when they begin alike."""
+    from rlhf_cli.data import pack_tries
+
+    groups = [[[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4]], [[1, 2, 3, 9, 9]], [[7, 8]]]
+    packed = pack_tries(groups, PAD)
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [7, 8, PAD, PAD, PAD]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 4], [0, 1, 0, 0, 0]]
+    assert packed.paths[0][0][1].tolist() == packed.paths[0][2][1].tolist() == [0, 1, 2, 3]  # a repeat: same columns
+    _check_tries(groups, packed)
+    with pytest.raises(ValueError, match="at least one sequence of at least one token"):
+        pack_tries([[[1], []]], PAD)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        pack_tries([[]], PAD)
+
+
+def test_pack_tries_lets_groups_that_begin_alike_share_where_it_costs_less():
+    from rlhf_cli.data import pack_tries
+    from rlhf_cli.data.collate import MAX_GROUPS_PER_TRIE, _merge_groups
+
+    system = list(range(10, 34))  # a chat template's system prompt: 24 tokens every prompt begins with
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda n: torch.randint(40, 200, (n,), generator=g).tolist()  # noqa: E731
+    groups = [[system + rnd(28) + rnd(32)] for _ in range(8)]  # the demo's rollouts: one response per prompt
+    assert _merge_groups(groups, None) == [[i] for i in range(8)]
+    runs = _merge_groups(groups, 3072)
+    assert sorted(i for run in runs for i in run) == list(range(8)) and 1 < len(runs) < 8  # some share, not all
+    packed = pack_tries(groups, PAD, 3072)
+    _check_tries(groups, packed)
+    assert int(packed.attention_mask.sum()) == 8 * 84 - 24 * (8 - len(runs))  # the system prompt once per trie
+    # cheap attention: tries as long as allowed (4x the longest group's own), at most MAX_GROUPS_PER_TRIE groups
+    cheap = _merge_groups(groups, 1e12)
+    assert len(cheap) <= len(runs) and all(24 + 60 * len(r) <= 4 * 84 for r in cheap)
+    assert [len(r) for r in _merge_groups([[[1] * 20 + [k]] for k in range(32)], 1e12)] == [MAX_GROUPS_PER_TRIE] * 2
+    # dear attention: none share
+    assert sorted(_merge_groups(groups, 1.0)) == [[i] for i in range(8)]
+    # nothing shared: no trie holds two groups, whatever attention costs
+    assert sorted(_merge_groups([[rnd(5)], [[1] + rnd(5)], [[2] + rnd(5)]], 1e12)) == [[0], [1], [2]]
+    # a trie is at most 4x the longest group's own
+    long = [[system + rnd(100)], *([[system[:1] + rnd(3)]] * 6)]
+    assert all(sum(len(long[i][0]) for i in run) <= 4 * 124 for run in _merge_groups(long, 1e12))
+
+
+def test_pack_tries_random_groups_read_back():
+    from rlhf_cli.data import pack_tries
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        n = int(torch.randint(1, 7, (1,), generator=g))
+        groups = []
+        for _ in range(n):
+            stem = torch.randint(3, 6, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+            groups.append([stem + torch.randint(3, 6, (int(torch.randint(1, 5, (1,), generator=g)),),
+                                                generator=g).tolist() for _ in range(int(torch.randint(1, 4, (1,),
+                                                                                                     generator=g)))])
+        for attention_tokens in (None, 8, 1e9):
+            _check_tries(groups, pack_tries(groups, PAD, attention_tokens))

@@ -79,6 +79,29 @@ def test_packed_pairs_give_the_padded_scores_loss_and_gradients_fp32(scalar, imp
     assert (c0 - r0).abs().min() > 1e-3  # the test would see a swapped chosen/rejected read
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_pairs_sharing_a_system_prompt_and_first_response_tokens_give_the_padded_results(scalar, impl):
+    """Tries beyond one pair's prompt: every prompt begins with the same 4 tokens (a chat template's system prompt)
+    and some chosen/rejected share their first tokens; cheap attention lets pairs share tries."""
+    scalar.config._attn_implementation = impl
+    pairs = make_pairs(scalar.config.vocab_size)
+    for i, ex in enumerate(pairs):
+        ex["prompt_ids"] = [5, 6, 7, 8] + ex["prompt_ids"]
+        if i % 2 and len(ex["chosen_ids"]) > 1 and len(ex["rejected_ids"]) > 1:
+            ex["rejected_ids"][0] = ex["chosen_ids"][0]  # the same first response token
+    packed = PackedPairCollator(PAD, 1e9)(pairs)
+    unshared = sum(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"]) for ex in pairs)
+    assert int(packed["attention_mask"].sum()) < unshared - 4 * 2  # the system prompt computed once in some tries
+    c0, r0, loss0, g0 = loss_and_grads(scalar, PairCollator(PAD)(pairs), "fp32")
+    c1, r1, loss1, g1 = loss_and_grads(scalar, packed, "fp32")
+    torch.testing.assert_close(c1, c0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(r1, r0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=1e-6)
+    for name in g0:
+        scale = float(g0[name].abs().max())
+        assert scale > 0 and float((g1[name] - g0[name]).abs().max()) <= 1e-5 * scale, name
+
+
 def test_packed_scores_equal_left_padded_sequences(scalar, pad_batch):
     """Against the plain per-sequence forward on LEFT-padded rows (the rollout layout), not only PairCollator's."""
     pairs = make_pairs(scalar.config.vocab_size)

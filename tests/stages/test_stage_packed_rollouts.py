@@ -86,6 +86,38 @@ def test_packed_policy_forward_equals_the_padded_one(tiny_model_cfg, tokenizer, 
         assert scale > 0 and float((g1[name] - g0[name]).abs().max()) <= 1e-5 * scale, name
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_rollouts_sharing_a_system_prompt_and_first_tokens_give_the_padded_forward(tiny_model_cfg, tokenizer, impl):
+    """Tries beyond a group's prompt: every prompt begins with the same 3 tokens (a chat template's system prompt),
+    two responses of a group share their first tokens, and cheap attention lets groups share tries."""
+    from rlhf_cli.models import load_causal_lm, load_scalar_model
+
+    lm = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer).eval()
+    lm.config._attn_implementation = impl
+    policy = PolicyWithValueHead(lm, seed=1)
+    critic = load_scalar_model(tiny_model_cfg, "fp32", seed=2).eval()
+    critic.config._attn_implementation = impl
+    ids, am, P = rollout_batch(lm.config.vocab_size)
+    system = torch.tensor([5, 6, 7])
+    ids, am = torch.cat([torch.full((ids.shape[0], 3), PAD), ids], 1), torch.cat([torch.zeros_like(am[:, :3]), am], 1)
+    P += 3
+    for b in range(ids.shape[0]):  # the system prompt before each prompt's first real token
+        first = int(am[b].nonzero()[0])
+        ids[b, first - 3:first], am[b, first - 3:first] = system, 1
+    ids[1, P:P + 2] = ids[0, P:P + 2]  # rows 0 and 1 (one group) share their first two response tokens
+    pk = pack_rollout(ids, am, P, attention_tokens=1e9)
+    # computed once: each group's prompt (2 * 8 + 4 + 6 positions saved), rows 0 and 1's first two response tokens
+    # (2), and the system prompt for all three groups, in one trie (2 * 3)
+    assert int(pk.packed.attention_mask.sum()) == int(am.sum()) - 26 - 2 - 6
+    mask = am[:, P:].bool()
+    with torch.no_grad():
+        lp0, ent0, v0 = policy_forward(policy, ids, am, P, 0.7, with_entropy=True, with_values=True)
+        lp1, ent1, v1 = policy_forward(policy, ids, am, P, 0.7, with_entropy=True, with_values=True, packing=pk)
+        cv0, cv1 = critic_values(critic, ids, am, P), critic_values(critic, ids, am, P, packing=pk)
+    for a, b in ((lp0, lp1), (ent0, ent1), (v0, v1), (cv0, cv1)):
+        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
 def test_packed_rollout_passes_add_no_error_beyond_bf16s_own(tiny_model_cfg, tokenizer, precision):
     """bf16 rounds at other places in the packed and padded layouts, so they differ by bf16 noise: packing is held
