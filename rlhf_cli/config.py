@@ -188,14 +188,15 @@ class DataConfig:
     """train-rm: batch pairs of similar length together (less padding, every pair once per epoch; see
     `rlhf_cli.data.epoch_order`). train-ppo samples prompts in a plain shuffled order and says so when this is set."""
     packing: bool = True
-    """Compute what sequences share from their first token on once (token tries, `rlhf_cli.data.pack_tries`) and
-    pack sequences into rows, so only row tails are padding. train-rm and `rlhf eval` of a reward model: a
-    preference pair's prompt once for chosen and rejected, with a mask that hides chosen from rejected
-    (`rlhf_cli.data.PackedPairCollator`). train-ppo: the prompt of a group of `ppo.n_samples_per_prompt`
-    responses once (`rlhf_cli.rollout.pack_rollout`) in every pass: reward model, reference, policy and critic,
-    no-grad and training (each row keeps its micro-batch across `ppo.epochs`, `rlhf_cli.rollout.learner.
-    update_order`, so it has one layout in every pass). Prompts that begin alike (the chat template's system
-    prompt) share it where the model's shape says that costs less (`rlhf_cli.models.attention_tokens`).
+    """Compute sequences that begin alike as token tries, their common first tokens once
+    (`rlhf_cli.data.pack_tries`), and pack the tries into rows, so only row tails are padding. train-rm and
+    `rlhf eval` of a reward model: a preference pair's prompt once for chosen and rejected, with a mask that
+    hides chosen from rejected (`rlhf_cli.data.PackedPairCollator`). train-ppo: the prompt of a group of
+    `ppo.n_samples_per_prompt` responses once (`rlhf_cli.rollout.pack_rollout`) in every pass: reward model,
+    reference, policy and critic, no-grad and training (each row keeps its micro-batch across `ppo.epochs`,
+    `rlhf_cli.rollout.learner.update_order`, so it has one layout in every pass). Groups that begin alike (the
+    chat template's system prompt) share a trie where the model's shape says that costs less
+    (`rlhf_cli.models.attention_tokens`).
     `rlhf eval` of a policy: its reward-model and KL passes run packed.
     The same scores, log-probs, values, losses and gradients as false up to float rounding. false: every
     sequence its own padded row (TRL's layout). Needs `model.attn_implementation` sdpa or eager and a model

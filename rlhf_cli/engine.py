@@ -52,6 +52,8 @@ def _free_port() -> int:
 
 def init_distributed() -> None:
     """Join (or create) the process group. Idempotent. Reads LOCAL_RANK/RANK/WORLD_SIZE from env."""
+    if not _has_gpu():  # also when the group exists already: deepspeed.initialize may still build its backend
+        _skip_shm_comm_op()
     if dist.is_available() and dist.is_initialized():
         return
     if "RANK" not in os.environ:  # a lone process: rendezvous with itself
@@ -61,8 +63,6 @@ def init_distributed() -> None:
     backend = "nccl" if _has_gpu() else "gloo"
     if _has_gpu():
         torch.cuda.set_device(local_rank())
-    if not _has_gpu():
-        _skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     _unlink_shm_buffers()
 
@@ -418,12 +418,15 @@ class TrainEngine:
             _exclude_tied_frozen(self.engine, model)
         self.grad_accum = self.config["gradient_accumulation_steps"]
         self.zero_stage = int(self.config["zero_optimization"]["stage"])
-        if self.zero_stage == 0 and world_size() == 1:
-            # one rank without ZeRO has nothing to reduce, yet DeepSpeed's data-parallel all-reduce flattens every
-            # gradient into a bucket and copies it back after each boundary's backward (~1 s per step for a 135M
-            # model on 2 CPU cores, ~10 % of PPO's training time); at world size 1 that is an identity (the sum
-            # of one rank, divided by 1), so skipping it changes no number. ZeRO 1-3 reduce into their partitions
-            # there, so they keep it.
+        # One rank without ZeRO has nothing to reduce, yet DeepSpeed's data-parallel all-reduce flattens every
+        # gradient into a bucket and copies it back after each boundary's backward (~1 s per step for a 135M model
+        # on 2 CPU cores). At world size 1 that is an identity (the sum of one rank, divided by 1) unless the
+        # config asks for another communication dtype or a pre-division, so then it is skipped; the one other
+        # thing it does, a zero gradient for a trained parameter that got none (so that AdamW still decays it and
+        # applies its momentum), `step` does. ZeRO 1-3 reduce into their partitions there, so they keep it.
+        self._skip_allreduce = (self.zero_stage == 0 and world_size() == 1 and not any(
+            k in self.config for k in ("communication_data_type", "prescale_gradients", "gradient_predivide_factor")))
+        if self._skip_allreduce:
             self.engine.enable_backward_allreduce = False
         self._grad_norm = float("nan")
 
@@ -456,6 +459,10 @@ class TrainEngine:
 
     def step(self) -> None:
         """Per micro-batch; the optimizer (with clipping and the LR schedule) runs at boundaries."""
+        if self._skip_allreduce and self.is_boundary():
+            for p in self.module.parameters():
+                if p.requires_grad and p.grad is None and p.numel():
+                    p.grad = torch.zeros_like(p)
         if self.zero_stage == 0 and self.is_boundary():  # DeepSpeed records no norm without ZeRO
             norms = [torch.linalg.vector_norm(p.grad.float()) for p in self.module.parameters() if p.grad is not None]
             self._grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0

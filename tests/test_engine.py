@@ -60,10 +60,16 @@ def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
     """World size 1, ZeRO 0: DeepSpeed's gradient all-reduce is off, and the weights after accumulated steps equal
     those of an engine that runs it (bit for bit: it was an identity); ZeRO 2 keeps it (it reduces into its
     partitions)."""
-    ds = lambda stage: SimpleNamespace(zero_stage=stage, offload_optimizer=False, offload_param=False,  # noqa: E731
-                                       extra={})
-    kw = dict(lr=1e-2, train_batch_size=4, micro_batch_size=2, total_steps=10, max_grad_norm=1.0)
-    engines = [engine.TrainEngine(_tiny(), ds(0), precision, **kw) for _ in range(2)]
+    ds = lambda stage, extra=None: SimpleNamespace(zero_stage=stage, offload_optimizer=False,  # noqa: E731
+                                                   offload_param=False, extra=extra or {})
+    kw = dict(lr=1e-2, train_batch_size=4, micro_batch_size=2, total_steps=10, max_grad_norm=1.0, weight_decay=0.1)
+
+    def model():  # with a trained parameter the loss never reaches: DeepSpeed's reduction gives it a zero gradient
+        m = _tiny()
+        m.unused = torch.nn.Parameter(torch.ones(2, 3))  # 2-D: weight decay applies
+        return m
+
+    engines = [engine.TrainEngine(model(), ds(0), precision, **kw) for _ in range(2)]
     assert engines[0].engine.enable_backward_allreduce is False
     engines[1].engine.enable_backward_allreduce = True  # DeepSpeed's default
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -75,8 +81,12 @@ def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
             eng.step()
     a, b = (e.module.state_dict() for e in engines)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["unused"], torch.ones(2, 3, dtype=a["unused"].dtype))  # decayed, as with the reduction
     assert engines[0].grad_norm() == engines[1].grad_norm()
     assert engine.TrainEngine(_tiny(), ds(2), precision, **kw).engine.enable_backward_allreduce is True
+    # a communication dtype or pre-division of the config's own makes the reduction more than an identity: kept
+    kept = engine.TrainEngine(_tiny(), ds(0, {"communication_data_type": "fp32"}), precision, **kw)
+    assert kept.engine.enable_backward_allreduce is True
 
 
 def test_cpu_init_builds_no_shared_memory_op():
@@ -88,7 +98,7 @@ def test_cpu_init_builds_no_shared_memory_op():
     code = ("import deepspeed.comm.comm as c; from rlhf_cli import engine; engine.init_distributed(); "
             "import torch; t = torch.ones(3); engine.dist.all_reduce(t); "
             "print(c.cdb.shm_comm_op is None, hasattr(torch.ops.deepspeed, 'inference_all_reduce_'), t.tolist())")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}  # the CPU path on a GPU machine too
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(k, None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -178,11 +178,11 @@ class _Trie:
     def add(self, seq: Sequence[int]) -> list[int]:
         """Insert `seq`; returns the node of each of its tokens."""
         path, at = [], 0
-        for d, tok in enumerate(seq):
+        for d, tok in enumerate(map(int, seq)):
             nxt = self.children[at].get(tok)
             if nxt is None:
                 nxt = len(self.token)
-                self.token.append(int(tok))
+                self.token.append(tok)
                 self.depth.append(d)
                 self.children.append({})
                 self.children[at][tok] = nxt
@@ -207,8 +207,11 @@ class _Trie:
 
 def _merge_groups(groups: Sequence[Sequence[Sequence[int]]], attention_tokens: float | None) -> list[list[int]]:
     """Which groups share a trie: runs of groups in order of their first sequence, chosen to minimise the summed
-    cost L × (1 + L / `attention_tokens`) of the tries (L: a trie's nodes), each trie at most 4x the longest
-    group's own and at most `MAX_GROUPS_PER_TRIE` groups. None (or <= 0): every group its own trie."""
+    cost L × (1 + L / `attention_tokens`) of the tries (L: a trie's nodes; `row_width`'s cost), at most
+    `MAX_GROUPS_PER_TRIE` groups to a trie. A merged trie is no longer than the longest group's own trie, or than
+    `attention_tokens` / 8 positions, where attention adds at most an eighth to a position's cost: merging never
+    makes the rows' attention (its FLOPs, its 4D mask, and under eager attention its stored scores) grow where
+    it matters. None (or <= 0): every group its own trie."""
     n = len(groups)
     if attention_tokens is None or attention_tokens <= 0 or n == 1:
         return [[i] for i in range(n)]
@@ -219,7 +222,7 @@ def _merge_groups(groups: Sequence[Sequence[Sequence[int]]], attention_tokens: f
         for seq in g:
             trie.add(seq)
         own.append(len(trie.token))
-    cap = 4 * max(own)
+    cap = max(max(own), attention_tokens / 8)
     best = [0.0] + [float("inf")] * n  # best[j]: least cost of the first j groups in `order`
     cut = [0] * (n + 1)
     for i in range(n):
@@ -242,7 +245,7 @@ def _merge_groups(groups: Sequence[Sequence[Sequence[int]]], attention_tokens: f
 
 def pack_tries(groups: Sequence[Sequence[Sequence[int]]], pad_id: int,
                attention_tokens: float | None = None) -> PackedTries:
-    """Pack groups of sequences so that every prefix two sequences share is computed once.
+    """Pack groups of sequences so that a prefix that sequences of one trie share is computed once.
 
     A group's sequences (a pair's prompt + chosen and prompt + rejected; a prompt's sampled responses) always
     share one token trie, laid out depth first: a token is computed once for all the sequences that begin with

@@ -109,5 +109,6 @@ def pack_rollout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
             last[b] = torch.tensor([r, int(cols[-1])])
     computed = t[None] <= lengths[:, None]
     dev = input_ids.device
+    packed = packed._replace(paths=[])  # read into `source` and `last`; not kept with the layout
     return PackedRollout(PackedTries(*(x.to(dev) if torch.is_tensor(x) else x for x in packed)),
                          source.to(dev), computed.to(dev), last.to(dev))

@@ -30,8 +30,9 @@ def test_pair_collator_right_pads_chosen_then_rejected():
 
 
 def test_packed_pair_collator_layout():
-    """One segment [prompt | chosen | rejected] per pair, first-fit longest first into rows as wide as the longest
-    segment; rejected positions restart after the prompt; rejected never sees chosen; padding sees itself."""
+    """One trie per pair (the prompt, then chosen's and rejected's own tokens), first-fit longest first into rows
+    as wide as the longest trie; rejected positions continue from the prompt; rejected never sees chosen; padding
+    sees itself."""
     exs = [_pair([5, 6], [7, EOS], [8, 9, 9, EOS]), _pair([5], [7, 7, EOS], [8, EOS]), _pair([4], [EOS], [9])]
     b = PackedPairCollator(PAD)(exs)
     # segment lengths 8, 6, 3 in rows of 8: pair 2 does not fit after pair 1 (6 + 3 > 8), so three rows
@@ -133,8 +134,8 @@ def test_epoch_order_plain_shuffle_and_example_length():
 
 def _check_tries(groups, packed):
     """Each sequence reads back from its columns, at positions 0..n-1, and each of its tokens attends to exactly
-    the columns of its own tokens up to it; padding attends to itself only; no column is computed twice in a trie
-    for tokens two sequences share from the start."""
+    the columns of its own tokens up to it; padding attends to itself only; within a group, two sequences read
+    their common first tokens from the same columns (computed once)."""
     allowed = packed.allowed[:, 0]
     for g, paths in zip(groups, packed.paths):
         assert len(paths) == len(g)
@@ -143,6 +144,10 @@ def _check_tries(groups, packed):
             assert packed.position_ids[r, cols].tolist() == list(range(len(seq)))
             for i, c in enumerate(cols.tolist()):
                 assert allowed[r, c].nonzero().flatten().tolist() == sorted(cols[:i + 1].tolist())
+        for a, (ra, ca) in zip(g, paths):
+            for b, (rb, cb) in zip(g, paths):
+                common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                assert ra == rb and ca[:common].tolist() == cb[:common].tolist()
     pads = (packed.attention_mask == 0).nonzero().tolist()
     for r, c in pads:
         assert allowed[r, c].nonzero().flatten().tolist() == [c]
@@ -179,17 +184,20 @@ def test_pack_tries_lets_groups_that_begin_alike_share_where_it_costs_less():
     packed = pack_tries(groups, PAD, 3072)
     _check_tries(groups, packed)
     assert int(packed.attention_mask.sum()) == 8 * 84 - 24 * (8 - len(runs))  # the system prompt once per trie
-    # cheap attention: tries as long as allowed (4x the longest group's own), at most MAX_GROUPS_PER_TRIE groups
-    cheap = _merge_groups(groups, 1e12)
-    assert len(cheap) <= len(runs) and all(24 + 60 * len(r) <= 4 * 84 for r in cheap)
+    # cheap attention: one trie, at most MAX_GROUPS_PER_TRIE groups to a trie
+    assert [len(r) for r in _merge_groups(groups, 1e12)] == [8]
     assert [len(r) for r in _merge_groups([[[1] * 20 + [k]] for k in range(32)], 1e12)] == [MAX_GROUPS_PER_TRIE] * 2
     # dear attention: none share
     assert sorted(_merge_groups(groups, 1.0)) == [[i] for i in range(8)]
     # nothing shared: no trie holds two groups, whatever attention costs
     assert sorted(_merge_groups([[rnd(5)], [[1] + rnd(5)], [[2] + rnd(5)]], 1e12)) == [[0], [1], [2]]
-    # a trie is at most 4x the longest group's own
-    long = [[system + rnd(100)], *([[system[:1] + rnd(3)]] * 6)]
-    assert all(sum(len(long[i][0]) for i in run) <= 4 * 124 for run in _merge_groups(long, 1e12))
+    # a merged trie is no longer than the longest group's own (124 here), or attention_tokens / 8 (30 below)
+    long = [[system + rnd(100)], *([[system[:1] + rnd(3)] for _ in range(6)])]
+    runs = _merge_groups(long, 800)
+    assert [0] in runs and any(len(r) > 1 for r in runs)  # short groups share; none joins the longest group
+    short = [[[1] * 20 + [k, k]] for k in range(32)]  # 22 tokens each, 20 in common
+    runs = _merge_groups(short, 8 * 30)
+    assert max(20 + 2 * len(r) for r in runs) <= 30 and max(len(r) for r in runs) == 5
 
 
 def test_pack_tries_random_groups_read_back():
