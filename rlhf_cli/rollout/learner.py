@@ -117,8 +117,10 @@ class PolicyLearner:
         if packing and b.layout is not None:  # the layout the maker built for these rows
             packing = b.layout
         with self.actor.autocast():
+            # with ppo.c2=0 the entropy is a statistic: no gradient through its (B, R, V) softmax (0 x it is 0)
             lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
-                                        with_entropy=True, with_values=shared, packing=packing)
+                                        with_entropy=True, with_values=shared, packing=packing,
+                                        entropy_grad=p.c2 != 0)
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
         old = lp.detach() if self.old_from_training else b.logprobs
         pg_loss, pg_stats = policy_loss(lp, old, b.advantages, b.mask, p.clip, **agg)

@@ -152,12 +152,15 @@ def _zero_outside(x: torch.Tensor | None, computed: torch.Tensor | None) -> torc
 def policy_forward(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
     with_entropy: bool = False, with_values: bool = False, packing: bool | PackedRollout = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs of the response tokens under the policy at `temperature`.
 
     input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) nats or
     None, and, for a shared critic, values (B, R) float32 or None. Only the R response positions go
-    through the LM head; position ids count real tokens, so padding side does not matter. `packing`
+    through the LM head; position ids count real tokens, so padding side does not matter. `entropy_grad=False`
+    computes the entropy outside the autograd graph (a statistic only: `ppo.c2=0`), sparing the backward its
+    (B, R, V) softmax. `packing`
     (`data.packing`, or the batch's `PackedRollout`) runs the batch packed (`response_hidden`): the same
     numbers to float rounding on every entry the padded forward reads from a real token, 0 on the rest (entries
     after a response's EOS, which every loss masks).
@@ -167,7 +170,10 @@ def policy_forward(
     logits = lm.lm_head(hidden).float() / temperature  # (B, R, V)
     labels = input_ids[:, prompt_len:]
     logprobs = logprobs_from_logits(logits, labels)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     values = None
     if with_values:
         values = unwrap(model).score(hidden).squeeze(-1).float()

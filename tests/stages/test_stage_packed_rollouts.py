@@ -86,6 +86,26 @@ def test_packed_policy_forward_equals_the_padded_one(tiny_model_cfg, tokenizer, 
         assert scale > 0 and float((g1[name] - g0[name]).abs().max()) <= 1e-5 * scale, name
 
 
+def test_entropy_as_a_statistic_only_leaves_the_gradients_as_they_were(tiny_model_cfg, tokenizer):
+    """`ppo.c2=0`: the training forward computes the entropy outside the graph (`entropy_grad=False`); the same
+    entropies, and the gradients of a loss holding 0 x entropy bit for bit."""
+    from rlhf_cli.models import load_causal_lm
+
+    lm = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer)
+    ids, am, P = rollout_batch(lm.config.vocab_size)
+    mask = am[:, P:].float()
+    out = {}
+    for entropy_grad in (True, False):
+        lm.zero_grad()
+        lp, ent, _ = policy_forward(lm, ids, am, P, 0.7, with_entropy=True, entropy_grad=entropy_grad)
+        assert ent.requires_grad == entropy_grad
+        (-(lp * mask).sum() - 0.0 * (ent * mask).sum()).backward()
+        out[entropy_grad] = ent.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+    assert torch.equal(out[True][0], out[False][0])
+    assert out[True][1].keys() == out[False][1].keys()
+    assert all(torch.equal(out[True][1][n], out[False][1][n]) for n in out[True][1])
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_rollouts_sharing_a_system_prompt_and_first_tokens_give_the_padded_forward(tiny_model_cfg, tokenizer, impl):
     """Tries beyond a group's prompt: every prompt begins with the same 3 tokens (a chat template's system prompt),
