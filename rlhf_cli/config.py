@@ -422,7 +422,10 @@ class EvalOptions:
     """`rlhf eval`'s own settings."""
 
     batch_size: int = 16
-    """Rows per forward pass per rank: sampling chunks, KL and reward-model passes, scored pairs."""
+    """Rows per forward pass per rank: KL and reward-model passes, scored pairs."""
+    generation_batch_size: int = 64
+    """Prompts per `generate` call per rank, for both models. The samples do not depend on it (each prompt has
+    its own noise stream); wider calls decode faster, and the KV cache grows with it."""
     max_new_tokens: int = 48
     """Longest sampled response (tokens) of the policy and the reference."""
     temperature: float = 0.7
@@ -934,6 +937,7 @@ def validate_eval(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
     e = cfg.eval
     _check(e.batch_size > 0, f"eval.batch_size must be > 0 (got {e.batch_size})")
+    _check(e.generation_batch_size > 0, f"eval.generation_batch_size must be > 0 (got {e.generation_batch_size})")
     _check(e.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1 (got {e.max_new_tokens})")
     _check(e.temperature > 0, f"eval.temperature must be > 0 (got {e.temperature})")
     _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")

@@ -71,7 +71,8 @@ def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
 
     engines = [engine.TrainEngine(model(), ds(0), precision, **kw) for _ in range(2)]
     assert engines[0].engine.enable_backward_allreduce is False
-    engines[1].engine.enable_backward_allreduce = True  # DeepSpeed's default
+    engines[1].engine.enable_backward_allreduce = True  # DeepSpeed's default, zero gradients included
+    engines[1]._skip_allreduce = False
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     for eng in engines:
         for _ in range(4):  # 2 optimizer steps of 2 micro-batches
@@ -85,8 +86,9 @@ def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
     assert engines[0].grad_norm() == engines[1].grad_norm()
     assert engine.TrainEngine(_tiny(), ds(2), precision, **kw).engine.enable_backward_allreduce is True
     # a communication dtype or pre-division of the config's own makes the reduction more than an identity: kept
-    kept = engine.TrainEngine(_tiny(), ds(0, {"communication_data_type": "fp32"}), precision, **kw)
-    assert kept.engine.enable_backward_allreduce is True
+    for extra in ({"communication_data_type": "fp32"}, {"managed_gradient_accumulation": True}):
+        kept = engine.TrainEngine(_tiny(), ds(0, extra), precision, **kw)
+        assert kept.engine.enable_backward_allreduce is True
 
 
 def test_cpu_init_builds_no_shared_memory_op():

@@ -99,6 +99,7 @@ RANGE_ERRORS = [
     ("train_rm", "rm.lr=inf", "rm.lr must be a finite number (got inf)"),
     ("train_rm", "rm.center_rewards_coef=nan", "rm.center_rewards_coef must be a finite number (got nan)"),
     ("train_rm", "rm.betas=[0.9,nan]", "rm.betas must be a finite number (got [0.9, nan])"),
+    ("eval", "eval.generation_batch_size=0", "eval.generation_batch_size must be > 0 (got 0)"),
 ]
 
 

@@ -208,12 +208,12 @@ class _Trie:
 def _merge_groups(groups: Sequence[Sequence[Sequence[int]]], attention_tokens: float | None) -> list[list[int]]:
     """Which groups share a trie: runs of groups in order of their first sequence, chosen to minimise the summed
     cost L × (1 + L / `attention_tokens`) of the tries (L: a trie's nodes; `row_width`'s cost), at most
-    `MAX_GROUPS_PER_TRIE` groups to a trie. A merged trie is no longer than the longest group's own trie, or than
-    `attention_tokens` / 8 positions, where attention adds at most an eighth to a position's cost: merging never
-    makes the rows' attention (its FLOPs, its 4D mask, and under eager attention its stored scores) grow where
-    it matters. None (or <= 0): every group its own trie."""
+    `MAX_GROUPS_PER_TRIE` groups to a trie. A merged trie is no longer than the larger of the longest group's own
+    trie and `attention_tokens` / 8 positions: the rows' attention (its FLOPs, its 4D mask, and under eager
+    attention its stored scores) grows only while it adds at most an eighth to a position's cost.
+    None (or <= 0): every group its own trie."""
     n = len(groups)
-    if attention_tokens is None or attention_tokens <= 0 or n == 1:
+    if attention_tokens is None or attention_tokens <= 0 or n <= 1:
         return [[i] for i in range(n)]
     order = sorted(range(n), key=lambda i: (list(groups[i][0]), i))
     own = []

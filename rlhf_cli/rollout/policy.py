@@ -156,11 +156,11 @@ def policy_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs of the response tokens under the policy at `temperature`.
 
-    input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) nats or
-    None, and, for a shared critic, values (B, R) float32 or None. Only the R response positions go
-    through the LM head; position ids count real tokens, so padding side does not matter. `entropy_grad=False`
-    computes the entropy outside the autograd graph (a statistic only: `ppo.c2=0`), sparing the backward its
-    (B, R, V) softmax. `packing`
+    input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) float32 nats
+    (None unless `with_entropy`), and, for a shared critic, values (B, R) float32 or None. Only the R response
+    positions go through the LM head; position ids count real tokens, so padding side does not matter.
+    `entropy_grad=False` computes the entropy outside the autograd graph (a statistic only: `ppo.c2=0`), sparing
+    the backward its (B, R, V) softmax. `packing`
     (`data.packing`, or the batch's `PackedRollout`) runs the batch packed (`response_hidden`): the same
     numbers to float rounding on every entry the padded forward reads from a real token, 0 on the rest (entries
     after a response's EOS, which every loss masks).

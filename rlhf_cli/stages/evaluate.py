@@ -167,7 +167,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     seeds = [derive_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
     for who, lm in (("policy", policy), ("reference", reference)):
         ids, am, P, has_eos = sample_responses(lm, mine, pad_id, eos_id, e.max_new_tokens, e.temperature, e.top_p,
-                                               cfg.precision, chunk=e.batch_size, seeds=seeds)
+                                               cfg.precision, chunk=e.generation_batch_size, seeds=seeds)
         texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
         mask = am[:, P:].float()
         out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float(),
