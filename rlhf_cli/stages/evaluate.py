@@ -165,16 +165,21 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     # one noise stream per prompt, shared by policy and reference (common random numbers): the same
     # samples whatever the world size, and identical responses wherever the two models agree
     seeds = [derive_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
-    for who, lm in (("policy", policy), ("reference", reference)):
-        ids, am, P, has_eos = sample_responses(lm, mine, pad_id, eos_id, e.max_new_tokens, e.temperature, e.top_p,
-                                               cfg.precision, chunk=e.generation_batch_size, seeds=seeds)
+    sampled = {who: sample_responses(lm, mine, pad_id, eos_id, e.max_new_tokens, e.temperature, e.top_p,
+                                     cfg.precision, chunk=e.generation_batch_size, seeds=seeds)
+               for who, lm in (("policy", policy), ("reference", reference))}
+    scores = {}
+    if reward_model is not None:  # both sides in one pass: a prompt's two samples share its computation
+        scores = side_by_side_rewards(reward_model, sampled["policy"][:3], sampled["reference"][:3], pad_id,
+                                      e.batch_size, score_precision, cfg.data.packing)
+    for who in ("policy", "reference"):
+        ids, am, P, has_eos = sampled[who]
         texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
         mask = am[:, P:].float()
         out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float(),
                                "tokens": [tuple(r[m.bool()].tolist()) for r, m in zip(ids[:, P:].cpu(), mask.cpu())]}
-        if reward_model is not None:
-            out["score"] = batched_rewards(reward_model, ids, am, e.batch_size, score_precision, P,
-                                           cfg.data.packing).cpu()
+        if who in scores:
+            out["score"] = scores[who]
         if all(x.get("answer") is not None for x in mine):
             out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
         if function is not None:
@@ -190,11 +195,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     pol = _merge([g[0] for g in gathered])
     ref = _merge([g[1] for g in gathered])
     prompt_texts = [t for g in gathered for t in g[2]]
-    if "score" in pol:
-        # one sequence, one score: a response both models sampled is a tie, even where packing scored its two
-        # copies in rows of different neighbours (float rounding)
-        same = torch.tensor([a == b for a, b in zip(pol["tokens"], ref["tokens"])], dtype=torch.bool)
-        ref["score"] = torch.where(same, pol["score"], ref["score"])
+    # one sequence, one score: a response both models sampled is a tie (`batched_rewards` scores it once)
 
     results: dict[str, Any] = {
         "mode": "policy", "policy": str(Path(policy_dir).resolve()), "reference": str(ref_path),
@@ -251,6 +252,28 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
             lines.append(json.dumps(line) + "\n")
         atomic_write_text(run_dir / RESPONSES_FILE, "".join(lines))
     return results
+
+
+def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, int],
+                         reference: tuple[torch.Tensor, torch.Tensor, int], pad_id: int, batch_size: int,
+                         precision: str, packing: bool) -> dict[str, torch.Tensor]:
+    """Reward-model scores {"policy": (N,), "reference": (N,)} float32 on the CPU of both models' samples of the
+    same N prompts, in ONE `batched_rewards` pass over rows interleaved policy 0, reference 0, policy 1, ...:
+    packed (`data.packing`), a prompt and the first tokens its two samples share are computed once, and a
+    sequence both models sampled is scored once (an exact tie). `batch_size` rows per forward.
+
+    policy, reference: (input_ids (N, P+R), attention_mask (N, P+R), P) as `sample_responses` returns them, the
+    same prompts in the same order (R may differ: the narrower side is right-padded)."""
+    (a_ids, a_am, P), (b_ids, b_am, Pb) = policy, reference
+    if P != Pb or a_ids.shape[0] != b_ids.shape[0]:
+        raise ValueError(f"side_by_side_rewards: prompts differ ({a_ids.shape[0]} rows, P={P} against "
+                         f"{b_ids.shape[0]} rows, P={Pb})")
+    width = max(a_ids.shape[1], b_ids.shape[1])
+    widen = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
+    ids = torch.stack([widen(a_ids, pad_id), widen(b_ids, pad_id)], 1).flatten(0, 1)
+    am = torch.stack([widen(a_am, 0), widen(b_am, 0)], 1).flatten(0, 1)
+    scores = batched_rewards(model, ids, am, batch_size, precision, P, packing).cpu()
+    return {"policy": scores[0::2], "reference": scores[1::2]}
 
 
 def _small_sample(n: int, what: str) -> dict[str, str]:

@@ -191,6 +191,33 @@ def test_packed_reward_model_scores_equal_the_padded_ones(tiny_model_cfg):
     assert again[7] == again[2] and torch.equal(again[:7], batched_rewards(rm, ids, am, 3, "fp32", P, packing=True))
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_eval_scores_both_sides_in_one_pass_as_each_alone(tiny_model_cfg, packing):
+    """`rlhf eval` scores the policy's and the reference's samples of the same prompts in one interleaved pass
+    (a prompt once for both, packed): the scores of each side alone, to float rounding, whatever each side's
+    response width; a sequence both sides sampled ties exactly."""
+    from rlhf_cli.models import load_scalar_model
+    from rlhf_cli.rollout import batched_rewards
+    from rlhf_cli.stages.evaluate import side_by_side_rewards
+
+    rm = load_scalar_model(tiny_model_cfg, seed=0).eval()
+    ids, am, P = rollout_batch(rm.config.vocab_size)
+    other, other_am, _ = rollout_batch(rm.config.vocab_size, seed=4)  # other responses (and prompts) ...
+    other[:, :P], other_am[:, :P] = ids[:, :P], am[:, :P]  # ... to the same prompts
+    other, other_am = other[:, :-2], other_am[:, :-2].clone()  # a narrower response block: R 4
+    other_am[:, -1] = 0
+    other_am[:, P:] *= other_am[:, P:].cumprod(1)
+    other[3], other_am[3] = ids[3, :-2], am[3, :-2]  # row 3 (4 response tokens) sampled by both
+    got = side_by_side_rewards(rm, (ids, am, P), (other, other_am, P), PAD, 4, "fp32", packing)
+    want = {"policy": batched_rewards(rm, ids, am, 4, "fp32", P, packing),
+            "reference": batched_rewards(rm, other, other_am, 4, "fp32", P, packing)}
+    for side in want:
+        torch.testing.assert_close(got[side], want[side], rtol=0, atol=1e-5)
+    assert got["policy"][3] == got["reference"][3] and not torch.equal(got["policy"], got["reference"])
+    with pytest.raises(ValueError, match="prompts differ"):
+        side_by_side_rewards(rm, (ids, am, P), (ids[:, 1:], am[:, 1:], P - 1), PAD, 4, "fp32", packing)
+
+
 PPO = ["ppo.actor_lr=1e-4", "ppo.critic_lr=1e-4"]
 GRPO = ["ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=4", "ppo.mini_batch_size=8",
         "ppo.advantage_estimator=grpo", "reward.type=function", "ppo.kl_in=loss", "ppo.kl_estimator=k3",
