@@ -101,13 +101,16 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
     bf16 = "native" if info["bf16_native"] else "emulated (not native)"
     trl_mp = "?" if trl_precision is None else repr(trl_precision)
     packing = info.get("packing", "on")
+    scoring = info.get("scoring_precision", "fp32")
+    scoring_line = ("ours scores, and trains the PPO policy, in fp32 under bf16-autocast: scoring_precision=fp32, its "
+                    "default" if scoring == "fp32" else "ours runs every pass in the precision in force, as TRL "
+                    "does: scoring_precision=same (--scoring-precision same)")
     return [
         title,
         " | ".join(f"{k} {v[k]}" for k in PACKAGES),
         f"machine: {device}; bf16 {bf16}",
         f"precision in force: rlhf_cli precision={precision}, TRL accelerator.mixed_precision={trl_mp} "
-        f"(bf16 mixed precision for both only where bf16 is native; ours scores, and trains the PPO policy, in "
-        f"fp32 under bf16-autocast: scoring_precision=fp32, its default)",
+        f"(bf16 mixed precision for both only where bf16 is native; {scoring_line})",
         f"layout: ours data.packing={str(packing == 'on').lower()} (--packing {packing}: a "
         f"shared prompt computed once, sequences packed into rows; false: each sequence its own padded row), TRL "
         f"each sequence its own padded row",
@@ -351,6 +354,11 @@ def packing_override(args: Any) -> str:
     return f"data.packing={str(args.packing == 'on').lower()}"
 
 
+def scoring_override(args: Any) -> str:
+    """Ours' `scoring_precision=...` override for `--scoring-precision`."""
+    return f"scoring_precision={args.scoring_precision}"
+
+
 def lora_overrides(args: Any) -> list[str]:
     """Ours' `model.lora.*` overrides for `--lora-r` / `--lora-alpha` ([] for full fine-tuning)."""
     if not args.lora_r:
@@ -380,8 +388,9 @@ def layout_lora_line(args: Any) -> str:
 
 def add_common_args(p: Any) -> None:
     """The options every TRL comparison shares: `--model`, `--workdir`, `--precision`, `--out`, `--packing` (ours'
-    `data.packing`: `packing_override(args)`), `--lora-r`/`--lora-alpha` (`lora_overrides(args)`,
-    `trl_lora_spec(args)`), and the hidden `--trl-child` of its TRL process."""
+    `data.packing`: `packing_override(args)`), `--scoring-precision` (`scoring_override(args)`), `--lora-r` /
+    `--lora-alpha` (`lora_overrides(args)`, `trl_lora_spec(args)`), and the hidden `--trl-child` of its TRL
+    process."""
     p.add_argument("--model", default="smollm2", help="our model config group: smollm2 (default) or tiny (smoke test)")
     p.add_argument("--workdir", default=None, help="keep run dirs and models here (default: a temp dir, removed)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-autocast"],
@@ -392,6 +401,10 @@ def add_common_args(p: Any) -> None:
     p.add_argument("--packing", default="on", choices=["on", "off"],
                    help="ours: data.packing=true (a shared prompt computed once, sequences packed into rows; the "
                         "default) or false (every sequence its own padded row, as TRL lays them out)")
+    p.add_argument("--scoring-precision", default="fp32", choices=["fp32", "same"],
+                   help="ours' scoring_precision: fp32 (default: under bf16-autocast the log-prob, reference and "
+                        "reward passes and the PPO training forward run in fp32) or same (every pass in the "
+                        "precision in force, as TRL runs them; no effect in fp32)")
     p.add_argument("--lora-r", type=int, default=0,
                    help="LoRA rank for both tools (0: full fine-tuning, the default): ours model.lora.r, TRL a peft "
                         "LoraConfig with the same r, alpha and target modules (all linear layers of the trunk)")
@@ -411,7 +424,8 @@ def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, 
     work.mkdir(parents=True, exist_ok=True)
     try:
         quiet()
-        run(args, work, {**machine_info(), "packing": args.packing, "trained": layout_lora_line(args)})
+        run(args, work, {**machine_info(), "packing": args.packing, "scoring_precision": args.scoring_precision,
+                       "trained": layout_lora_line(args)})
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

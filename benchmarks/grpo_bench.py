@@ -178,7 +178,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
         f"seed={args.seed}", f"precision={args.precision}", f"paths.root={work / 'runs'}",
-        C.packing_override(args), *C.lora_overrides(args)]
+        C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, steps, P, work)
     tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
     bf16 = cfg.precision != "fp32"

@@ -334,7 +334,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.whiten_advantages=true", "ppo.truncated=penalize", f"ppo.missing_eos_penalty={args.missing_eos_penalty}",
         "ppo.critic=separate", "ppo.critic_init=reward_model", "ppo.sample_every=1", "ppo.save_every=0",
         f"seed={args.seed}", f"precision={args.precision}", f"paths.root={work / 'runs'}",
-        C.packing_override(args), *C.lora_overrides(args)]
+        C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, n_it, R, work)
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0

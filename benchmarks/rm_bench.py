@@ -233,7 +233,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                  f"rm.warmup_ratio={args.warmup_ratio}", f"rm.lr_scheduler={args.lr_scheduler}",
                  f"rm.max_grad_norm={args.max_grad_norm}", "rm.eval_every=0", "rm.save_every=0",
                  f"seed={args.seed}", f"paths.root={work / 'runs'}",
-                 C.packing_override(args), *C.lora_overrides(args)]
+                 C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args)]
     cfg = C.compose("train_rm", overrides)
     tokenizer = load_tokenizer(cfg.model)
     data = load_preference_data(cfg.data, tokenizer)
