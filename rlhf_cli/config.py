@@ -422,7 +422,9 @@ class EvalOptions:
     """`rlhf eval`'s own settings."""
 
     batch_size: int = 16
-    """Rows per forward pass per rank: KL and reward-model passes, scored pairs."""
+    """Per forward pass per rank: sequences of the KL pass; sequences of the reward-model pass of a policy eval
+    (a prompt's policy and reference samples side by side: batch_size // 2 prompts); pairs of a reward-model
+    eval. Counted before packing."""
     generation_batch_size: int = 64
     """Prompts per `generate` call per rank, for both models. The samples do not depend on it (each prompt has
     its own noise stream); wider calls decode faster, and the KV cache grows with it."""

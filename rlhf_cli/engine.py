@@ -421,13 +421,13 @@ class TrainEngine:
         # One rank without ZeRO has nothing to reduce, yet DeepSpeed's data-parallel all-reduce flattens every
         # gradient into a bucket and copies it back after each boundary's backward (~1 s per step for a 135M model
         # on 2 CPU cores). At world size 1 that is an identity (the sum of one rank, divided by 1) unless the
-        # config asks for another communication dtype, a pre-division or its own accumulation boundaries
-        # (`managed_gradient_accumulation`), so then it is skipped; the one other
+        # config asks for another communication dtype, a pre-division or boundaries of its own
+        # (`managed_gradient_accumulation: false`), so then it is skipped; the one other
         # thing it does, a zero gradient for a trained parameter that got none (so that AdamW still decays it and
         # applies its momentum), `step` does. ZeRO 1-3 reduce into their partitions there, so they keep it.
         self._skip_allreduce = (self.zero_stage == 0 and world_size() == 1 and not any(
-            k in self.config for k in ("communication_data_type", "prescale_gradients", "gradient_predivide_factor",
-                                     "managed_gradient_accumulation")))
+            k in self.config for k in ("communication_data_type", "prescale_gradients", "gradient_predivide_factor"))
+            and self.config.get("managed_gradient_accumulation", True) is not False)
         if self._skip_allreduce:
             self.engine.enable_backward_allreduce = False
         self._grad_norm = float("nan")

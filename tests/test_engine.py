@@ -86,7 +86,7 @@ def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
     assert engines[0].grad_norm() == engines[1].grad_norm()
     assert engine.TrainEngine(_tiny(), ds(2), precision, **kw).engine.enable_backward_allreduce is True
     # a communication dtype or pre-division of the config's own makes the reduction more than an identity: kept
-    for extra in ({"communication_data_type": "fp32"}, {"managed_gradient_accumulation": True}):
+    for extra in ({"communication_data_type": "fp32"}, {"managed_gradient_accumulation": False}):
         kept = engine.TrainEngine(_tiny(), ds(0, extra), precision, **kw)
         assert kept.engine.enable_backward_allreduce is True
 

@@ -258,9 +258,10 @@ def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, i
                          reference: tuple[torch.Tensor, torch.Tensor, int], pad_id: int, batch_size: int,
                          precision: str, packing: bool) -> dict[str, torch.Tensor]:
     """Reward-model scores {"policy": (N,), "reference": (N,)} float32 on the CPU of both models' samples of the
-    same N prompts, in ONE `batched_rewards` pass over rows interleaved policy 0, reference 0, policy 1, ...:
-    packed (`data.packing`), a prompt and the first tokens its two samples share are computed once, and a
-    sequence both models sampled is scored once (an exact tie). `batch_size` rows per forward.
+    same N prompts, a prompt's two samples in the same forward (`batched_rewards` over rows interleaved policy i,
+    reference i, `batch_size` // 2 prompts, at least 1, per forward): packed (`data.packing`), a prompt and the
+    first tokens its two samples share are computed once, and a sequence both models sampled is scored once (an
+    exact tie).
 
     policy, reference: (input_ids (N, P+R), attention_mask (N, P+R), P) as `sample_responses` returns them, the
     same prompts in the same order (R may differ: the narrower side is right-padded)."""
@@ -272,7 +273,9 @@ def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, i
     widen = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
     ids = torch.stack([widen(a_ids, pad_id), widen(b_ids, pad_id)], 1).flatten(0, 1)
     am = torch.stack([widen(a_am, 0), widen(b_am, 0)], 1).flatten(0, 1)
-    scores = batched_rewards(model, ids, am, batch_size, precision, P, packing).cpu()
+    k = 2 * max(batch_size // 2, 1)  # rows of whole prompts per forward
+    scores = torch.cat([batched_rewards(model, ids[i:i + k], am[i:i + k], k, precision, P, packing).cpu()
+                        for i in range(0, ids.shape[0], k)])
     return {"policy": scores[0::2], "reference": scores[1::2]}
 
 
