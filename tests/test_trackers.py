@@ -112,6 +112,12 @@ def test_wandb_offline_run_holds_the_jsonl_metrics_config_and_sweep_group(tmp_pa
         monkeypatch.setenv(var, value)
     run_dir = tmp_path / "rm" / SWEEP / "1"
     expected = log_steps(run_dir, "wandb")
+    import wandb
+
+    # `finish()` can return before wandb's service process has written the run's records (the file then holds its
+    # 7-byte header alone: 3 of 6 reads in a row here); a process's exit flushes them, and so does tearing the
+    # service down, which this test, reading the file from the process that wrote it, must do first
+    wandb.teardown()
     (file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     got, config, run = {}, {}, None
     for record in wandb_records(file):
