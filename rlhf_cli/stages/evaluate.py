@@ -139,6 +139,10 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
         prompts = prompts[: e.num_prompts]
     if not prompts:
         raise ConfigError(f"no prompts in the eval split of data.path={cfg.data.path}")
+    if len(prompts) < engine.world_size():  # every rank samples a shard of its own; none may be empty
+        raise ConfigError(f"rlhf eval: {len(prompts)} eval prompt(s) for {engine.world_size()} processes: each "
+                          f"process needs at least one (run at most {len(prompts)} processes, or evaluate more "
+                          "prompts: eval.num_prompts, data.path)")
     mine = prompts[engine.rank()::engine.world_size()]
 
     policy = load_causal_lm(_model_cfg(policy_dir, cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)

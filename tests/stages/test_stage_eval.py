@@ -452,3 +452,15 @@ def test_report_of_a_past_rm_run(pipeline, run_stage):
         assert name in pngs
     assert html.count("data:image/png;base64,") == len(pngs)
     assert not eval_dir.exists(), "a report-only eval leaves no run dir of its own"
+
+
+def test_policy_eval_refuses_fewer_prompts_than_processes(run_stage, tiny_dirs, monkeypatch):
+    """Each process samples its own shard of the prompts: 3 prompts on 4 processes would leave one empty,
+    so the run stops before loading a model, with one line naming both numbers (the same on every rank)."""
+    from rlhf_cli import engine
+    from rlhf_cli.errors import ConfigError
+
+    monkeypatch.setattr(engine, "world_size", lambda: 4)
+    with pytest.raises(ConfigError, match=r"^rlhf eval: 3 eval prompt\(s\) for 4 processes: .*at most 3 processes"):
+        run_stage("eval", [f"policy.path={tiny_dirs['policy']}", f"reference.path={tiny_dirs['reference']}",
+                           "reward.type=checker", "eval.num_prompts=3"])
