@@ -443,7 +443,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               rate(o_st, "train_tokens", "training"), rate(t_st, "train_tokens", "training"))
     table.add("e2e_tokens_per_s", "generated tokens / s of iteration", avg(o_st, "gen_tokens") / o_total,
               avg(t_st, "gen_tokens") / t_total)
-    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + ("; the largest of the rounds)" if args.rounds > 1 else ")"),
+    of_rounds = (lambda what: f"; {what} of the rounds)") if args.rounds > 1 else (lambda what: ")")  # noqa: E731
+    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + of_rounds("the largest"),
               max(r["ours"][1].peak_rss_bytes for r in rounds) / gib,
               max(r["trl"][0].peak_rss_bytes for r in rounds) / gib)
     table.add("score", "mean score incl. EOS penalty (sanity)", C.mean([x["score"] for x in o_its]),
@@ -454,7 +455,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               "{:.4f}", ratio=False)
     table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {n_it}'s prompts (sanity)",
               kl_fp32["ours"], kl_fp32["trl"], "{:.4f}", ratio=False)
-    table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the rounds)" if args.rounds > 1 else ")"),
+    table.add("process_wall_s", "process wall s (incl. load and saving" + of_rounds("mean"),
               C.mean([r["ours"][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
     if args.rounds > 1:
         per_round = add_round_rows(table, rounds)
