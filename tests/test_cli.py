@@ -100,6 +100,8 @@ def test_grpo_experiment_is_critic_free_and_fits_the_completion_budget():
     assert cfg.reward.type == "checker" and p.advantage_estimator == "grpo" and p.kl_in == "loss"
     completions = p.iterations * p.rollout_batch_size * p.n_samples_per_prompt
     assert p.n_samples_per_prompt >= 2 and completions <= 1536  # issue 18's budget
+    # one optimizer step per iteration on all its completions: the on-policy update (no old log-prob pass)
+    assert p.epochs == 1 and p.mini_batch_size == p.rollout_batch_size * p.n_samples_per_prompt
     assert p.max_new_tokens == 48 and compose("eval", ["experiment=grpo"]).eval.max_new_tokens == 48
 
 
