@@ -304,6 +304,11 @@ class Table:
         self.rows.append([label, cell(ours), cell(trl), "" if r is None else f"{r:.2f}x"])
         self.data[key] = {"rlhf_cli": ours, "trl": trl, "ratio": r}
 
+    def ratio_row(self, key: str, label: str, ratio: float) -> None:
+        """A row with a ratio alone (e.g. a median of ratios, which no two columns divide into)."""
+        self.rows.append([label, "", "", f"{ratio:.2f}x"])
+        self.data[key] = {"rlhf_cli": None, "trl": None, "ratio": ratio}
+
     def note(self, label: str, text: str) -> None:
         self.rows.append([label, text, "", ""])
 

@@ -20,8 +20,8 @@ TRL by wrapping its module-level `batch_generation` and `forward` and a TrainerC
 end. The first iteration is dropped as warm-up when there are two or more. Tokens are real tokens:
 generated ones up to and including the first EOS, and prompt + response tokens for training.
 
-`--rounds N` runs both tools N times, in the order ours, TRL, TRL, ours, ours, TRL, ... (each pair of rounds
-is A-B-B-A, so a steady drift of the machine's speed over the benchmark cancels). Every round trains the same
+`--rounds N` (1 or even) runs both tools N times, in the order ours, TRL, TRL, ours, ours, TRL, ... (each pair of
+rounds is A-B-B-A, so a steady drift of the machine's speed over the benchmark cancels). Every round trains the same
 models on the same prompts with the same seeds; the table pools every round's steady iterations and adds one
 row per round with its own ratio, and the median of those ratios. A 2-core CPU's speed drifts by up to 40 %
 between windows minutes apart, which one round cannot tell from a difference between the tools.
@@ -247,23 +247,31 @@ def train_trl(spec: dict[str, Any], spec_path: Path, bf16: bool) -> tuple:
 
 def add_round_rows(table: C.Table, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per round (its steady seconds per iteration, each tool, and their ratio) and the median ratio;
-    returns the rounds' numbers for the JSON."""
+    returns each round's numbers (and each process's peak RSS and wall seconds) for the JSON."""
     per_round = []
     for k, r in enumerate(rounds):
         o = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r["ours"][2])])
         t = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r["trl"][1]["iterations"])])
-        table.add(f"round_{k + 1}_seconds_per_iteration", f"  round {k + 1} ({r['order']}): s / iteration", o, t)
-        per_round.append({"order": r["order"], "rlhf_cli": o, "trl": t, "ratio": o / t})
-    median = statistics.median(x["ratio"] for x in per_round)
-    table.note("median of the rounds' ratios", f"{median:.2f}x")
-    table.data["median_round_ratio"] = {"rlhf_cli": None, "trl": None, "ratio": median}
+        table.add(f"round_{k + 1}_seconds_per_iteration", f"s / iteration, round {k + 1} ({r['order']})", o, t)
+        per_round.append({"order": r["order"], "rlhf_cli": o, "trl": t, "ratio": o / t,
+                          **{f"{who}_{key}": getattr(child, key) for who, child in (("ours", r["ours"][1]),
+                                                                                     ("trl", r["trl"][0]))
+                             for key in ("peak_rss_bytes", "wall_s")}})
+    table.ratio_row("median_round_ratio", "s / iteration, median of the rounds' ratios",
+                    statistics.median(x["ratio"] for x in per_round))
     return per_round
 
 
-def same_rounds(rounds: list[dict[str, Any]]) -> bool:
-    """Whether every round's per-iteration scores, each tool's, equal round 1's: the rounds did the same work."""
-    scores = [([x["score"] for x in r["ours"][2]], r["trl"][1]["scores"]) for r in rounds]
-    return all(x == scores[0] for x in scores)
+def same_rounds(rounds: list[dict[str, Any]]) -> str:
+    """Whether every round's per-iteration scores, each tool's, equal round 1's (the rounds did the same work),
+    in words for the header: the first round and tool that differ, if any."""
+    first = ([x["score"] for x in rounds[0]["ours"][2]], rounds[0]["trl"][1]["scores"])
+    for k, r in enumerate(rounds[1:], start=2):
+        for name, got, want in (("ours", [x["score"] for x in r["ours"][2]], first[0]),
+                                ("TRL", r["trl"][1]["scores"], first[1])):
+            if got != want:
+                return f"round {k} of {name} scored DIFFERENTLY from round 1 ({got} vs {want})"
+    return "every round scored the same as round 1 (checked)"
 
 
 def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
@@ -328,8 +336,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--missing-eos-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--rounds", type=int, default=1,
-                   help="run both tools this many times, ours and TRL alternating A-B-B-A (default 1); the table "
-                        "pools the rounds and gives each round's ratio and their median")
+                   help="run both tools this many times (1, the default, or even), ours and TRL alternating A-B-B-A; "
+                        "the table pools the rounds and gives each round's ratio and their median")
     p.add_argument("--data", default="builtin", choices=["builtin", "hh"],
                    help="built-in task prompts, or the PPO part of HH-RLHF harmless-base (../shared/data)")
     p.add_argument("--max-prompt-length", type=int, default=None,
@@ -341,8 +349,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.rollout % args.micro_batch_size:
         p.error(f"--rollout {args.rollout} is not divisible by --micro-batch-size {args.micro_batch_size}")
-    if args.rounds < 1:
-        p.error(f"--rounds must be >= 1 (got {args.rounds})")
+    if args.rounds < 1 or (args.rounds > 1 and args.rounds % 2):
+        p.error(f"--rounds must be 1 or even, so that A-B-B-A pairs cancel a steady drift (got {args.rounds})")
     return args
 
 
@@ -385,8 +393,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
 
-    # 2-3. each tool in its own process (ours through the real CLI), in rounds: ours first in even rounds,
-    # TRL first in odd ones (A-B-B-A); round 1's directories keep the plain names
+    # 2-3. each tool in its own process (ours through the real CLI), in rounds: ours first in rounds 1, 3, ...,
+    # TRL first in rounds 2, 4, ... (A-B-B-A); round 1's directories keep the plain names
     spec = {"policy_dir": str(policy), "rm_dir": str(rm_dir),
             "prompts": [prompts[i]["prompt_ids"] for it in order for i in it],
             "iterations": n_it, "rollout": R, "micro_batch_size": m, "epochs": args.epochs,
@@ -402,8 +410,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
             if who == "ours":
                 sides["ours"] = train_ours(overrides, work / f"ours_ppo{sfx}")
             else:
+                sides["trl_model"] = work / f"trl_ppo{sfx}" / "final"
                 sides["trl"] = train_trl({**spec, "output_dir": str(work / f"trl_ppo{sfx}"),
-                                          "model_out": str(work / f"trl_ppo{sfx}" / "final"),
+                                          "model_out": str(sides["trl_model"]),
                                           "result": str(work / f"trl_ppo_result{sfx}.json")},
                                          work / f"trl_ppo_spec{sfx}.json", bf16)
         rounds.append({"order": "ours, TRL" if k % 2 == 0 else "TRL, ours", **sides})
@@ -422,7 +431,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     last = [prompts[i] for i in order[-1]]
     kl_fp32 = {who: fp32_kl(str(path), str(policy), last, tokenizer.pad_token_id, tokenizer.eos_token_id,
                             args.max_new_tokens, args.temperature, args.seed)
-               for who, path in (("ours", ours_dir / "final"), ("trl", work / "trl_ppo" / "final"))}
+               for who, path in (("ours", ours_dir / "final"), ("trl", rounds[0]["trl_model"]))}
 
     # 6. the table (first iteration of every round dropped when there are two or more), rounds pooled
     o_st = [x for r in rounds for x in C.steady(r["ours"][2])]
@@ -433,6 +442,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table = C.Table()
     o_total, t_total = sum(avg(o_st, p) for p in PARTS), sum(avg(t_st, p) for p in PARTS)
     table.add("seconds_per_iteration", "s / iteration (generation+scoring+training)", o_total, t_total)
+    per_round = add_round_rows(table, rounds) if len(rounds) > 1 else None
     add_part_rows(table, o_st, t_st)
     if n_it >= 2:
         table.add("wall_per_iteration", "s / iteration, wall (end to end)", avg(o_st, "wall"), avg(t_st, "wall"))
@@ -447,18 +457,17 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table.add("peak_rss_gib", "peak RSS (GiB, whole process" + of_rounds("the largest"),
               max(r["ours"][1].peak_rss_bytes for r in rounds) / gib,
               max(r["trl"][0].peak_rss_bytes for r in rounds) / gib)
-    table.add("score", "mean score incl. EOS penalty (sanity)", C.mean([x["score"] for x in o_its]),
+    r1 = ", round 1" if len(rounds) > 1 else ""
+    table.add("score", f"mean score incl. EOS penalty (sanity{r1})", C.mean([x["score"] for x in o_its]),
               C.mean(t_res["scores"]), "{:.3f}", ratio=False)
-    table.add("kl", "KL to reference, nats/seq, mean of iterations (sanity)", C.mean([x["kl"] for x in o_its]),
+    table.add("kl", f"KL to reference, nats/seq, mean of iterations (sanity{r1})", C.mean([x["kl"] for x in o_its]),
               C.mean(t_res["kl"]), "{:.3f}", ratio=False)
-    table.add("kl_last", f"KL reported at iteration {n_it}, nats/seq (sanity)", o_its[-1]["kl"], t_res["kl"][-1],
+    table.add("kl_last", f"KL reported at iteration {n_it}, nats/seq (sanity{r1})", o_its[-1]["kl"], t_res["kl"][-1],
               "{:.4f}", ratio=False)
-    table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {n_it}'s prompts (sanity)",
+    table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {n_it}'s prompts (sanity{r1})",
               kl_fp32["ours"], kl_fp32["trl"], "{:.4f}", ratio=False)
     table.add("process_wall_s", "process wall s (incl. load and saving" + of_rounds("mean"),
               C.mean([r["ours"][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
-    if args.rounds > 1:
-        per_round = add_round_rows(table, rounds)
 
     header = C.header_lines("ppo_bench: PPO, rlhf_cli `rlhf train-ppo` vs TRL trl.experimental.ppo.PPOTrainer",
                             info, cfg.precision, t_res["mixed_precision"])
@@ -478,9 +487,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"optimizers: ours torch AdamW (fused where torch has it) for policy and critic on DeepSpeed ZeRO-"
         f"{cfg.deepspeed.zero_stage}; TRL optim={t_res['optim']} over policy+value; gradient checkpointing: "
         f"ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
-        f"timing: {measured}" + (f"; {args.rounds} rounds, ours and TRL alternating A-B-B-A, pooled; every round "
-                                 f"{'scored the same as round 1 (checked)' if same_rounds(rounds) else 'DIFFERED'}"
-                                 if args.rounds > 1 else ""),
+        f"timing: {measured}" + (f"; {len(rounds)} rounds, ours and TRL alternating A-B-B-A, pooled; "
+                                 f"{same_rounds(rounds)}" if len(rounds) > 1 else ""),
         *(["LoRA: TRL adapts the policy only (its value model trains in full); ours the policy and, with its own "
            "adapter, the critic"] if args.lora_r else []),
     ]
@@ -499,7 +507,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     ]
     C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"], (ours, {"iterations": o_its}),
            (trl, {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"]}), same_prompts=same_prompts,
-           kl_fp32=kl_fp32, rounds=per_round if args.rounds > 1 else None)
+           kl_fp32=kl_fp32, **({"rounds": per_round} if per_round else {}))
 
 if __name__ == "__main__":
     main()

@@ -134,15 +134,18 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     prompts = load_prompt_data(cfg.data, tokenizer, split="eval")
     parents = {"policy": policy_dir, "reference": ref_spec.get("name_or_path") or ref_spec.get("gguf_file"),
                "reward_model": rm_path}
-    lineage.record(run_dir, cfg, "eval", prompts.summary, parents, write=engine.is_main())
-    if e.num_prompts:
-        prompts = prompts[: e.num_prompts]
-    if not prompts:
+    available, ws = len(prompts), engine.world_size()
+    n = min(available, e.num_prompts) if e.num_prompts else available
+    if n == 0:
         raise ConfigError(f"no prompts in the eval split of data.path={cfg.data.path}")
-    if len(prompts) < engine.world_size():  # every rank samples a shard of its own; none may be empty
-        raise ConfigError(f"rlhf eval: {len(prompts)} eval prompt(s) for {engine.world_size()} processes: each "
-                          f"process needs at least one (run at most {len(prompts)} processes, or evaluate more "
-                          "prompts: eval.num_prompts, data.path)")
+    if n < ws:  # every process samples a share of its own; none may be empty
+        cut = n < available
+        src = f"data.path={cfg.data.path}" if cfg.data.path else "the built-in task (data.builtin.ppo_eval)"
+        why = f"eval.num_prompts={e.num_prompts}" if cut else f"all the eval split of {src} holds"
+        raise ConfigError(f"{n} eval prompt(s) for {ws} processes ({why}): each process needs at least one, so run "
+                          f"at most {n}" + (" or raise eval.num_prompts" if cut else ""))
+    lineage.record(run_dir, cfg, "eval", prompts.summary, parents, write=engine.is_main())
+    prompts = prompts[:n]
     mine = prompts[engine.rank()::engine.world_size()]
 
     policy = load_causal_lm(_model_cfg(policy_dir, cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)

@@ -455,12 +455,16 @@ def test_report_of_a_past_rm_run(pipeline, run_stage):
 
 
 def test_policy_eval_refuses_fewer_prompts_than_processes(run_stage, tiny_dirs, monkeypatch):
-    """Each process samples its own shard of the prompts: 3 prompts on 4 processes would leave one empty,
-    so the run stops before loading a model, with one line naming both numbers (the same on every rank)."""
+    """Each process samples its own share of the prompts: 3 prompts on 4 processes would leave one empty, so the
+    run stops before loading a model, with one line naming both numbers and what cut them (the same on every rank)."""
     from rlhf_cli import engine
     from rlhf_cli.errors import ConfigError
 
     monkeypatch.setattr(engine, "world_size", lambda: 4)
-    with pytest.raises(ConfigError, match=r"^rlhf eval: 3 eval prompt\(s\) for 4 processes: .*at most 3 processes"):
-        run_stage("eval", [f"policy.path={tiny_dirs['policy']}", f"reference.path={tiny_dirs['reference']}",
-                           "reward.type=checker", "eval.num_prompts=3"])
+    models = [f"policy.path={tiny_dirs['policy']}", f"reference.path={tiny_dirs['reference']}", "reward.type=checker"]
+    with pytest.raises(ConfigError, match=r"^3 eval prompt\(s\) for 4 processes \(eval.num_prompts=3\): .*at most 3 "
+                                          r"or raise eval.num_prompts$"):
+        run_stage("eval", [*models, "eval.num_prompts=3", "data.builtin.ppo_eval=8"])
+    with pytest.raises(ConfigError, match=r"^2 eval prompt\(s\) for 4 processes \(all the eval split of the built-in "
+                                          r"task \(data.builtin.ppo_eval\) holds\): .*at most 2$"):
+        run_stage("eval", [*models, "eval.num_prompts=5", "data.builtin.ppo_eval=2"])
