@@ -409,3 +409,39 @@ def test_a_resumed_sweep_job_keeps_its_swept_value(tmp_path):
     columns, rows = summary_table(sweep)
     assert columns == ["job", "rm.lr", "held-out acc", "loss"]  # the shared overrides read as the recorded values
     assert [r[:2] for r in rows] == [["1 ★", "3e-05"], ["0", "1e-5"]]
+
+
+def corrupt_yaml(path):
+    path.write_text("model: [unclosed\n")
+
+
+@pytest.mark.parametrize("name, corrupt, message", [
+    ("eval/c/eval.json", lambda p: p.write_text('{"results": '), r"eval.json: not valid JSON"),
+    ("eval/c/eval.json", lambda p: p.write_text("[1, 2]"), r"eval.json: not a JSON object"),
+    ("eval/c/responses.jsonl", lambda p: p.write_text('{"prompt": "a"}\n{"prompt": \n'),
+     r"responses.jsonl, line 2: not a JSON value"),
+    ("eval/c/rewards.json", lambda p: p.write_text("{policy: 1}"), r"rewards.json: not valid JSON"),
+    ("ppo/b/config.yaml", corrupt_yaml, r"config.yaml: not valid YAML"),
+    ("rm/a/metrics.jsonl", lambda p: p.write_text('{"step": 1}\ngarbage\n{"step": 2}\n'),
+     r"metrics.jsonl, line 2: not a JSON object"),
+])
+def test_a_file_of_the_chain_that_cannot_be_parsed_is_named(tmp_path, name, corrupt, message):
+    """Every file the eval page reads, garbled: one UnreadableFile naming it (and the line), not a traceback from
+    deep in the page; `rlhf eval run_dir=` turns it into a one-line error."""
+    from rlhf_cli.report import UnreadableFile
+
+    ev = write_chain(tmp_path, policy_results())
+    corrupt(tmp_path / name)
+    with pytest.raises(UnreadableFile, match=str(tmp_path / name).replace(".", r"\.") + r"(, line \d+)?: "):
+        build_report(ev)
+    with pytest.raises(UnreadableFile, match=message):
+        build_report(ev)
+
+
+def test_rlhf_eval_run_dir_names_the_file_it_cannot_read(tmp_path, run_stage):
+    from rlhf_cli.errors import ConfigError
+
+    ev = write_chain(tmp_path, policy_results())
+    (ev / "eval.json").write_text('{"results": ')
+    with pytest.raises(ConfigError, match=rf"^run_dir={ev}: {ev}/eval\.json: not valid JSON \(Expecting value"):
+        run_stage("eval", [f"run_dir={ev}"])

@@ -29,6 +29,7 @@ from rlhf_cli.report.pages import (
 )
 from rlhf_cli.report.plots import PANELS, Panel, plot_rewards, plot_run
 from rlhf_cli.report.read import (
+    UnreadableFile,
     final_metrics,
     is_run_dir,
     job_dirs,
@@ -45,5 +46,5 @@ __all__ = [
     "build_report", "chain_runs", "eval_headline", "final_metrics", "fmt", "is_eval_dir", "is_run_dir", "job_dirs",
     "load_records", "metric_names", "Panel", "PANELS", "plot_rewards", "plot_run", "policy_headline", "print_summary",
     "read_config", "read_overrides", "read_rewards", "RESPONSES_FILE", "run_stage", "Section", "series",
-    "summary_table", "Table", "write_html",
+    "summary_table", "Table", "UnreadableFile", "write_html",
 ]

@@ -19,7 +19,6 @@ config, folded.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,15 @@ from rlhf_cli import lineage
 from rlhf_cli.core import reward_hacking
 from rlhf_cli.report.html import Section, Table
 from rlhf_cli.report.plots import HIST_FILE, plot_length_vs_reward, plot_rewards, plot_run
-from rlhf_cli.report.read import config_rows, flatten, read_config, read_rewards
+from rlhf_cli.report.read import (
+    UnreadableFile,
+    config_rows,
+    flatten,
+    parse_json,
+    parse_jsonl,
+    read_config,
+    read_rewards,
+)
 
 EVAL_FILE = "eval.json"
 RESPONSES_FILE = "responses.jsonl"
@@ -47,12 +54,12 @@ def is_eval_dir(path: Path | str) -> bool:
 
 
 def read_eval(eval_dir: Path | str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(results, config) of `<eval_dir>/eval.json`. Raises ValueError naming the file when it is not JSON."""
+    """(results, config) of `<eval_dir>/eval.json`. Raises UnreadableFile naming the file when it is not a JSON
+    object."""
     path = Path(eval_dir) / EVAL_FILE
-    try:
-        obj = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    obj = parse_json(path)
+    if not isinstance(obj, dict):
+        raise UnreadableFile(f"{path}: not a JSON object")
     return obj.get("results") or {}, obj.get("config") or {}
 
 
@@ -61,7 +68,7 @@ def read_responses(eval_dir: Path | str) -> list[dict[str, Any]]:
     path = Path(eval_dir) / RESPONSES_FILE
     if not path.is_file():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return parse_jsonl(path)
 
 
 def chain_runs(run_dir: Path | str) -> list[tuple[str, Path]]:

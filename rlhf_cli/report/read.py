@@ -15,6 +15,40 @@ log = logging.getLogger(__name__)
 Records = list[dict[str, Any]]
 
 
+class UnreadableFile(ValueError):
+    """A file of a run that the report cannot parse; the message names the file (and the line)."""
+
+
+def parse_json(path: Path) -> Any:
+    """The JSON document in `path`. Raises UnreadableFile naming the file when it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise UnreadableFile(f"{path}: not valid JSON ({e})") from None
+
+
+def parse_jsonl(path: Path) -> list[Any]:
+    """One JSON value per non-blank line of `path`. Raises UnreadableFile naming the file and line."""
+    out = []
+    for i, ln in enumerate(path.read_text().splitlines(), 1):
+        if ln.strip():
+            try:
+                out.append(json.loads(ln))
+            except ValueError as e:
+                raise UnreadableFile(f"{path}, line {i}: not a JSON value ({e})") from None
+    return out
+
+
+def parse_yaml(path: Path) -> Any:
+    """The YAML document in `path`. Raises UnreadableFile naming the file when it is not YAML."""
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UnreadableFile(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+
+
 def is_run_dir(path: Path | str) -> bool:
     """True when `path` holds a `metrics.jsonl` (a training or eval run dir)."""
     return (Path(path) / "metrics.jsonl").is_file()
@@ -64,7 +98,7 @@ def load_records(run_dir: Path | str) -> Records:
             if i == lines[-1][0]:
                 log.warning("%s: line %d is incomplete (run still writing?); ignored", path, i)
                 break
-            raise ValueError(f"{path}, line {i}: not a JSON object ({e})") from None
+            raise UnreadableFile(f"{path}, line {i}: not a JSON object ({e})") from None
     return records
 
 
@@ -74,12 +108,12 @@ def read_overrides(run_dir: Path | str) -> dict[str, str]:
     `+key=v` / `++key=v` count as `key`; a deletion `~key` maps to `"~"`; `hydra.*` keys are dropped.
     Empty when the file is missing.
     """
-    import yaml
-
     path = Path(run_dir) / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return {}
-    items = yaml.safe_load(path.read_text()) or []
+    items = parse_yaml(path) or []
+    if not isinstance(items, list):
+        raise UnreadableFile(f"{path}: not a list of overrides")
     out: dict[str, str] = {}
     for item in items:
         item = str(item)
@@ -95,12 +129,10 @@ def read_overrides(run_dir: Path | str) -> dict[str, str]:
 
 def read_config(run_dir: Path | str) -> dict[str, Any]:
     """The resolved run config (`config.yaml`) as plain dicts; empty when missing."""
-    import yaml
-
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         return {}
-    cfg = yaml.safe_load(path.read_text())
+    cfg = parse_yaml(path)
     return cfg if isinstance(cfg, dict) else {}
 
 
@@ -110,10 +142,7 @@ def read_rewards(run_dir: Path | str) -> dict[str, list[float]]:
     path = Path(run_dir) / "rewards.json"
     if not path.is_file():
         return {}
-    try:
-        obj = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    obj = parse_json(path)
     out = {}
     for k, v in (obj.items() if isinstance(obj, dict) else []):
         if isinstance(v, list) and v and all(is_num(x) or x is None for x in v):

@@ -44,6 +44,7 @@ from rlhf_cli.models import (
 )
 from rlhf_cli.report import (
     RESPONSES_FILE,
+    UnreadableFile,
     build_report,
     eval_headline,
     is_eval_dir,
@@ -319,15 +320,21 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                 build_report(cfg.run_dir)
             except FileNotFoundError as e:
                 raise ConfigError(f"run_dir={cfg.run_dir}: {e}") from None
+        error = None
         if engine.is_main():  # one process writes the page (every rank would race over the same files)
-            path = build_report(cfg.run_dir)
-            if is_eval_dir(cfg.run_dir):  # an eval's page, rebuilt: its verdict
-                console.print(" ".join(eval_headline(cfg.run_dir)), soft_wrap=True, highlight=False)
-            else:
-                columns, rows = summary_table(cfg.run_dir)
-                print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
-            console.print(f"report: {path}")
-        engine.barrier()
+            try:
+                path = build_report(cfg.run_dir)
+                if is_eval_dir(cfg.run_dir):  # an eval's page, rebuilt: its verdict
+                    console.print(" ".join(eval_headline(cfg.run_dir)), soft_wrap=True, highlight=False)
+                else:
+                    columns, rows = summary_table(cfg.run_dir)
+                    print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
+                console.print(f"report: {path}")
+            except (UnreadableFile, FileNotFoundError) as e:  # a file of the run that cannot be parsed, named in e
+                error = f"run_dir={cfg.run_dir}: {e}"
+        error = engine.broadcast_object(error)  # every rank stops alike, none waits for a rank that failed
+        if error is not None:
+            raise ConfigError(error)
         _discard_empty_run_dir(run_dir)
         return None
     run_dir = prepare_run_dir(cfg, run_dir)
