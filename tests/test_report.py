@@ -432,7 +432,7 @@ def test_a_file_of_the_chain_that_cannot_be_parsed_is_named(tmp_path, name, corr
 
     ev = write_chain(tmp_path, policy_results())
     corrupt(tmp_path / name)
-    with pytest.raises(UnreadableFile, match=str(tmp_path / name).replace(".", r"\.") + r"(, line \d+)?: "):
+    with pytest.raises(UnreadableFile, match=re.escape(str(tmp_path / name)) + r"(, line \d+)?: "):
         build_report(ev)
     with pytest.raises(UnreadableFile, match=message):
         build_report(ev)
@@ -443,5 +443,6 @@ def test_rlhf_eval_run_dir_names_the_file_it_cannot_read(tmp_path, run_stage):
 
     ev = write_chain(tmp_path, policy_results())
     (ev / "eval.json").write_text('{"results": ')
-    with pytest.raises(ConfigError, match=rf"^run_dir={ev}: {ev}/eval\.json: not valid JSON \(Expecting value"):
+    want = f"run_dir={ev}: {ev / 'eval.json'}: not valid JSON (Expecting"
+    with pytest.raises(ConfigError, match="^" + re.escape(want)):
         run_stage("eval", [f"run_dir={ev}"])
