@@ -453,11 +453,11 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               rate(o_st, "train_tokens", "training"), rate(t_st, "train_tokens", "training"))
     table.add("e2e_tokens_per_s", "generated tokens / s of iteration", avg(o_st, "gen_tokens") / o_total,
               avg(t_st, "gen_tokens") / t_total)
-    of_rounds = (lambda what: f"; {what} of the rounds)") if args.rounds > 1 else (lambda what: ")")  # noqa: E731
-    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + of_rounds("the largest"),
+    multi = len(rounds) > 1  # rows below: which round, or which summary of the rounds
+    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + ("; the largest of the rounds)" if multi else ")"),
               max(r["ours"][1].peak_rss_bytes for r in rounds) / gib,
               max(r["trl"][0].peak_rss_bytes for r in rounds) / gib)
-    r1 = ", round 1" if len(rounds) > 1 else ""
+    r1 = ", round 1" if multi else ""
     table.add("score", f"mean score incl. EOS penalty (sanity{r1})", C.mean([x["score"] for x in o_its]),
               C.mean(t_res["scores"]), "{:.3f}", ratio=False)
     table.add("kl", f"KL to reference, nats/seq, mean of iterations (sanity{r1})", C.mean([x["kl"] for x in o_its]),
@@ -466,7 +466,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               "{:.4f}", ratio=False)
     table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {n_it}'s prompts (sanity{r1})",
               kl_fp32["ours"], kl_fp32["trl"], "{:.4f}", ratio=False)
-    table.add("process_wall_s", "process wall s (incl. load and saving" + of_rounds("mean"),
+    table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the rounds)" if multi else ")"),
               C.mean([r["ours"][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
 
     header = C.header_lines("ppo_bench: PPO, rlhf_cli `rlhf train-ppo` vs TRL trl.experimental.ppo.PPOTrainer",

@@ -48,8 +48,6 @@ from rlhf_cli.report import (
     build_report,
     eval_headline,
     is_eval_dir,
-    is_run_dir,
-    job_dirs,
     print_summary,
     summary_table,
 )
@@ -147,7 +145,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
                           f"at most {n}" + (" or raise eval.num_prompts" if cut else ""))
     lineage.record(run_dir, cfg, "eval", prompts.summary, parents, write=engine.is_main())
     prompts = prompts[:n]
-    mine = prompts[engine.rank()::engine.world_size()]
+    mine = prompts[engine.rank()::ws]
 
     policy = load_causal_lm(_model_cfg(policy_dir, cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)
     ref_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), ref_spec)
@@ -315,11 +313,6 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     if cfg.run_dir:  # report of a past run: nothing to train or load
-        if not (is_eval_dir(cfg.run_dir) or is_run_dir(cfg.run_dir) or job_dirs(cfg.run_dir)):
-            try:  # no page to build: its one-line reason, on every rank alike
-                build_report(cfg.run_dir)
-            except FileNotFoundError as e:
-                raise ConfigError(f"run_dir={cfg.run_dir}: {e}") from None
         error = None
         if engine.is_main():  # one process writes the page (every rank would race over the same files)
             try:
@@ -330,7 +323,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                     columns, rows = summary_table(cfg.run_dir)
                     print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
                 console.print(f"report: {path}")
-            except (UnreadableFile, FileNotFoundError) as e:  # a file of the run that cannot be parsed, named in e
+            except (UnreadableFile, FileNotFoundError) as e:  # no run there, or a file of it unparsable: named in e
                 error = f"run_dir={cfg.run_dir}: {e}"
         error = engine.broadcast_object(error)  # every rank stops alike, none waits for a rank that failed
         if error is not None:
