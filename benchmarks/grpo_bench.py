@@ -21,13 +21,16 @@ Then `rlhf eval` samples both final policies on the same `--eval-prompts` held-o
 same per-prompt noise (ours as the policy, TRL's as the reference, fp32, T as in training): each one's checker
 accuracy with its 95 % interval, and the paired difference (ours − TRL) with its interval.
 
-`--seeds S1,S2,...` runs the whole comparison once per training seed (each seed its own prompt order, training
-noise and eval noise), ours first for the 1st, 3rd, ... seed and TRL first for the others (A-B-B-A, so a steady
-drift of the machine's speed cancels). The table pools every seed's steady steps, adds each seed's seconds per
-step and accuracies, and pools the accuracy two ways: over all seeds × prompts (each prompt's paired difference a
-unit: eval noise only), and as the mean of the seeds' differences with a t interval over seeds (training noise
-too: the honest interval for "is one tool better", wide with few seeds). One seed's accuracy interval cannot tell
-a difference of 0.03; several seeds in one invocation are how this benchmark answers that.
+`--seeds S1,S2,...` runs the whole comparison once per training seed (each seed its own training prompts, training
+noise and sampling noise in the eval; the held-out prompts are the same for every seed), ours first for the 1st,
+3rd, ... seed and TRL first for the others (with an even count A-B-B-A, so a steady drift of the machine's speed
+cancels; an odd count runs ours first once more). The table pools every seed's steady steps, adds each seed's
+seconds per step and accuracies, and pools the accuracy two ways: per held-out prompt, averaged over the seeds,
+with a t interval over the prompts (the prompts are the units; a training run's own noise is averaged over only
+as many seeds as ran), and as the mean of the seeds' differences with a t interval over seeds (training noise
+too, wide with few seeds). One seed's accuracy interval cannot tell a difference of 0.03; several seeds in one
+invocation are how this benchmark answers that. With several seeds the JSON's top-level `ours`, `trl` and `eval`
+are the first seed's; `seeds` holds every seed's.
 """
 
 from __future__ import annotations
@@ -158,9 +161,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=0.2, help="ε (inert on-policy: one step per rollout)")
     p.add_argument("--missing-eos-penalty", type=float, default=1.0)
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out ppo_eval prompts both policies answer")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=None, help="the training seed (default 42)")
     p.add_argument("--seeds", default=None, help="comma-separated training seeds, one whole comparison each, "
-                   "in alternating order, pooled (default: --seed alone)")
+                   "in alternating order, pooled (instead of --seed)")
     C.add_common_args(p)
     args = p.parse_args()
     if (args.prompts_per_step * args.num_generations) % args.micro_batch_size:
@@ -168,8 +171,10 @@ def parse_args() -> argparse.Namespace:
                 f"divisible by --micro-batch-size {args.micro_batch_size}")
     if args.num_generations < 2:
         p.error("--num-generations must be >= 2 (GRPO's group baseline)")
+    if args.seed is not None and args.seeds:
+        p.error("give --seed or --seeds, not both")
     try:
-        args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+        args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [42 if args.seed is None else args.seed]
     except ValueError:
         p.error(f"--seeds must be comma-separated integers (got {args.seeds!r})")
     if len(set(args.seeds)) != len(args.seeds):
@@ -243,6 +248,7 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
     out["res"] = json.loads((eval_dir / "eval.json").read_text())["results"]
     rows = [json.loads(line) for line in (eval_dir / "responses.jsonl").read_text().splitlines()]
     out["correct"] = ([float(r["policy_correct"]) for r in rows], [float(r["reference_correct"]) for r in rows])
+    out["prompts"] = [r["prompt"] for r in rows]
     return out
 
 
@@ -267,33 +273,35 @@ def add_seed_rows(table: C.Table, runs: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def add_seed_accuracy_rows(table: C.Table, runs: list[dict[str, Any]], per_seed: list[dict[str, Any]]) -> None:
-    """With several seeds: each seed's held-out accuracies and paired difference, then the accuracies over all
-    seeds and the two pooled differences: over seeds × prompts (each prompt's pair a unit: eval noise), and the
-    mean of the seeds' differences with a t interval over seeds (training noise too)."""
+    """With several seeds: each seed's held-out accuracies and paired difference, then the accuracies and the
+    paired difference per held-out prompt averaged over the seeds, with t intervals over the prompts (every seed
+    evaluates the same prompts, so a prompt is one unit, not one per seed), and the mean of the seeds' differences
+    with a t interval over seeds (training noise too). Raises SystemExit when the seeds' evals did not answer the
+    same prompts in the same order."""
     import torch
 
-    from rlhf_cli.core.paired import mean_ci95, proportion_ci95
+    from rlhf_cli.core.paired import mean_ci95
 
     for x in per_seed:
         table.add(f"seed_{x['seed']}_accuracy", f"held-out checker accuracy, seed {x['seed']}", x["accuracy"],
                   x["trl_accuracy"], "{:.3f}", ratio=False)
         d, ci = x["accuracy_diff"], x["accuracy_diff_ci95"]
         table.note(f"  ours − TRL (paired), seed {x['seed']}", f"{d:+.3f} ± {ci:.3f}")
-    ours = torch.tensor([c for r in runs for c in r["correct"][0]])
-    trl = torch.tensor([c for r in runs for c in r["correct"][1]])
-    n = ours.numel()
-    (acc_o, lo_o, hi_o), (acc_t, lo_t, hi_t) = proportion_ci95(ours), proportion_ci95(trl)
-    table.add("accuracy", f"held-out checker accuracy, all seeds ({n} prompt answers)", acc_o, acc_t, "{:.3f}",
-              ratio=False)
-    table.add("accuracy_ci95_low", "  95 % interval, low (Wilson)", lo_o, lo_t, "{:.3f}", ratio=False)
-    table.add("accuracy_ci95_high", "  95 % interval, high (Wilson)", hi_o, hi_t, "{:.3f}", ratio=False)
+    if any(r["prompts"] != runs[0]["prompts"] for r in runs[1:]):
+        sys.exit("error: the seeds' evals answered different held-out prompts; cannot pair them by prompt")
+    ours = torch.tensor([r["correct"][0] for r in runs]).mean(0)  # (prompts,): each prompt's accuracy over seeds
+    trl = torch.tensor([r["correct"][1] for r in runs]).mean(0)
+    n, k = ours.numel(), len(runs)
+    (acc_o, ci_o), (acc_t, ci_t) = mean_ci95(ours), mean_ci95(trl)
+    table.add("accuracy", f"held-out checker accuracy, {n} prompts × {k} seeds", acc_o, acc_t, "{:.3f}", ratio=False)
+    table.add("accuracy_ci95", f"  ± 95 % (t over the {n} prompts)", ci_o, ci_t, "{:.3f}", ratio=False)
     d, ci = mean_ci95(ours - trl)
-    table.note(f"accuracy, ours − TRL, over seeds × prompts ({n} pairs)",
+    table.note(f"accuracy, ours − TRL, by prompt over the {k} seeds (t over {n} prompts)",
                f"{d:+.3f} ± {ci:.3f} ({d - ci:+.3f} to {d + ci:+.3f})")
     dm, cim = mean_ci95(torch.tensor([x["accuracy_diff"] for x in per_seed]))
     table.note(f"accuracy, ours − TRL, mean of the {len(per_seed)} seeds (t over seeds)",
                f"{dm:+.3f} ± {cim:.3f} ({dm - cim:+.3f} to {dm + cim:+.3f})")
-    table.data["accuracy_diff_pooled"] = {"mean": d, "ci95": ci, "pairs": n}
+    table.data["accuracy_diff_by_prompt"] = {"mean": d, "ci95": ci, "prompts": n, "seeds": k}
     table.data["accuracy_diff_over_seeds"] = {"mean": dm, "ci95": cim, "seeds": len(per_seed)}
 
 
@@ -349,14 +357,16 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"T={args.temperature}, one optimizer step per rollout (micro {m} × {P * G // m}), β {args.beta} (k3, in "
         f"the loss), lr {args.lr:g} betas {tuple(betas)}, no grad clipping, {seeds}",
         f"timing: {'the single step' if steps == 1 else f'steps 2-{steps} (step 1 dropped as warm-up)'}"
-        + (f"; {len(runs)} seeds, ours and TRL alternating A-B-B-A, pooled" if multi else ""),
+        + (f"; {len(runs)} seeds, pooled; ours first for the 1st, 3rd, ... seed, TRL first for the others"
+           + ("" if len(runs) % 2 else " (A-B-B-A)") if multi else ""),
     ]
     notes = [
         "scoring: checker + reference log-probs + advantages for both; on-policy (one optimizer step per rollout) "
         "both take the old log-probs from the training forward (ours: `ExperienceMaker.old_from_training`)",
         "eval: `rlhf eval` with ours as policy and TRL's final policy as reference (same prompts, same per-prompt "
         "noise, fp32); its KL row is between the two trained policies and is not shown",
-        f"benchmark preparation (prompts, policy dir) {first['prep_s']:.0f} s; logs and runs under {work}",
+        f"benchmark preparation (prompts, policy dir) {sum(r['prep_s'] for r in runs):.0f} s; logs and runs under "
+        f"{work}" + (" (a dir per seed, each with its two trained policies)" if multi else ""),
     ]
     C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"],
            (ours, {"steps": first["o_steps"]}),
