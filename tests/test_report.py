@@ -446,3 +446,18 @@ def test_rlhf_eval_run_dir_names_the_file_it_cannot_read(tmp_path, run_stage):
     want = f"run_dir={ev}: {ev / 'eval.json'}: not valid JSON (Expecting"
     with pytest.raises(ConfigError, match="^" + re.escape(want)):
         run_stage("eval", [f"run_dir={ev}"])
+
+
+def test_metrics_with_a_torn_last_line_reads_the_complete_records(tmp_path, caplog):
+    """A run still writing: its last metrics line is cut mid-record. The complete records are read, the torn one
+    is dropped with a warning; the same cut on a line before the last is an error naming the line."""
+    from rlhf_cli.report import UnreadableFile, load_records
+
+    complete = '{"step": 1, "rm/loss": 0.7}\n{"step": 2, "rm/loss": 0.6}\n'
+    (tmp_path / "metrics.jsonl").write_text(complete + '{"step": 3, "rm/l')
+    with caplog.at_level("WARNING"):
+        assert load_records(tmp_path) == [{"step": 1, "rm/loss": 0.7}, {"step": 2, "rm/loss": 0.6}]
+    assert "line 3 is incomplete" in caplog.text
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rm/loss": 0.7}\n{"step": 2, "rm/l\n{"step": 3}\n')
+    with pytest.raises(UnreadableFile, match=r"metrics.jsonl, line 2: not a JSON object"):
+        load_records(tmp_path)

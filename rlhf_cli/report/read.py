@@ -27,15 +27,19 @@ def parse_json(path: Path) -> Any:
         raise UnreadableFile(f"{path}: not valid JSON ({e})") from None
 
 
-def parse_jsonl(path: Path) -> list[Any]:
-    """One JSON value per non-blank line of `path`. Raises UnreadableFile naming the file and line."""
+def parse_jsonl(path: Path, torn_last_ok: bool = False, what: str = "a JSON value") -> list[Any]:
+    """One JSON value per non-blank line of `path`. Raises UnreadableFile naming the file and line ("not `what`").
+    With `torn_last_ok`, an unparsable last line (a run still writing) is dropped with a warning instead."""
+    lines = [(i, ln) for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
     out = []
-    for i, ln in enumerate(path.read_text().splitlines(), 1):
-        if ln.strip():
-            try:
-                out.append(json.loads(ln))
-            except ValueError as e:
-                raise UnreadableFile(f"{path}, line {i}: not a JSON value ({e})") from None
+    for i, ln in lines:
+        try:
+            out.append(json.loads(ln))
+        except ValueError as e:
+            if torn_last_ok and i == lines[-1][0]:
+                log.warning("%s: line %d is incomplete (run still writing?); ignored", path, i)
+                break
+            raise UnreadableFile(f"{path}, line {i}: not {what} ({e})") from None
     return out
 
 
@@ -82,24 +86,13 @@ def run_stage(run_dir: Path | str, records: Records | None = None) -> str:
 def load_records(run_dir: Path | str) -> Records:
     """The records of `<run_dir>/metrics.jsonl`, tolerating a torn last line (a run still writing).
 
-    Raises ValueError naming the file and line when any other line is not JSON.
+    Raises UnreadableFile (a ValueError) naming the file and line when any other line is not JSON.
     """
     path = Path(run_dir) / "metrics.jsonl"
     try:
         return read_metrics(path)
     except ValueError:
-        pass
-    lines = [(i, ln) for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
-    records = []
-    for i, ln in lines:
-        try:
-            records.append(json.loads(ln))
-        except ValueError as e:
-            if i == lines[-1][0]:
-                log.warning("%s: line %d is incomplete (run still writing?); ignored", path, i)
-                break
-            raise UnreadableFile(f"{path}, line {i}: not a JSON object ({e})") from None
-    return records
+        return parse_jsonl(path, torn_last_ok=True, what="a JSON object")
 
 
 def read_overrides(run_dir: Path | str) -> dict[str, str]:
