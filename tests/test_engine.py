@@ -163,3 +163,34 @@ def test_scoring_precision_is_fp32_only_where_the_weights_are(caplog):
         assert scoring_precision("bf16", "fp32") == "bf16"
     assert len(caplog.records) == 1 and "precision=bf16-autocast" in caplog.records[0].getMessage()
     assert scoring_precision("bf16", "same") == "bf16" and len(caplog.records) == 1
+
+
+def test_hidden_module_cannot_be_imported_inside_the_block_only():
+    """`engine._hidden` (DeepSpeed's import without mlflow): inside, the import fails as for a missing package;
+    after, the module imports as usual; a module imported already is left alone."""
+    import importlib
+    import sys
+
+    name = "json.tool"  # a real module this test process has not imported
+    sys.modules.pop(name, None)
+    with engine._hidden(name):
+        with pytest.raises(ImportError):
+            importlib.import_module(name)
+    assert name not in sys.modules
+    assert importlib.import_module(name).__name__ == name
+    with engine._hidden(name):  # imported already: stays importable
+        assert importlib.import_module(name) is sys.modules[name]
+
+
+def test_importing_the_engine_leaves_mlflow_as_installed():
+    """DeepSpeed is imported with mlflow hidden (its autotuner would import it, ~1.5 s); afterwards mlflow is not
+    imported, and is importable exactly when it is installed (the mlflow tracker needs it)."""
+    import subprocess
+    import sys
+
+    find = "import importlib.util; print(importlib.util.find_spec('mlflow') is not None)"
+    installed = subprocess.run([sys.executable, "-c", find], capture_output=True, text=True, timeout=120)
+    code = f"import sys, rlhf_cli.engine; print('mlflow' in sys.modules); {find}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", installed.stdout.strip()]
