@@ -5,7 +5,8 @@
     compose(config_name, overrides)        the config `rlhf <command> <overrides>` would run with
     save_reward_model_init(model_cfg, ...) the base LM + a seeded scalar head, in HF seq-cls layout
     policy_dir(model_cfg, seed, workdir)   an HF dir holding the policy's initial weights
-    run_child(cmd, log_path)               a subprocess with its own wall time and peak RSS
+    run_child(cmd, log_path)               a subprocess with its own wall time and peak RSS (both tools: the
+                                           allocator settings `rlhf` makes, `malloc_env`)
     matmul_gflops(m, k, n, dtype)          measured matmul throughput (the hardware-limit row)
     real_response_tokens(responses, eos)   response tokens up to and including the first EOS
     Table                                  console table + markdown + JSON
@@ -37,6 +38,15 @@ REPO = Path(__file__).resolve().parents[1]
 HH_PATH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 TRL_VERSION = "1.12.0"
 PACKAGES = ("torch", "transformers", "deepspeed", "trl", "accelerate")
+
+
+def malloc_env() -> dict[str, str]:
+    """glibc's settings that `rlhf` makes in-process (cli.reuse_freed_memory: large blocks from the heap, freed
+    memory kept), as environment variables for every child, ours and TRL's: an allocator setting any torch user can
+    make is not counted as ours. Empty with `RLHF_MALLOC=system` (both tools then run glibc's defaults)."""
+    if os.environ.get("RLHF_MALLOC", "") == "system":
+        return {}
+    return {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,6 +125,9 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
         f"shared prompt computed once, sequences packed into rows; false: each sequence its own padded row), TRL "
         f"each sequence its own padded row",
         info.get("trained", "trained: every weight (full fine-tuning), both tools"),
+        "allocator, both tools: " + ("glibc keeps freed memory for reuse (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_="
+                                     "2 GiB, what `rlhf` sets in-process)" if malloc_env() else
+                                     "glibc's defaults (RLHF_MALLOC=system)"),
     ]
 
 
@@ -207,7 +220,7 @@ def run_child(cmd: Sequence[str], log_path: Path, env: dict[str, str] | None = N
     wait4 reports the max RSS of that one child (and any children it waited for), so two tools run
     one after the other get separate peaks (RUSAGE_CHILDREN would give the max over both).
     """
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **malloc_env(), **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
