@@ -43,8 +43,10 @@ PACKAGES = ("torch", "transformers", "deepspeed", "trl", "accelerate")
 def malloc_env() -> dict[str, str]:
     """glibc's settings that `rlhf` makes in-process (cli.reuse_freed_memory: large blocks from the heap, freed
     memory kept), as environment variables for every child, ours and TRL's: an allocator setting any torch user can
-    make is not counted as ours. Empty with `RLHF_MALLOC=system` (both tools then run glibc's defaults)."""
-    if os.environ.get("RLHF_MALLOC", "") == "system":
+    make is not counted as ours. Empty where `rlhf` makes none (`RLHF_MALLOC=system`, a preloaded allocator)."""
+    from rlhf_cli.cli import malloc_mode
+
+    if malloc_mode() == "system":
         return {}
     return {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
@@ -127,7 +129,7 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
         info.get("trained", "trained: every weight (full fine-tuning), both tools"),
         "allocator, both tools: " + ("glibc keeps freed memory for reuse (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_="
                                      "2 GiB, what `rlhf` sets in-process)" if malloc_env() else
-                                     "glibc's defaults (RLHF_MALLOC=system)"),
+                                     "glibc's defaults or a preloaded allocator (RLHF_MALLOC=system, LD_PRELOAD)"),
     ]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 # Hydra's informational flags: nothing runs, nothing is validated
 INFO_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i")
 SWEEP_DIRS: set[Path] = set()  # the sweep dirs of this process's training jobs (said at the end)
-MALLOC_ENV = "RLHF_MALLOC"  # `system`: leave glibc's malloc settings as they are (see `reuse_freed_memory`)
+MALLOC_ENV = "RLHF_MALLOC"  # `reuse` (default) or `system`: glibc's malloc settings as they are (`reuse_freed_memory`)
 
 COMMANDS: dict[str, tuple] = {
     # command: (config name, stage module, one-line help)
@@ -315,33 +315,50 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard")  # names in LD_PRELOAD that replace malloc
+
+
+def malloc_mode() -> str:
+    """`RLHF_MALLOC` as `reuse_freed_memory` reads it: `reuse` (the default, also when unset or empty) or `system`
+    (glibc's defaults); `system` too when an allocator from PRELOADED_ALLOCATORS is preloaded (`LD_PRELOAD`), whose
+    own settings then rule. Raises ValueError for any other value."""
+    mode = os.environ.get(MALLOC_ENV, "") or "reuse"
+    if mode not in ("reuse", "system"):
+        raise ValueError(f"{MALLOC_ENV}={mode!r}: expected 'reuse' (the default) or 'system'")
+    preload = os.environ.get("LD_PRELOAD", "").lower()
+    return "system" if any(name in preload for name in PRELOADED_ALLOCATORS) else mode
+
+
 def reuse_freed_memory() -> bool:
-    """Keep freed memory in this process for the next tensor (glibc only); returns whether the settings took.
+    """Keep freed memory in this process for the next tensor (glibc on Linux); returns whether the settings took.
 
     glibc serves every block above 32 MiB with its own mmap and unmaps it when freed, so each such tensor, made new
     at every step (the 113 MB embedding gradient, the LM head's weight cast, logits), costs a page fault per 4 KiB
-    page and the kernel zeroing it. `mallopt(M_MMAP_MAX, 0)` serves large blocks from the heap and
-    `mallopt(M_TRIM_THRESHOLD, 2 GiB)` keeps freed heap memory for reuse, as jemalloc and tcmalloc (which PyTorch's
-    CPU tuning guide suggests preloading) do. Measured on SmolLM2 (fwd + bwd + AdamW, 8 x 85 tokens, bf16-autocast,
-    2 cores): 2.5M -> 0.9M page faults, median step 1.66 -> 1.39 s, peak RSS +6 %. Allocation only: every number
-    is the same. Off with `RLHF_MALLOC=system`, or when another allocator is preloaded (`LD_PRELOAD`).
+    page and the kernel zeroing it. `mallopt(M_MMAP_MAX, 0)` serves large blocks from the heap instead, where freed
+    blocks stay mapped for the next one, and `mallopt(M_TRIM_THRESHOLD, 2 GiB)` gives the heap's free top back only
+    past 2 GiB; jemalloc and tcmalloc behave alike. Process-wide: `main` calls it first, so a caller of `main` in
+    its own process gets it too. Measured on SmolLM2 (fwd + bwd + AdamW, 8 x 85 tokens, bf16-autocast, 2 cores):
+    2.5M -> 0.9M page faults, step medians 1.63-1.70 -> 1.34-1.42 s, peak RSS +6 %; `rlhf train-ppo` 0.89x the
+    time (docs/results.md). Allocation only: every number is the same. Off with `RLHF_MALLOC=system` (`malloc_mode`).
+    Raises ValueError for an unknown `RLHF_MALLOC`.
     """
-    if os.environ.get(MALLOC_ENV, "") == "system" or "malloc" in os.environ.get("LD_PRELOAD", ""):
+    if malloc_mode() == "system" or not sys.platform.startswith("linux"):
         return False
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to set
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the malloc this process runs
+    if mallopt is None:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def main(argv: list[str] | None = None) -> None:
-    reuse_freed_memory()
+    try:
+        reuse_freed_memory()
+    except ValueError as e:
+        _err(str(e))
+        sys.exit(2)
     from rlhf_cli.config import ConfigError, check_override_keys, register_configs
 
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))

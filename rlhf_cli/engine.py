@@ -55,7 +55,7 @@ def _hidden(module: str) -> Iterator[None]:
 
 
 # DeepSpeed's autotuner, which nothing here runs, imports mlflow on DeepSpeed's import wherever it is installed
-# (the `mlflow` extra): ~1.5 s at the start of every command and rank. Hidden from that import only; the mlflow
+# (the `mlflow` extra): ~1 s at the start of every command and rank. Hidden from that import only; the mlflow
 # tracker (`logger=[...,mlflow]`) imports it as usual.
 with _hidden("mlflow"):
     import deepspeed  # noqa: E402

@@ -31,13 +31,14 @@ def test_no_command_lists_subcommands():
 def test_cli_keeps_freed_memory_for_reuse_unless_told_not_to():
     """`cli.reuse_freed_memory` (run first by `main`): a freed 113 MB tensor stays in the process for the next one
     (no page faults to get it back), where glibc alone unmaps it; `RLHF_MALLOC=system` leaves glibc as it is."""
-    code = ("from rlhf_cli import cli; took = cli.reuse_freed_memory(); import torch\n"
-            "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+    code = ("import os; from rlhf_cli import cli; took = cli.reuse_freed_memory(); import torch\n"
+            "def rss(): return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
             "r0 = rss(); x = torch.ones(49152, 576); r1 = rss(); del x; r2 = rss()\n"
             "print(took, (r1 - r0) >> 20, (r2 - r0) >> 20)")
+    clean = {k: v for k, v in ENV.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "RLHF_MALLOC")}
 
     def run(**env):
-        out = subprocess.run([sys.executable, "-c", code], env={**ENV, **env}, capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0, out.stderr
         took, touched, kept = out.stdout.split()
@@ -49,6 +50,23 @@ def test_cli_keeps_freed_memory_for_reuse_unless_told_not_to():
     assert touched >= 100 and kept >= 100  # still resident after the free
     took, touched, kept = run(RLHF_MALLOC="system")
     assert took == "False" and touched >= 100 and kept < 20  # glibc unmapped it
+
+
+def test_cli_refuses_an_unknown_malloc_mode():
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli", "--help"], cwd=REPO, env={**ENV, "RLHF_MALLOC": "glibc"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: RLHF_MALLOC='glibc': expected 'reuse' (the default) or 'system'"
+
+
+def test_a_preloaded_allocator_keeps_its_own_settings(monkeypatch):
+    from rlhf_cli import cli
+
+    monkeypatch.delenv("RLHF_MALLOC", raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert cli.malloc_mode() == "system" and cli.reuse_freed_memory() is False
+    monkeypatch.setenv("LD_PRELOAD", "")
+    assert cli.malloc_mode() == "reuse"
 
 
 def test_unknown_command_exits_2_with_list():
