@@ -44,11 +44,12 @@ def malloc_env() -> dict[str, str]:
     """glibc's settings that `rlhf` makes in-process (cli.reuse_freed_memory: large blocks from the heap, freed
     memory kept), as environment variables for every child, ours and TRL's: an allocator setting any torch user can
     make is not counted as ours. Empty where `rlhf` makes none (`RLHF_MALLOC=system`, a preloaded allocator)."""
-    from rlhf_cli.cli import malloc_mode
+    from rlhf_cli.cli import MALLOC_SETTINGS, malloc_mode
 
     if malloc_mode() == "system":
         return {}
-    return {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+    # glibc reads mallopt's M_<NAME> from the environment as MALLOC_<NAME>_
+    return {f"MALLOC_{name[2:]}_": str(value) for name, (_, value) in MALLOC_SETTINGS.items()}
 
 
 # ----------------------------------------------------------------------------------------------

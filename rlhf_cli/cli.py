@@ -19,6 +19,9 @@ from typing import Any
 INFO_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i")
 SWEEP_DIRS: set[Path] = set()  # the sweep dirs of this process's training jobs (said at the end)
 MALLOC_ENV = "RLHF_MALLOC"  # `reuse` (default) or `system`: glibc's malloc settings as they are (`reuse_freed_memory`)
+# the glibc mallopt parameters `reuse_freed_memory` sets: name -> (its number in malloc.h, value)
+MALLOC_SETTINGS = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1)}
+PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard")  # names in LD_PRELOAD that replace malloc
 
 COMMANDS: dict[str, tuple] = {
     # command: (config name, stage module, one-line help)
@@ -315,9 +318,6 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard")  # names in LD_PRELOAD that replace malloc
-
-
 def malloc_mode() -> str:
     """`RLHF_MALLOC` as `reuse_freed_memory` reads it: `reuse` (the default, also when unset or empty) or `system`
     (glibc's defaults); `system` too when an allocator from PRELOADED_ALLOCATORS is preloaded (`LD_PRELOAD`), whose
@@ -349,8 +349,7 @@ def reuse_freed_memory() -> bool:
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the malloc this process runs
     if mallopt is None:
         return False
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    return all(mallopt(number, value) for number, value in MALLOC_SETTINGS.values())
 
 
 def main(argv: list[str] | None = None) -> None:
