@@ -4,7 +4,7 @@ PY ?= python
 # with an NVIDIA driver keeps pip's ordinary (CUDA) torch. Override with `make install TORCH_SPEC=...`.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test test-fast lint demo bench bench-deps bench-rm bench-ppo bench-grpo gpu-wheels
+.PHONY: install test test-fast lint demo bench bench-deps bench-rm bench-ppo bench-grpo bench-demo gpu-wheels
 
 install:
 	$(PY) -m pip install --upgrade pip
@@ -41,6 +41,10 @@ bench-ppo:
 
 bench-grpo:
 	$(PY) benchmarks/grpo_bench.py $(BENCH_ARGS)
+
+# `make demo` before (e2822bc) and after (HEAD), stage by stage in alternation; needs no TRL
+bench-demo:
+	$(PY) benchmarks/demo_ab.py $(BENCH_ARGS)
 
 # the wheel folder benchmarks/gpu_check.sh installs from on a GPU machine without network (benchmarks/README.md)
 gpu-wheels:

@@ -217,17 +217,20 @@ class ChildResult:
     log_path: Path
 
 
-def run_child(cmd: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> ChildResult:
-    """Run `cmd` from the repository root, output to `log_path`; its own peak RSS from wait4().
+def run_child(cmd: Sequence[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path = REPO,
+              allocator_env: bool = True) -> ChildResult:
+    """Run `cmd` in `cwd` (default: the repository root), output to `log_path`; its own peak RSS from wait4().
+    `allocator_env` adds `malloc_env()` (the comparisons with TRL; demo_ab runs each side as it runs for a user).
 
     wait4 reports the max RSS of that one child (and any children it waited for), so two tools run
     one after the other get separate peaks (RUSAGE_CHILDREN would give the max over both).
     """
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **malloc_env(), **(env or {})}
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(malloc_env() if allocator_env else {}),
+                **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(list(cmd), cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(list(cmd), cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
         except KeyboardInterrupt:
@@ -306,6 +309,7 @@ class Table:
     """Rows of (metric, ours, TRL, ratio) printed aligned, and written as markdown and JSON."""
 
     columns = ("metric", "rlhf_cli", "TRL", "ours/TRL")
+    keys = ("rlhf_cli", "trl")  # the JSON names of the two value columns
 
     def __init__(self) -> None:
         self.rows: list[list[str]] = []
@@ -318,12 +322,12 @@ class Table:
 
         r = ours / trl if ratio and ours is not None and trl and ours == ours and trl == trl else None
         self.rows.append([label, cell(ours), cell(trl), "" if r is None else f"{r:.2f}x"])
-        self.data[key] = {"rlhf_cli": ours, "trl": trl, "ratio": r}
+        self.data[key] = {self.keys[0]: ours, self.keys[1]: trl, "ratio": r}
 
     def ratio_row(self, key: str, label: str, ratio: float) -> None:
         """A row with a ratio alone (e.g. a median of ratios, which no two columns divide into)."""
         self.rows.append([label, "", "", f"{ratio:.2f}x"])
-        self.data[key] = {"rlhf_cli": None, "trl": None, "ratio": ratio}
+        self.data[key] = {self.keys[0]: None, self.keys[1]: None, "ratio": ratio}
 
     def note(self, label: str, text: str) -> None:
         self.rows.append([label, text, "", ""])
