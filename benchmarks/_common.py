@@ -1,12 +1,12 @@
-"""Helpers shared by the side-by-side benchmarks (rm_bench.py, ppo_bench.py).
+"""Helpers shared by the benchmarks (rm_bench.py, ppo_bench.py, grpo_bench.py, demo_ab.py).
 
     require_trl()                          exit with the install hint when trl is missing
     header_lines(precision, trl_precision) versions and machine lines printed above every table
     compose(config_name, overrides)        the config `rlhf <command> <overrides>` would run with
     save_reward_model_init(model_cfg, ...) the base LM + a seeded scalar head, in HF seq-cls layout
     policy_dir(model_cfg, seed, workdir)   an HF dir holding the policy's initial weights
-    run_child(cmd, log_path)               a subprocess with its own wall time and peak RSS (both tools: the
-                                           allocator settings `rlhf` makes, `malloc_env`)
+    run_child(cmd, log_path)               a subprocess with its own wall time and peak RSS (by default with the
+                                           allocator settings `rlhf` makes, `malloc_env`, for both tools)
     matmul_gflops(m, k, n, dtype)          measured matmul throughput (the hardware-limit row)
     real_response_tokens(responses, eos)   response tokens up to and including the first EOS
     Table                                  console table + markdown + JSON
