@@ -7,8 +7,8 @@ Both commits are extracted with `git archive` into `--workdir` (`src.<commit id>
 of the demo (the three commands of scripts/demo.sh: `train-rm`, `train-ppo`, `eval eval.num_prompts=64
 eval.max_new_tokens=32`) runs once on each side as `python -m rlhf_cli ...` with that commit first on `PYTHONPATH`,
 in this venv, each side with its own `paths.root`, after an untimed warm-up of each side's caches (`warm_up`). The
-order alternates: before first in odd runs, after first in even ones, so a steady drift of the machine's speed
-cancels over two runs. Each side runs as its code runs for a user: no allocator environment is added (the after
+order alternates: before first in odd runs, after first in even ones (`--first after` swaps them), so a steady drift
+of the machine's speed cancels over two runs. Each side runs as its code runs for a user: no allocator environment is added (the after
 side may set its own in-process), and nothing else should run meanwhile.
 
 The table gives each stage's wall seconds (process start to exit: imports, loading and saving included) per run and
@@ -108,7 +108,10 @@ def main() -> None:
     p.add_argument("--before", default=BEFORE, help=f"the commit before the change (default {BEFORE}: before issue 21)")
     p.add_argument("--after", default="HEAD", help="the commit after it (default HEAD; commit your work first)")
     p.add_argument("--runs", type=int, default=2,
-                   help="1 or even; before goes first in odd runs, after in even ones (default 2)")
+                   help="1 or even; --first goes first in odd runs, the other side in even ones (default 2)")
+    p.add_argument("--first", default="before", choices=["before", "after"],
+                   help="the side that goes first in odd runs (default before; after: to add an after-first run to "
+                        "an earlier one)")
     p.add_argument("--demo-args", default="", help="extra overrides for every stage, e.g. 'model=tiny' (smoke test)")
     p.add_argument("--no-warm-up", action="store_true", help="skip the untimed warm-up of each side's caches")
     p.add_argument("--workdir", default=None, help="keep sources, run dirs and logs here (default: a temp dir)")
@@ -120,6 +123,7 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="demo-ab-")).resolve()
     extra = args.demo_args.split()
     sides = ("before", "after")
+    first = sides if args.first == "before" else sides[::-1]
     seconds: dict[str, dict[str, list[float]]] = {s: {n: [] for n, _ in STAGES} for s in sides}
     checks: list[str] = []
     shas: dict[str, str] = {}
@@ -132,7 +136,7 @@ def main() -> None:
             for side in sides:
                 warm_up(src[side], work, extra)
         for run in range(1, args.runs + 1):
-            order = sides if run % 2 else sides[::-1]
+            order = first if run % 2 else first[::-1]
             for name, argv in STAGES:
                 for side in order:
                     res = run_stage(src[side], work / f"{side}.{run}", argv, extra,
@@ -160,7 +164,7 @@ def report(args: argparse.Namespace, shas: dict[str, str], seconds: dict[str, di
     bf16 = "native" if info["bf16_native"] else "emulated (not native): precision=auto is fp32"
     runs = f"{len(checks)} run(s)" + ("" if finished else f" of {args.runs} (stopped early)")
     header = [f"make demo, before ({shas['before'][:7]}) and after ({shas['after'][:7]}), stage by stage, "
-              f"{runs}, before first in odd runs",
+              f"{runs}, {args.first} first in odd runs",
               " | ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "deepspeed")),
               f"machine: {info['gpu'] or info['cpu']}, {info['cores']} cores; bf16 {bf16}"]
     table = stage_table(seconds)
