@@ -8,8 +8,8 @@ of the demo (the three commands of scripts/demo.sh: `train-rm`, `train-ppo`, `ev
 eval.max_new_tokens=32`) runs once on each side as `python -m rlhf_cli ...` with that commit first on `PYTHONPATH`,
 in this venv, each side with its own `paths.root`, after an untimed warm-up of each side's caches (`warm_up`). The
 order alternates: before first in odd runs, after first in even ones (`--first after` swaps them), so a steady drift
-of the machine's speed cancels over two runs. Each side runs as its code runs for a user: no allocator environment is added (the after
-side may set its own in-process), and nothing else should run meanwhile.
+of the machine's speed cancels over two runs. Each side runs as its code runs for a user: no allocator environment
+is added (the after side may set its own in-process), and nothing else should run meanwhile.
 
 The table gives each stage's wall seconds (process start to exit: imports, loading and saving included) per run and
 side, the after/before ratio per run, and the whole demo's over all runs. Same-number checks: each side's
