@@ -69,6 +69,8 @@ def first_record(root: Path, stage: str, key: str) -> float | None:
 
 
 def run_stage(src: Path, root: Path, argv: list[str], extra: list[str], log: Path) -> C.ChildResult:
+    """`python -m rlhf_cli <argv> paths.root=<root> <extra>` with `src` first on PYTHONPATH and as working dir (the
+    caller's PYTHONPATH dropped), output to `log`; exits with the log's tail when the stage fails."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(src), DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"))
     cmd = [sys.executable, "-m", "rlhf_cli", *argv, f"paths.root={root}", *extra]
