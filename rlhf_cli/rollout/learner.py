@@ -71,6 +71,35 @@ def packs_rollout_passes(cfg: Any) -> bool:
     return bool(cfg.data.packing)
 
 
+class Forward(NamedTuple):
+    """One micro-batch's training forward (`training_forward`), with its autograd graph: response logprobs (B, R)
+    float32, entropies (B, R) float32 nats (in the graph only when `ppo.c2` != 0), values (B, R) float32 of the
+    shared value head or the separate critic (None when critic-free), and `seconds` of wall time when the maker
+    ran it (`ExperienceMaker.carries_forward`; 0 otherwise)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    values: torch.Tensor | None
+    seconds: float = 0.0
+
+
+def training_forward(actor: engine.TrainEngine, critic: engine.TrainEngine | None, p: Any, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor, prompt_len: int, packing: Any) -> Forward:
+    """The forward every loss of a micro-batch reads: the policy's response logprobs at `ppo.temperature` with
+    their entropies (and the shared head's values) under the actor's autocast, and a separate critic's values under
+    its own. input_ids, attention_mask: (B, P+R); `packing`: as `policy_forward` takes it. The one code path of
+    the update, and of the maker's forward of the update's first micro-batch (`ExperienceMaker.carries_forward`)."""
+    with actor.autocast():
+        # with ppo.c2=0 the entropy is a statistic: no gradient through its (B, R, V) softmax (0 x it is 0)
+        lp, ent, v = policy_forward(actor.module, input_ids, attention_mask, prompt_len, p.temperature,
+                                    with_entropy=True, with_values=has_value_head(actor.module), packing=packing,
+                                    entropy_grad=p.c2 != 0)
+    if critic is not None:
+        with critic.autocast():
+            v = critic_values(critic.module, input_ids, attention_mask, prompt_len, packing=packing)
+    return Forward(lp, ent, v)
+
+
 class Losses(NamedTuple):
     """One micro-batch's losses (`PPOTrainer.losses`): what each engine backpropagates, the two losses logged
     (detached), the training forward's response logprobs (B, R) (detached) and the loss modules' stats."""
@@ -102,10 +131,18 @@ class PolicyLearner:
             for minibatch in epoch:
                 num_tokens = engine.all_reduce_sum(exp.mask[torch.cat(minibatch)].sum()).item()
                 for rows in minibatch:
-                    yield exp.rows(rows), num_tokens, rows
+                    b = exp.rows(rows)
+                    if exp.carried is not None:  # the first micro-batch's forward, run by the maker: used once
+                        key, b.carried = exp.carried
+                        if key != tuple(rows.tolist()):
+                            raise RuntimeError("the carried training forward is not of the update's first "
+                                               "micro-batch")
+                        exp.carried = None
+                    yield b, num_tokens, rows
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
-        """The forward and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
+        """The forward (`training_forward`, or the one the maker ran for the update's first micro-batch:
+        `b.carried`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
         (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
         `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
         separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
@@ -113,14 +150,13 @@ class PolicyLearner:
         to the minibatch's."""
         p, P = self.p, b.prompt_len
         shared, separate = has_value_head(self.actor.module), self.critic is not None
-        packing: Any = packs_rollout_passes(self.cfg)
-        if packing and b.layout is not None:  # the layout the maker built for these rows
-            packing = b.layout
-        with self.actor.autocast():
-            # with ppo.c2=0 the entropy is a statistic: no gradient through its (B, R, V) softmax (0 x it is 0)
-            lp, ent, v = policy_forward(self.actor.module, b.input_ids, b.attention_mask, P, p.temperature,
-                                        with_entropy=True, with_values=shared, packing=packing,
-                                        entropy_grad=p.c2 != 0)
+        if b.carried is not None:  # run by the maker at these weights (ExperienceMaker.carries_forward)
+            lp, ent, v, _ = b.carried
+        else:
+            packing: Any = packs_rollout_passes(self.cfg)
+            if packing and b.layout is not None:  # the layout the maker built for these rows
+                packing = b.layout
+            lp, ent, v, _ = training_forward(self.actor, self.critic, p, b.input_ids, b.attention_mask, P, packing)
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
         old = lp.detach() if self.old_from_training else b.logprobs
         pg_loss, pg_stats = policy_loss(lp, old, b.advantages, b.mask, p.clip, **agg)
@@ -133,9 +169,6 @@ class PolicyLearner:
             stats.update(kl_stats)
         vf_loss = torch.zeros(())
         if shared or separate:
-            if separate:
-                with self.critic.autocast():
-                    v = critic_values(self.critic.module, b.input_ids, b.attention_mask, P, packing=packing)
             vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
             if shared:
                 actor_loss = actor_loss + p.c1 * vf_loss
@@ -169,7 +202,9 @@ class PolicyLearner:
 
     def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
         """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats. With
-        `old_from_training`, the training forward's log-probs (detached, float32) are written into `exp.logprobs`."""
+        `old_from_training`, the training forward's log-probs (detached, float32) are written into `exp.logprobs`.
+        `time/training` includes the seconds of the first micro-batch's forward when the maker ran it
+        (`exp.carried`)."""
         ws = engine.world_size()
         sums: dict[str, float] = {}
         count, tokens = 0, 0.0
@@ -177,6 +212,7 @@ class PolicyLearner:
         self.actor.train()
         if self.critic is not None:
             self.critic.train()
+        carried_seconds = exp.carried[1].seconds if exp.carried is not None else 0.0
         for b, num_tokens, rows in self.micro_batches(exp, iteration):
             tokens += float(b.attention_mask.sum())
             out = self.micro_step(b, num_tokens, iteration)
@@ -188,7 +224,7 @@ class PolicyLearner:
             sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + out.policy.item()
             sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + out.value.item()
             count += 1
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 + carried_seconds  # the carried forward is the update's, run earlier
         stats = {k: v / max(count, 1) for k, v in sums.items()}
         n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
         stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws

@@ -21,7 +21,7 @@ from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_estimat
 from rlhf_cli.data import epoch_order
 from rlhf_cli.models import attention_tokens
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.learner import packs_rollout_passes, update_order
+from rlhf_cli.rollout.learner import Forward, packs_rollout_passes, training_forward, update_order
 from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
 from rlhf_cli.rollout.policy import critic_values, has_value_head, lm_of, policy_forward, sequence_kl
 from rlhf_cli.rollout.rewards import Rewards
@@ -58,7 +58,8 @@ class ExperienceMaker:
         self.pass_seconds = {"reward": 0.0, "reference": 0.0, "policy": 0.0, "critic": 0.0, "packing": 0.0}
         """Seconds of the last rollout's scoring, by pass: `reward` (reward model and functions), `reference`,
         `policy` (the old log-probs; 0 when `old_from_training` skips it), `critic` (a separate critic) and
-        `packing` (building the packed layouts of the other three, once per micro-batch)."""
+        `packing` (building the packed layouts of the other three, once per micro-batch). The forward of the
+        update's first micro-batch (`carries_forward`) is in none of them: it is training's (`time/training`)."""
         p = self.p
         checks_kl = score_precision == "bf16-autocast" and p.kl_check_rows > 0  # kl_fp32_check needs the old pass
         self.old_from_training = (p.epochs == 1 and p.mini_batch_size == p.rollout_batch_size * p.n_samples_per_prompt
@@ -69,6 +70,21 @@ class ExperienceMaker:
         The no-grad policy pass is
         then skipped: the old log-probs are the training forward's own, detached (ratio 1, as TRL's GRPO with one
         step per generation), and the rollout's KL statistics come after the update (`kl_stats`)."""
+        self.carries_forward = (packs_rollout_passes(cfg) and not self.old_from_training
+                                and cfg.deepspeed.zero_stage < 3 and not p.offload_reference)
+        """The update's first micro-batch is this rollout's first chunk, and the update's first optimizer step
+        comes after it: at the rollout's weights its training forward gives the old log-probs and values the
+        no-grad passes would. So the maker runs that forward (`learner.training_forward`, graph kept) in place of
+        the chunk's no-grad policy and critic passes, takes its outputs (detached) as those rows' old log-probs
+        and values, and hands it to the update in `Experience.carried`: one forward of each trained model per
+        iteration saved, the same numbers (the same function of the same weights on the same layout; the first
+        ratio is exactly 1). Its graph lives through the other chunks' passes and the advantages, and costs no
+        more memory than the update's own forward of that micro-batch.
+
+        On when the rollout's passes run over the update's micro-batches (`data.packing`) and something is left
+        to fold (not `old_from_training`); off under ZeRO-3 (its partitioned weights are gathered per forward and
+        backward, in order) and with `ppo.offload_reference` (a graph held beside the reference on the device
+        is the memory that setting saves)."""
 
     def prompt_batch(self, iteration: int) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
         """This rank's rows of an iteration: their prompts, sampling seeds and group ids.
@@ -103,18 +119,22 @@ class ExperienceMaker:
     @torch.no_grad()
     def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                         chunks: list[torch.Tensor] | None = None,
-                        layouts: dict[tuple[int, ...], PackedRollout] | None = None) -> tuple[torch.Tensor, ...]:
+                        layouts: dict[tuple[int, ...], PackedRollout] | None = None,
+                        carry: bool = False) -> tuple[Any, ...]:
         """Old logprobs, ref logprobs and old values (None without a critic) of every row, as training computes
         them: over `chunks` (row-index tensors, the update's micro-batches: packed, `packs_rollout_passes`), or
         over consecutive micro-batches of `ppo.micro_batch_size` rows (plain). Packed, each chunk's layout is
-        built once for the three passes and kept in `layouts` (keyed by the chunk's rows) for the update."""
+        built once for the three passes and kept in `layouts` (keyed by the chunk's rows) for the update.
+        `carry` (with `chunks`, whose first is the update's first micro-batch): that chunk's policy and critic
+        passes are its training forward (`carries_forward`), returned fourth as (its rows, `learner.Forward`) for
+        `Experience.carried`; else the fourth result is None."""
         with self.reference.on_device() as reference:
             return self._forward_no_grad(input_ids, attention_mask, P, reference, chunks,
-                                         {} if layouts is None else layouts)
+                                         {} if layouts is None else layouts, carry and chunks is not None)
 
     def _forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                          reference: torch.nn.Module, chunks: list[torch.Tensor] | None,
-                         layouts: dict[tuple[int, ...], PackedRollout]) -> tuple[torch.Tensor, ...]:
+                         layouts: dict[tuple[int, ...], PackedRollout], carry: bool) -> tuple[Any, ...]:
         mb, temperature = self.p.micro_batch_size, self.p.temperature
         packed = chunks is not None
         if chunks is None:
@@ -124,6 +144,7 @@ class ExperienceMaker:
         logprobs, ref_logprobs = torch.zeros(B, R, device=dev), torch.zeros(B, R, device=dev)
         values = torch.zeros(B, R, device=dev)
         has_values = False
+        carried: tuple[tuple[int, ...], Forward] | None = None
         shared = has_value_head(self.actor.module)
         policy_lm = lm_of(self.actor.module)
         clock = self.pass_seconds
@@ -143,19 +164,31 @@ class ExperienceMaker:
             t1 = _clock(dev)
             clock["reference"] += t1 - t0
             v = None
-            if not self.old_from_training:  # else the update fills the old log-probs in
-                with self.actor.autocast():
-                    logprobs[rows], _, v = policy_forward(self.actor.module, ids, am, P, temperature,
-                                                          with_values=shared, packing=packing)
-            t2 = _clock(dev)
-            clock["policy"] += t2 - t1
-            if self.critic is not None:
-                with self.critic.autocast():
-                    v = critic_values(self.critic.module, ids, am, P, packing=packing)
-            clock["critic"] += _clock(dev) - t2
+            if carry:  # the update's first micro-batch: its training forward, at the weights these passes see
+                carry = False
+                self.actor.train()
+                if self.critic is not None:
+                    self.critic.train()
+                with torch.enable_grad():
+                    fwd = training_forward(self.actor, self.critic, self.p, ids, am, P, packing)
+                fwd = fwd._replace(seconds=_clock(dev) - t1)
+                carried = (tuple(rows.tolist()), fwd)
+                logprobs[rows] = fwd.logprobs.detach()
+                v = None if fwd.values is None else fwd.values.detach()
+            else:
+                if not self.old_from_training:  # else the update fills the old log-probs in
+                    with self.actor.autocast():
+                        logprobs[rows], _, v = policy_forward(self.actor.module, ids, am, P, temperature,
+                                                              with_values=shared, packing=packing)
+                t2 = _clock(dev)
+                clock["policy"] += t2 - t1
+                if self.critic is not None:
+                    with self.critic.autocast():
+                        v = critic_values(self.critic.module, ids, am, P, packing=packing)
+                clock["critic"] += _clock(dev) - t2
             if v is not None:
                 values[rows], has_values = v.float(), True
-        return logprobs, ref_logprobs, (values if has_values else None)
+        return logprobs, ref_logprobs, (values if has_values else None), carried
 
     def kl_stats(self, exp: Experience, beta: float) -> dict[str, float]:
         """The rollout's KL statistics (mean over ranks): `objective/kl` (k1, nats/seq), `objective/kl_k3`,
@@ -205,8 +238,10 @@ class ExperienceMaker:
         chunks, layouts = None, {}
         if packs_rollout_passes(self.cfg):  # the update's own micro-batches: one packed layout per row
             chunks = [rows for minibatch in update_order(self.cfg, iteration, groups)[0] for rows in minibatch]
-        logprobs, ref_logprobs, values = self.forward_no_grad(input_ids, attention_mask, P, chunks, layouts)
+        logprobs, ref_logprobs, values, carried = self.forward_no_grad(input_ids, attention_mask, P, chunks, layouts,
+                                                                       carry=self.carries_forward)
         t2 = time.perf_counter()
+        carried_seconds = carried[1].seconds if carried is not None else 0.0
         valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
         loss_mask = mask * valid.float()[:, None]
         beta = self.kl_ctl.value
@@ -221,7 +256,7 @@ class ExperienceMaker:
             advantages = whiten_across_ranks(advantages, loss_mask)
         exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
                          values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
-                         score, groups, layouts)
+                         score, groups, layouts, carried)
         # token means over all ranks of the advantages the update uses (after whitening)
         adv_sums = engine.all_reduce_sum(torch.stack([(advantages * loss_mask).sum(),
                                                       (advantages.abs() * loss_mask).sum(), loss_mask.sum()]))
@@ -239,7 +274,7 @@ class ExperienceMaker:
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": has_eos.float().mean().item(),
             "time/generation": t1 - t0,
-            "time/scoring": t2 - t1,
+            "time/scoring": t2 - t1 - carried_seconds,  # the carried forward counts in time/training
             **{f"time/scoring_{k}": v for k, v in self.pass_seconds.items()},
             "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             **source_means,

@@ -309,6 +309,82 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
     assert any((lp - old)[mask.bool()].abs().max() > 0 for lp, old, mask, _ in calls[2:])
 
 
+@pytest.mark.parametrize("overrides", [[], ["ppo.critic=shared"], ["model.gradient_checkpointing=true", "ppo.c2=0.01"],
+                                       ["precision=bf16-autocast", "scoring_precision=same"],
+                                       ["model.lora.r=4", "model.lora.alpha=8", "ppo.actor_lr=1e-2",
+                                        "ppo.critic_lr=1e-2"]],
+                         ids=["critic", "shared-critic", "checkpointing-entropy-bonus", "bf16-autocast", "lora"])
+def test_the_first_micro_batchs_forward_is_run_once_for_the_rollout_and_the_update(tmp_path, monkeypatch, overrides):
+    """`ExperienceMaker.carries_forward`: the maker runs the update's first micro-batch's training forward at the
+    rollout's weights, takes its outputs as those rows' old log-probs and values, and the update's first backward
+    goes through it. One policy and one critic forward fewer per iteration, and the same function of the same
+    weights on the same layout: two iterations of two epochs (minibatches of 4 in micro-batches of 2) give the
+    same rollouts, statistics and weights as the maker's own no-grad passes, bit for bit on the CPU (where the
+    grad and no-grad forwards run the same kernels: `test_packed_passes_keep_the_first_ratio_exactly_one`). With
+    LoRA the reference is the policy's own module with its adapters off, run while the carried graph lives."""
+    import rlhf_cli.rollout.learner as learner_module
+    import rlhf_cli.rollout.maker as maker_module
+
+    def counting(fn, forwards):
+        def spy(model, *a, **k):
+            if id(model) in forwards:
+                forwards[id(model)] += 1
+            return fn(model, *a, **k)
+        return spy
+
+    real = {(m, name): getattr(m, name) for m in (learner_module, maker_module)
+            for name in ("policy_forward", "critic_values")}
+    runs = {}
+    for carry in (True, False):
+        lrs = [] if any(o.startswith("ppo.actor_lr") for o in overrides) else ["ppo.actor_lr=1e-3",
+                                                                                "ppo.critic_lr=1e-3"]
+        tr = build_trainer(tmp_path / str(carry), [*overrides, "ppo.epochs=2", *lrs])
+        assert tr.maker.carries_forward  # on by default wherever the rollout packs
+        tr.maker.carries_forward = carry
+        trained = [m for m in (tr.actor.module, tr.critic and tr.critic.module) if m is not None]
+        forwards = {id(m): 0 for m in trained}
+        for (module, name), fn in real.items():
+            monkeypatch.setattr(module, name, counting(fn, forwards))
+        stats, carried = [], []
+        for it in range(2):
+            exp, roll, _ = tr.maker.make_experience(it)
+            carried.append(exp.carried)
+            stats.append({**roll, **tr.train_on(exp, it)})
+            assert exp.carried is None  # used once: its graph is not held after the update
+        runs[carry] = (exp, stats, [snapshot(m) for m in trained], carried, forwards)
+    (exp1, stats1, w1, carried1, n1), (exp0, stats0, w0, carried0, n0) = runs[True], runs[False]
+    assert all(c is not None for c in carried1) and carried0 == [None, None]
+    key, fwd = carried1[0]
+    assert len(key) == 2 and fwd.logprobs.requires_grad and fwd.seconds > 0
+    # per iteration, each trained model: 4 no-grad chunks and 2 epochs x 4 micro-batches, one forward fewer
+    assert list(n0.values()) == [2 * 12] * len(n0) and list(n1.values()) == [2 * 11] * len(n1)
+    assert torch.equal(exp1.input_ids, exp0.input_ids)
+    for name in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
+        assert torch.equal(getattr(exp1, name), getattr(exp0, name)), name
+    for s1, s0 in zip(stats1, stats0):
+        assert s1.keys() == s0.keys()
+        for k, v in s0.items():
+            if not k.startswith(("time/", "throughput/")):
+                assert s1[k] == v, k
+    assert stats0[-1]["policy/clipfrac"] > 0  # the update moved the policy: a stale old log-prob would show
+    for a, b in zip(w1, w0):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("overrides,carries", [([], True), (["data.packing=false"], False),
+                                               (["deepspeed=zero3"], False), (["ppo.offload_reference=true"], False),
+                                               ([*GRPO, "ppo.epochs=1"], False), (GRPO_MINI, True)])
+def test_the_first_micro_batchs_forward_is_carried_only_where_it_folds(tokenizer, overrides, carries):
+    """Not over the plain layout's chunks (not the update's micro-batches), not under ZeRO-3 (weights gathered
+    per forward and backward in order) nor with `ppo.offload_reference` (the memory it saves), and not when the
+    maker runs no policy pass at all (`old_from_training`: one on-policy step without a critic)."""
+    from rlhf_cli.rollout import ExperienceMaker
+
+    cfg = compose("train_ppo", [*TINY_PPO, *overrides])
+    maker = ExperienceMaker(cfg, tokenizer, [], None, None, None, None, None, "fp32")
+    assert maker.carries_forward == carries
+
+
 def first_epoch_before(cfg, iteration, groups):
     """The first epoch as `update_order` drew it before micro-batches were kept across epochs (commit 16dc0e9)."""
     from rlhf_cli.seeds import derive_seed

@@ -342,7 +342,8 @@ def test_garbage_in_padded_positions_changes_no_loss(tmp_path, monkeypatch, aggr
     fills = {"logprobs": 1e6, "ref_logprobs": -float("inf"), "values": float("nan"), "advantages": float("inf"),
              "returns": -1e6, "rewards": float("nan")}
     # the tensors, dirtied below (minibatch_losses runs the plain layout, where padding would show)
-    dirty = Experience(**{f: getattr(exp, f).clone() for f in exp.__dataclass_fields__ if f != "layouts"})
+    dirty = Experience(**{f: getattr(exp, f).clone() for f in exp.__dataclass_fields__
+                         if f not in ("layouts", "carried")})
     for name, value in fills.items():
         getattr(dirty, name)[pad] = value
     noise = torch.randint(3, len(tr.tokenizer), exp.input_ids.shape, generator=g)
