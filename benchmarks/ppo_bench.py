@@ -298,7 +298,9 @@ def add_part_rows(table: C.Table, o_st: list[dict[str, Any]], t_st: list[dict[st
         table.add(f"{part}_s", f"  {part} s", C.mean([x[part] for x in o_st]), C.mean([x[part] for x in t_st]))
         if part == "scoring" and all(x.get("scoring_reward") is not None for x in o_st):
             for name in SCORING_PASSES:
-                label = "building packed layouts s" if name == "packing" else f"{name} pass s"
+                label = ("building packed layouts s" if name == "packing"
+                         else f"{name} pass s" + (" (but the 1st micro-batch)" if name in ("policy", "critic")
+                                                   else ""))
                 table.add(f"scoring_{name}_s", f"    {label}", C.mean([x[f"scoring_{name}"] or 0.0 for x in o_st]),
                           None, ratio=False)
 

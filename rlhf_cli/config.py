@@ -377,7 +377,8 @@ class PPOConfig:
     save_every: int = 0
     """Resumable checkpoint every N iterations (0 = only at the end)."""
     offload_reference: bool = False
-    """Keep the frozen reference/reward models' weights on CPU between uses (GPU runs)."""
+    """Keep the frozen reference/reward models' weights on CPU between uses (GPU runs). The update's first
+    micro-batch then runs its own forward, instead of lending it to the rollout (README "Packing")."""
 
 
 @dataclass

@@ -70,21 +70,22 @@ class ExperienceMaker:
         The no-grad policy pass is
         then skipped: the old log-probs are the training forward's own, detached (ratio 1, as TRL's GRPO with one
         step per generation), and the rollout's KL statistics come after the update (`kl_stats`)."""
-        self.carries_forward = (packs_rollout_passes(cfg) and not self.old_from_training
-                                and cfg.deepspeed.zero_stage < 3 and not p.offload_reference)
+        zero_stage = max((e.zero_stage for e in (actor, critic) if e is not None), default=0)  # as built
+        self.carries_forward = (packs_rollout_passes(cfg) and not self.old_from_training and zero_stage < 3
+                                and not getattr(reference, "offload", False))
         """The update's first micro-batch is this rollout's first chunk, and the update's first optimizer step
         comes after it: at the rollout's weights its training forward gives the old log-probs and values the
         no-grad passes would. So the maker runs that forward (`learner.training_forward`, graph kept) in place of
         the chunk's no-grad policy and critic passes, takes its outputs (detached) as those rows' old log-probs
         and values, and hands it to the update in `Experience.carried`: one forward of each trained model per
         iteration saved, the same numbers (the same function of the same weights on the same layout; the first
-        ratio is exactly 1). Its graph lives through the other chunks' passes and the advantages, and costs no
-        more memory than the update's own forward of that micro-batch.
+        ratio is exactly 1). It runs after the other chunks' passes, so its graph (the one the update's forward
+        of that micro-batch would hold) lives only through the advantages and the rollout's statistics.
 
         On when the rollout's passes run over the update's micro-batches (`data.packing`) and something is left
-        to fold (not `old_from_training`); off under ZeRO-3 (its partitioned weights are gathered per forward and
-        backward, in order) and with `ppo.offload_reference` (a graph held beside the reference on the device
-        is the memory that setting saves)."""
+        to fold (not `old_from_training`); off when an engine runs ZeRO-3 (its partitioned weights are gathered
+        per forward and backward, in order) and when the reference is offloaded (`ppo.offload_reference` on a
+        GPU: a graph held beside the reference on the device is the memory that setting saves)."""
 
     def prompt_batch(self, iteration: int) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
         """This rank's rows of an iteration: their prompts, sampling seeds and group ids.
@@ -126,8 +127,8 @@ class ExperienceMaker:
         over consecutive micro-batches of `ppo.micro_batch_size` rows (plain). Packed, each chunk's layout is
         built once for the three passes and kept in `layouts` (keyed by the chunk's rows) for the update.
         `carry` (with `chunks`, whose first is the update's first micro-batch): that chunk's policy and critic
-        passes are its training forward (`carries_forward`), returned fourth as (its rows, `learner.Forward`) for
-        `Experience.carried`; else the fourth result is None."""
+        passes are its training forward (`carries_forward`), run after the other chunks' and returned fourth as
+        (its rows, `learner.Forward`) for `Experience.carried`; else the fourth result is None."""
         with self.reference.on_device() as reference:
             return self._forward_no_grad(input_ids, attention_mask, P, reference, chunks,
                                          {} if layouts is None else layouts, carry and chunks is not None)
@@ -148,7 +149,9 @@ class ExperienceMaker:
         shared = has_value_head(self.actor.module)
         policy_lm = lm_of(self.actor.module)
         clock = self.pass_seconds
-        for rows in chunks:
+        first = chunks[0]
+        for rows in (chunks[1:] + chunks[:1]) if carry else chunks:  # the carried graph lives the least time
+            carry_this = carry and rows is first
             rows = rows.to(dev)
             ids, am = input_ids[rows], attention_mask[rows]
             t0 = _clock(dev)
@@ -164,8 +167,7 @@ class ExperienceMaker:
             t1 = _clock(dev)
             clock["reference"] += t1 - t0
             v = None
-            if carry:  # the update's first micro-batch: its training forward, at the weights these passes see
-                carry = False
+            if carry_this:  # the update's first micro-batch: its training forward, at the weights these passes see
                 self.actor.train()
                 if self.critic is not None:
                     self.critic.train()

@@ -293,6 +293,7 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
                                   "ppo.advantage_estimator=gae", "reward.type=checker", "ppo.kl_in=reward",
                                   f"ppo.epochs={epochs}", f"precision={precision}", f"scoring_precision={logprobs}"])
     assert packs_rollout_passes(tr.cfg) and not tr.old_from_training
+    tr.maker.carries_forward = False  # else the first micro-batch's old log-probs are its training forward's own
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.maker.make_experience(0)
     assert len(exp.layouts) == 4  # one per micro-batch, for the reference, policy and critic passes
@@ -312,8 +313,10 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
 @pytest.mark.parametrize("overrides", [[], ["ppo.critic=shared"], ["model.gradient_checkpointing=true", "ppo.c2=0.01"],
                                        ["precision=bf16-autocast", "scoring_precision=same"],
                                        ["model.lora.r=4", "model.lora.alpha=8", "ppo.actor_lr=1e-2",
-                                        "ppo.critic_lr=1e-2"]],
-                         ids=["critic", "shared-critic", "checkpointing-entropy-bonus", "bf16-autocast", "lora"])
+                                        "ppo.critic_lr=1e-2"],
+                                       [o for o in GRPO_MINI if not o.startswith("ppo.actor_lr")]],
+                         ids=["critic", "shared-critic", "checkpointing-entropy-bonus", "bf16-autocast", "lora",
+                              "grpo-groups-kl-in-loss"])
 def test_the_first_micro_batchs_forward_is_run_once_for_the_rollout_and_the_update(tmp_path, monkeypatch, overrides):
     """`ExperienceMaker.carries_forward`: the maker runs the update's first micro-batch's training forward at the
     rollout's weights, takes its outputs as those rows' old log-probs and values, and the update's first backward
@@ -334,6 +337,8 @@ def test_the_first_micro_batchs_forward_is_run_once_for_the_rollout_and_the_upda
 
     real = {(m, name): getattr(m, name) for m in (learner_module, maker_module)
             for name in ("policy_forward", "critic_values")}
+    if "reward.type=function" in overrides:  # the tiny model's checker score is 0 everywhere: no group signal
+        overrides = [*overrides, f"reward.function={reward_file(tmp_path)}:length_bonus"]
     runs = {}
     for carry in (True, False):
         lrs = [] if any(o.startswith("ppo.actor_lr") for o in overrides) else ["ppo.actor_lr=1e-3",
@@ -371,18 +376,32 @@ def test_the_first_micro_batchs_forward_is_run_once_for_the_rollout_and_the_upda
         assert all(torch.equal(a[k], b[k]) for k in b)
 
 
-@pytest.mark.parametrize("overrides,carries", [([], True), (["data.packing=false"], False),
-                                               (["deepspeed=zero3"], False), (["ppo.offload_reference=true"], False),
-                                               ([*GRPO, "ppo.epochs=1"], False), (GRPO_MINI, True)])
-def test_the_first_micro_batchs_forward_is_carried_only_where_it_folds(tokenizer, overrides, carries):
-    """Not over the plain layout's chunks (not the update's micro-batches), not under ZeRO-3 (weights gathered
-    per forward and backward in order) nor with `ppo.offload_reference` (the memory it saves), and not when the
-    maker runs no policy pass at all (`old_from_training`: one on-policy step without a critic)."""
+@pytest.mark.parametrize("overrides,zero_stage,offloaded,carries", [
+    ([], 2, False, True), (["data.packing=false"], 2, False, False), ([], 3, False, False), ([], 2, True, False),
+    ([*GRPO, "ppo.epochs=1"], 0, False, False), (GRPO_MINI, 0, False, True)])
+def test_the_first_micro_batchs_forward_is_carried_only_where_it_folds(tokenizer, overrides, zero_stage, offloaded,
+                                                                      carries):
+    """Not over the plain layout's chunks (not the update's micro-batches), not when an engine runs ZeRO-3
+    (weights gathered per forward and backward in order; read from the engine, which `deepspeed.extra` may set)
+    nor when the reference is offloaded (the memory that saves), and not when the maker runs no policy pass at
+    all (`old_from_training`: one on-policy step without a critic)."""
+    from types import SimpleNamespace
+
     from rlhf_cli.rollout import ExperienceMaker
 
     cfg = compose("train_ppo", [*TINY_PPO, *overrides])
-    maker = ExperienceMaker(cfg, tokenizer, [], None, None, None, None, None, "fp32")
+    actor, reference = SimpleNamespace(zero_stage=zero_stage), SimpleNamespace(offload=offloaded)
+    maker = ExperienceMaker(cfg, tokenizer, [], actor, reference, None, None, None, "fp32")
     assert maker.carries_forward == carries
+
+
+def test_a_carried_forward_of_other_rows_than_the_first_micro_batch_is_an_error(tmp_path):
+    tr = build_trainer(tmp_path)
+    exp, _, _ = tr.maker.make_experience(0)
+    rows, fwd = exp.carried
+    exp.carried = (tuple(reversed(rows)), fwd)
+    with pytest.raises(RuntimeError, match="first micro-batch"):
+        tr.train_on(exp, 0)
 
 
 def first_epoch_before(cfg, iteration, groups):
