@@ -311,11 +311,11 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
 
 
 @pytest.mark.parametrize("overrides", [[], ["ppo.critic=shared"], ["model.gradient_checkpointing=true", "ppo.c2=0.01"],
-                                       ["precision=bf16-autocast", "scoring_precision=same"],
+                                       ["precision=bf16-autocast", "scoring_precision=same"], ["precision=bf16"],
                                        ["model.lora.r=4", "model.lora.alpha=8", "ppo.actor_lr=1e-2",
                                         "ppo.critic_lr=1e-2"],
                                        [o for o in GRPO_MINI if not o.startswith("ppo.actor_lr")]],
-                         ids=["critic", "shared-critic", "checkpointing-entropy-bonus", "bf16-autocast", "lora",
+                         ids=["critic", "shared-critic", "checkpointing-entropy-bonus", "bf16-autocast", "bf16", "lora",
                               "grpo-groups-kl-in-loss"])
 def test_the_first_micro_batchs_forward_is_run_once_for_the_rollout_and_the_update(tmp_path, monkeypatch, overrides):
     """`ExperienceMaker.carries_forward`: the maker runs the update's first micro-batch's training forward at the
