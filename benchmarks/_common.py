@@ -308,10 +308,11 @@ def real_response_tokens(responses: Any, eos_id: int) -> int:
 class Table:
     """Rows of (metric, ours, TRL, ratio) printed aligned, and written as markdown and JSON."""
 
-    columns = ("metric", "rlhf_cli", "TRL", "ours/TRL")
     keys = ("rlhf_cli", "trl")  # the JSON names of the two value columns
 
-    def __init__(self) -> None:
+    def __init__(self, title: str = "", ours: str = "rlhf_cli") -> None:
+        self.title = title  # printed above a table that is not the first
+        self.columns = ("metric", ours, "TRL", "ours/TRL")
         self.rows: list[list[str]] = []
         self.data: dict[str, dict[str, Any]] = {}
 
@@ -347,31 +348,35 @@ class Table:
 
 
 def write_outputs(out: str | None, header: list[str], table: Table, notes: list[str],
-                  payload: dict[str, Any]) -> None:
-    """Write `<out>` as JSON (header, notes, table data, `payload`) and `<out stem>.md` as markdown."""
+                  payload: dict[str, Any], more: Sequence[tuple[str, Table]] = ()) -> None:
+    """Write `<out>` as JSON (header, notes, table data, `payload`, and each of `more`, (key, table), under its
+    key) and `<out stem>.md` as markdown (the tables of `more` after the first, each under its title)."""
     if not out:
         return
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"header": header, "notes": notes, "table": table.data, **payload}
+    doc = {"header": header, "notes": notes, "table": table.data, **{key: t.data for key, t in more}, **payload}
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     md = path.with_suffix(".md")
+    extra = [line for _, t in more for line in ["", f"**{t.title}**", "", *t.markdown()]]
     md.write_text("\n".join([f"**{header[0]}**", ""] + [f"- {h}" for h in header[1:]] + [""] + table.markdown()
-                            + [""] + [f"- {n}" for n in notes]) + "\n")
+                            + extra + [""] + [f"- {n}" for n in notes]) + "\n")
     print(f"results: {path} and {md}")
 
 
 def emit(args: Any, info: dict[str, Any], header: list[str], table: Table, notes: list[str], precision: str,
          trl_precision: str, ours: tuple[ChildResult, dict[str, Any]], trl: tuple[ChildResult, dict[str, Any]],
-         **payload: Any) -> None:
-    """Print a comparison (header, table, notes) and write it with `write_outputs`: the run's arguments,
-    machine, versions, precisions, each tool's numbers with its process's peak RSS and wall time, `payload`."""
-    print("\n".join(header + [""] + table.lines() + [""] + notes))
+         more: Sequence[tuple[str, Table]] = (), **payload: Any) -> None:
+    """Print a comparison (header, table, the tables of `more` (key, table) under their titles, notes) and write
+    it with `write_outputs`: the run's arguments, machine, versions, precisions, each tool's numbers with its
+    process's peak RSS and wall time, `payload`."""
+    extra = [line for _, t in more for line in ["", t.title, *t.lines()]]
+    print("\n".join(header + [""] + table.lines() + extra + [""] + notes))
     sides = {name: {**numbers, "peak_rss_bytes": child.peak_rss_bytes, "wall_s": child.wall_s}
              for name, (child, numbers) in (("ours", ours), ("trl", trl))}
     write_outputs(args.out, header, table, notes, {
         "args": vars(args), "machine": info, "versions": versions(), "precision": precision,
-        "trl_mixed_precision": trl_precision, **payload, **sides})
+        "trl_mixed_precision": trl_precision, **payload, **sides}, more)
 
 
 def packing_override(args: Any) -> str:

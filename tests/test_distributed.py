@@ -97,7 +97,9 @@ def test_two_ranks_reward_model_matches_one_rank(one_rank, tmp_path, zero):
 @pytest.mark.slow
 def test_two_ranks_ppo_matches_one_rank_zero2(one_rank, tmp_path):
     rm = f"reward_model.path={final_dir(one_rank, 'rm')}"
-    launch([*PPO_ARGS, "deepspeed=zero2", rm], tmp_path, ranks=2)
+    # both micro-batches of each rank's first minibatch run their training forward in the rollout, graphs held
+    # through ZeRO-2's gradient reduction (`ppo.carried_forwards`)
+    launch([*PPO_ARGS, "deepspeed=zero2", "ppo.carried_forwards=2", rm], tmp_path, ranks=2)
     a, b = metrics(one_rank, "ppo"), metrics(tmp_path, "ppo")
     assert a[-1]["objective/kl"] != 0  # the policy moved: iteration 2 compares a trained policy
     assert_same_metrics(a, b, PPO_KEYS)

@@ -28,10 +28,11 @@ class Experience:
     """`rollout.PackedRollout` of row sets, keyed by their row indices in order: the packed layouts the no-grad
     passes built (`data.packing`), so the update's forwards of the same micro-batch reuse them."""
     carried: Any = field(default=None, repr=False)
-    """(row indices, `learner.Forward`) of the update's first micro-batch, or None: its training forward, which
-    the maker ran at the rollout's weights (`ExperienceMaker.carries_forward`) and whose detached outputs are
-    these rows' old log-probs and values; the update's first backward goes through it (used once, then None).
-    On a micro-batch (`rows`): that micro-batch's `Forward`, when it is the carried one."""
+    """A list of (row indices, `learner.Forward`) of the update's first micro-batches, in update order, or None:
+    their training forwards, which the maker ran at the rollout's weights (`ExperienceMaker.carries_forward`) and
+    whose detached outputs are these rows' old log-probs and values; the update's backward of each micro-batch
+    goes through its own (each used once; None when all are). On a micro-batch (`rows`): that micro-batch's
+    `Forward`, when it is a carried one."""
 
     def rows(self, idx: torch.Tensor) -> Experience:
         """The rows `idx` as an Experience of their own (a micro-batch); it keeps their packed layout, if known."""

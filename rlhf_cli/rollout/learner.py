@@ -88,7 +88,7 @@ def training_forward(actor: engine.TrainEngine, critic: engine.TrainEngine | Non
     """The forward every loss of a micro-batch reads: the policy's response logprobs at `ppo.temperature` with
     their entropies (and the shared head's values) under the actor's autocast, and a separate critic's values under
     its own. input_ids, attention_mask: (B, P+R); `packing`: as `policy_forward` takes it. The one code path of
-    the update, and of the maker's forward of the update's first micro-batch (`ExperienceMaker.carries_forward`)."""
+    the update, and of the maker's forwards of the update's first micro-batches (`ExperienceMaker.carries_forward`)."""
     with actor.autocast():
         # with ppo.c2=0 the entropy is a statistic: no gradient through its (B, R, V) softmax (0 x it is 0)
         lp, ent, v = policy_forward(actor.module, input_ids, attention_mask, prompt_len, p.temperature,
@@ -132,16 +132,16 @@ class PolicyLearner:
                 num_tokens = engine.all_reduce_sum(exp.mask[torch.cat(minibatch)].sum()).item()
                 for rows in minibatch:
                     b = exp.rows(rows)
-                    if exp.carried is not None:  # the first micro-batch's forward, run by the maker: used once
-                        key, b.carried = exp.carried
+                    if exp.carried:  # the next of the first micro-batches' forwards, run by the maker: used once
+                        key, b.carried = exp.carried.pop(0)
                         if key != tuple(rows.tolist()):
-                            raise RuntimeError("the carried training forward is not of the update's first "
-                                               "micro-batch")
-                        exp.carried = None
+                            raise RuntimeError("a carried training forward is not of the update's next micro-batch "
+                                               "(ExperienceMaker.carries_forward)")
+                    exp.carried = exp.carried or None
                     yield b, num_tokens, rows
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
-        """The forward (`training_forward`, or the one the maker ran for the update's first micro-batch:
+        """The forward (`training_forward`, or the one the maker ran for one of the update's first micro-batches:
         `b.carried`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
         (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
         `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
@@ -203,8 +203,7 @@ class PolicyLearner:
     def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
         """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats. With
         `old_from_training`, the training forward's log-probs (detached, float32) are written into `exp.logprobs`.
-        `time/training` includes the seconds of the first micro-batch's forward when the maker ran it
-        (`exp.carried`)."""
+        `time/training` includes the seconds of the first micro-batches' forwards the maker ran (`exp.carried`)."""
         ws = engine.world_size()
         sums: dict[str, float] = {}
         count, tokens = 0, 0.0
@@ -212,7 +211,7 @@ class PolicyLearner:
         self.actor.train()
         if self.critic is not None:
             self.critic.train()
-        carried_seconds = exp.carried[1].seconds if exp.carried is not None else 0.0
+        carried_seconds = sum(fwd.seconds for _, fwd in exp.carried or [])
         for b, num_tokens, rows in self.micro_batches(exp, iteration):
             tokens += float(b.attention_mask.sum())
             out = self.micro_step(b, num_tokens, iteration)
@@ -224,7 +223,7 @@ class PolicyLearner:
             sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + out.policy.item()
             sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + out.value.item()
             count += 1
-        dt = time.perf_counter() - t0 + carried_seconds  # the carried forward is the update's, run earlier
+        dt = time.perf_counter() - t0 + carried_seconds  # the carried forwards are the update's, run earlier
         stats = {k: v / max(count, 1) for k, v in sums.items()}
         n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
         stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws

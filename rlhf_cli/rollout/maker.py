@@ -58,8 +58,9 @@ class ExperienceMaker:
         self.pass_seconds = {"reward": 0.0, "reference": 0.0, "policy": 0.0, "critic": 0.0, "packing": 0.0}
         """Seconds of the last rollout's scoring, by pass: `reward` (reward model and functions), `reference`,
         `policy` (the old log-probs; 0 when `old_from_training` skips it), `critic` (a separate critic) and
-        `packing` (building the packed layouts of the other three, once per micro-batch). The forward of the
-        update's first micro-batch (`carries_forward`) is in none of them: it is training's (`time/training`)."""
+        `packing` (building the packed layouts of the other three, once per micro-batch). The forwards of the
+        update's first micro-batches (`carries_forward`) are in none of them: they are training's
+        (`time/training`)."""
         p = self.p
         checks_kl = score_precision == "bf16-autocast" and p.kl_check_rows > 0  # kl_fp32_check needs the old pass
         self.old_from_training = (p.epochs == 1 and p.mini_batch_size == p.rollout_batch_size * p.n_samples_per_prompt
@@ -71,21 +72,38 @@ class ExperienceMaker:
         then skipped: the old log-probs are the training forward's own, detached (ratio 1, as TRL's GRPO with one
         step per generation), and the rollout's KL statistics come after the update (`kl_stats`)."""
         zero_stage = max((e.zero_stage for e in (actor, critic) if e is not None), default=0)  # as built
-        self.carries_forward = (packs_rollout_passes(cfg) and not self.old_from_training and zero_stage < 3
-                                and not getattr(reference, "offload", False))
-        """The update's first micro-batch is this rollout's first chunk, and the update's first optimizer step
-        comes after it: at the rollout's weights its training forward gives the old log-probs and values the
-        no-grad passes would. So the maker runs that forward (`learner.training_forward`, graph kept) in place of
-        the chunk's no-grad policy and critic passes, takes its outputs (detached) as those rows' old log-probs
-        and values, and hands it to the update in `Experience.carried`: one forward of each trained model per
-        iteration saved, the same numbers (the same function of the same weights on the same layout; the first
-        ratio is exactly 1). It runs after the other chunks' passes, so its graph (the one the update's forward
-        of that micro-batch would hold) lives only through the advantages and the rollout's statistics.
+        ws = engine.world_size()
+        before_first_step = -(-(p.mini_batch_size // ws) // p.micro_batch_size)  # micro-batches of minibatch 1
+        why_not = ("the rollout's passes do not run over the update's micro-batches (data.packing=false)"
+                   if not packs_rollout_passes(cfg) else
+                   "the update is on-policy and the maker runs no old-log-prob pass" if self.old_from_training else
+                   "an engine runs ZeRO-3" if zero_stage >= 3 else
+                   "the reference is offloaded (ppo.offload_reference)" if getattr(reference, "offload", False)
+                   else None)
+        self.carries_forward = 0 if why_not else min(p.carried_forwards, before_first_step)
+        """How many of the update's first micro-batches the maker runs the training forwards of
+        (`ppo.carried_forwards`; 0 = none). They are this rollout's first chunks, and the update's first optimizer
+        step comes after them: at the rollout's weights their training forwards give the old log-probs and values
+        the no-grad passes would. So the maker runs those forwards (`learner.training_forward`, graphs kept) in
+        place of the chunks' no-grad policy and critic passes, takes their outputs (detached) as those rows' old
+        log-probs and values, and hands them to the update in `Experience.carried`: one forward of each trained
+        model per carried micro-batch and iteration saved, the same numbers (the same function of the same weights
+        on the same layout; their ratios are exactly 1). They run after the other chunks' passes, so their graphs
+        (the ones the update's forwards of those micro-batches would hold) live only through the advantages and
+        the rollout's statistics, and each until its own backward.
 
-        On when the rollout's passes run over the update's micro-batches (`data.packing`) and something is left
-        to fold (not `old_from_training`); off when an engine runs ZeRO-3 (its partitioned weights are gathered
-        per forward and backward, in order) and when the reference is offloaded (`ppo.offload_reference` on a
-        GPU: a graph held beside the reference on the device is the memory that setting saves)."""
+        Capped at the micro-batches of the update's first minibatch (its first optimizer step follows them). 0
+        when the rollout's passes do not run over the update's micro-batches (`data.packing=false`), when nothing
+        is left to fold (`old_from_training`), when an engine runs ZeRO-3 (its partitioned weights are gathered
+        per forward and backward, in order) and when the reference is offloaded (`ppo.offload_reference` on a GPU:
+        a graph held beside the reference on the device is the memory that setting saves)."""
+        if why_not and p.carried_forwards > 1 and engine.is_main():  # the default's cases: README "Packing"
+            log.info("ppo.carried_forwards=%d does nothing here: %s", p.carried_forwards, why_not)
+        elif not why_not and p.carried_forwards > before_first_step and engine.is_main():
+            log.info("ppo.carried_forwards=%d: only %d micro-batches come before the update's first optimizer step "
+                     "(ppo.mini_batch_size=%d over %d rank(s) in micro-batches of %d); carrying %d",
+                     p.carried_forwards, before_first_step, p.mini_batch_size, ws, p.micro_batch_size,
+                     before_first_step)
 
     def prompt_batch(self, iteration: int) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
         """This rank's rows of an iteration: their prompts, sampling seeds and group ids.
@@ -121,21 +139,22 @@ class ExperienceMaker:
     def forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                         chunks: list[torch.Tensor] | None = None,
                         layouts: dict[tuple[int, ...], PackedRollout] | None = None,
-                        carry: bool = False) -> tuple[Any, ...]:
+                        carry: int = 0) -> tuple[Any, ...]:
         """Old logprobs, ref logprobs and old values (None without a critic) of every row, as training computes
         them: over `chunks` (row-index tensors, the update's micro-batches: packed, `packs_rollout_passes`), or
         over consecutive micro-batches of `ppo.micro_batch_size` rows (plain). Packed, each chunk's layout is
         built once for the three passes and kept in `layouts` (keyed by the chunk's rows) for the update.
-        `carry` (with `chunks`, whose first is the update's first micro-batch): that chunk's policy and critic
-        passes are its training forward (`carries_forward`), run after the other chunks' and returned fourth as
-        (its rows, `learner.Forward`) for `Experience.carried`; else the fourth result is None."""
+        `carry` (with `chunks`, whose first are the update's first micro-batches): the first `carry` chunks'
+        policy and critic passes are their training forwards (`carries_forward`), run after the other chunks' and
+        returned fourth as a list of (rows, `learner.Forward`), in update order, for `Experience.carried`; else
+        the fourth result is None."""
         with self.reference.on_device() as reference:
             return self._forward_no_grad(input_ids, attention_mask, P, reference, chunks,
-                                         {} if layouts is None else layouts, carry and chunks is not None)
+                                         {} if layouts is None else layouts, carry if chunks is not None else 0)
 
     def _forward_no_grad(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                          reference: torch.nn.Module, chunks: list[torch.Tensor] | None,
-                         layouts: dict[tuple[int, ...], PackedRollout], carry: bool) -> tuple[Any, ...]:
+                         layouts: dict[tuple[int, ...], PackedRollout], carry: int) -> tuple[Any, ...]:
         mb, temperature = self.p.micro_batch_size, self.p.temperature
         packed = chunks is not None
         if chunks is None:
@@ -145,13 +164,12 @@ class ExperienceMaker:
         logprobs, ref_logprobs = torch.zeros(B, R, device=dev), torch.zeros(B, R, device=dev)
         values = torch.zeros(B, R, device=dev)
         has_values = False
-        carried: tuple[tuple[int, ...], Forward] | None = None
+        carried: list[tuple[tuple[int, ...], Forward]] = []
         shared = has_value_head(self.actor.module)
         policy_lm = lm_of(self.actor.module)
         clock = self.pass_seconds
-        first = chunks[0]
-        for rows in (chunks[1:] + chunks[:1]) if carry else chunks:  # the carried graph lives the least time
-            carry_this = carry and rows is first
+        for i, rows in enumerate(chunks[carry:] + chunks[:carry]):  # the carried graphs live the least time
+            carry_this = i >= len(chunks) - carry
             rows = rows.to(dev)
             ids, am = input_ids[rows], attention_mask[rows]
             t0 = _clock(dev)
@@ -167,14 +185,14 @@ class ExperienceMaker:
             t1 = _clock(dev)
             clock["reference"] += t1 - t0
             v = None
-            if carry_this:  # the update's first micro-batch: its training forward, at the weights these passes see
+            if carry_this:  # one of the update's first micro-batches: its training forward, at these passes' weights
                 self.actor.train()
                 if self.critic is not None:
                     self.critic.train()
                 with torch.enable_grad():
                     fwd = training_forward(self.actor, self.critic, self.p, ids, am, P, packing)
                 fwd = fwd._replace(seconds=_clock(dev) - t1)
-                carried = (tuple(rows.tolist()), fwd)
+                carried.append((tuple(rows.tolist()), fwd))
                 logprobs[rows] = fwd.logprobs.detach()
                 v = None if fwd.values is None else fwd.values.detach()
             else:
@@ -190,7 +208,7 @@ class ExperienceMaker:
                 clock["critic"] += _clock(dev) - t2
             if v is not None:
                 values[rows], has_values = v.float(), True
-        return logprobs, ref_logprobs, (values if has_values else None), carried
+        return logprobs, ref_logprobs, (values if has_values else None), (carried or None)
 
     def kl_stats(self, exp: Experience, beta: float) -> dict[str, float]:
         """The rollout's KL statistics (mean over ranks): `objective/kl` (k1, nats/seq), `objective/kl_k3`,
@@ -243,7 +261,7 @@ class ExperienceMaker:
         logprobs, ref_logprobs, values, carried = self.forward_no_grad(input_ids, attention_mask, P, chunks, layouts,
                                                                        carry=self.carries_forward)
         t2 = time.perf_counter()
-        carried_seconds = carried[1].seconds if carried is not None else 0.0
+        carried_seconds = sum(fwd.seconds for _, fwd in carried or [])
         valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
         loss_mask = mask * valid.float()[:, None]
         beta = self.kl_ctl.value
@@ -276,7 +294,7 @@ class ExperienceMaker:
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": has_eos.float().mean().item(),
             "time/generation": t1 - t0,
-            "time/scoring": t2 - t1 - carried_seconds,  # the carried forward counts in time/training
+            "time/scoring": t2 - t1 - carried_seconds,  # the carried forwards count in time/training
             **{f"time/scoring_{k}": v for k, v in self.pass_seconds.items()},
             "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             **source_means,

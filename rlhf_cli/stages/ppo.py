@@ -5,9 +5,9 @@ Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017); 
 `rollout.ExperienceMaker`, step 4 `PPOTrainer.train_on` (`rollout.PolicyLearner`):
   1. rollout   sample `ppo.rollout_batch_size` prompts, `ppo.n_samples_per_prompt` responses each (KV cache)
   2. score     no-grad passes: old logprobs (policy), ref_logprobs (reference), values (critic, `gae` only),
-               the sequence score (`reward.*`), all in the training forward's layout; the first micro-batch of
-               step 4 runs its training forward here instead, whose outputs are its rows' old logprobs and values
-               (`ExperienceMaker.carries_forward`)
+               the sequence score (`reward.*`), all in the training forward's layout; the first micro-batches of
+               step 4 (`ppo.carried_forwards`) run their training forwards here instead, whose outputs are their
+               rows' old logprobs and values (`ExperienceMaker.carries_forward`)
   3. shape     per-token rewards (−β·kl_t when `ppo.kl_in=reward`) plus the score at the EOS token; advantages
                by `ppo.advantage_estimator` (GAE(γ, λ), or a group baseline); whitening
   4. learn     `ppo.epochs` passes over shuffled minibatches: clipped surrogate, clipped value loss (with a

@@ -7,6 +7,8 @@ largest entry. A whole iteration (rollout, advantages, one update) compounds tha
 and 1e-6 absolute on the updated weights.
 """
 
+import logging
+
 import pytest
 import torch
 from stage_helpers import compose
@@ -14,7 +16,7 @@ from test_stage_critic_free import reward_file
 from test_stage_ppo import TINY_PPO, build_trainer, force_eos, snapshot, spy_losses
 
 from rlhf_cli.rollout import critic_values, pack_rollout, policy_forward
-from rlhf_cli.rollout.learner import packs_rollout_passes
+from rlhf_cli.rollout.learner import packs_rollout_passes, update_order
 from rlhf_cli.rollout.policy import PolicyWithValueHead
 
 PAD, EOS = 0, 2
@@ -317,14 +319,16 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
                                        [o for o in GRPO_MINI if not o.startswith("ppo.actor_lr")]],
                          ids=["critic", "shared-critic", "checkpointing-entropy-bonus", "bf16-autocast", "bf16", "lora",
                               "grpo-groups-kl-in-loss"])
-def test_the_first_micro_batchs_forward_is_run_once_for_the_rollout_and_the_update(tmp_path, monkeypatch, overrides):
-    """`ExperienceMaker.carries_forward`: the maker runs the update's first micro-batch's training forward at the
-    rollout's weights, takes its outputs as those rows' old log-probs and values, and the update's first backward
-    goes through it. One policy and one critic forward fewer per iteration, and the same function of the same
-    weights on the same layout: two iterations of two epochs (minibatches of 4 in micro-batches of 2) give the
-    same rollouts, statistics and weights as the maker's own no-grad passes, bit for bit on the CPU (where the
+def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_update(tmp_path, monkeypatch,
+                                                                                      overrides):
+    """`ExperienceMaker.carries_forward`: the maker runs the training forwards of the update's first micro-batches
+    (`ppo.carried_forwards`: one by default, two with the whole first minibatch) at the rollout's weights, takes
+    their outputs as those rows' old log-probs and values, and the update's backward of each goes through its own.
+    One policy and one critic forward fewer per carried micro-batch and iteration, and the same function of the
+    same weights on the same layout: two iterations of two epochs (minibatches of 4 in micro-batches of 2) give
+    the same rollouts, statistics and weights as the maker's own no-grad passes, bit for bit on the CPU (where the
     grad and no-grad forwards run the same kernels: `test_packed_passes_keep_the_first_ratio_exactly_one`). With
-    LoRA the reference is the policy's own module with its adapters off, run while the carried graph lives."""
+    LoRA the reference is the policy's own module with its adapters off, run while the carried graphs live."""
     import rlhf_cli.rollout.learner as learner_module
     import rlhf_cli.rollout.maker as maker_module
 
@@ -339,13 +343,12 @@ def test_the_first_micro_batchs_forward_is_run_once_for_the_rollout_and_the_upda
             for name in ("policy_forward", "critic_values")}
     if "reward.type=function" in overrides:  # the tiny model's checker score is 0 everywhere: no group signal
         overrides = [*overrides, f"reward.function={reward_file(tmp_path)}:length_bonus"]
+    lrs = [] if any(o.startswith("ppo.actor_lr") for o in overrides) else ["ppo.actor_lr=1e-3", "ppo.critic_lr=1e-3"]
     runs = {}
-    for carry in (True, False):
-        lrs = [] if any(o.startswith("ppo.actor_lr") for o in overrides) else ["ppo.actor_lr=1e-3",
-                                                                                "ppo.critic_lr=1e-3"]
-        tr = build_trainer(tmp_path / str(carry), [*overrides, "ppo.epochs=2", *lrs])
-        assert tr.maker.carries_forward  # on by default wherever the rollout packs
-        tr.maker.carries_forward = carry
+    for carry in (0, 1, 2):
+        tr = build_trainer(tmp_path / str(carry), [*overrides, "ppo.epochs=2", *lrs]
+                           + ([] if carry == 1 else [f"ppo.carried_forwards={carry}"]))  # 1 by default
+        assert tr.maker.carries_forward == carry
         trained = [m for m in (tr.actor.module, tr.critic and tr.critic.module) if m is not None]
         forwards = {id(m): 0 for m in trained}
         for (module, name), fn in real.items():
@@ -353,55 +356,78 @@ def test_the_first_micro_batchs_forward_is_run_once_for_the_rollout_and_the_upda
         stats, carried = [], []
         for it in range(2):
             exp, roll, _ = tr.maker.make_experience(it)
-            carried.append(exp.carried)
+            carried.append(exp.carried and list(exp.carried))
             stats.append({**roll, **tr.train_on(exp, it)})
-            assert exp.carried is None  # used once: its graph is not held after the update
+            assert exp.carried is None  # each used once: no graph is held after the update
         runs[carry] = (exp, stats, [snapshot(m) for m in trained], carried, forwards)
-    (exp1, stats1, w1, carried1, n1), (exp0, stats0, w0, carried0, n0) = runs[True], runs[False]
-    assert all(c is not None for c in carried1) and carried0 == [None, None]
-    key, fwd = carried1[0]
-    assert len(key) == 2 and fwd.logprobs.requires_grad and fwd.seconds > 0
-    # per iteration, each trained model: 4 no-grad chunks and 2 epochs x 4 micro-batches, one forward fewer
-    assert list(n0.values()) == [2 * 12] * len(n0) and list(n1.values()) == [2 * 11] * len(n1)
-    assert torch.equal(exp1.input_ids, exp0.input_ids)
-    for name in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
-        assert torch.equal(getattr(exp1, name), getattr(exp0, name)), name
-    for s1, s0 in zip(stats1, stats0):
-        assert s1.keys() == s0.keys()
-        for k, v in s0.items():
-            if not k.startswith(("time/", "throughput/")):
-                assert s1[k] == v, k
+        # per iteration, each trained model: 4 no-grad chunks and 2 epochs x 4 micro-batches, one forward fewer
+        # per carried micro-batch
+        assert list(forwards.values()) == [2 * (12 - carry)] * len(forwards)
+        if carry == 0:
+            assert carried == [None, None]
+            continue
+        first = update_order(tr.cfg, 1, exp.groups)[0][0]  # the first minibatch of the last iteration
+        assert [key for key, _ in carried[1]] == [tuple(rows.tolist()) for rows in first[:carry]]
+        assert all(fwd.logprobs.requires_grad and fwd.seconds > 0 for c in carried for _, fwd in c)
+    exp0, stats0, w0, _, _ = runs[0]
     assert stats0[-1]["policy/clipfrac"] > 0  # the update moved the policy: a stale old log-prob would show
-    for a, b in zip(w1, w0):
-        assert all(torch.equal(a[k], b[k]) for k in b)
+    for carry in (1, 2):
+        exp1, stats1, w1, _, _ = runs[carry]
+        assert torch.equal(exp1.input_ids, exp0.input_ids)
+        for name in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
+            assert torch.equal(getattr(exp1, name), getattr(exp0, name)), (carry, name)
+        for s1, s0 in zip(stats1, stats0):
+            assert s1.keys() == s0.keys()
+            for k, v in s0.items():
+                if not k.startswith(("time/", "throughput/")):
+                    assert s1[k] == v, (carry, k)
+        for a, b in zip(w1, w0):
+            assert all(torch.equal(a[k], b[k]) for k in b), carry
 
 
-@pytest.mark.parametrize("overrides,zero_stage,offloaded,carries", [
-    ([], 2, False, True), (["data.packing=false"], 2, False, False), ([], 3, False, False), ([], 2, True, False),
-    ([*GRPO, "ppo.epochs=1"], 0, False, False), (GRPO_MINI, 0, False, True)])
-def test_the_first_micro_batchs_forward_is_carried_only_where_it_folds(tokenizer, overrides, zero_stage, offloaded,
-                                                                      carries):
-    """Not over the plain layout's chunks (not the update's micro-batches), not when an engine runs ZeRO-3
-    (weights gathered per forward and backward in order; read from the engine, which `deepspeed.extra` may set)
-    nor when the reference is offloaded (the memory that saves), and not when the maker runs no policy pass at
-    all (`old_from_training`: one on-policy step without a critic)."""
+@pytest.mark.parametrize("overrides,zero_stage,offloaded,carries,said", [
+    ([], 2, False, 1, None), (["ppo.carried_forwards=2"], 2, False, 2, None),
+    (["ppo.carried_forwards=0"], 2, False, 0, None),
+    (["ppo.carried_forwards=5"], 2, False, 2, "only 2 micro-batches come before"),
+    (["ppo.carried_forwards=5", "ppo.mini_batch_size=8"], 2, False, 4, "only 4 micro-batches"),
+    (["data.packing=false"], 2, False, 0, None),
+    (["data.packing=false", "ppo.carried_forwards=2"], 2, False, 0, "does nothing here: the rollout's passes"),
+    ([], 3, False, 0, None), (["ppo.carried_forwards=2"], 3, False, 0, "does nothing here: an engine runs ZeRO-3"),
+    ([], 2, True, 0, None), ([*GRPO, "ppo.epochs=1"], 0, False, 0, None),
+    ([*GRPO, "ppo.epochs=1", "ppo.carried_forwards=3"], 0, False, 0, "does nothing here: the update is on-policy"),
+    (GRPO_MINI, 0, False, 1, None)])
+def test_the_first_micro_batches_forwards_are_carried_only_where_they_fold(tokenizer, caplog, overrides, zero_stage,
+                                                                          offloaded, carries, said):
+    """Up to `ppo.carried_forwards` of the first minibatch's micro-batches (the first optimizer step follows
+    them; more is capped, said once). None over the plain layout's chunks (not the update's micro-batches), nor
+    when an engine runs ZeRO-3 (weights gathered per forward and backward in order; read from the engine, which
+    `deepspeed.extra` may set), nor when the reference is offloaded (the memory that saves), nor when the maker
+    runs no policy pass at all (`old_from_training`: one on-policy step without a critic). A count above the
+    default that does nothing says why."""
     from types import SimpleNamespace
 
     from rlhf_cli.rollout import ExperienceMaker
 
     cfg = compose("train_ppo", [*TINY_PPO, *overrides])
     actor, reference = SimpleNamespace(zero_stage=zero_stage), SimpleNamespace(offload=offloaded)
-    maker = ExperienceMaker(cfg, tokenizer, [], actor, reference, None, None, None, "fp32")
+    with caplog.at_level(logging.INFO, logger="rlhf_cli.rollout.maker"):
+        maker = ExperienceMaker(cfg, tokenizer, [], actor, reference, None, None, None, "fp32")
     assert maker.carries_forward == carries
+    lines = [r.getMessage() for r in caplog.records if "carried_forwards" in r.getMessage()]
+    assert len(lines) == (said is not None) and (said is None or said in lines[0]), lines
 
 
-def test_a_carried_forward_of_other_rows_than_the_first_micro_batch_is_an_error(tmp_path):
-    tr = build_trainer(tmp_path)
+def test_a_carried_forward_of_other_rows_than_the_update_reaches_is_an_error(tmp_path):
+    tr = build_trainer(tmp_path, ["ppo.carried_forwards=2"])
     exp, _, _ = tr.maker.make_experience(0)
-    rows, fwd = exp.carried
-    exp.carried = (tuple(reversed(rows)), fwd)
-    with pytest.raises(RuntimeError, match="first micro-batch"):
+    (rows, fwd), second = exp.carried
+    exp.carried = [second, (rows, fwd)]  # the first minibatch's two micro-batches, swapped
+    with pytest.raises(RuntimeError, match="next micro-batch"):
         tr.train_on(exp, 0)
+    exp, _, _ = tr.maker.make_experience(1)
+    exp.carried.append(exp.carried[-1])  # one more than the update has micro-batches for
+    with pytest.raises(RuntimeError, match="next micro-batch"):
+        tr.train_on(exp, 1)
 
 
 def first_epoch_before(cfg, iteration, groups):
