@@ -281,10 +281,10 @@ def same_rounds(rounds: list[dict[str, Any]]) -> str:
     return "every round scored the same as round 1 (checked)"
 
 
-def fastest_table(rounds: list[dict[str, Any]], carried: int) -> tuple[C.Table, list[dict[str, Any]] | None]:
+def fastest_table(rounds: list[dict[str, Any]], carried: int) -> tuple[C.Table, list[dict[str, Any]] | None, bool]:
     """The second table of `--fastest`: ours' fastest exact runs against the same TRL runs (seconds per
-    iteration, per round, by part and scoring pass, peak RSS, process wall), and whether every iteration of them
-    scored, and reported the KL, exactly as the equal-settings run of its round (they compute the same numbers)."""
+    iteration, per round, by part and scoring pass, peak RSS, process wall), and whether each of them computed
+    exactly what the equal-settings run of its round did (`same_numbers`), also returned."""
     table = C.Table(f"ours' fastest exact settings (ppo.carried_forwards={carried}: the whole first minibatch's "
                     "micro-batches) against the same TRL runs", ours="rlhf_cli fastest")
     o_st = [x for r in rounds for x in C.steady(r["fastest"][2])]
@@ -300,11 +300,28 @@ def fastest_table(rounds: list[dict[str, Any]], carried: int) -> tuple[C.Table, 
     table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the rounds)" if len(rounds) > 1
                                                                            else ")"),
               C.mean([r["fastest"][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
-    same = all([(x["score"], x["kl"]) for x in r["fastest"][2]] == [(x["score"], x["kl"]) for x in r["ours"][2]]
-               for r in rounds)
-    table.note("exact: scores and KL of every iteration equal the equal-settings run's",
-               "yes (checked)" if same else "NO: they DIFFER")
-    return table, per_round
+    same = all(same_numbers(r["fastest"], r["ours"]) for r in rounds)
+    table.note("exact: every iteration's score, KL and losses, and the final weights, equal the equal-settings "
+               "run's", "yes (checked)" if same else "NO: they DIFFER")
+    return table, per_round, same
+
+
+def same_numbers(a: tuple, b: tuple) -> bool:
+    """Whether two runs of ours (`train_ours` results) computed the same: every iteration's score, KL, policy and
+    value loss, and every final weight (the safetensors files under `final/`: policy and critic), bit for bit."""
+    from safetensors.torch import load_file
+
+    def iterations(side: tuple) -> list[tuple]:
+        return [(x["score"], x["kl"], x["policy_loss"], x["value_loss"]) for x in side[2]]
+
+    files = [sorted(p.relative_to(side[0]) for p in (side[0] / "final").glob("**/*.safetensors")) for side in (a, b)]
+    if iterations(a) != iterations(b) or files[0] != files[1] or not files[0]:
+        return False
+    for rel in files[0]:
+        wa, wb = load_file(a[0] / rel), load_file(b[0] / rel)
+        if wa.keys() != wb.keys() or not all(wa[k].equal(wb[k]) for k in wa):
+            return False
+    return True
 
 
 def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
@@ -320,6 +337,7 @@ def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
                     "gen_tokens": rec["throughput/gen_tokens_per_s"] * rec["time/generation"],
                     "train_tokens": rec["throughput/train_tokens_per_s"] * rec["time/training"],
                     "score": rec["objective/scores_norm"], "kl": rec["objective/kl"],
+                    "policy_loss": rec.get("policy/loss"), "value_loss": rec.get("val/loss"),
                     **{f"scoring_{k}": rec.get(f"time/scoring_{k}") for k in SCORING_PASSES}})
         prev = rec["time"]
     return out
@@ -387,6 +405,9 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.rollout % args.micro_batch_size:
         p.error(f"--rollout {args.rollout} is not divisible by --micro-batch-size {args.micro_batch_size}")
+    if args.fastest and args.packing == "off":
+        p.error("--fastest needs --packing on: without packing ours carries no training forward "
+                "(ppo.carried_forwards does nothing)")
     if args.rounds < 1 or (args.rounds > 1 and args.rounds % 2):
         p.error(f"--rounds must be 1 or even, so that A-B-B-A pairs cancel a steady drift (got {args.rounds})")
     return args
@@ -458,7 +479,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                                           "model_out": str(sides["trl_model"]),
                                           "result": str(work / f"trl_ppo_result{sfx}.json")},
                                          work / f"trl_ppo_spec{sfx}.json", bf16)
-        rounds.append({"order": "ours, TRL" if k % 2 == 0 else "TRL, ours", **sides})
+        rounds.append({"order": ", ".join({"ours": "ours", "fastest": "ours fastest", "trl": "TRL"}[who]
+                                          for who in (("ours", "fastest", "trl") if k % 2 == 0 else
+                                                      ("trl", "fastest", "ours")) if who in sides), **sides})
     ours_dir, ours, o_its = rounds[0]["ours"]
     trl, t_res = rounds[0]["trl"]
     t_its = t_res["iterations"]
@@ -551,10 +574,12 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     ]
     more, payload = [], {}
     if args.fastest:
-        fast, fast_rounds = fastest_table(rounds, carried)
+        fast, fast_rounds, exact = fastest_table(rounds, carried)
         more = [("table_fastest", fast)]
-        payload["fastest"] = {"overrides": [f"ppo.carried_forwards={carried}"],
+        payload["fastest"] = {"overrides": [f"ppo.carried_forwards={carried}"], "exact": exact,
                               "iterations": rounds[0]["fastest"][2], "rounds": fast_rounds}
+        notes.insert(-1, "fastest: the exact check compares numbers bit for bit, which holds on the CPU (the grad and "
+                         "no-grad forwards run the same kernels); on a GPU they may differ by float rounding")
     C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"], (ours, {"iterations": o_its}),
            (trl, {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"]}), more, same_prompts=same_prompts,
            kl_fp32=kl_fp32, **({"rounds": per_round} if per_round else {}), **payload)

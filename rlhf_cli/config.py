@@ -381,11 +381,13 @@ class PPOConfig:
     micro-batches then run their own forwards, instead of lending them to the rollout (README "Packing")."""
     carried_forwards: int = 1
     """How many of the update's first micro-batches run their training forward during the rollout, in place of
-    their no-grad policy and critic passes (`data.packing`; README "Packing"): the same numbers, one forward of
-    each trained model fewer per micro-batch and iteration. Each carried micro-batch holds its graph (the
-    activations its backward needs, of the policy and a separate critic) from scoring until its backward, so each
-    one beyond the first adds about one micro-batch's activation memory to the peak. Only micro-batches of the
-    first minibatch come before the first optimizer step: more is capped there (said once). 0 = off, >= 0."""
+    their no-grad policy and critic passes (README "Packing"): the same numbers, one forward of each trained model
+    fewer per micro-batch and iteration. Each carried micro-batch holds its graph (the activations its backward
+    needs, of the policy and a separate critic) from scoring until its backward, so each one beyond the first adds
+    about one micro-batch's activation memory to the peak. Only micro-batches of the first minibatch come before
+    the first optimizer step: more is capped there (said once). None is carried with `data.packing=false`, under
+    ZeRO-3, with `ppo.offload_reference`, or where the update is on-policy with no old-log-prob pass to fold (a
+    value above 1 then says so once). 0 = off, >= 0."""
 
 
 @dataclass

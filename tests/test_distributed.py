@@ -102,6 +102,8 @@ def test_two_ranks_ppo_matches_one_rank_zero2(one_rank, tmp_path):
     launch([*PPO_ARGS, "deepspeed=zero2", "ppo.carried_forwards=2", rm], tmp_path, ranks=2)
     a, b = metrics(one_rank, "ppo"), metrics(tmp_path, "ppo")
     assert a[-1]["objective/kl"] != 0  # the policy moved: iteration 2 compares a trained policy
+    assert all(r["time/scoring_policy"] == r["time/scoring_critic"] == 0 for r in b)  # no no-grad pass left
+    assert all(r["time/scoring_policy"] > 0 for r in a)
     assert_same_metrics(a, b, PPO_KEYS)
     for name in ("", "critic"):
         assert_same_weights(final_dir(one_rank, "ppo") / name, final_dir(tmp_path, "ppo") / name)

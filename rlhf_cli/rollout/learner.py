@@ -139,6 +139,9 @@ class PolicyLearner:
                                                "(ExperienceMaker.carries_forward)")
                     exp.carried = exp.carried or None
                     yield b, num_tokens, rows
+        if exp.carried:  # else its graph would be held until the rollout is dropped
+            raise RuntimeError(f"{len(exp.carried)} carried training forward(s) never reached by the update "
+                               "(ExperienceMaker.carries_forward)")
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
         """The forward (`training_forward`, or the one the maker ran for one of the update's first micro-batches:

@@ -98,7 +98,7 @@ class ExperienceMaker:
         per forward and backward, in order) and when the reference is offloaded (`ppo.offload_reference` on a GPU:
         a graph held beside the reference on the device is the memory that setting saves)."""
         if why_not and p.carried_forwards > 1 and engine.is_main():  # the default's cases: README "Packing"
-            log.info("ppo.carried_forwards=%d does nothing here: %s", p.carried_forwards, why_not)
+            log.warning("ppo.carried_forwards=%d does nothing here: %s", p.carried_forwards, why_not)
         elif not why_not and p.carried_forwards > before_first_step and engine.is_main():
             log.info("ppo.carried_forwards=%d: only %d micro-batches come before the update's first optimizer step "
                      "(ppo.mini_batch_size=%d over %d rank(s) in micro-batches of %d); carrying %d",

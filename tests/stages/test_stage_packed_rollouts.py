@@ -295,7 +295,7 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
                                   "ppo.advantage_estimator=gae", "reward.type=checker", "ppo.kl_in=reward",
                                   f"ppo.epochs={epochs}", f"precision={precision}", f"scoring_precision={logprobs}"])
     assert packs_rollout_passes(tr.cfg) and not tr.old_from_training
-    tr.maker.carries_forward = False  # else the first micro-batch's old log-probs are its training forward's own
+    tr.maker.carries_forward = 0  # else the first micro-batch's old log-probs are its training forward's own
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.maker.make_experience(0)
     assert len(exp.layouts) == 4  # one per micro-batch, for the reference, policy and critic passes
@@ -393,7 +393,8 @@ def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_u
     (["data.packing=false"], 2, False, 0, None),
     (["data.packing=false", "ppo.carried_forwards=2"], 2, False, 0, "does nothing here: the rollout's passes"),
     ([], 3, False, 0, None), (["ppo.carried_forwards=2"], 3, False, 0, "does nothing here: an engine runs ZeRO-3"),
-    ([], 2, True, 0, None), ([*GRPO, "ppo.epochs=1"], 0, False, 0, None),
+    ([], 2, True, 0, None), (["ppo.carried_forwards=2"], 2, True, 0, "does nothing here: the reference is offloaded"),
+    ([*GRPO, "ppo.epochs=1"], 0, False, 0, None),
     ([*GRPO, "ppo.epochs=1", "ppo.carried_forwards=3"], 0, False, 0, "does nothing here: the update is on-policy"),
     (GRPO_MINI, 0, False, 1, None)])
 def test_the_first_micro_batches_forwards_are_carried_only_where_they_fold(tokenizer, caplog, overrides, zero_stage,
@@ -428,6 +429,18 @@ def test_a_carried_forward_of_other_rows_than_the_update_reaches_is_an_error(tmp
     exp.carried.append(exp.carried[-1])  # one more than the update has micro-batches for
     with pytest.raises(RuntimeError, match="next micro-batch"):
         tr.train_on(exp, 1)
+
+
+def test_carried_forwards_the_update_never_reaches_are_an_error(tmp_path, monkeypatch):
+    """A carried graph the update does not consume would be held until the rollout is dropped: an error instead."""
+    import rlhf_cli.rollout.learner as learner_module
+
+    tr = build_trainer(tmp_path, ["ppo.carried_forwards=2"])
+    exp, _, _ = tr.maker.make_experience(0)
+    real = learner_module.update_order
+    monkeypatch.setattr(learner_module, "update_order", lambda *a: [[real(*a)[0][0][:1]]])  # its first micro-batch
+    with pytest.raises(RuntimeError, match="never reached"):
+        tr.train_on(exp, 0)
 
 
 def first_epoch_before(cfg, iteration, groups):

@@ -143,7 +143,7 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path, monkeypatch, precision, 
     0.7, so old logprobs at T = 1 (or a generate-time log-softmax without / T) would fail this.
     """
     tr = build_trainer(tmp_path, [f"precision={precision}", f"scoring_precision={logprobs}", "ppo.epochs=2"])
-    tr.maker.carries_forward = False  # else the first micro-batch's old log-probs are its training forward's own
+    tr.maker.carries_forward = 0  # else the first micro-batch's old log-probs are its training forward's own
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.maker.make_experience(0)
     assert exp.mask.sum(1).tolist().count(6.0) == 6
