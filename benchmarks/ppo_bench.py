@@ -293,17 +293,26 @@ def fastest_table(rounds: list[dict[str, Any]], carried: int) -> tuple[C.Table, 
               sum(C.mean([x[p] for x in o_st]) for p in PARTS), sum(C.mean([x[p] for x in t_st]) for p in PARTS))
     per_round = add_round_rows(table, rounds, "fastest") if len(rounds) > 1 else None
     add_part_rows(table, o_st, t_st)
-    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + ("; the largest of the rounds)" if len(rounds) > 1
-                                                               else ")"),
-              max(r["fastest"][1].peak_rss_bytes for r in rounds) / 1024 ** 3,
-              max(r["trl"][0].peak_rss_bytes for r in rounds) / 1024 ** 3)
-    table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the rounds)" if len(rounds) > 1
-                                                                           else ")"),
-              C.mean([r["fastest"][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
+    add_process_row(table, "peak_rss", rounds, "fastest")
+    add_process_row(table, "wall", rounds, "fastest")
     same = all(same_numbers(r["fastest"], r["ours"]) for r in rounds)
     table.note("exact: every iteration's score, KL and losses, and the final weights, equal the equal-settings "
                "run's", "yes (checked)" if same else "NO: they DIFFER")
     return table, per_round, same
+
+
+def add_process_row(table: C.Table, what: str, rounds: list[dict[str, Any]], side: str = "ours") -> None:
+    """A whole-process row of ours' `side` runs against TRL's: `peak_rss` (GiB, the largest of the rounds) or
+    `wall` (seconds, load and saving included, the mean of the rounds)."""
+    multi = len(rounds) > 1
+    if what == "peak_rss":
+        table.add("peak_rss_gib", "peak RSS (GiB, whole process" + ("; the largest of the rounds)" if multi else ")"),
+                  max(r[side][1].peak_rss_bytes for r in rounds) / 1024 ** 3,
+                  max(r["trl"][0].peak_rss_bytes for r in rounds) / 1024 ** 3)
+    else:
+        table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the rounds)" if multi
+                                                                               else ")"),
+                  C.mean([r[side][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
 
 
 def same_numbers(a: tuple, b: tuple) -> bool:
@@ -504,7 +513,6 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     t_st = [x for r in rounds for x in C.steady(r["trl"][1]["iterations"])]
     avg = lambda its, key: C.mean([x[key] for x in its])  # noqa: E731
     rate = lambda its, tok, sec: sum(x[tok] for x in its) / sum(x[sec] for x in its)  # noqa: E731
-    gib = 1024 ** 3
     table = C.Table()
     o_total, t_total = sum(avg(o_st, p) for p in PARTS), sum(avg(t_st, p) for p in PARTS)
     table.add("seconds_per_iteration", "s / iteration (generation+scoring+training)", o_total, t_total)
@@ -520,9 +528,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table.add("e2e_tokens_per_s", "generated tokens / s of iteration", avg(o_st, "gen_tokens") / o_total,
               avg(t_st, "gen_tokens") / t_total)
     multi = len(rounds) > 1  # rows below: which round, or which summary of the rounds
-    table.add("peak_rss_gib", "peak RSS (GiB, whole process" + ("; the largest of the rounds)" if multi else ")"),
-              max(r["ours"][1].peak_rss_bytes for r in rounds) / gib,
-              max(r["trl"][0].peak_rss_bytes for r in rounds) / gib)
+    add_process_row(table, "peak_rss", rounds)
     r1 = ", round 1" if multi else ""
     table.add("score", f"mean score incl. EOS penalty (sanity{r1})", C.mean([x["score"] for x in o_its]),
               C.mean(t_res["scores"]), "{:.3f}", ratio=False)
@@ -532,8 +538,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               "{:.4f}", ratio=False)
     table.add("kl_fp32", f"KL of the final policy, measured in fp32 on iteration {n_it}'s prompts (sanity{r1})",
               kl_fp32["ours"], kl_fp32["trl"], "{:.4f}", ratio=False)
-    table.add("process_wall_s", "process wall s (incl. load and saving" + ("; mean of the rounds)" if multi else ")"),
-              C.mean([r["ours"][1].wall_s for r in rounds]), C.mean([r["trl"][0].wall_s for r in rounds]), "{:.0f}")
+    add_process_row(table, "wall", rounds)
 
     header = C.header_lines("ppo_bench: PPO, rlhf_cli `rlhf train-ppo` vs TRL trl.experimental.ppo.PPOTrainer",
                             info, cfg.precision, t_res["mixed_precision"])

@@ -30,6 +30,12 @@ from rlhf_cli.seeds import derive_seed
 log = logging.getLogger(__name__)
 
 
+def micro_batches_per_minibatch(p: Any) -> int:
+    """Micro-batches of `ppo.micro_batch_size` rows in one minibatch on this rank (`ppo.mini_batch_size` over all
+    ranks); the optimizer steps once per minibatch (`update_order`)."""
+    return -(-(p.mini_batch_size // engine.world_size()) // p.micro_batch_size)
+
+
 def update_order(cfg: Any, iteration: int, groups: torch.Tensor) -> list[list[list[torch.Tensor]]]:
     """The rows of this rank's rollout (B = len(groups)) in the order the update visits them: `ppo.epochs` passes,
     each a list of minibatches of `ppo.mini_batch_size` rows (over all ranks), each a list of micro-batches of
@@ -55,7 +61,7 @@ def update_order(cfg: Any, iteration: int, groups: torch.Tensor) -> list[list[li
         if p.n_samples_per_prompt > 1:
             rows = rows[torch.argsort(groups.cpu()[rows], stable=True)]
         micro += [rows[m:m + p.micro_batch_size] for m in range(0, len(rows), p.micro_batch_size)]
-    per_mini = -(-mini // p.micro_batch_size)
+    per_mini = micro_batches_per_minibatch(p)
     order = [list(range(len(micro)))] + [torch.randperm(len(micro), generator=g).tolist()
                                          for _ in range(p.epochs - 1)]
     return [[[micro[j] for j in epoch[s:s + per_mini]] for s in range(0, len(micro), per_mini)] for epoch in order]
@@ -137,7 +143,7 @@ class PolicyLearner:
                         if key != tuple(rows.tolist()):
                             raise RuntimeError("a carried training forward is not of the update's next micro-batch "
                                                "(ExperienceMaker.carries_forward)")
-                    exp.carried = exp.carried or None
+                        exp.carried = exp.carried or None
                     yield b, num_tokens, rows
         if exp.carried:  # else its graph would be held until the rollout is dropped
             raise RuntimeError(f"{len(exp.carried)} carried training forward(s) never reached by the update "

@@ -21,7 +21,13 @@ from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_estimat
 from rlhf_cli.data import epoch_order
 from rlhf_cli.models import attention_tokens
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.learner import Forward, packs_rollout_passes, training_forward, update_order
+from rlhf_cli.rollout.learner import (
+    Forward,
+    micro_batches_per_minibatch,
+    packs_rollout_passes,
+    training_forward,
+    update_order,
+)
 from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
 from rlhf_cli.rollout.policy import critic_values, has_value_head, lm_of, policy_forward, sequence_kl
 from rlhf_cli.rollout.rewards import Rewards
@@ -72,8 +78,7 @@ class ExperienceMaker:
         then skipped: the old log-probs are the training forward's own, detached (ratio 1, as TRL's GRPO with one
         step per generation), and the rollout's KL statistics come after the update (`kl_stats`)."""
         zero_stage = max((e.zero_stage for e in (actor, critic) if e is not None), default=0)  # as built
-        ws = engine.world_size()
-        before_first_step = -(-(p.mini_batch_size // ws) // p.micro_batch_size)  # micro-batches of minibatch 1
+        before_first_step = micro_batches_per_minibatch(p)  # the first optimizer step follows them
         why_not = ("the rollout's passes do not run over the update's micro-batches (data.packing=false)"
                    if not packs_rollout_passes(cfg) else
                    "the update is on-policy and the maker runs no old-log-prob pass" if self.old_from_training else
@@ -102,7 +107,7 @@ class ExperienceMaker:
         elif not why_not and p.carried_forwards > before_first_step and engine.is_main():
             log.info("ppo.carried_forwards=%d: only %d micro-batches come before the update's first optimizer step "
                      "(ppo.mini_batch_size=%d over %d rank(s) in micro-batches of %d); carrying %d",
-                     p.carried_forwards, before_first_step, p.mini_batch_size, ws, p.micro_batch_size,
+                     p.carried_forwards, before_first_step, p.mini_batch_size, engine.world_size(), p.micro_batch_size,
                      before_first_step)
 
     def prompt_batch(self, iteration: int) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
