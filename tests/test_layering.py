@@ -5,14 +5,16 @@ A module may import the package's modules of a LOWER layer, and of its own unit 
 
     0  core/  errors.py  seeds.py      (core/: torch and the standard library only; errors.py: stdlib only)
     1  config.py                       (third-party: hydra and omegaconf only)
-    2  runs.py
-    3  engine.py  data/  models/  rewards.py  lineage.py
+    2  commands.py                     (the command registry: data naming each command's pieces)
+    3  runs.py
+    4  engine.py  data/  models/  rewards.py  lineage.py
                                        (engine.py: the only module that imports deepspeed)
-    4  preflight.py  lifecycle.py  rollout/  report/
-    5  stages/                         (a stage imports `stages/common.py`, never another stage)
-    6  cli.py                          (it loads a stage by name at run time: no module but a stage
+    5  forwards/                       (the model forwards every stage uses: log-probs, values, scores, pairs)
+    6  preflight.py  lifecycle.py  rollout/  report/
+    7  stages/                         (a stage imports `stages/common.py`, never another stage)
+    8  cli.py                          (it loads a stage by name at run time: no module but a stage
                                         imports a stage, so `rlhf --help` stays light)
-    7  __main__.py
+    9  __main__.py
 
 docs/architecture.md draws the same table. A new rule that today's code breaks needs the code fixed in the
 same change: there is no allow-list.
@@ -46,12 +48,14 @@ def imports(path: Path, text: str = None):
 LAYERS = {
     "core": 0, "errors": 0, "seeds": 0,
     "config": 1,
-    "runs": 2,
-    "engine": 3, "data": 3, "models": 3, "rewards": 3, "lineage": 3,
-    "preflight": 4, "lifecycle": 4, "rollout": 4, "report": 4,
-    "stages": 5,
-    "cli": 6, "__init__": 6,
-    "__main__": 7,
+    "commands": 2,
+    "runs": 3,
+    "engine": 4, "data": 4, "models": 4, "rewards": 4, "lineage": 4,
+    "forwards": 5,
+    "preflight": 6, "lifecycle": 6, "rollout": 6, "report": 6,
+    "stages": 7,
+    "cli": 8, "__init__": 8,
+    "__main__": 9,
 }
 
 
