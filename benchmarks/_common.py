@@ -147,8 +147,9 @@ def compose(config_name: str, overrides: Sequence[str]) -> Any:
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from rlhf_cli.config import ConfigError, check_override_keys, register_configs
+    from rlhf_cli.config import ConfigError, register_configs
     from rlhf_cli.engine import resolve_precision
+    from rlhf_cli.overrides import check_override_keys
     from rlhf_cli.preflight import VALIDATORS
 
     keep = [o for o in overrides if not o.startswith("hydra.")]

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlhf_cli.commands import COMMANDS, reporter
+
 # Hydra's informational flags: nothing runs, nothing is validated
 INFO_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i")
 SWEEP_DIRS: set[Path] = set()  # the sweep dirs of this process's training jobs (said at the end)
@@ -22,16 +24,6 @@ MALLOC_ENV = "RLHF_MALLOC"  # `reuse` (default) or `system`: glibc's malloc sett
 # the glibc mallopt parameters `reuse_freed_memory` sets: name -> (its number in malloc.h, value)
 MALLOC_SETTINGS = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1)}
 PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard")  # names in LD_PRELOAD that replace malloc
-
-COMMANDS: dict[str, tuple] = {
-    # command: (config name, stage module, one-line help)
-    "train-rm": ("train_rm", "rlhf_cli.stages.rm",
-                 "train a reward model (LM + scalar head, Bradley-Terry loss) on preference pairs"),
-    "train-ppo": ("train_ppo", "rlhf_cli.stages.ppo",
-                  "optimise a policy against a reward with PPO (KL penalty, GAE, clipped surrogate) or a critic-free "
-                  "estimator (GRPO, RLOO, REINFORCE++)"),
-    "eval": ("eval", "rlhf_cli.stages.evaluate", "measure a reward model or a policy, and build run reports"),
-}
 
 USAGE = """usage: rlhf <command> [hydra overrides...]
 
@@ -46,35 +38,30 @@ Each command is a Hydra app: `rlhf <command> --help` lists its config groups and
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = [f"  {name.ljust(width)}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines = [f"  {name.ljust(width)}  {c.help}" for name, c in COMMANDS.items()]
     return USAGE.format(commands="\n".join(lines))
 
 
 def command_help(command: str) -> str:
     """`rlhf <command> --help`: the command's groups with their options, and every key it reads
-    (`config.COMMAND_KEYS`) with its default and the description written under its field in config.py."""
-    import yaml
+    (`commands.Command.reads`) with its default and the description written under its field in config.py."""
+    from rlhf_cli.config import CONFIG_GROUPS, field_docs, leaves
 
-    from rlhf_cli.config import COMMAND_KEYS, CONFIG_GROUPS, field_docs, leaves
-
-    config_name, _, summary = COMMANDS[command]
+    cmd = COMMANDS[command]
+    summary, reads = cmd.help, cmd.reads
     conf = Path(__file__).parent / "conf"
-    chosen = {}
-    for entry in yaml.safe_load((conf / f"{config_name}.yaml").read_text())["defaults"]:
-        if isinstance(entry, dict):
-            chosen.update(entry)
+    chosen = dict(_compose(command, [], hydra_config=True).hydra.runtime.choices)  # each group's default option
     lines = [f"rlhf {command}: {summary}", "",
              f"usage: rlhf {command} [group=option ...] [key=value ...]",
              "  -m            sweep: key=a,b runs one job per value", "  --cfg job     print the composed config",
              "  --hydra-help  Hydra's own options", "", "groups (group=option):"]
-    for group in (g for g in CONFIG_GROUPS if g in COMMAND_KEYS[config_name]):
+    for group in (g for g in CONFIG_GROUPS if g in reads):
         options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
         lines.append(f"  {group:<11} " + ", ".join(f"{o} (default)" if o == chosen.get(group) else o for o in options))
     from omegaconf import OmegaConf
 
     values = leaves(OmegaConf.to_container(_compose(command, []), resolve=True))
     docs = field_docs()
-    reads = COMMAND_KEYS[config_name]
     lines += ["", "keys (key=value; default; description, from rlhf_cli/config.py):"]
     for key, value in values.items():
         if key.split(".")[0] not in reads:
@@ -113,8 +100,9 @@ def _override_value(overrides: list[str], key: str) -> str | None:
     return None
 
 
-def _compose(command: str, overrides: list[str]) -> Any:
-    """The command's config as Hydra composes it from `overrides` (flags, `resume=` and `hydra.*` left out)."""
+def _compose(command: str, overrides: list[str], hydra_config: bool = False) -> Any:
+    """The command's config as Hydra composes it from `overrides` (flags, `resume=` and `hydra.*` left out); with
+    `hydra_config`, with Hydra's own node (`hydra.runtime.choices`: the option each group took)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
@@ -126,7 +114,7 @@ def _compose(command: str, overrides: list[str]) -> Any:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):
-            return compose(config_name=COMMANDS[command][0], overrides=keep)
+            return compose(config_name=COMMANDS[command].config_name, overrides=keep, return_hydra_config=hydra_config)
     finally:
         GlobalHydra.instance().clear()
 
@@ -150,7 +138,8 @@ def check_sweep(command: str, overrides: list[str]) -> int:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from rlhf_cli.config import ConfigError, explain_composition_error
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.overrides import explain_composition_error
     from rlhf_cli.preflight import VALIDATORS
 
     if (_override_value(overrides, "resume") or "null").lower() not in ("null", "none", "false", ""):
@@ -171,7 +160,7 @@ def check_sweep(command: str, overrides: list[str]) -> int:
             raise ConfigError(f"sweep job {i} ({varying}): {explain_composition_error(e, job)}; no job was "
                               f"launched") from None
         try:
-            VALIDATORS[COMMANDS[command][0]](cfg, world_size=world)
+            VALIDATORS[COMMANDS[command].config_name](cfg, world_size=world)
         except ConfigError as e:
             raise ConfigError(f"sweep job {i} ({varying}): {e}; no job was launched") from None
     return len(jobs)
@@ -183,9 +172,10 @@ def check_composes(command: str, overrides: list[str]) -> None:
     multi-line message. Skipped for Hydra's informational flags and sweeps (`check_sweep` composes each job).
 
     Raises:
-        ConfigError: `config.explain_composition_error`'s line.
+        ConfigError: `overrides.explain_composition_error`'s line.
     """
-    from rlhf_cli.config import ConfigError, explain_composition_error
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.overrides import explain_composition_error
 
     if any(o in INFO_FLAGS for o in overrides) or is_multirun(overrides):
         return
@@ -198,25 +188,25 @@ def check_composes(command: str, overrides: list[str]) -> None:
 def resume_overrides(command: str, overrides: list[str]) -> list[str]:
     """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place)."""
     from rlhf_cli.config import ConfigError
-    from rlhf_cli.runs import STAGES, find_resumable, get_status, latest_tag
+    from rlhf_cli.runs import find_resumable, get_status, latest_tag
 
     value = _override_value(overrides, "resume")
     if value is None or value.lower() in ("null", "none", "false", "") or is_multirun(overrides):
         return overrides  # a sweep's resume is refused by check_sweep
-    stage = STAGES[COMMANDS[command][0]]
+    cmd = COMMANDS[command]
     root = _composed_paths_root(command, overrides)
     if value.lower() == "true":
-        run = find_resumable(root, stage, need_checkpoint=command != "eval")
+        run = find_resumable(root, cmd.kind, need_checkpoint=cmd.trains)
         if run is None:
             raise ConfigError(f"resume=true: no unfinished `{command}` run with a checkpoint under "
-                              f"{Path(root) / stage} (failed runs are not resumed)")
-        print(f"resume=true: continuing {run}" + (f" from {latest_tag(run)}" if command != "eval" else ""),
+                              f"{Path(root) / cmd.kind} (failed runs are not resumed)")
+        print(f"resume=true: continuing {run}" + (f" from {latest_tag(run)}" if cmd.trains else ""),
               file=sys.stderr)
     else:
         run = Path(value)
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"resume={value}: not a run dir (no config.yaml there)")
-        if command != "eval" and get_status(run).get("state") == "finished" and latest_tag(run) is None:
+        if cmd.trains and get_status(run).get("state") == "finished" and latest_tag(run) is None:
             raise ConfigError(f"resume={value}: the run finished and its DeepSpeed checkpoint in ds/ is gone (e.g. "
                               f"paths.keep_checkpoints=0): nothing to continue from; its model is {run / 'final'}")
     return [o for o in overrides if not o.lstrip("+").startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
@@ -241,9 +231,7 @@ def _task_for(command: str) -> Callable:
     import hydra
     from omegaconf import DictConfig
 
-    config_name, module_name, _ = COMMANDS[command]
-
-    @hydra.main(version_base="1.3", config_path="conf", config_name=config_name)
+    @hydra.main(version_base="1.3", config_path="conf", config_name=COMMANDS[command].config_name)
     def app(cfg: DictConfig) -> float | None:
         return run_command(command, cfg)
 
@@ -272,7 +260,7 @@ def run_command(command: str, cfg) -> float | None:
     from rlhf_cli import engine
     from rlhf_cli.preflight import VALIDATORS
 
-    config_name, module_name, _ = COMMANDS[command]
+    cmd = COMMANDS[command]
     quiet_libraries()
     from rlhf_cli.errors import USER_ERRORS as errors  # the user's mistakes: one line, exit status 2
     from rlhf_cli.errors import SaveError
@@ -280,7 +268,7 @@ def run_command(command: str, cfg) -> float | None:
     from rlhf_cli.runs import close_open_loggers
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if is_sweep_job(run_dir) and command != "eval":
+    if is_sweep_job(run_dir) and cmd.trains:
         SWEEP_DIRS.add(run_dir.parent)
     try:
         if cfg.get("resume"):  # continue the recorded run: its config, not today's defaults
@@ -289,8 +277,8 @@ def run_command(command: str, cfg) -> float | None:
                 print(f"resume: continuing {run_dir} with its recorded config ({len(kept)} keys differ from this "
                       f"command's defaults and keep their recorded values: {', '.join(kept[:8])}"
                       f"{', ...' if len(kept) > 8 else ''})", file=sys.stderr)
-        VALIDATORS[config_name](cfg, world_size=engine.world_size())
-        module = importlib.import_module(module_name)
+        VALIDATORS[cmd.config_name](cfg, world_size=engine.world_size())
+        module = importlib.import_module(cmd.stage)
         if not hasattr(module, "run"):
             _err(f"`rlhf {command}` is not built yet (config is valid)")
             sys.exit(2)
@@ -358,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         _err(str(e))
         sys.exit(2)
-    from rlhf_cli.config import ConfigError, check_override_keys, register_configs
+    from rlhf_cli.config import ConfigError, register_configs
+    from rlhf_cli.overrides import check_override_keys
 
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -373,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         print(command_help(command))
         sys.exit(0)
     try:
-        for warning in check_override_keys(COMMANDS[command][0], rest):
+        for warning in check_override_keys(COMMANDS[command].config_name, rest):
             if os.environ.get("RANK", "0") == "0":
                 print(f"warning: {warning}", file=sys.stderr)
         if is_multirun(rest) and not any(o in INFO_FLAGS for o in rest):
@@ -390,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     if SWEEP_DIRS:  # the jobs moved no pointer: say where they are and how to compare them
         for d in sorted(SWEEP_DIRS):
             print(f"sweep: {d} (latest_* pointers not moved by sweep jobs); compare its jobs with: "
-                  f"rlhf eval run_dir={d}", file=sys.stderr)
+                  f"{reporter().invocation} run_dir={d}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -14,21 +14,20 @@ Paper symbols map to config keys (the user's vocabulary) and to the long names u
     c2      ppo.c2           ent_coef         entropy-bonus weight
     β       ppo.kl_beta      kl_coef          per-token KL penalty weight
 
-`validate_*` functions (`CHECKS`) do the range checks that a type system cannot; they raise `ConfigError`,
-which the CLI prints as one line (no traceback) and exits with status 2. This module imports nothing of the
-package but its errors; `rlhf_cli.preflight.VALIDATORS` adds the checks of the model paths a config names.
+`validate_*` functions do the range checks that a type system cannot (the command registry,
+`rlhf_cli.commands`, names each command's); they raise `ConfigError`, which the CLI prints as one line (no
+traceback) and exits with status 2. This module imports nothing of the package but its errors and names no
+command; `rlhf_cli.preflight.VALIDATORS` adds the checks of the model paths a config names, and
+`rlhf_cli.overrides` checks the command line's keys against the schema.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import functools
 import math
-import re
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -539,31 +538,7 @@ class RunConfig:
     """The trackers' project, run name and group (`tracker.*`)."""
 
 
-COMMANDS = ("train_rm", "train_ppo", "eval")
 CONFIG_GROUPS = ("model", "data", "deepspeed", "ppo", "experiment")
-
-# the top-level keys each command reads (the shared composition gives every command every section, so that one
-# experiment file serves all three; a key given on the command line must be one its command reads)
-_COMMON = ("model", "data", "paths", "precision", "scoring_precision", "seed", "dry_run", "resume", "experiment")
-COMMAND_KEYS = {
-    "train_rm": (*_COMMON, "deepspeed", "rm", "logger", "tracker"),
-    "train_ppo": (*_COMMON, "deepspeed", "ppo", "reward", "reward_model", "reference", "logger", "tracker"),
-    "eval": (*_COMMON, "eval", "reward", "reward_model", "reference", "policy", "run_dir"),
-}
-# what a user of another toolkit (or of another command) most likely meant by a key this command does not read
-_MEANT = {
-    ("train_rm", "policy.path"): "model.name_or_path", ("train_ppo", "policy.path"): "model.name_or_path",
-    ("train_rm", "reward_model.path"): "model.name_or_path", ("eval", "model.name_or_path"): "policy.path",
-    ("train_rm", "ppo"): "rm", ("train_ppo", "rm"): "ppo", ("eval", "rm"): "eval", ("eval", "ppo"): "eval",
-    ("train_ppo", "rm.lr"): "ppo.actor_lr",
-}
-# sections a shared list of overrides gives every command: where one does nothing, a warning, not an error
-_HARMLESS = ("logger", "tracker")
-# keys that no longer exist -> the one line that says what replaced them
-_REPLACED = {
-    "tensorboard": "tensorboard is no longer a key: TensorBoard is one of the loggers, logger=[jsonl,tensorboard] "
-                   "(without `logger`, metrics go to metrics.jsonl only)",
-}
 
 
 def register_configs() -> None:
@@ -573,10 +548,10 @@ def register_configs() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# key checks for command-line overrides (before Hydra, so the error can suggest the closest key)
+# schema introspection
 
 
-def _schema_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
+def schema_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
     """All dotted keys of a dataclass schema -> whether the key is an open dict (any subkey ok)."""
     out: dict[str, bool] = {}
     hints = typing.get_type_hints(schema)
@@ -584,7 +559,7 @@ def _schema_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
         key, ftype = f"{prefix}{f.name}", hints[f.name]
         if dataclasses.is_dataclass(ftype):
             out[key] = False
-            out.update(_schema_keys(ftype, key + "."))
+            out.update(schema_keys(ftype, key + "."))
         else:
             out[key] = typing.get_origin(ftype) is dict
     return out
@@ -631,120 +606,6 @@ def field_docs(schema: Any = None, prefix: str = "") -> dict[str, str | None]:
     return out
 
 
-def check_override_keys(command: str, overrides: list[str]) -> list[str]:
-    """Reject `a.b=...` overrides whose key is not in the command's schema, suggesting the closest, and keys
-    of the schema the command does not read (`rlhf train-ppo policy.path=...`, see `COMMAND_KEYS`), naming
-    what the user probably meant. Returns a warning line for each harmless key the command ignores
-    (`logger`, `tracker.*` in `rlhf eval`). A key that was replaced (`_REPLACED`: `tensorboard`) says by what.
-
-    Group selections (`model=tiny`), Hydra's own keys (`hydra.*`), additions (`+k=v`), deletions
-    (`~k`) and flags are left to Hydra. Raises ConfigError naming the key and the closest valid one.
-    """
-    warnings: list[str] = []
-    keys = _schema_keys(RunConfig)
-    groups = set(CONFIG_GROUPS)
-    for ov in overrides:
-        if ov.startswith("-") or "=" not in ov:
-            continue
-        key = ov.split("=", 1)[0]
-        if key.startswith(("+", "~", "hydra.", "hydra/")) or "/" in key:
-            continue
-        known = (key.split("@")[0] in groups or key in keys  # a key under an open dict (deepspeed.extra.*) is fine
-                 or any(key.startswith(k + ".") and is_dict for k, is_dict in keys.items()))
-        if known:
-            ignored = _check_command_reads(command, key.split("@")[0], keys)
-            if ignored:
-                warnings.append(ignored)
-            continue
-        if key in _REPLACED:
-            raise ConfigError(_REPLACED[key])
-        mine = [k for k in keys if k.split(".")[0] in COMMAND_KEYS.get(command, ())]  # the command's own first
-        close = (difflib.get_close_matches(key, mine, n=1, cutoff=0.5)
-                 or difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5))
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"unknown config key '{key}' for `rlhf {command.replace('_', '-')}`{hint} "
-                          f"(`rlhf {command.replace('_', '-')} --cfg job` lists every key)")
-    return warnings
-
-
-_TYPE_WORDS = {"Float": "a float", "Integer": "an integer"}
-# OmegaConf's messages for a value a typed key refuses -> what to say after the key's name
-_VALUE_ERRORS = (
-    (r"Value '(.*)' of type '\w+' could not be converted to (\w+)",
-     lambda key, got, kind: f"must be {_TYPE_WORDS.get(kind, kind.lower())} (got '{got}')"),
-    (r"Value '(.*)' is not a valid bool", lambda key, got: f"must be true or false (got '{got}')"),
-    (r"Invalid type assigned: \w+ is not a subclass of \w+\. value: (.*)",
-     lambda key, got: f"is a section of keys, not a value (got '{got}'): set {key}.<key>=<value>"),
-    (r"Cannot convert '\w+' to string: '(.*)'", lambda key, got: f"must be a string (got {got})"),
-    (r"Invalid value assigned: \w+ is not a ListConfig, list or tuple",
-     lambda key: f"must be a list in brackets, e.g. {key}=[a,b]"),
-)
-
-
-def explain_composition_error(e: BaseException, overrides: Sequence[str] = ()) -> str:
-    """One line for an error Hydra or OmegaConf raised composing a command's config from its overrides:
-    `rm.lr must be a float (got 'abc')`, `no model option 'tinyy' (hf, smollm2, tiny)`, a value with an unquoted
-    comma, an override that does not parse (named, found among `overrides`). Anything else: its first line."""
-    cause = e.__cause__ or e
-    text = str(getattr(cause, "msg", None) or cause).strip()
-    first = text.splitlines()[0] if text else type(cause).__name__
-    key = getattr(cause, "full_key", None)
-    if key in _REPLACED:  # an experiment file that still sets it
-        return _REPLACED[key]
-    if key:
-        for pattern, say in _VALUE_ERRORS:
-            m = re.match(pattern, first)
-            if m:
-                return f"{key} {say(key, *m.groups())}"
-        return f"{key}: {first}"
-    missing, options = getattr(e, "missing_cfg_file", None), getattr(e, "options", None)
-    if missing and "/" in str(missing):
-        group, name = str(missing).rsplit("/", 1)
-        return f"no {group} option '{name}'" + (f" ({', '.join(options)})" if options else "")
-    m = re.match(r"Ambiguous value for argument '([^=]+)=(.*)'$", first)
-    if m:
-        k, v = m.groups()
-        return (f"{k}: the value '{v}' holds a comma, which Hydra reads as a list or a sweep; quote it inside the "
-                f"override to keep it as text: \"{k}='{v}'\"")
-    if type(e).__name__ == "OverrideParseException":
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        parser, bad = OverridesParser.create(), "an override"
-        for ov in overrides:
-            try:
-                parser.parse_override(ov)
-            except Exception:  # noqa: BLE001 - the one that does not parse
-                bad = f"'{ov}'"
-                break
-        return f"{bad} does not parse as an override ({first}); quote a value holding []{{}}(),=' characters"
-    return first
-
-
-def _check_command_reads(command: str, key: str, keys: dict[str, bool]) -> str | None:
-    """Raise ConfigError when `key` (given on the command line) is a key `command` does not read, naming what
-    the user probably meant (`rlhf train-ppo policy.path=...` -> `model.name_or_path`); for a harmless switch
-    (a section in `_HARMLESS`) return a warning line instead. None when the command reads it."""
-    section = key.split(".")[0]
-    if command not in COMMAND_KEYS or section in COMMAND_KEYS[command] or section not in keys:
-        return None
-    if section in _HARMLESS:
-        return f"{key} has no effect in `rlhf {command.replace('_', '-')}` (it writes no training metrics)"
-    readers = [c.replace("_", "-") for c, sections in COMMAND_KEYS.items() if section in sections]
-    meant = _MEANT.get((command, key)) or _MEANT.get((command, section))
-    if meant is not None and "." not in meant:  # a section: its key of the same name, if any
-        leaf = key.split(".", 1)[1] if "." in key else ""
-        meant = f"{meant}.{leaf}" if f"{meant}.{leaf}" in keys else f"one of the {meant}.* keys"
-    if meant is None:
-        leaf = key.split(".")[-1]
-        mine = [k for k in keys if k.split(".")[0] in COMMAND_KEYS[command]]
-        close = difflib.get_close_matches(leaf, [k.split(".")[-1] for k in mine], n=1, cutoff=0.8)
-        meant = next((k for k in mine if close and k.split(".")[-1] == close[0]), None)
-    cmd = command.replace("_", "-")
-    raise ConfigError(f"`rlhf {cmd}` does not read {key} (" + (f"an `rlhf {' / '.join(readers)}` key" if readers
-                      else "no command reads it") + ")" + (f"; did you mean {meant}?" if meant else "")
-                      + f" (`rlhf {cmd} --help` lists the keys it reads)")
-
-
 # ----------------------------------------------------------------------------------------------
 # range checks
 
@@ -768,27 +629,6 @@ def _check_finite(prefix: str, section: Any) -> None:
         for v in (value if isinstance(value, (list, tuple, ListConfig)) else [value]):
             _check(not isinstance(v, float) or math.isfinite(v),
                    f"{prefix}.{key} must be a finite number (got {value})")
-
-
-def model_path_keys(cfg: Any, command: str) -> list[tuple]:
-    """(key, kind, what to set instead) of the model paths `command` loads; kind `reward` (scalar head) or `lm`."""
-    root = Path(str(cfg.paths.root))
-    from_run = "run dir, its final/ dir"
-    keys = [("model.name_or_path", None, "set it to a hub id, an HF model dir or a run dir")]
-    if command == "train_ppo":
-        if "model" in reward_sources(cfg):
-            keys.append(("reward_model.path", "reward", f"set it to a `rlhf train-rm` {from_run} or an HF reward-model "
-                                                        f"dir, or leave it unset for {root / 'latest_rm'}"))
-        keys.append(("reference.path", "lm", f"set it to a causal LM (a {from_run} or an HF dir), or leave it "
-                                             f"unset for the policy's initial weights"))
-    elif command == "eval":
-        keys += [("policy.path", "lm", f"set it to a `rlhf train-ppo` {from_run} or an HF causal-LM dir, or leave "
-                                       f"it unset for {root / 'latest_policy'}"),
-                 ("reward_model.path", "reward", f"set it to a `rlhf train-rm` {from_run} or an HF reward-model dir, "
-                                                 f"or leave it unset for the one the policy recorded"),
-                 ("reference.path", "lm", f"set it to a causal LM (a {from_run} or an HF dir), or leave it unset "
-                                          f"for the one the policy recorded")]
-    return keys
 
 
 def validate_common(cfg: Any) -> None:
@@ -956,8 +796,3 @@ def validate_eval(cfg: Any, world_size: int = 1) -> None:
     _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")
     validate_reward(cfg)
     _one_of("eval.split", e.split, ("eval", "train", "all"))
-
-
-CHECKS = {"train_rm": validate_rm, "train_ppo": validate_ppo, "eval": validate_eval}
-"""The config's own checks per command (values, ranges, combinations); `rlhf_cli.preflight.VALIDATORS` adds the
-model paths they name."""

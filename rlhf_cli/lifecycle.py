@@ -316,7 +316,7 @@ def is_sweep_job(run_dir: Path) -> bool:
 def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path | None:
     """The tail of a training run, rank 0 only, after `final/` is written: the resolved config beside the
     model (`final/rlhf_config.yaml`) with its lineage (`final/rlhf_lineage.json`, see lineage.py); the pointer
-    of `kind` (`runs.POINTERS`: `latest_rm`, `latest_policy`) under `paths.root` (not for a sweep job: the
+    of `kind` (`commands.Command.pointer`: `latest_rm`, `latest_policy`) under `paths.root` (not for a sweep job: the
     pointer would name whichever job ran last); status `finished` (with `status`); `ds/` dropped when
     `paths.keep_checkpoints=0`. Returns the pointer's path, or None."""
     (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

@@ -1,20 +1,21 @@
-"""A command's config checks: the config's own (`rlhf_cli.config.CHECKS`), then the local model paths it
-names, read from their config.json files; both before any model loads. `config.py` stays a leaf; this module
+"""A command's config checks: the config's own (its `commands.Command.validator`), then the local model paths
+it names, read from their config.json files; both before any model loads. `config.py` stays a leaf; this module
 knows where models live.
 
-    VALIDATORS[command](cfg, world_size=1)   raises ConfigError (one line) on the first problem
+    VALIDATORS[config_name](cfg, world_size=1)   raises ConfigError (one line) on the first problem
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from omegaconf.errors import MissingMandatoryValue
 
-from rlhf_cli.config import CHECKS, model_path_keys, reward_sources
+from rlhf_cli.commands import COMMANDS, Command, by_config, by_kind, quote
+from rlhf_cli.config import reward_sources
 from rlhf_cli.core import ESTIMATORS
 from rlhf_cli.errors import ConfigError, ModelSourceError
 from rlhf_cli.models.checkpoint import model_architectures, require_scalar_model_dir
@@ -23,7 +24,18 @@ from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.runs import read_pointer
 
 
-def check_model_paths(cfg: Any, command: str) -> None:
+def model_path_keys(cfg: Any, command: Command) -> list[tuple[str, str | None, str]]:
+    """(key, kind, what to set instead) of the model paths `command` loads: `model.name_or_path`, then its
+    `Command.model_paths` (a reward model's only when a reward source is `model`); kind `reward` (scalar head),
+    `lm` or None."""
+    root = Path(str(cfg.paths.root))
+    keys = [("model.name_or_path", None, "set it to a hub id, an HF model dir or a run dir")]
+    model_reward = "model" in reward_sources(cfg)
+    return keys + [(m.key, m.kind, quote(m.hint, root=root)) for m in command.model_paths
+                   if model_reward or not m.needs_model_reward]
+
+
+def check_model_paths(cfg: Any, command: Command) -> None:
     """Every local model path `command` will load exists, holds a model, and the right kind of model: a
     reward model has a scalar head (`*ForSequenceClassification`), a policy or reference has not.
 
@@ -64,10 +76,11 @@ def resolve_reward_model(cfg: Any) -> str | None:
         return None
     path = cfg.reward_model.path
     if path is None:
-        target = read_pointer(cfg.paths.root, "rm")
+        rm = by_kind("rm")
+        target = read_pointer(cfg.paths.root, rm.kind)
         if target is None:
-            raise ConfigError(f"no reward model: set reward_model.path=<run dir or HF dir>, or run `rlhf train-rm` "
-                              f"first (no {Path(cfg.paths.root) / 'latest_rm'}), or use reward.type=checker")
+            raise ConfigError(f"no reward model: set reward_model.path=<run dir or HF dir>, or run `{rm.invocation}` "
+                              f"first (no {Path(cfg.paths.root) / rm.pointer}), or use reward.type=checker")
         path = str(target)
     return require_scalar_model_dir(path, "reward model")
 
@@ -81,14 +94,30 @@ def check_estimator(cfg: Any) -> None:
                           f"ppo.n_samples_per_prompt >= {est.min_group_size} (got {n}; 4-16 is usual)")
 
 
-def validate(command: str, cfg: Any, world_size: int = 1) -> None:
-    """`command`'s config checks, then its model paths. Raises ConfigError."""
-    CHECKS[command](cfg, world_size=world_size)
-    if command == "train_ppo":
+def validate(config_name: str, cfg: Any, world_size: int = 1) -> None:
+    """The checks of the command whose primary config is `config_name`: its validator, the estimator's group
+    size where it reads `ppo`, `reward.function` where it loads it, then its model paths. Raises ConfigError."""
+    command = by_config(config_name)
+    command.validator(cfg, world_size=world_size)
+    if "ppo" in command.reads:
         check_estimator(cfg)
-    if cfg.reward.function and ("function" in reward_sources(cfg) or command == "eval"):
+    if cfg.reward.function and ("function" in reward_sources(cfg) or command.reward_function_always):
         load_reward_function(str(cfg.reward.function))  # a missing file or name fails here, before any model loads
     check_model_paths(cfg, command)
 
 
-VALIDATORS: dict[str, Callable[..., None]] = {command: partial(validate, command) for command in CHECKS}
+class _Validators(Mapping):
+    """{primary config name: its command's checks (`validate`)}, read from the registry at each look-up."""
+
+    def __getitem__(self, config_name: str) -> Callable[..., None]:
+        by_config(config_name)  # KeyError for an unknown one
+        return partial(validate, config_name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([c.config_name for c in COMMANDS.values()])
+
+    def __len__(self) -> int:
+        return len(COMMANDS)
+
+
+VALIDATORS: Mapping[str, Callable[..., None]] = _Validators()

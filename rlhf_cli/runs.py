@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_cli.commands import by_kind
 from rlhf_cli.config import TrackerConfig, leaves
 from rlhf_cli.errors import SaveError
 
 log = logging.getLogger(__name__)
 
-STAGES = {"train_rm": "rm", "train_ppo": "ppo", "eval": "eval"}
-POINTERS = {"rm": "latest_rm", "ppo": "latest_policy"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,16 +69,16 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
 def write_pointer(root: Path | str, stage: str, final_dir: Path | str) -> Path:
     """Atomically point `<root>/latest_rm` (or latest_policy) at `final_dir`; returns the pointer path.
     Raises SaveError when it cannot be written (the old pointer is then unchanged)."""
-    pointer = Path(root) / POINTERS[stage]
+    pointer = Path(root) / by_kind(stage).pointer
     try:
         atomic_write_text(pointer, str(Path(final_dir).resolve()) + "\n")
     except OSError as e:
-        raise save_error(f"the pointer {POINTERS[stage]}", pointer, e) from e
+        raise save_error(f"the pointer {pointer.name}", pointer, e) from e
     return pointer
 
 
 def read_pointer(root: Path | str, stage: str) -> Path | None:
-    pointer = Path(root) / POINTERS[stage]
+    pointer = Path(root) / by_kind(stage).pointer
     if not pointer.is_file():
         return None
     target = Path(pointer.read_text().strip())

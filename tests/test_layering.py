@@ -6,7 +6,7 @@ A module may import the package's modules of a LOWER layer, and of its own unit 
     0  core/  errors.py  seeds.py      (core/: torch and the standard library only; errors.py: stdlib only)
     1  config.py                       (third-party: hydra and omegaconf only)
     2  commands.py                     (the command registry: data naming each command's pieces)
-    3  runs.py
+    3  runs.py  overrides.py            (overrides.py: the command line's keys and Hydra's errors)
     4  engine.py  data/  models/  rewards.py  lineage.py
                                        (engine.py: the only module that imports deepspeed)
     5  forwards/                       (the model forwards every stage uses: log-probs, values, scores, pairs)
@@ -49,7 +49,7 @@ LAYERS = {
     "core": 0, "errors": 0, "seeds": 0,
     "config": 1,
     "commands": 2,
-    "runs": 3,
+    "runs": 3, "overrides": 3,
     "engine": 4, "data": 4, "models": 4, "rewards": 4, "lineage": 4,
     "forwards": 5,
     "preflight": 6, "lifecycle": 6, "rollout": 6, "report": 6,

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlhf_cli.commands import by_kind
 from rlhf_cli.errors import ModelSourceError
 from rlhf_cli.models.loading import atomic_dir, fix_pad_token, looks_like_hub_id, resolve_hf_dir
 from rlhf_cli.runs import save_error
@@ -176,13 +177,13 @@ def require_scalar_model_dir(path: str | os.PathLike, what: str = "reward model"
         local = Path(str(path)).expanduser()
         why = ("no config.json" if local.exists() else "the path does not exist" if not looks_like_hub_id(str(path))
                else "not a local path, and not a model in the hub cache")
-        raise ModelSourceError(f"{what} '{path}' holds no model ({why}); point it at the output of `rlhf train-rm` "
-                               f"(a run dir or its final/) or an HF reward-model dir")
+        raise ModelSourceError(f"{what} '{path}' holds no model ({why}); point it at the output of "
+                               f"`{by_kind('rm').invocation}` (a run dir or its final/) or an HF reward-model dir")
     archs = config.get("architectures") or []
     if not any(_is_scalar_class(a) for a in archs):
         kind = ", ".join(archs) or "no architecture"
         raise ModelSourceError(
-            f"{what} '{path}' is not a reward model ({kind}); point it at the output of `rlhf train-rm`")
+            f"{what} '{path}' is not a reward model ({kind}); point it at the output of `{by_kind('rm').invocation}`")
     return resolve_hf_dir(str(path))
 
 

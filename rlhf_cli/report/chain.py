@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli import lineage
+from rlhf_cli.commands import COMMANDS, reporter
 from rlhf_cli.core import reward_hacking
 from rlhf_cli.report.html import Section, Table
 from rlhf_cli.report.plots import HIST_FILE, plot_length_vs_reward, plot_rewards, plot_run
@@ -38,13 +39,14 @@ from rlhf_cli.report.read import (
 
 EVAL_FILE = "eval.json"
 RESPONSES_FILE = "responses.jsonl"
-STAGE_PANELS = {
-    "rm": ("reward-model training", ("rm_loss", "rm_accuracy", "rm_margin")),
-    "ppo": ("PPO training", ("ppo_score", "ppo_kl", "ppo_kl_beta", "ppo_entropy", "ppo_length", "ppo_eos",
-                             "ppo_clipfrac", "ppo_loss", "ppo_explained_var")),
-}
-"""Per training stage: the section's name and the `plots.PANELS` it draws (RM accuracy overlays held-out accuracy;
-the PPO loss panel holds the value loss)."""
+
+
+def stage_panels() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """{run-dir kind: its `commands.Command.report`}, in registry order: the section's name and the `plots.PANELS`
+    it draws (RM accuracy overlays held-out accuracy; the PPO loss panel holds the value loss)."""
+    return {c.kind: c.report for c in COMMANDS.values() if c.report}
+
+
 SAMPLE_WIDTHS = ["18%", "28%", "7%", "7%", "26%", "7%", "7%"]
 
 
@@ -83,11 +85,11 @@ def chain_runs(run_dir: Path | str) -> list[tuple[str, Path]]:
             if not isinstance(parent, dict):
                 continue
             run, stage = parent.get("run_dir"), parent.get("stage")
-            if not isinstance(run, str) or stage not in STAGE_PANELS or not Path(run).is_dir() or Path(run) in found:
+            if not isinstance(run, str) or stage not in stage_panels() or not Path(run).is_dir() or Path(run) in found:
                 continue
             found[Path(run)] = stage
             queue.append(_lineage(Path(run)))
-    order = list(STAGE_PANELS)
+    order = list(stage_panels())
     return sorted(((stage, run) for run, stage in found.items()), key=lambda x: order.index(x[0]))
 
 
@@ -158,7 +160,7 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
         out.append(f"The ground truth says: {'; '.join(truths)}.")
     else:
         out.append("There is no ground truth for these prompts (no answers for the checker, no reward.function "
-                   "given to rlhf eval): the reward model is the only judge.")
+                   f"given to {reporter().invocation}): the reward model is the only judge.")
     if "kl_k3" in r:
         out.append(f"The policy spent {r['kl_k3']:.3f} ± {r['kl_k3_ci95']:.3f} nats of KL from the reference per "
                    f"response (k3 estimator; k1 reads {r['kl_k1']:.3f}).")
@@ -227,7 +229,8 @@ def _length_vs_reward(rows: list[dict[str, Any]], out_dir: Path) -> Section:
                 "Each dot is one held-out response (tokens on x), with a least-squares line per side. A policy "
                 "cloud shifted right along a rising line is the commonest hack: longer, not better."))
     if not rows:
-        return Section(title, text=f"This eval predates {RESPONSES_FILE}: run `rlhf eval` again for this plot.")
+        return Section(title, text=f"This eval predates {RESPONSES_FILE}: run `{reporter().invocation}` again for this "
+                                      "plot.")
     return Section(title, text="No per-response reward to plot (no reward model and no reward.function).")
 
 
@@ -243,7 +246,7 @@ def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
         sentences, alert = policy_headline(results)
         sections = [Section("Did RLHF help?", text=" ".join(sentences), alert=alert)]
     for i, (stage, run) in enumerate(runs):
-        name, panels = STAGE_PANELS[stage]
+        name, panels = stage_panels()[stage]
         images = plot_run(run, out_dir / f"{i}_{stage}_{run.name}", panels=panels, rewards=False)
         sections.append(Section(f"{name}: {run}", images=images,
                                 text="" if images else "this run logged none of these metrics"))
@@ -272,6 +275,6 @@ def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
                                 tables=[Table(["key", "value"], config_rows(read_config(run), stage))],
                                 collapsed=True))
     if config:
-        sections.append(Section("config of this eval", tables=[Table(["key", "value"], config_rows(config, "eval"))],
-                                collapsed=True))
+        own = config_rows(config, reporter().kind)
+        sections.append(Section("config of this eval", tables=[Table(["key", "value"], own)], collapsed=True))
     return title, sections

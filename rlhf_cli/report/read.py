@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rlhf_cli.commands import COMMANDS, kinds
 from rlhf_cli.runs import read_metrics
 
 log = logging.getLogger(__name__)
@@ -68,18 +69,18 @@ def job_dirs(sweep: Path | str) -> list[Path]:
 
 
 def run_stage(run_dir: Path | str, records: Records | None = None) -> str:
-    """`rm`, `ppo` or `eval` from the run dir's place (`<stage>/<run>` or `<stage>/sweep-*/<job>`),
-    else from the metric names (`rm/...` → rm, `objective/...` → ppo), else `""`."""
+    """The run-dir kind (`rm`, `ppo`, `eval`: `commands.kinds()`) from the run dir's place (`<stage>/<run>` or
+    `<stage>/sweep-*/<job>`), else from the metric names (`commands.Command.metric_prefixes`: `rm/...` → rm,
+    `objective/...` → ppo), else `""`."""
     run_dir = Path(run_dir).resolve()
     parent = run_dir.parent
     stage = parent.parent.name if parent.name.startswith("sweep-") else parent.name
-    if stage in ("rm", "ppo", "eval"):
+    if stage in kinds():
         return stage
     names = set().union(*(r.keys() for r in records or []))
-    if any(n.startswith(("rm/", "eval/rm/")) for n in names):
-        return "rm"
-    if any(n.startswith("objective/") for n in names):
-        return "ppo"
+    for c in COMMANDS.values():
+        if c.metric_prefixes and any(n.startswith(c.metric_prefixes) for n in names):
+            return c.kind
     return ""
 
 
@@ -194,8 +195,10 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_rows(cfg: dict[str, Any], stage: str) -> list[list[Any]]:
-    """Flattened `key, value` rows of the config, without the other training stage's section."""
-    skip = {"rm", "ppo"} - {stage}
+    """Flattened `key, value` rows of the config of a run of kind `stage`, without the other training commands'
+    own sections (`commands.Command.section`)."""
+    skip = ({c.section for c in COMMANDS.values() if c.trains}
+            - {c.section for c in COMMANDS.values() if c.kind == stage})
     return [[k, v] for k, v in flatten({k: v for k, v in cfg.items() if k not in skip}).items()]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from rlhf_cli.commands import COMMANDS
 from rlhf_cli.report.html import Section, Table
 from rlhf_cli.report.plots import PANELS, plot_jobs
 from rlhf_cli.report.read import (
@@ -30,13 +31,12 @@ from rlhf_cli.report.read import (
 )
 from rlhf_cli.runs import get_status
 
-HEADLINE_METRICS: dict[str, tuple[tuple[str, str, int], ...]] = {
-    "rm": (("eval/rm/accuracy", "held-out acc", 1), ("rm/accuracy", "train acc", 1), ("rm/loss", "loss", -1)),
-    "ppo": (("objective/rlhf_reward", "reward", 1), ("objective/scores", "RM score", 1), ("objective/kl", "KL", 0),
-            ("response/length_mean", "length", 0)),
-}
-"""Per stage, (metric, short column label, direction): +1 higher is better, -1 lower is better, 0 no better side.
-The sweep table shows those a job logged; it is sorted by the first with a direction that any job logged."""
+
+def headline_metrics(stage: str) -> tuple[tuple[str, str, int], ...]:
+    """The `commands.Command.headline` of run-dir kind `stage` (none for an unknown one): (metric, short column
+    label, direction), +1 higher is better, -1 lower is better, 0 no better side. The sweep table shows those a
+    job logged; it is sorted by the first with a direction that any job logged."""
+    return next((c.headline for c in COMMANDS.values() if c.kind == stage), ())
 
 
 @dataclass
@@ -79,7 +79,7 @@ def summarize(jobs: list[Path]) -> SweepSummary:
     shared_overrides = {k: value[jobs[0]].get(k, "") for k in keys if k not in swept}
     stage = run_stage(jobs[0], records[jobs[0]])
     logged = set().union(*(metric_names(r) for r in records.values()))
-    headline = [h for h in HEADLINE_METRICS.get(stage, ()) if h[0] in logged]
+    headline = [h for h in headline_metrics(stage) if h[0] in logged]
     if not headline:  # an unknown stage: the first three metrics logged
         headline = [(n, n, 0) for n in list(dict.fromkeys(n for r in records.values() for n in metric_names(r)))[:3]]
     states = {j: get_status(j).get("state", "") for j in jobs}

@@ -20,6 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine, lineage
+from rlhf_cli.commands import by_stage
 from rlhf_cli.config import ConfigError, ModelConfig
 from rlhf_cli.core import (
     mean_ci95,
@@ -65,6 +66,7 @@ from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
 
 log = logging.getLogger(__name__)
+COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
 
 
 def _model_cfg(path: str, base: Any) -> Any:
@@ -83,7 +85,7 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
     rm_dir = require_scalar_model_dir(rm_path, "reward model")
     tokenizer = load_tokenizer(_model_cfg(rm_dir, cfg.model))
     data = load_preference_data(cfg.data, tokenizer)
-    lineage.record(run_dir, cfg, "eval", data.summary, {"reward_model": rm_dir}, write=engine.is_main())
+    lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"reward_model": rm_dir}, write=engine.is_main())
     pairs = {"eval": data.eval, "train": data.train, "all": list(data.train) + list(data.eval)}[cfg.eval.split]
     if cfg.eval.num_prompts:
         pairs = pairs[: cfg.eval.num_prompts]
@@ -143,7 +145,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
         why = f"eval.num_prompts={e.num_prompts}" if cut else f"all the eval split of {src} holds"
         raise ConfigError(f"{n} eval prompt(s) for {ws} processes ({why}): each process needs at least one, so run "
                           f"at most {n}" + (" or raise eval.num_prompts" if cut else ""))
-    lineage.record(run_dir, cfg, "eval", prompts.summary, parents, write=engine.is_main())
+    lineage.record(run_dir, cfg, COMMAND.kind, prompts.summary, parents, write=engine.is_main())
     prompts = prompts[:n]
     mine = prompts[engine.rank()::ws]
 
@@ -152,8 +154,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     reference = load_causal_lm(ref_cfg, cfg.precision, ref_seed, tokenizer=tokenizer)
     reward_model, rm_stats = None, None
     if any(w is not None for w in cfg.reward.weights.values()):
-        log.warning("rlhf eval does not sum reward.weights: it reports each source on its own (the reward model, "
-                    "the checker where prompts have answers, and reward.function when set)")
+        log.warning("%s does not sum reward.weights: it reports each source on its own (the reward model, the "
+                    "checker where prompts have answers, and reward.function when set)", COMMAND.invocation)
     function = load_reward_function(cfg.reward.function) if cfg.reward.function else None
     if rm_path is not None and cfg.reward.type == "model":
         rm_dir = require_scalar_model_dir(rm_path, "reward model")
@@ -333,8 +335,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     run_dir = prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
     if lora_enabled(cfg.model.lora) and engine.is_main():
-        log.warning("model.lora.r=%d has no effect in `rlhf eval`: a LoRA run's final/ holds merged plain weights, "
-                    "evaluated as they are", cfg.model.lora.r)
+        log.warning("model.lora.r=%d has no effect in `%s`: a LoRA run's final/ holds merged plain weights, "
+                    "evaluated as they are", cfg.model.lora.r, COMMAND.invocation)
     policy_path, rm_path = cfg.policy.path, cfg.reward_model.path
     if policy_path is None and rm_path is None:
         target = read_pointer(cfg.paths.root, "ppo")
@@ -366,7 +368,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if engine.is_main():
         atomic_write_json(run_dir / "eval.json",
                           {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)})
-        print_table("eval", {k: v for k, v in results.items() if k not in ("samples", "data")})
+        print_table(COMMAND.name, {k: v for k, v in results.items() if k not in ("samples", "data")})
         if results.get("samples"):
             print_summary(console, ["prompt", "policy", "score", "reference", "score"],
                           [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120],
@@ -375,7 +377,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             report = build_report(run_dir)
         except Exception as e:  # noqa: BLE001 - eval.json is written: a page that cannot be drawn fails nothing
             report = f"not written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); " \
-                     f"`rlhf eval run_dir={run_dir}` tries again"
+                     f"`{COMMAND.invocation} run_dir={run_dir}` tries again"
             log.warning("report %s", report)
         set_status(run_dir, "finished")
         if results.get("headline"):

@@ -32,6 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine, lineage
+from rlhf_cli.commands import by_kind, by_stage
 from rlhf_cli.config import ConfigError, PPOConfig, reward_sources
 from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
@@ -60,6 +61,7 @@ from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set
 from rlhf_cli.stages.common import check_same_tokenizer, model_source, print_table, trained_parameters
 
 log = logging.getLogger(__name__)
+COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
 
 # what only a critic reads: said once when a critic-free estimator makes them moot
 CRITIC_KEYS = ("critic", "critic_init", "critic_lr", "c1", "value_clip", "lam")
@@ -99,7 +101,7 @@ class PPOTrainer(PolicyLearner):
     def load_data(self) -> None:
         cfg = self.cfg
         self.prompts = load_prompt_data(cfg.data, self.tokenizer, split="train")
-        lineage.record(self.run_dir, cfg, "ppo", self.prompts.summary,
+        lineage.record(self.run_dir, cfg, COMMAND.kind, self.prompts.summary,
                        {"model": model_source(cfg.model), "reference": cfg.reference.path or model_source(cfg.model),
                         "reward_model": resolve_reward_model(cfg)}, write=engine.is_main())
         if len(self.prompts) < self.p.rollout_batch_size:
@@ -116,8 +118,8 @@ class PPOTrainer(PolicyLearner):
                 log.warning("%s: no effect with ppo.advantage_estimator=%s (critic-free: no critic, value loss or "
                             "GAE)", ", ".join(unused), p.advantage_estimator)
         if self.cfg.data.group_by_length:
-            log.warning("data.group_by_length=true has no effect in train-ppo: prompts are drawn in a plain "
-                        "shuffled order (it groups train-rm's pairs)")
+            log.warning("data.group_by_length=true has no effect in %s: prompts are drawn in a plain shuffled order "
+                        "(it groups %s's pairs)", COMMAND.name, by_kind("rm").name)
 
     def build_models(self) -> None:
         cfg, p = self.cfg, self.p
@@ -130,9 +132,9 @@ class PPOTrainer(PolicyLearner):
                 log.warning("ppo.offload_reference=true: with LoRA the reference is the policy with its adapters off, "
                             "so there is no reference copy to offload (the reward model still is)")
             if cfg.model.lora.dropout:
-                log.warning("model.lora.dropout=%g has no effect in train-ppo: every dropout is off, so that the "
+                log.warning("model.lora.dropout=%g has no effect in %s: every dropout is off, so that the "
                             "rollout's log-probs and the update's forward see the same function",
-                            cfg.model.lora.dropout)
+                            cfg.model.lora.dropout, COMMAND.name)
         policy = disable_dropout(policy)
         # with LoRA (and no reference.path) the reference is the policy with its adapters off: no second copy
         reference = None
@@ -246,7 +248,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         n_params = count_parameters(policy)
         if lora_enabled(cfg.model.lora):  # its target modules are checked here too
             add_lora(policy, cfg.model.lora, what="policy")
-        print_table(f"train-ppo (dry run): {run_dir}", {
+        print_table(f"{COMMAND.name} (dry run): {run_dir}", {
             "policy": cfg.model.name, "params (non-embedding)": n_params,
             "trained policy params": trained_parameters(policy, cfg.model.lora),
             "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,
@@ -257,7 +259,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             set_status(run_dir, "dry_run")
         return None
     tr.build_models()
-    print_table(f"train-ppo: {run_dir}", {
+    print_table(f"{COMMAND.name}: {run_dir}", {
         "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "trained policy params": tr.trained,
         "reference": ("the policy with its LoRA adapters off" if isinstance(tr.reference, FrozenWithoutAdapters)
                       else cfg.reference.path or cfg.model.name),
@@ -284,7 +286,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         tr.bad_steps = int(state.get("bad_steps", 0))
 
     # 3. loop
-    progress = Progress(p.iterations, "train-ppo", PROGRESS_KEYS, enabled=engine.is_main(), start=start)
+    progress = Progress(p.iterations, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
     record: dict[str, float] = {}
@@ -337,16 +339,16 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     actor_sd = tr.actor.consolidated_state_dict()
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
     if engine.is_main():
-        extra = {"rlhf_stage": "ppo", "rlhf_reference_model": tr.reference_spec,
+        extra = {"rlhf_stage": COMMAND.kind, "rlhf_reference_model": tr.reference_spec,
                  "rlhf_reward_model_path": abs_path(tr.rm_path), "rlhf_reward_type": cfg.reward.type,
                  "rlhf_reward_sources": reward_sources(cfg), "rlhf_reward_function": cfg.reward.function,
                  "rlhf_advantage_estimator": p.advantage_estimator}
         save_policy(final, tr.actor.module, actor_sd, tr.tokenizer, extra,
                     tr.critic.module if tr.critic is not None else None, critic_sd, base=model_source(cfg.model),
                     critic_base=tr.critic_base)
-        pointer = finish_run(cfg, run_dir, final, "ppo", iterations=done)
+        pointer = finish_run(cfg, run_dir, final, COMMAND.kind, iterations=done)
         summary = ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")
-        print_table("train-ppo finished", {k: record.get(k) for k in summary}
+        print_table(f"{COMMAND.name} finished", {k: record.get(k) for k in summary}
                     | {"checkpoint": str(final), "pointer": str(pointer or "not moved (a sweep job)")})
     engine.barrier()
     metrics.close()

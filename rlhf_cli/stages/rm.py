@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine, lineage
+from rlhf_cli.commands import by_stage
 from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import epoch_order, example_length, load_preference_data
 from rlhf_cli.errors import ConfigError
@@ -34,6 +35,7 @@ from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 from rlhf_cli.stages.common import model_source, print_table, trained_parameters
 
 log = logging.getLogger(__name__)
+COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
 
 PROGRESS_KEYS = ["rm/loss", "rm/accuracy", "throughput/pairs_per_s"]
 
@@ -48,7 +50,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     tokenizer = load_tokenizer(cfg.model)
     data = load_preference_data(cfg.data, tokenizer)
     train, heldout = data.train, data.eval
-    lineage.record(run_dir, cfg, "rm", data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
+    lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
     if len(train) < rmc.batch_size:
         raise ConfigError(f"only {len(train)} training pairs, fewer than rm.batch_size={rmc.batch_size}")
 
@@ -65,7 +67,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         log.warning("each epoch trains on %d of %d pairs: the last partial batch of %d is dropped (rm.batch_size=%d; "
                     "each epoch reshuffles, so different pairs sit out)", len(train) - dropped, len(train), dropped,
                     rmc.batch_size)
-    print_table(f"train-rm: {run_dir}", {
+    print_table(f"{COMMAND.name}: {run_dir}", {
         "model": cfg.model.name, "params (non-embedding)": n_params,
         "trained params": trained_parameters(model, cfg.model.lora),
         "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
@@ -95,7 +97,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
     lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
     per_rank = rmc.batch_size // engine.world_size()
-    progress = Progress(total_steps, "train-rm", PROGRESS_KEYS, enabled=engine.is_main(), start=step)
+    progress = Progress(total_steps, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=step)
     order_epoch, order = -1, []
     eval_stats: dict[str, float] = {}
     eng.train()
@@ -168,11 +170,12 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if engine.is_main():
         stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
         save_model(eng.module, state_dict, with_scoring_template(tokenizer), final, model_source(cfg.model),
-                   extra_config={**stats, "rlhf_stage": "rm", "rlhf_eval_accuracy": final_stats.get("rm/accuracy")})
+                   extra_config={**stats, "rlhf_stage": COMMAND.kind,
+                                 "rlhf_eval_accuracy": final_stats.get("rm/accuracy")})
         atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,
                                                      "reward_std": reward_std, "steps": step})
-        pointer = finish_run(cfg, run_dir, final, "rm", steps=step)
-        print_table("train-rm finished", {**{f"eval {k}": v for k, v in final_stats.items()},
+        pointer = finish_run(cfg, run_dir, final, COMMAND.kind, steps=step)
+        print_table(f"{COMMAND.name} finished", {**{f"eval {k}": v for k, v in final_stats.items()},
                                           "reward mean/std": ("none (no held-out pairs)" if reward_mean is None
                                                               else f"{reward_mean:.4g} / {reward_std:.4g}"),
                                           "checkpoint": str(final),

@@ -1,0 +1,152 @@
+"""The command registry (`rlhf_cli/commands.py`): the one module of the package that names a command. A new
+command is one registry entry, one stage module and one schema; no other module of the package changes."""
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rlhf_cli import commands
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_cli"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that stand alone as statements (module, class, function and attribute
+    docstrings): prose, not code."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        for stmt in body if isinstance(body, list) else []:
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+                out.add(id(stmt.value))
+    return out
+
+
+def command_literals(text: str) -> list[tuple[int, str]]:
+    """(line, literal) of each string in `text`'s code (docstrings and comments aside) that names a command of
+    the registry: `rlhf <name>` anywhere, a name or config name spelt with `-` or `_` as a word, or a literal equal
+    to one (a name that is also a config section, `eval`, only in the first form)."""
+    sections = set(commands.config.RunConfig.__dataclass_fields__)
+    words = [w for c in commands.COMMANDS.values() for w in (c.name, c.config_name) if "-" in w or "_" in w]
+    pattern = re.compile("|".join([rf"rlhf {re.escape(c.name)}\b" for c in commands.COMMANDS.values()]
+                                  + [rf"(?<![\w-]){re.escape(w)}(?![\w-])" for w in words]))
+    exact = {w for c in commands.COMMANDS.values() for w in (c.name, c.config_name) if w not in sections}
+    tree = ast.parse(text)
+    docs = _docstrings(tree)
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+            and (node.value in exact or pattern.search(node.value))]
+
+
+def test_no_module_but_the_registry_names_a_command():
+    found = {f"{p.relative_to(PACKAGE)}:{line}: {value!r}"
+             for p in sorted(PACKAGE.rglob("*.py")) if p.name != "commands.py"
+             for line, value in command_literals(p.read_text())}
+    assert found == set(), "read the command from rlhf_cli.commands instead"
+
+
+def test_the_scan_finds_command_names_in_code_and_passes_prose():
+    src = ('"""`rlhf train-rm` in a docstring is prose."""\n'
+           'x = {"train_ppo": 1}\n'
+           'def f(run_dir):\n'
+           '    """train-ppo here too."""\n'
+           '    return f"run `rlhf eval run_dir={run_dir}`", "split", "eval", "train-rm finished"\n')
+    found = command_literals(src)
+    assert [line for line, _ in found] == [2, 5, 5]
+    assert {value for _, value in found} == {"train_ppo", "run `rlhf eval run_dir=", "train-rm finished"}
+
+
+def test_the_registry_is_consistent():
+    names = list(commands.COMMANDS)
+    assert [c.name for c in commands.COMMANDS.values()] == names
+    for field in ("config_name", "stage", "kind"):
+        values = [getattr(c, field) for c in commands.COMMANDS.values()]
+        assert len(set(values)) == len(values), field
+    conf = PACKAGE / "conf"
+    for c in commands.COMMANDS.values():
+        assert (conf / f"{c.config_name}.yaml").is_file()
+        assert (PACKAGE.parent / (c.stage.replace(".", "/") + ".py")).is_file()
+        text = (conf / f"{c.config_name}.yaml").read_text()
+        assert f"${{paths.root}}/{c.kind}/" in text and f"app_name: {c.invocation}" in text  # the YAML agrees
+        assert commands.by_config(c.config_name) is c and commands.by_kind(c.kind) is c
+        assert commands.by_stage(c.stage) is c
+        schema = set(commands.config.RunConfig.__dataclass_fields__) | {"experiment"}
+        assert set(c.reads) <= schema, c.name
+        assert c.section is None or c.section in c.reads
+        for m in c.model_paths:
+            assert m.key.split(".")[0] in c.reads
+            commands.quote(m.hint, root=Path("runs"))  # every placeholder resolves
+    assert commands.reporter().kind == "eval"
+    with pytest.raises(KeyError):
+        commands.by_kind("nope")
+
+
+TOY_STAGE = '''
+"""A toy stage: writes a metric and a final/ model dir through the library, as every stage does."""
+from rlhf_cli.commands import by_stage
+from rlhf_cli.lifecycle import finish_run, prepare_run_dir
+from rlhf_cli.runs import MetricsLogger
+
+COMMAND = by_stage(__name__)
+
+
+def run(cfg, run_dir):
+    run_dir = prepare_run_dir(cfg, run_dir)
+    logger = MetricsLogger(run_dir)
+    logger.log(1, {"toy/loss": 0.25})
+    logger.close()
+    final = run_dir / "final"
+    final.mkdir()
+    finish_run(cfg, run_dir, final, COMMAND.kind, steps=1)
+    return 0.25
+'''
+
+
+def test_a_new_command_is_one_entry_one_stage_module_and_one_schema(tmp_path, monkeypatch, capsys):
+    """`rlhf train-toy` from a registry entry, a stage module and a primary config (registered in Hydra's
+    ConfigStore here, a YAML in conf/ for a real command): help, key checks, validation, the run dir, its
+    pointer, resume and the sweep report all follow, with no other module touched."""
+    from hydra.core.config_store import ConfigStore
+
+    from rlhf_cli import cli, config, overrides
+    from rlhf_cli.errors import ConfigError
+    from rlhf_cli.report.read import run_stage
+    from rlhf_cli.report.sweep import headline_metrics
+    from rlhf_cli.runs import read_pointer
+
+    (tmp_path / "toy_stage.py").write_text(TOY_STAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ConfigStore.instance().store(name="train_toy", node={
+        "defaults": ["run_schema", {"model": "tiny"}, {"data": "builtin"}, {"deepspeed": "zero0"},
+                     {"ppo": "default"}, "_self_", {"experiment": None}],
+        "hydra": {"job": {"name": "train_toy", "chdir": False},
+                  "run": {"dir": "${paths.root}/toy/${now:%Y%m%d-%H%M%S-%f}"}}})
+    toy = commands.Command(
+        name="train-toy", config_name="train_toy", stage="toy_stage", kind="toy", pointer="latest_toy",
+        help="train a toy", reads=(*commands._COMMON, "rm", "logger", "tracker"), validator=config.validate_rm,
+        trains=True, section="rm", headline=(("toy/loss", "loss", -1),), metric_prefixes=("toy/",))
+    monkeypatch.setitem(commands.COMMANDS, toy.name, toy)
+
+    assert "train-toy  train a toy" in cli.usage()
+    assert "rm.lr=" in cli.command_help("train-toy") and "ppo.clip=" not in cli.command_help("train-toy")
+    with pytest.raises(ConfigError, match=r"`rlhf train-toy` does not read ppo.clip"):
+        overrides.check_override_keys("train_toy", ["ppo.clip=0.1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'rm.lrr' for `rlhf train-toy`; did you mean 'rm.lr'"):
+        overrides.check_override_keys("train_toy", ["rm.lrr=1"])
+
+    root = tmp_path / "runs"
+    monkeypatch.setattr("sys.argv", ["rlhf"])
+    cli.main(["train-toy", f"paths.root={root}", "rm.lr=1e-4"])
+    (run_dir,) = (root / "toy").iterdir()
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert read_pointer(root, "toy") == (run_dir / "final").resolve()
+    assert (root / "latest_toy").is_file()
+    assert run_stage(run_dir) == "toy" and headline_metrics("toy") == (("toy/loss", "loss", -1),)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # a finished run with no checkpoint: said in the command's words
+        cli.main(["train-toy", f"paths.root={root}", f"resume={run_dir}"])
+    assert exit_.value.code == 2
+    assert "the run finished and its DeepSpeed checkpoint in ds/ is gone" in capsys.readouterr().err
