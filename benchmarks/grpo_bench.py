@@ -362,7 +362,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     ]
     notes = [
         "scoring: checker + reference log-probs + advantages for both; on-policy (one optimizer step per rollout) "
-        "both take the old log-probs from the training forward (ours: `ExperienceMaker.old_from_training`)",
+        "both take the old log-probs from the training forward (ours: `UpdatePlan.on_policy`)",
         "eval: `rlhf eval` with ours as policy and TRL's final policy as reference (same prompts, same per-prompt "
         "noise, fp32); its KL row is between the two trained policies and is not shown",
         f"benchmark preparation (prompts, policy dir) {sum(r['prep_s'] for r in runs):.0f} s; logs and runs under "

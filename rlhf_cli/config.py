@@ -193,7 +193,7 @@ class DataConfig:
     hides chosen from rejected (`rlhf_cli.data.PackedPairCollator`). train-ppo: the prompt of a group of
     `ppo.n_samples_per_prompt` responses once (`rlhf_cli.rollout.pack_rollout`) in every pass: reward model,
     reference, policy and critic, no-grad and training (each row keeps its micro-batch across `ppo.epochs`,
-    `rlhf_cli.rollout.learner.update_order`, so it has one layout in every pass). Groups that begin alike (the
+    `rlhf_cli.rollout.plan.update_order`, so it has one layout in every pass). Groups that begin alike (the
     chat template's system prompt) share a trie where the model's shape says that costs less
     (`rlhf_cli.models.attention_tokens`).
     `rlhf eval` of a policy: its reward-model and KL passes run packed.
@@ -370,7 +370,9 @@ class PPOConfig:
     max_bad_steps: int = 3
     """Abort after this many skipped steps with NaN/inf losses."""
     max_kl: float | None = 50.0
-    """Abort when the rollout KL (nats per sequence) exceeds this (null disables)."""
+    """Abort when the rollout KL (nats per sequence, `objective/kl`) exceeds this (null disables). Checked after
+    the iteration's update, when the rollout's KL statistics are complete (an on-policy update's first forward
+    gives its old log-probs); the aborted iteration is not saved."""
     sample_every: int = 1
     """Log a few sample completions every N iterations (0 = never)."""
     save_every: int = 0

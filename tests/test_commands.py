@@ -20,8 +20,9 @@ def _docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         for stmt in body if isinstance(body, list) else []:
-            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
-                out.add(id(stmt.value))
+            value = stmt.value if isinstance(stmt, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                out.add(id(value))
     return out
 
 

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from rlhf_cli.rollout.forward import Forward
+from rlhf_cli.rollout.plan import UpdatePlan
+
 
 @dataclass
 class Experience:
@@ -16,7 +19,7 @@ class Experience:
     input_ids: torch.Tensor  # (B, P+R) long, [left-padded prompt | right-padded response]
     attention_mask: torch.Tensor  # (B, P+R) long, 1 = real token
     mask: torch.Tensor  # (B, R) float, 1 = real response token (EOS included) that enters the loss
-    logprobs: torch.Tensor  # (B, R) float32, old log π(a_t|s_t) at temperature, 0 on padding
+    logprobs: torch.Tensor  # (B, R) float32, old log π(a_t|s_t) at temperature, 0 on padding (see `plan`)
     ref_logprobs: torch.Tensor  # (B, R) float32, log π_ref(a_t|s_t) at temperature
     values: torch.Tensor  # (B, R) float32, old V(s_t)
     rewards: torch.Tensor  # (B, R) float32, −β·kl_t plus the score at the last real token
@@ -27,23 +30,31 @@ class Experience:
     layouts: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
     """`rollout.PackedRollout` of row sets, keyed by their row indices in order: the packed layouts the no-grad
     passes built (`data.packing`), so the update's forwards of the same micro-batch reuse them."""
-    carried: Any = field(default=None, repr=False)
-    """A list of (row indices, `learner.Forward`) of the update's first micro-batches, in update order, or None:
-    their training forwards, which the maker ran at the rollout's weights (`ExperienceMaker.carries_forward`) and
-    whose detached outputs are these rows' old log-probs and values; the update's backward of each micro-batch
-    goes through its own (each used once; None when all are). On a micro-batch (`rows`): that micro-batch's
-    `Forward`, when it is a carried one."""
+    forwards: dict[tuple[int, ...], Forward] = field(default_factory=dict, repr=False)
+    """Training forwards (`rollout.forward.Forward`, with their graphs) of row sets, keyed as `layouts`: the update's
+    first micro-batches' forwards, which the rollout ran at its weights (`UpdatePlan.carry`) and whose detached
+    outputs are these rows' old log-probs and values. The update takes each (`PolicyLearner.micro_batches` moves
+    it onto its micro-batch) and backpropagates through it once; none is left after the update."""
+    plan: UpdatePlan | None = field(default=None, repr=False)
+    """The iteration's update (`PolicyLearner.plan`): its micro-batch order and what the rollout folded into it.
+    `plan.on_policy`: `logprobs` are filled in by the update's own forward (zeros until then)."""
 
     def rows(self, idx: torch.Tensor) -> Experience:
         """The rows `idx` as an Experience of their own (a micro-batch); it keeps their packed layout, if known."""
-        sliced = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name not in ("layouts", "carried")}
+        kept = ("layouts", "forwards", "plan")
+        sliced = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name not in kept}
         layout = self.layouts.get(tuple(idx.tolist()))
-        return Experience(**sliced, layouts={} if layout is None else {tuple(range(len(idx))): layout})
+        return Experience(**sliced, layouts={} if layout is None else {tuple(range(len(idx))): layout}, plan=self.plan)
 
     @property
     def layout(self) -> Any:
         """The packed layout of all rows, in order (a `rollout.PackedRollout`), or None when none was built."""
         return self.layouts.get(tuple(range(self.input_ids.shape[0])))
+
+    @property
+    def forward(self) -> Forward | None:
+        """The training forward of all rows, in order (a micro-batch's, moved onto it by the update), or None."""
+        return self.forwards.get(tuple(range(self.input_ids.shape[0])))
 
     @property
     def prompt_len(self) -> int:

@@ -1,14 +1,16 @@
 """The learning half of an RL iteration: the update on one rollout's `Experience`.
 
+    PolicyLearner.settle_folds(reference)    once per run: what the rollout folds into the update (`fold_settings`)
+    PolicyLearner.plan(iteration, groups)    the iteration's `UpdatePlan`: the maker asks, the experience carries it
     PolicyLearner.train_on(exp, iteration)   `ppo.epochs` passes of shuffled minibatches; returns the mean stats
-        micro_batches                          the order: minibatches of `ppo.mini_batch_size` completions (over all
-                                               ranks), cut into micro-batches of `ppo.micro_batch_size`
+        micro_batches                          the plan's order: minibatches of `ppo.mini_batch_size` completions (over
+                                               all ranks), cut into micro-batches of `ppo.micro_batch_size`
         losses                                 one micro-batch's forward and losses (`Losses`): the seam tests spy on
         micro_step                             `losses`, the backward passes, the optimizer steps, NaN skipping
 
 `PolicyLearner` is a mixin: the stage's trainer (stages/ppo.py `PPOTrainer`) provides `cfg`, `p` (= cfg.ppo),
 `actor` and `critic` (`engine.TrainEngine`, critic None when shared or critic-free), `kl_ctl`, `estimator`
-(`core.ESTIMATORS` entry) and `bad_steps`.
+(`core.ESTIMATORS` entry), `score_precision` (`engine.scoring_precision`'s) and `bad_steps`.
 """
 
 from __future__ import annotations
@@ -24,86 +26,17 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import entropy_bonus, kl_loss, policy_loss, value_loss
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.policy import critic_values, has_value_head, policy_forward
-from rlhf_cli.seeds import derive_seed
+from rlhf_cli.rollout.forward import training_forward
+from rlhf_cli.rollout.plan import (
+    UpdatePlan,
+    fold_settings,
+    micro_batches_per_minibatch,
+    packs_rollout_passes,
+    update_order,
+)
+from rlhf_cli.rollout.policy import has_value_head
 
 log = logging.getLogger(__name__)
-
-
-def micro_batches_per_minibatch(p: Any) -> int:
-    """Micro-batches of `ppo.micro_batch_size` rows in one minibatch on this rank (`ppo.mini_batch_size` over all
-    ranks); the optimizer steps once per minibatch (`update_order`)."""
-    return -(-(p.mini_batch_size // engine.world_size()) // p.micro_batch_size)
-
-
-def update_order(cfg: Any, iteration: int, groups: torch.Tensor) -> list[list[list[torch.Tensor]]]:
-    """The rows of this rank's rollout (B = len(groups)) in the order the update visits them: `ppo.epochs` passes,
-    each a list of minibatches of `ppo.mini_batch_size` rows (over all ranks), each a list of micro-batches of
-    `ppo.micro_batch_size` row indices (long tensors). Shuffles are seeded by (seed, iteration, rank).
-
-    The micro-batches are drawn once per iteration: a shuffle of the rows cut into minibatches, and with
-    `ppo.n_samples_per_prompt` > 1 a minibatch's rows ordered by group before the cut into micro-batches, so that
-    a group's samples share micro-batches and `data.packing` computes their prompt once (the minibatch, and so the
-    update, is the same: its loss is summed over micro-batches). The first epoch visits them in that order; each
-    later epoch shuffles the same micro-batches into new minibatches (veRL keeps its micro-batches across epochs,
-    and OpenRLHF's packed samples are shuffled whole); when a minibatch is one micro-batch (`ppo.mini_batch_size`
-    = `ppo.micro_batch_size` × world size), later epochs visit the same minibatches in a new order. So a row is in
-    one micro-batch, with the same rows, in every pass of an iteration: its packed layout, and the float rounding
-    that depends on it, is the one the no-grad passes saw (`packs_rollout_passes`). The plain layout
-    (`data.packing=false`) takes the same order, so the switch changes no update beyond float rounding."""
-    p = cfg.ppo
-    n, mini = groups.shape[0], p.mini_batch_size // engine.world_size()
-    g = torch.Generator().manual_seed(derive_seed(cfg.seed, iteration, engine.rank()))
-    perm = torch.randperm(n, generator=g)
-    micro: list[torch.Tensor] = []
-    for s in range(0, n, mini):
-        rows = perm[s:s + mini]
-        if p.n_samples_per_prompt > 1:
-            rows = rows[torch.argsort(groups.cpu()[rows], stable=True)]
-        micro += [rows[m:m + p.micro_batch_size] for m in range(0, len(rows), p.micro_batch_size)]
-    per_mini = micro_batches_per_minibatch(p)
-    order = [list(range(len(micro)))] + [torch.randperm(len(micro), generator=g).tolist()
-                                         for _ in range(p.epochs - 1)]
-    return [[[micro[j] for j in epoch[s:s + per_mini]] for s in range(0, len(micro), per_mini)] for epoch in order]
-
-
-def packs_rollout_passes(cfg: Any) -> bool:
-    """Whether the policy, reference and critic passes of a rollout run packed (`data.packing`, `rollout.packing`).
-
-    A packed layout depends on a row's micro-batch, and float rounding on the layout. The update keeps each row in
-    one micro-batch for the whole iteration (`update_order`), and the experience maker runs its no-grad passes
-    over those micro-batches, so old log-probs, reference log-probs, values and every epoch's training forward of
-    a row see one packed layout, and the first ratio is exactly 1 as in the plain layout."""
-    return bool(cfg.data.packing)
-
-
-class Forward(NamedTuple):
-    """One micro-batch's training forward (`training_forward`), with its autograd graph: response logprobs (B, R)
-    float32, entropies (B, R) float32 nats (in the graph only when `ppo.c2` != 0), values (B, R) float32 of the
-    shared value head or the separate critic (None when critic-free), and `seconds` of wall time when the maker
-    ran it (`ExperienceMaker.carries_forward`; 0 otherwise)."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor | None
-    values: torch.Tensor | None
-    seconds: float = 0.0
-
-
-def training_forward(actor: engine.TrainEngine, critic: engine.TrainEngine | None, p: Any, input_ids: torch.Tensor,
-                     attention_mask: torch.Tensor, prompt_len: int, packing: Any) -> Forward:
-    """The forward every loss of a micro-batch reads: the policy's response logprobs at `ppo.temperature` with
-    their entropies (and the shared head's values) under the actor's autocast, and a separate critic's values under
-    its own. input_ids, attention_mask: (B, P+R); `packing`: as `policy_forward` takes it. The one code path of
-    the update, and of the maker's forwards of the update's first micro-batches (`ExperienceMaker.carries_forward`)."""
-    with actor.autocast():
-        # with ppo.c2=0 the entropy is a statistic: no gradient through its (B, R, V) softmax (0 x it is 0)
-        lp, ent, v = policy_forward(actor.module, input_ids, attention_mask, prompt_len, p.temperature,
-                                    with_entropy=True, with_values=has_value_head(actor.module), packing=packing,
-                                    entropy_grad=p.c2 != 0)
-    if critic is not None:
-        with critic.autocast():
-            v = critic_values(critic.module, input_ids, attention_mask, prompt_len, packing=packing)
-    return Forward(lp, ent, v)
 
 
 class Losses(NamedTuple):
@@ -127,31 +60,56 @@ class PolicyLearner:
     critic: engine.TrainEngine | None
     kl_ctl: Any
     estimator: Any
+    score_precision: str
     bad_steps: int
-    old_from_training: bool = False  # the maker skipped the old log-probs: they are the training forward's own
+    on_policy: bool = False  # `plan.fold_settings`: the old log-probs are the update's own forward's
+    carry: int = 0  # `plan.fold_settings`: the update's first micro-batches whose forwards the rollout runs
 
-    def micro_batches(self, exp: Experience, iteration: int) -> Iterator[tuple[Experience, float, torch.Tensor]]:
-        """The update's order (`update_order`), micro-batch by micro-batch. Yields (micro-batch, real response
-        tokens of its minibatch over all ranks: the divisor of every micro-batch loss, its rows' indices in `exp`)."""
-        for epoch in update_order(self.cfg, iteration, exp.groups):
+    def settle_folds(self, reference: Any) -> None:
+        """Decide once per run what the rollout folds into the update (`plan.fold_settings`): `on_policy` and
+        `carry`, from the config and the engines as built (their ZeRO stage, an offloaded `reference`). A
+        `ppo.carried_forwards` above the default that does nothing here says why, once; one above the first
+        minibatch's micro-batches says it is capped."""
+        p = self.p
+        zero_stage = max((e.zero_stage for e in (self.actor, self.critic) if e is not None), default=0)  # as built
+        self.on_policy, self.carry, why_not = fold_settings(self.cfg, self.estimator.needs_critic,
+                                                            self.score_precision, zero_stage,
+                                                            getattr(reference, "offload", False))
+        before_first_step = micro_batches_per_minibatch(p)  # the first optimizer step follows them
+        if why_not and p.carried_forwards > 1 and engine.is_main():  # the default's cases: README "Packing"
+            log.warning("ppo.carried_forwards=%d does nothing here: %s", p.carried_forwards, why_not)
+        elif not why_not and p.carried_forwards > before_first_step and engine.is_main():
+            log.info("ppo.carried_forwards=%d: only %d micro-batches come before the update's first optimizer step "
+                     "(ppo.mini_batch_size=%d over %d rank(s) in micro-batches of %d); carrying %d",
+                     p.carried_forwards, before_first_step, p.mini_batch_size, engine.world_size(), p.micro_batch_size,
+                     before_first_step)
+
+    def plan(self, iteration: int, groups: torch.Tensor) -> UpdatePlan:
+        """The update of iteration `iteration` on this rank's rollout rows (their group ids `groups`, (B,) long):
+        its order (`update_order`), computed once, with the run's folds (`settle_folds`)."""
+        return UpdatePlan(update_order(self.cfg, iteration, groups), packs_rollout_passes(self.cfg), self.on_policy,
+                          self.carry)
+
+    def micro_batches(self, exp: Experience) -> Iterator[tuple[Experience, float, torch.Tensor]]:
+        """The plan's order (`exp.plan.order`), micro-batch by micro-batch. Yields (micro-batch, real response
+        tokens of its minibatch over all ranks: the divisor of every micro-batch loss, its rows' indices in `exp`).
+        A training forward the rollout ran for a micro-batch (`exp.forwards`) moves onto it (used once)."""
+        for epoch in exp.plan.order:
             for minibatch in epoch:
                 num_tokens = engine.all_reduce_sum(exp.mask[torch.cat(minibatch)].sum()).item()
                 for rows in minibatch:
                     b = exp.rows(rows)
-                    if exp.carried:  # the next of the first micro-batches' forwards, run by the maker: used once
-                        key, b.carried = exp.carried.pop(0)
-                        if key != tuple(rows.tolist()):
-                            raise RuntimeError("a carried training forward is not of the update's next micro-batch "
-                                               "(ExperienceMaker.carries_forward)")
-                        exp.carried = exp.carried or None
+                    fwd = exp.forwards.pop(tuple(rows.tolist()), None)
+                    if fwd is not None:
+                        b.forwards[tuple(range(len(rows)))] = fwd
                     yield b, num_tokens, rows
-        if exp.carried:  # else its graph would be held until the rollout is dropped
-            raise RuntimeError(f"{len(exp.carried)} carried training forward(s) never reached by the update "
-                               "(ExperienceMaker.carries_forward)")
+        if exp.forwards:  # else its graph would be held until the rollout is dropped
+            raise RuntimeError(f"{len(exp.forwards)} training forward(s) of rows the update's plan does not visit "
+                               "(Experience.forwards)")
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
-        """The forward (`training_forward`, or the one the maker ran for one of the update's first micro-batches:
-        `b.carried`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
+        """The forward (`training_forward`, or the one the rollout ran for one of the update's first micro-batches:
+        `b.forward`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
         (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
         `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
         separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
@@ -159,15 +117,16 @@ class PolicyLearner:
         to the minibatch's."""
         p, P = self.p, b.prompt_len
         shared, separate = has_value_head(self.actor.module), self.critic is not None
-        if b.carried is not None:  # run by the maker at these weights (ExperienceMaker.carries_forward)
-            lp, ent, v, _ = b.carried
+        if b.forward is not None:  # run by the rollout at these weights (UpdatePlan.carry)
+            lp, ent, v, _ = b.forward
         else:
-            packing: Any = packs_rollout_passes(self.cfg)
+            packing: Any = b.plan.packed
             if packing and b.layout is not None:  # the layout the maker built for these rows
                 packing = b.layout
-            lp, ent, v, _ = training_forward(self.actor, self.critic, p, b.input_ids, b.attention_mask, P, packing)
+            lp, ent, v, _ = training_forward(self.actor, self.critic, b.input_ids, b.attention_mask, P,
+                                             p.temperature, p.c2 != 0, packing)
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
-        old = lp.detach() if self.old_from_training else b.logprobs
+        old = lp.detach() if b.plan.on_policy else b.logprobs
         pg_loss, pg_stats = policy_loss(lp, old, b.advantages, b.mask, p.clip, **agg)
         ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
         actor_loss = pg_loss - p.c2 * ent_bonus
@@ -210,9 +169,10 @@ class PolicyLearner:
         return out
 
     def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
-        """The update on one rollout (`micro_batches` in order, `micro_step` each); returns its mean stats. With
-        `old_from_training`, the training forward's log-probs (detached, float32) are written into `exp.logprobs`.
-        `time/training` includes the seconds of the first micro-batches' forwards the maker ran (`exp.carried`)."""
+        """The update on one rollout (`micro_batches` in its plan's order, `micro_step` each); returns its mean
+        stats. With `exp.plan.on_policy`, the training forward's log-probs (detached, float32) are written into
+        `exp.logprobs`. `time/training` includes the seconds of the first micro-batches' forwards the rollout ran
+        (`exp.forwards`)."""
         ws = engine.world_size()
         sums: dict[str, float] = {}
         count, tokens = 0, 0.0
@@ -220,11 +180,11 @@ class PolicyLearner:
         self.actor.train()
         if self.critic is not None:
             self.critic.train()
-        carried_seconds = sum(fwd.seconds for _, fwd in exp.carried or [])
-        for b, num_tokens, rows in self.micro_batches(exp, iteration):
+        carried_seconds = sum(fwd.seconds for fwd in exp.forwards.values())
+        for b, num_tokens, rows in self.micro_batches(exp):
             tokens += float(b.attention_mask.sum())
             out = self.micro_step(b, num_tokens, iteration)
-            if self.old_from_training:
+            if exp.plan.on_policy:
                 exp.logprobs[rows] = out.logprobs.float()
             # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
             for k, val in out.stats.items():

@@ -1,5 +1,6 @@
-"""Statistics over the real tokens of a whole rollout, across data-parallel ranks: whitening and the
-critic's explained variance. On one rank whitening equals `core.masked_whiten` (tested)."""
+"""Statistics over the real tokens of a whole rollout, across data-parallel ranks: whitening, the critic's
+explained variance, and the rollout's KL statistics (after its update). On one rank whitening equals
+`core.masked_whiten` (tested)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 import torch
 
 from rlhf_cli import engine
+from rlhf_cli.core import kl_estimate
+from rlhf_cli.rollout.experience import Experience
 
 
 def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
@@ -50,3 +53,25 @@ def explained_variance_across_ranks(values: torch.Tensor, returns: torch.Tensor,
     _, n, _, var_r = _moments_across_ranks(returns, mask)
     _, _, _, var_d = _moments_across_ranks(returns - values, mask)
     return 1.0 - var_d / var_r if n > 1 and var_r > 0 else 0.0
+
+
+def response_kl(exp: Experience) -> torch.Tensor:
+    """(B,) float32: the k1 KL of each rollout row to the reference, summed over its response tokens (nats per
+    sequence), from `exp.logprobs` and `exp.ref_logprobs` (Schulman 2020's k1 = log π − log π_ref)."""
+    mask = exp.attention_mask[:, exp.prompt_len:].float()
+    return (kl_estimate(exp.logprobs, exp.ref_logprobs, "k1") * mask).sum(1)
+
+
+def kl_stats(exp: Experience, beta: float) -> dict[str, float]:
+    """The rollout's KL statistics, means over all ranks' rows: `objective/kl` (k1, nats/seq), `objective/kl_k3`,
+    `objective/rlhf_reward` (score − β·KL, β = `beta`) and `objective/entropy_sampled` (−Σ log π of the sampled
+    tokens, nats/seq). Run after the update in every case: an on-policy plan's old log-probs come from it
+    (`UpdatePlan.on_policy`); otherwise the update leaves them as the rollout computed them."""
+    mask = exp.attention_mask[:, exp.prompt_len:].float()
+    kl_seq = response_kl(exp)
+    return engine.reduce_stats({
+        "objective/kl": kl_seq.mean().item(),
+        "objective/kl_k3": (kl_estimate(exp.logprobs, exp.ref_logprobs, "k3") * mask).sum(1).mean().item(),
+        "objective/rlhf_reward": (exp.scores - beta * kl_seq).mean().item(),
+        "objective/entropy_sampled": (-(exp.logprobs * mask).sum(1)).mean().item(),
+    })

@@ -7,12 +7,13 @@ Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017); 
   2. score     no-grad passes: old logprobs (policy), ref_logprobs (reference), values (critic, `gae` only),
                the sequence score (`reward.*`), all in the training forward's layout; the first micro-batches of
                step 4 (`ppo.carried_forwards`) run their training forwards here instead, whose outputs are their
-               rows' old logprobs and values (`ExperienceMaker.carries_forward`)
+               rows' old logprobs and values (`rollout.UpdatePlan.carry`)
   3. shape     per-token rewards (−β·kl_t when `ppo.kl_in=reward`) plus the score at the EOS token; advantages
                by `ppo.advantage_estimator` (GAE(γ, λ), or a group baseline); whitening
   4. learn     `ppo.epochs` passes over shuffled minibatches: clipped surrogate, clipped value loss (with a
                critic), entropy bonus, β·KL (`ppo.kl_in=loss`), aggregated over the minibatch's real tokens
-  5. adapt     update the KL controller with the rollout's per-sequence KL
+  5. adapt     the rollout's KL statistics (`rollout.kl_stats`, after the update in every case: an on-policy
+               update's first forward gives the old logprobs), then the KL controller's update with them
 
 Precision: sampling and a separate critic run in `precision`; the policy's and the reference's log-prob
 passes (old logprobs, ref_logprobs, the training forward, with a shared critic's values) and the reward
@@ -55,6 +56,7 @@ from rlhf_cli.rollout import (
     PolicyWithValueHead,
     Rewards,
     disable_dropout,
+    kl_stats,
     save_policy,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
@@ -204,9 +206,9 @@ class PPOTrainer(PolicyLearner):
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
         rewards = Rewards(cfg, self.tokenizer, self.reward_model, self.reward_stats, p.micro_batch_size,
                           self.score_precision, normalize=p.normalize_reward)
+        self.settle_folds(self.reference)  # what the rollout folds into the update, from the engines as built
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
-                                     rewards, self.kl_ctl, self.score_precision)
-        self.old_from_training = self.maker.old_from_training
+                                     rewards, self.kl_ctl, self.score_precision, plan=self.plan)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""
@@ -293,17 +295,16 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     try:
         for it in range(start, p.iterations):
             exp, roll_stats, samples = tr.maker.make_experience(it)
-            if not tr.old_from_training:
-                check_max_kl(p, roll_stats, it)
             # a checkpoint mid-update would hold half an iteration's weights: a Ctrl-C/SIGTERM here lets
             # the update finish (a second one stops at once, without a checkpoint)
             with deferred_interrupts() as pending:
                 updating = True
                 train_stats = tr.train_on(exp, it)
                 updating = False
-            if tr.old_from_training:  # the rollout's KL, from the update's forward (it is not saved on abort)
-                roll_stats.update(tr.maker.kl_stats(exp, tr.kl_ctl.value))
-                check_max_kl(p, roll_stats, it)
+            # the rollout's KL after its update, which fills an on-policy plan's old log-probs; an abort saves no
+            # part of this iteration
+            roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
+            check_max_kl(p, roll_stats, it)
             tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
             del exp  # its tensors and packed layouts are not held through the next rollout
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}

@@ -19,7 +19,7 @@ from test_stage_ppo import build_trainer, snapshot
 
 from rlhf_cli.data import checker
 from rlhf_cli.rewards import load_reward_function
-from rlhf_cli.rollout import has_value_head
+from rlhf_cli.rollout import has_value_head, kl_stats
 
 # 2 prompts × 4 samples = 8 completions, one minibatch
 GROUPS = ["ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=4", "ppo.mini_batch_size=8"]
@@ -139,15 +139,14 @@ def test_an_on_policy_update_takes_the_old_logprobs_from_the_training_forward(tm
     runs = {}
     for fused in (True, False):
         tr = build_trainer(tmp_path / str(fused), overrides)
-        assert tr.old_from_training and tr.maker.old_from_training
-        tr.old_from_training = tr.maker.old_from_training = fused
+        assert tr.on_policy
+        tr.on_policy = fused
         before = snapshot(tr.actor.module)
         exp, roll_stats, _ = tr.maker.make_experience(0)
         if fused:
             assert torch.equal(exp.logprobs, torch.zeros_like(exp.logprobs)) and "objective/kl" not in roll_stats
         train_stats = tr.train_on(exp, 0)
-        if fused:
-            roll_stats.update(tr.maker.kl_stats(exp, tr.kl_ctl.value))
+        roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
         runs[fused] = (exp.logprobs.clone(), roll_stats, train_stats, snapshot(tr.actor.module))
     (lp_f, roll_f, train_f, w_f), (lp_s, roll_s, train_s, w_s) = runs[True], runs[False]
     assert torch.allclose(lp_f, lp_s, atol=2e-5)
@@ -166,8 +165,9 @@ def test_an_on_policy_update_takes_the_old_logprobs_from_the_training_forward(tm
 def test_an_update_that_is_not_on_policy_keeps_the_separate_pass(tmp_path, overrides):
     tr = build_trainer(tmp_path, [*GROUPS, "ppo.advantage_estimator=grpo", "reward.type=checker", "ppo.kl_in=loss",
                                   "ppo.kl_estimator=k3", *overrides])
-    assert not tr.old_from_training
+    assert not tr.on_policy
     exp, roll_stats, _ = tr.maker.make_experience(0)
+    roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
     assert "objective/kl" in roll_stats and not torch.equal(exp.logprobs, torch.zeros_like(exp.logprobs))
 
 

@@ -15,8 +15,8 @@ from stage_helpers import compose
 from test_stage_critic_free import reward_file
 from test_stage_ppo import TINY_PPO, build_trainer, force_eos, snapshot, spy_losses
 
-from rlhf_cli.rollout import critic_values, pack_rollout, policy_forward
-from rlhf_cli.rollout.learner import packs_rollout_passes, update_order
+from rlhf_cli.rollout import critic_values, kl_stats, pack_rollout, policy_forward
+from rlhf_cli.rollout.plan import packs_rollout_passes, update_order
 from rlhf_cli.rollout.policy import PolicyWithValueHead
 
 PAD, EOS = 0, 2
@@ -264,8 +264,7 @@ def test_a_packed_iteration_equals_the_padded_one(tmp_path, overrides):
         before = snapshot(tr.actor.module)
         exp, roll_stats, _ = tr.maker.make_experience(0)
         train_stats = tr.train_on(exp, 0)
-        if tr.old_from_training:
-            roll_stats.update(tr.maker.kl_stats(exp, tr.kl_ctl.value))
+        roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
         runs[packing] = (exp, roll_stats, train_stats, snapshot(tr.actor.module), before)
     (exp1, roll1, train1, w1, before), (exp0, roll0, train0, w0, _) = runs[True], runs[False]
     assert torch.equal(exp1.input_ids, exp0.input_ids)  # the same samples
@@ -294,8 +293,8 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
     tr = build_trainer(tmp_path, [*GRPO_MINI[:2], "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
                                   "ppo.advantage_estimator=gae", "reward.type=checker", "ppo.kl_in=reward",
                                   f"ppo.epochs={epochs}", f"precision={precision}", f"scoring_precision={logprobs}"])
-    assert packs_rollout_passes(tr.cfg) and not tr.old_from_training
-    tr.maker.carries_forward = 0  # else the first micro-batch's old log-probs are its training forward's own
+    assert packs_rollout_passes(tr.cfg) and not tr.on_policy
+    tr.carry = 0  # else the first micro-batch's old log-probs are its training forward's own
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.maker.make_experience(0)
     assert len(exp.layouts) == 4  # one per micro-batch, for the reference, policy and critic passes
@@ -321,7 +320,7 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
                               "grpo-groups-kl-in-loss"])
 def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_update(tmp_path, monkeypatch,
                                                                                       overrides):
-    """`ExperienceMaker.carries_forward`: the maker runs the training forwards of the update's first micro-batches
+    """`UpdatePlan.carry`: the maker runs the training forwards of the update's first micro-batches
     (`ppo.carried_forwards`: one by default, two with the whole first minibatch) at the rollout's weights, takes
     their outputs as those rows' old log-probs and values, and the update's backward of each goes through its own.
     One policy and one critic forward fewer per carried micro-batch and iteration, and the same function of the
@@ -329,7 +328,7 @@ def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_u
     the same rollouts, statistics and weights as the maker's own no-grad passes, bit for bit on the CPU (where the
     grad and no-grad forwards run the same kernels: `test_packed_passes_keep_the_first_ratio_exactly_one`). With
     LoRA the reference is the policy's own module with its adapters off, run while the carried graphs live."""
-    import rlhf_cli.rollout.learner as learner_module
+    import rlhf_cli.rollout.forward as forward_module
     import rlhf_cli.rollout.maker as maker_module
 
     def counting(fn, forwards):
@@ -339,7 +338,7 @@ def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_u
             return fn(model, *a, **k)
         return spy
 
-    real = {(m, name): getattr(m, name) for m in (learner_module, maker_module)
+    real = {(m, name): getattr(m, name) for m in (forward_module, maker_module)
             for name in ("policy_forward", "critic_values")}
     if "reward.type=function" in overrides:  # the tiny model's checker score is 0 everywhere: no group signal
         overrides = [*overrides, f"reward.function={reward_file(tmp_path)}:length_bonus"]
@@ -348,7 +347,7 @@ def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_u
     for carry in (0, 1, 2):
         tr = build_trainer(tmp_path / str(carry), [*overrides, "ppo.epochs=2", *lrs]
                            + ([] if carry == 1 else [f"ppo.carried_forwards={carry}"]))  # 1 by default
-        assert tr.maker.carries_forward == carry
+        assert tr.carry == carry
         trained = [m for m in (tr.actor.module, tr.critic and tr.critic.module) if m is not None]
         forwards = {id(m): 0 for m in trained}
         for (module, name), fn in real.items():
@@ -356,9 +355,10 @@ def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_u
         stats, carried = [], []
         for it in range(2):
             exp, roll, _ = tr.maker.make_experience(it)
-            carried.append(exp.carried and list(exp.carried))
+            carried.append(list(exp.forwards.items()) or None)
             stats.append({**roll, **tr.train_on(exp, it)})
-            assert exp.carried is None  # each used once: no graph is held after the update
+            stats[-1].update(kl_stats(exp, tr.kl_ctl.value))
+            assert not exp.forwards  # each used once: no graph is held after the update
         runs[carry] = (exp, stats, [snapshot(m) for m in trained], carried, forwards)
         # per iteration, each trained model: 4 no-grad chunks and 2 epochs x 4 micro-batches, one forward fewer
         # per carried micro-batch
@@ -403,43 +403,32 @@ def test_the_first_micro_batches_forwards_are_carried_only_where_they_fold(token
     them; more is capped, said once). None over the plain layout's chunks (not the update's micro-batches), nor
     when an engine runs ZeRO-3 (weights gathered per forward and backward in order; read from the engine, which
     `deepspeed.extra` may set), nor when the reference is offloaded (the memory that saves), nor when the maker
-    runs no policy pass at all (`old_from_training`: one on-policy step without a critic). A count above the
+    runs no policy pass at all (`UpdatePlan.on_policy`: one on-policy step without a critic). A count above the
     default that does nothing says why."""
     from types import SimpleNamespace
 
-    from rlhf_cli.rollout import ExperienceMaker
+    from rlhf_cli.core import ESTIMATORS
+    from rlhf_cli.rollout import PolicyLearner
 
     cfg = compose("train_ppo", [*TINY_PPO, *overrides])
-    actor, reference = SimpleNamespace(zero_stage=zero_stage), SimpleNamespace(offload=offloaded)
-    with caplog.at_level(logging.INFO, logger="rlhf_cli.rollout.maker"):
-        maker = ExperienceMaker(cfg, tokenizer, [], actor, reference, None, None, None, "fp32")
-    assert maker.carries_forward == carries
+    learner = PolicyLearner()
+    learner.cfg, learner.p, learner.critic, learner.score_precision = cfg, cfg.ppo, None, "fp32"
+    learner.actor, reference = SimpleNamespace(zero_stage=zero_stage), SimpleNamespace(offload=offloaded)
+    learner.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
+    with caplog.at_level(logging.INFO, logger="rlhf_cli.rollout.learner"):
+        learner.settle_folds(reference)
+    assert learner.carry == carries
     lines = [r.getMessage() for r in caplog.records if "carried_forwards" in r.getMessage()]
     assert len(lines) == (said is not None) and (said is None or said in lines[0]), lines
 
 
-def test_a_carried_forward_of_other_rows_than_the_update_reaches_is_an_error(tmp_path):
+def test_training_forwards_of_rows_the_plan_does_not_visit_are_an_error(tmp_path):
+    """A carried graph the update does not consume would be held until the rollout is dropped: an error instead.
+    (The forwards are keyed by their rows and the order is the plan's, computed once: none can reach other rows.)"""
     tr = build_trainer(tmp_path, ["ppo.carried_forwards=2"])
     exp, _, _ = tr.maker.make_experience(0)
-    (rows, fwd), second = exp.carried
-    exp.carried = [second, (rows, fwd)]  # the first minibatch's two micro-batches, swapped
-    with pytest.raises(RuntimeError, match="next micro-batch"):
-        tr.train_on(exp, 0)
-    exp, _, _ = tr.maker.make_experience(1)
-    exp.carried.append(exp.carried[-1])  # one more than the update has micro-batches for
-    with pytest.raises(RuntimeError, match="next micro-batch"):
-        tr.train_on(exp, 1)
-
-
-def test_carried_forwards_the_update_never_reaches_are_an_error(tmp_path, monkeypatch):
-    """A carried graph the update does not consume would be held until the rollout is dropped: an error instead."""
-    import rlhf_cli.rollout.learner as learner_module
-
-    tr = build_trainer(tmp_path, ["ppo.carried_forwards=2"])
-    exp, _, _ = tr.maker.make_experience(0)
-    real = learner_module.update_order
-    monkeypatch.setattr(learner_module, "update_order", lambda *a: [[real(*a)[0][0][:1]]])  # its first micro-batch
-    with pytest.raises(RuntimeError, match="never reached"):
+    exp.plan.order = [[exp.plan.order[0][0][:1]]]  # the update visits only its first micro-batch
+    with pytest.raises(RuntimeError, match="does not visit"):
         tr.train_on(exp, 0)
 
 

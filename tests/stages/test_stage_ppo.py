@@ -109,6 +109,7 @@ def test_one_iteration_changes_policy_and_critic_weights(tmp_path, monkeypatch):
     policy0, critic0, ref0 = snapshot(tr.actor.module), snapshot(tr.critic.module), snapshot(tr.reference.module)
 
     exp, roll_stats, _ = tr.maker.make_experience(0)
+    roll_stats.update(rollout.kl_stats(exp, tr.kl_ctl.value))
     B, R = exp.mask.shape
     assert (B, exp.input_ids.shape[1]) == (8, exp.prompt_len + R) and R == 6
     assert exp.mask[1].tolist() == [1, 1, 1, 0, 0, 0] and exp.mask[6].tolist() == [1, 1, 1, 1, 1, 0]
@@ -143,7 +144,7 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path, monkeypatch, precision, 
     0.7, so old logprobs at T = 1 (or a generate-time log-softmax without / T) would fail this.
     """
     tr = build_trainer(tmp_path, [f"precision={precision}", f"scoring_precision={logprobs}", "ppo.epochs=2"])
-    tr.maker.carries_forward = 0  # else the first micro-batch's old log-probs are its training forward's own
+    tr.carry = 0  # else the first micro-batch's old log-probs are its training forward's own
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.maker.make_experience(0)
     assert exp.mask.sum(1).tolist().count(6.0) == 6
@@ -198,10 +199,12 @@ def test_kl_after_one_small_step_is_the_fp32_kl_of_the_same_weights(tmp_path, lo
                                   "ppo.mini_batch_size=8", "ppo.max_grad_norm=0", "ppo.max_new_tokens=16",
                                   "ppo.kl_check_rows=8"])
     exp, before, _ = tr.maker.make_experience(0)
+    before.update(rollout.kl_stats(exp, tr.kl_ctl.value))
     assert before["objective/kl"] == 0.0  # policy == reference, computed alike
     tr.train_on(exp, 0)
     assert tr.actor.global_steps == 1
     exp, stats, _ = tr.maker.make_experience(1)
+    stats.update(rollout.kl_stats(exp, tr.kl_ctl.value))
     want = fp32_kl(tr, exp).mean().item()
     assert want != 0.0  # the step moved the policy
     if logprobs == "fp32":
@@ -235,6 +238,7 @@ def test_offload_reference_reaches_the_frozen_models(tmp_path):
     with tr.reference.on_device() as m:
         assert m is tr.reference.module
     exp, stats, _ = tr.maker.make_experience(0)
+    stats.update(rollout.kl_stats(exp, tr.kl_ctl.value))
     assert stats["objective/kl"] == pytest.approx(0.0, abs=1e-6)
 
 
@@ -344,7 +348,7 @@ def test_garbage_in_padded_positions_changes_no_loss(tmp_path, monkeypatch, aggr
              "returns": -1e6, "rewards": float("nan")}
     # the tensors, dirtied below (minibatch_losses runs the plain layout, where padding would show)
     dirty = Experience(**{f: getattr(exp, f).clone() for f in exp.__dataclass_fields__
-                         if f not in ("layouts", "carried")})
+                         if f not in ("layouts", "forwards", "plan")})
     for name, value in fills.items():
         getattr(dirty, name)[pad] = value
     noise = torch.randint(3, len(tr.tokenizer), exp.input_ids.shape, generator=g)
