@@ -116,8 +116,11 @@ def test_the_rules_catch_what_they_should():
     assert violation("engine.py", "rlhf_cli.lifecycle") and not violation("lifecycle.py", "rlhf_cli.engine")
     assert violation("errors.py", "rlhf_cli.config") and not violation("errors.py", "typing")
     assert violation("lifecycle.py", "rlhf_cli.stages.common") and violation("cli.py", "rlhf_cli.stages.ppo")
-    assert (violation("rollout/policy.py", "rlhf_cli.stages.common")
-            and not violation("rollout/policy.py", "rlhf_cli.core"))
+    assert (violation("rollout/maker.py", "rlhf_cli.stages.common")
+            and not violation("rollout/maker.py", "rlhf_cli.core"))
+    assert violation("forwards/policy.py", "rlhf_cli.rollout") and violation("models/policy.py", "rlhf_cli.forwards")
+    assert not violation("rollout/maker.py", "rlhf_cli.forwards.policy")
+    assert not violation("stages/rm.py", "rlhf_cli.forwards")
 
 
 def test_every_module_imports():
@@ -129,6 +132,6 @@ def test_every_module_imports():
     import rlhf_cli
 
     names = [m.name for m in pkgutil.walk_packages(rlhf_cli.__path__, "rlhf_cli.")]
-    assert {"rlhf_cli.stages.evaluate", "rlhf_cli.rollout.policy", "rlhf_cli.lifecycle"} <= set(names)
+    assert {"rlhf_cli.stages.evaluate", "rlhf_cli.forwards.policy", "rlhf_cli.lifecycle"} <= set(names)
     for name in names:
         importlib.import_module(name)

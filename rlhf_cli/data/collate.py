@@ -254,7 +254,7 @@ def pack_tries(groups: Sequence[Sequence[Sequence[int]]], pad_id: int,
     Given `attention_tokens` (`models.attention_tokens`), groups that begin alike (e.g. the chat template's
     system prompt) share a trie where the cost model says so (`_merge_groups`), and tries are placed first-fit,
     longest first, into rows of `row_width`; else each group is its own trie in rows of the longest. Only row
-    tails are padding. The layout of `PackedPairCollator` and of packed rollouts (`rollout.pack_rollout`).
+    tails are padding. The layout of `PackedPairCollator` and of packed rollouts (`forwards.pack_rollout`).
     Raises ValueError on no groups, an empty group or an empty sequence.
     """
     if not groups or any(not g for g in groups) or any(not len(s) for g in groups for s in g):

@@ -25,7 +25,7 @@ class Experience:
     scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
     groups: torch.Tensor  # (B,) long, the group id (the iteration's prompt index k) shared by a prompt's samples
     layouts: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
-    """`rollout.PackedRollout` of row sets, keyed by their row indices in order: the packed layouts the no-grad
+    """`forwards.PackedRollout` of row sets, keyed by their row indices in order: the packed layouts the no-grad
     passes built (`data.packing`), so the update's forwards of the same micro-batch reuse them."""
     carried: Any = field(default=None, repr=False)
     """A list of (row indices, `learner.Forward`) of the update's first micro-batches, in update order, or None:
@@ -42,7 +42,7 @@ class Experience:
 
     @property
     def layout(self) -> Any:
-        """The packed layout of all rows, in order (a `rollout.PackedRollout`), or None when none was built."""
+        """The packed layout of all rows, in order (a `forwards.PackedRollout`), or None when none was built."""
         return self.layouts.get(tuple(range(self.input_ids.shape[0])))
 
     @property

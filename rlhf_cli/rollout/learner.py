@@ -23,8 +23,9 @@ import torch
 
 from rlhf_cli import engine
 from rlhf_cli.core import entropy_bonus, kl_loss, policy_loss, value_loss
+from rlhf_cli.forwards import critic_values, policy_forward
+from rlhf_cli.models import has_value_head
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.policy import critic_values, has_value_head, policy_forward
 from rlhf_cli.seeds import derive_seed
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def update_order(cfg: Any, iteration: int, groups: torch.Tensor) -> list[list[li
 
 
 def packs_rollout_passes(cfg: Any) -> bool:
-    """Whether the policy, reference and critic passes of a rollout run packed (`data.packing`, `rollout.packing`).
+    """Whether the policy, reference and critic passes of a rollout run packed (`data.packing`, `forwards.packing`).
 
     A packed layout depends on a row's micro-batch, and float rounding on the layout. The update keeps each row in
     one micro-batch for the whole iteration (`update_order`), and the experience maker runs its no-grad passes

@@ -19,7 +19,8 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_estimate, kl_penalized_rewards
 from rlhf_cli.data import epoch_order
-from rlhf_cli.models import attention_tokens
+from rlhf_cli.forwards import PackedRollout, critic_values, pack_rollout, policy_forward, sequence_kl, use_packing
+from rlhf_cli.models import attention_tokens, has_value_head, lm_of
 from rlhf_cli.rollout.experience import Experience
 from rlhf_cli.rollout.learner import (
     Forward,
@@ -28,8 +29,6 @@ from rlhf_cli.rollout.learner import (
     training_forward,
     update_order,
 )
-from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
-from rlhf_cli.rollout.policy import critic_values, has_value_head, lm_of, policy_forward, sequence_kl
 from rlhf_cli.rollout.rewards import Rewards
 from rlhf_cli.rollout.sampling import sample_responses
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks

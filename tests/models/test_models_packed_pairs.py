@@ -15,8 +15,8 @@ import torch
 
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator
+from rlhf_cli.forwards import forward_pairs, pair_collator, score_pairs
 from rlhf_cli.models import sequence_rewards
-from rlhf_cli.rollout import forward_pairs, pair_collator, score_pairs
 
 PAD, EOS = 0, 2
 MAX_LENGTH = 12

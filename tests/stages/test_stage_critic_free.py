@@ -18,8 +18,8 @@ from stage_helpers import REPO, subprocess_env
 from test_stage_ppo import build_trainer, snapshot
 
 from rlhf_cli.data import checker
+from rlhf_cli.models import has_value_head
 from rlhf_cli.rewards import load_reward_function
-from rlhf_cli.rollout import has_value_head
 
 # 2 prompts × 4 samples = 8 completions, one minibatch
 GROUPS = ["ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=4", "ppo.mini_batch_size=8"]

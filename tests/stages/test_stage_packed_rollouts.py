@@ -15,9 +15,9 @@ from stage_helpers import compose
 from test_stage_critic_free import reward_file
 from test_stage_ppo import TINY_PPO, build_trainer, force_eos, snapshot, spy_losses
 
-from rlhf_cli.rollout import critic_values, pack_rollout, policy_forward
+from rlhf_cli.forwards import critic_values, pack_rollout, policy_forward
+from rlhf_cli.models import PolicyWithValueHead
 from rlhf_cli.rollout.learner import packs_rollout_passes, update_order
-from rlhf_cli.rollout.policy import PolicyWithValueHead
 
 PAD, EOS = 0, 2
 
@@ -178,8 +178,8 @@ def test_packed_critic_values_equal_the_padded_ones_everywhere(tiny_model_cfg):
 
 
 def test_packed_reward_model_scores_equal_the_padded_ones(tiny_model_cfg):
+    from rlhf_cli.forwards import batched_rewards
     from rlhf_cli.models import load_scalar_model
-    from rlhf_cli.rollout import batched_rewards
 
     rm = load_scalar_model(tiny_model_cfg, seed=0).eval()
     ids, am, P = rollout_batch(rm.config.vocab_size)
@@ -198,8 +198,8 @@ def test_eval_scores_both_sides_in_one_pass_as_each_alone(tiny_model_cfg, packin
     """`rlhf eval` scores the policy's and the reference's samples of the same prompts together, a prompt's two
     samples in one forward (its prompt once for both, packed): the scores of each side alone, to float rounding,
     whichever side's responses are narrower; a sequence both sides sampled ties exactly."""
+    from rlhf_cli.forwards import batched_rewards
     from rlhf_cli.models import load_scalar_model
-    from rlhf_cli.rollout import batched_rewards
     from rlhf_cli.stages import evaluate
     from rlhf_cli.stages.evaluate import side_by_side_rewards
 
@@ -289,7 +289,7 @@ def test_packed_passes_keep_the_first_ratio_exactly_one(tmp_path, monkeypatch, p
     (`update_order`), so a row's packed layout is the same in every pass: the ratio of the first minibatch is
     exactly 1 (as `test_stage_ppo`'s plain test), in every precision; the second minibatch, after a step, moves.
     The layouts are built once per micro-batch, by the maker, and the update reuses them."""
-    import rlhf_cli.rollout.policy as policy_module
+    import rlhf_cli.forwards.policy as policy_module
 
     tr = build_trainer(tmp_path, [*GRPO_MINI[:2], "ppo.mini_batch_size=4", "ppo.micro_batch_size=2",
                                   "ppo.advantage_estimator=gae", "reward.type=checker", "ppo.kl_in=reward",
