@@ -4,6 +4,7 @@ forwards over preference pairs, padded or packed.
     policy.py    response log-probs / entropy / values of a policy (and its shared value head), a separate
                  critic's values, the per-sequence KL of two policies; a LoRA policy's reference (its adapters off)
     scoring.py   reward-model scores of sequences and of preference pairs, the pair collator for a model, pair metrics
+    pairs.py     a causal LM's summed response log-probs of each pair's chosen and rejected (DPO and its kin)
     packing.py   `data.packing` for rollouts: a group's shared prompt computed once, sequences packed into rows
 
 It sits between the components (`core/` math, `models/`, `data/`, `engine.py`) and what uses the forwards
@@ -18,6 +19,7 @@ run packed (packing.py) and read their outputs back into this layout. Pair batch
 """
 
 from rlhf_cli.forwards.packing import PackedRollout, pack_rollout, use_packing
+from rlhf_cli.forwards.pairs import pair_logprobs
 from rlhf_cli.forwards.policy import (
     FrozenWithoutAdapters,
     critic_values,
@@ -35,6 +37,7 @@ __all__ = [
     "forward_pairs",
     "pack_rollout",
     "pair_collator",
+    "pair_logprobs",
     "pair_metrics",
     "policy_forward",
     "response_hidden",
