@@ -161,8 +161,8 @@ def main() -> None:
 
     from rlhf_cli import engine
     from rlhf_cli.data import load_prompt_data
-    from rlhf_cli.models import load_causal_lm, load_tokenizer
-    from rlhf_cli.rollout import disable_dropout, sample_responses
+    from rlhf_cli.models import disable_dropout, load_causal_lm, load_tokenizer
+    from rlhf_cli.rollout import sample_responses
     from rlhf_cli.seeds import derive_seed
 
     C.quiet()

@@ -183,7 +183,8 @@ def fp32_kl(policy_path: str, reference_path: str, prompts: list[dict[str, Any]]
     from transformers import AutoModelForCausalLM
 
     from rlhf_cli.engine import device
-    from rlhf_cli.rollout import sample_responses, sequence_kl
+    from rlhf_cli.forwards import sequence_kl
+    from rlhf_cli.rollout import sample_responses
     from rlhf_cli.seeds import derive_seed
 
     policy, reference = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device()).eval()

@@ -16,7 +16,7 @@ peak RSS is per tool. Throughput counts the training steps only (model load, de-
 preparation, evaluation and saving excluded; the first step is dropped as warm-up when there are two or
 more): ours from the run's metrics.jsonl, TRL from a TrainerCallback timing on_step_begin..on_step_end.
 Tokens are real (non-pad) tokens of chosen + rejected. Both final models are scored on the same held-out
-pairs by rlhf_cli.rollout.score_pairs. bf16 mixed precision is used for both only where bf16 is
+pairs by rlhf_cli.forwards.score_pairs. bf16 mixed precision is used for both only where bf16 is
 native (`precision=auto`); elsewhere fp32, gradient checkpointing off (TRL's fastest valid setting).
 The hardware row compares 6·N·tokens/s (N = non-embedding parameters) with a measured matmul peak.
 """
@@ -170,7 +170,7 @@ def ours_steps(run_dir: Path, batch: int) -> list[dict[str, float]]:
 def heldout_metrics(chosen: list[float], rejected: list[float]) -> dict[str, float]:
     import torch
 
-    from rlhf_cli.rollout import pair_metrics
+    from rlhf_cli.forwards import pair_metrics
 
     return pair_metrics(torch.tensor(chosen), torch.tensor(rejected))
 
@@ -217,8 +217,8 @@ def main() -> None:
 def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     from rlhf_cli.data import load_preference_data
     from rlhf_cli.engine import device, lr_lambda, scoring_precision
+    from rlhf_cli.forwards import score_pairs
     from rlhf_cli.models import load_scalar_model, load_tokenizer
-    from rlhf_cli.rollout import score_pairs
 
     B, m = args.batch_size, args.micro_batch_size
 
@@ -356,7 +356,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
              f"model FLOP/s = 6 x N x real tokens/s (forward + backward, N = non-embedding params), counting every "
              f"chosen and rejected token even where packing computes a shared prompt once; the 'positions computed' "
              f"row counts what each tool really ran",
-             "held-out accuracy: both final models scored by rlhf_cli.rollout.score_pairs (ours inside "
+             "held-out accuracy: both final models scored by rlhf_cli.forwards.score_pairs (ours inside "
              "`rlhf train-rm`, TRL's saved model here) in our scoring precision (`scoring_precision`: fp32 by default, "
              "also under bf16-autocast), and both again in fp32 (the sanity "
              "rows: a bf16 score head ties pairs and flips close ones); ties count as wrong",

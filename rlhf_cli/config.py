@@ -191,7 +191,7 @@ class DataConfig:
     (`rlhf_cli.data.pack_tries`), and pack the tries into rows, so only row tails are padding. train-rm and
     `rlhf eval` of a reward model: a preference pair's prompt once for chosen and rejected, with a mask that
     hides chosen from rejected (`rlhf_cli.data.PackedPairCollator`). train-ppo: the prompt of a group of
-    `ppo.n_samples_per_prompt` responses once (`rlhf_cli.rollout.pack_rollout`) in every pass: reward model,
+    `ppo.n_samples_per_prompt` responses once (`rlhf_cli.forwards.pack_rollout`) in every pass: reward model,
     reference, policy and critic, no-grad and training (each row keeps its micro-batch across `ppo.epochs`,
     `rlhf_cli.rollout.plan.update_order`, so it has one layout in every pass). Groups that begin alike (the
     chat template's system prompt) share a trie where the model's shape says that costs less

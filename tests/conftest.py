@@ -56,6 +56,14 @@ def tokenizer(tiny_model_cfg):
         require(False, str(e))
 
 
+@pytest.fixture(scope="module")
+def tiny_causal(tiny_model_cfg, tokenizer):
+    """A fresh seeded tiny causal LM (float32, eval mode)."""
+    from rlhf_cli.models import load_causal_lm
+
+    return load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer).eval()
+
+
 SMOKE = ["model=tiny", "precision=fp32"]
 
 

@@ -26,6 +26,20 @@ def require(cond: bool, why: str) -> None:
         pytest.skip(why)
 
 
+def grads(model) -> dict:
+    """{name: a copy of its gradient} of every parameter of `model` that has one."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_gradients(got: dict, want: dict, rel: float = 1e-5) -> None:
+    """Gradients of one loss in two layouts (`grads`): the same parameters (more than 5), each tensor within `rel` of
+    the largest entry of `want`'s (tiny entries carry the rounding of large sums), none of them all zero."""
+    assert got.keys() == want.keys() and len(want) > 5
+    for name in want:
+        scale = float(want[name].abs().max())
+        assert scale > 0 and float((got[name] - want[name]).abs().max()) <= rel * scale, name
+
+
 def compose(command: str, overrides=()):
     """The composed, typed config of `rlhf <command> overrides...` (no Hydra run dir made)."""
     from hydra import compose as hydra_compose

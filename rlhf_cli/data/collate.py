@@ -32,6 +32,8 @@ class PairCollator:
         input_ids       (2B, L) long  rows [0, B) = prompt + chosen, rows [B, 2B) = prompt + rejected
         attention_mask  (2B, L) long  1 = real token; a row's last real token is its EOS
         pair_tokens     () long       real tokens, sum of attention_mask
+        prompt_lengths  (B,) long     pair i's prompt tokens: the first prompt_lengths[i] real tokens of rows i
+                                      and B+i; the rest are its chosen and its rejected response
         margin          (B,) float    only when every example has a `margin`
 
     With right padding the EOS of row i sits at `attention_mask[i].sum() - 1`.
@@ -45,8 +47,14 @@ class PairCollator:
         seqs += [ex["prompt_ids"] + ex["rejected_ids"] for ex in examples]
         batch = pad_sequences(seqs, self.pad_id, side="right")
         batch["pair_tokens"] = batch["attention_mask"].sum()
+        batch["prompt_lengths"] = _prompt_lengths(examples)
         _add_margin(batch, examples)
         return batch
+
+
+def _prompt_lengths(examples: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """(B,) long: each example's prompt tokens (where its responses begin, for a forward that reads only them)."""
+    return torch.tensor([len(ex["prompt_ids"]) for ex in examples], dtype=torch.long)
 
 
 def _add_margin(batch: dict[str, torch.Tensor], examples: Sequence[dict[str, Any]]) -> None:
@@ -79,6 +87,8 @@ class PackedPairCollator:
         chosen_end       (B, 2) long   (row, column) of pair i's chosen EOS
         rejected_end     (B, 2) long   (row, column) of pair i's rejected EOS
         pair_tokens      () long       tokens of the unpacked pairs: sum of (P + C) + (P + R)
+        prompt_lengths   (B,) long     pair i's prompt tokens: a token of its chosen or rejected sequence at
+                                       position >= prompt_lengths[i] is a response token
         margin           (B,) float    only when every example has a `margin`
 
     Raises ValueError when a pair has an empty chosen or rejected response.
@@ -102,6 +112,7 @@ class PackedPairCollator:
             "chosen_end": ends[:, 0], "rejected_end": ends[:, 1],
             "pair_tokens": torch.tensor(sum(2 * len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"])
                                             for ex in examples)),
+            "prompt_lengths": _prompt_lengths(examples),
         }
         _add_margin(batch, examples)
         return batch
@@ -254,7 +265,7 @@ def pack_tries(groups: Sequence[Sequence[Sequence[int]]], pad_id: int,
     Given `attention_tokens` (`models.attention_tokens`), groups that begin alike (e.g. the chat template's
     system prompt) share a trie where the cost model says so (`_merge_groups`), and tries are placed first-fit,
     longest first, into rows of `row_width`; else each group is its own trie in rows of the longest. Only row
-    tails are padding. The layout of `PackedPairCollator` and of packed rollouts (`rollout.pack_rollout`).
+    tails are padding. The layout of `PackedPairCollator` and of packed rollouts (`forwards.pack_rollout`).
     Raises ValueError on no groups, an empty group or an empty sequence.
     """
     if not groups or any(not g for g in groups) or any(not len(s) for g in groups for s in g):

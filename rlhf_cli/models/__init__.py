@@ -1,4 +1,6 @@
-"""Models: loading (hub id, local dir, GGUF, tiny random), scalar-head reward/value models, LoRA adapters, saving."""
+"""Models: loading (hub id, local dir, GGUF, tiny random), scalar-head reward/value models, LoRA adapters, a policy's
+shared value head (`models/policy.py`), saving (`models/checkpoint.py`) and the trained models' final save
+(`models/final.py`)."""
 
 from rlhf_cli.models.checkpoint import (
     is_scalar_model_dir,
@@ -7,6 +9,7 @@ from rlhf_cli.models.checkpoint import (
     save_hf,
     with_scoring_template,
 )
+from rlhf_cli.models.final import save_model, save_policy
 from rlhf_cli.models.loading import (
     ModelSourceError,
     configure_training,
@@ -27,6 +30,7 @@ from rlhf_cli.models.lora import (
     save_adapter,
     without_adapters,
 )
+from rlhf_cli.models.policy import PolicyWithValueHead, disable_dropout, has_value_head, lm_of, unwrap
 from rlhf_cli.models.scalar import (
     Float32Head,
     attention_tokens,
@@ -54,8 +58,12 @@ __all__ = [
     "without_adapters",
     "Float32Head",
     "ModelSourceError",
+    "PolicyWithValueHead",
     "configure_training",
     "count_parameters",
+    "disable_dropout",
+    "has_value_head",
+    "lm_of",
     "attention_tokens", "custom_mask_support",
     "is_scalar_model_dir",
     "last_token_index",
@@ -69,9 +77,12 @@ __all__ = [
     "response_values",
     "rewards_at",
     "save_hf", "with_scoring_template",
+    "save_model",
+    "save_policy",
     "scalar_from_causal_lm",
     "sequence_rewards",
     "token_values",
     "torch_dtype_for",
     "trunk_hidden",
+    "unwrap",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rlhf_cli.rollout.forward import Forward
+from rlhf_cli.forwards import Forward
 from rlhf_cli.rollout.plan import UpdatePlan
 
 
@@ -28,10 +28,10 @@ class Experience:
     scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
     groups: torch.Tensor  # (B,) long, the group id (the iteration's prompt index k) shared by a prompt's samples
     layouts: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
-    """`rollout.PackedRollout` of row sets, keyed by their row indices in order: the packed layouts the no-grad
+    """`forwards.PackedRollout` of row sets, keyed by their row indices in order: the packed layouts the no-grad
     passes built (`data.packing`), so the update's forwards of the same micro-batch reuse them."""
     forwards: dict[tuple[int, ...], Forward] = field(default_factory=dict, repr=False)
-    """Training forwards (`rollout.forward.Forward`, with their graphs) of row sets, keyed as `layouts`: the update's
+    """Training forwards (`forwards.Forward`, with their graphs) of row sets, keyed as `layouts`: the update's
     first micro-batches' forwards, which the rollout ran at its weights (`UpdatePlan.carry`) and whose detached
     outputs are these rows' old log-probs and values. The update takes each (`PolicyLearner.micro_batches` moves
     it onto its micro-batch) and backpropagates through it once; none is left after the update."""
@@ -48,7 +48,7 @@ class Experience:
 
     @property
     def layout(self) -> Any:
-        """The packed layout of all rows, in order (a `rollout.PackedRollout`), or None when none was built."""
+        """The packed layout of all rows, in order (a `forwards.PackedRollout`), or None when none was built."""
         return self.layouts.get(tuple(range(self.input_ids.shape[0])))
 
     @property

@@ -25,8 +25,9 @@ import torch
 
 from rlhf_cli import engine
 from rlhf_cli.core import entropy_bonus, kl_loss, policy_loss, value_loss
+from rlhf_cli.forwards import training_forward
+from rlhf_cli.models import has_value_head
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.forward import training_forward
 from rlhf_cli.rollout.plan import (
     UpdatePlan,
     fold_settings,
@@ -34,7 +35,6 @@ from rlhf_cli.rollout.plan import (
     packs_rollout_passes,
     update_order,
 )
-from rlhf_cli.rollout.policy import has_value_head
 
 log = logging.getLogger(__name__)
 

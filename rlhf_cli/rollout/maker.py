@@ -19,12 +19,19 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_penalized_rewards
 from rlhf_cli.data import epoch_order
-from rlhf_cli.models import attention_tokens
+from rlhf_cli.forwards import (
+    Forward,
+    PackedRollout,
+    critic_values,
+    pack_rollout,
+    policy_forward,
+    sequence_kl,
+    training_forward,
+    use_packing,
+)
+from rlhf_cli.models import attention_tokens, has_value_head, lm_of
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.forward import Forward, training_forward
-from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
 from rlhf_cli.rollout.plan import UpdatePlan
-from rlhf_cli.rollout.policy import critic_values, has_value_head, lm_of, policy_forward, sequence_kl
 from rlhf_cli.rollout.rewards import Rewards
 from rlhf_cli.rollout.sampling import sample_responses
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl, whiten_across_ranks

@@ -78,7 +78,7 @@ def fold_settings(cfg: Any, needs_critic: bool, score_precision: str, zero_stage
     carry: how many of the update's first micro-batches the rollout runs the training forwards of
     (`ppo.carried_forwards`; 0 = none). They are the rollout's first chunks, and the update's first optimizer step
     comes after them: at the rollout's weights their training forwards give the old log-probs and values the
-    no-grad passes would. So the maker runs those forwards (`forward.training_forward`, graphs kept) in place of
+    no-grad passes would. So the maker runs those forwards (`forwards.training_forward`, graphs kept) in place of
     the chunks' no-grad policy and critic passes, takes their outputs (detached) as those rows' old log-probs and
     values, and hands them to the update (`Experience.forwards`): one forward of each trained model per carried
     micro-batch and iteration saved, the same numbers (the same function of the same weights on the same layout;

@@ -23,8 +23,8 @@ from rlhf_cli import engine
 from rlhf_cli.config import reward_sources
 from rlhf_cli.data import checker
 from rlhf_cli.errors import RewardError
+from rlhf_cli.forwards import batched_rewards
 from rlhf_cli.rewards import call_reward_function, load_reward_function
-from rlhf_cli.rollout.scoring import batched_rewards
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from rlhf_cli.core import (
     win_rate,
 )
 from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
+from rlhf_cli.forwards import batched_rewards, pair_metrics, score_pairs, sequence_kl
 from rlhf_cli.lifecycle import command_line_keys, prepare_run_dir, seed_everything, write_config
 from rlhf_cli.models import (
     is_scalar_model_dir,
@@ -53,14 +54,7 @@ from rlhf_cli.report import (
     summary_table,
 )
 from rlhf_cli.rewards import load_reward_function
-from rlhf_cli.rollout import (
-    batched_rewards,
-    call_on_every_rank,
-    pair_metrics,
-    sample_responses,
-    score_pairs,
-    sequence_kl,
-)
+from rlhf_cli.rollout import call_on_every_rank, sample_responses
 from rlhf_cli.runs import atomic_write_json, atomic_write_text, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table

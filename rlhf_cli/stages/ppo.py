@@ -20,7 +20,7 @@ passes (old logprobs, ref_logprobs, the training forward, with a shared critic's
 model in the precision `scoring_precision` gives (fp32 under bf16-autocast by default: bf16 rounding of the
 moved weights swamps the KL of small updates).
 
-Batch layout: see `rlhf_cli/rollout/__init__.py`.
+Batch layout: see `rlhf_cli/forwards/__init__.py`.
 """
 
 from __future__ import annotations
@@ -37,28 +37,23 @@ from rlhf_cli.commands import by_kind, by_stage
 from rlhf_cli.config import ConfigError, PPOConfig, reward_sources
 from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
+from rlhf_cli.forwards import FrozenWithoutAdapters
 from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
+    PolicyWithValueHead,
     add_lora,
     configure_training,
     count_parameters,
+    disable_dropout,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
     lora_enabled,
     read_reward_stats,
-)
-from rlhf_cli.preflight import resolve_reward_model
-from rlhf_cli.rollout import (
-    ExperienceMaker,
-    FrozenWithoutAdapters,
-    PolicyLearner,
-    PolicyWithValueHead,
-    Rewards,
-    disable_dropout,
-    kl_stats,
     save_policy,
 )
+from rlhf_cli.preflight import resolve_reward_model
+from rlhf_cli.rollout import ExperienceMaker, PolicyLearner, Rewards, kl_stats
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
 from rlhf_cli.stages.common import check_same_tokenizer, model_source, print_table, trained_parameters
 

@@ -21,6 +21,7 @@ from rlhf_cli.commands import by_stage
 from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import epoch_order, example_length, load_preference_data
 from rlhf_cli.errors import ConfigError
+from rlhf_cli.forwards import forward_pairs, pair_collator, pair_metrics, score_pairs
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     add_lora,
@@ -28,9 +29,9 @@ from rlhf_cli.models import (
     load_scalar_model,
     load_tokenizer,
     lora_enabled,
+    save_model,
     with_scoring_template,
 )
-from rlhf_cli.rollout import forward_pairs, pair_collator, pair_metrics, save_model, score_pairs
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 from rlhf_cli.stages.common import model_source, print_table, trained_parameters
 

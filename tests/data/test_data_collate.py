@@ -18,7 +18,8 @@ def _pair(p, c, r, **kw):
 def test_pair_collator_right_pads_chosen_then_rejected():
     exs = [_pair([5, 6], [7, EOS], [8, 9, 9, EOS]), _pair([5], [7, 7, EOS], [8, EOS])]
     b = PairCollator(PAD)(exs)
-    assert set(b) == {"input_ids", "attention_mask", "pair_tokens"} and int(b["pair_tokens"]) == 4 + 4 + 6 + 3
+    assert set(b) == {"input_ids", "attention_mask", "pair_tokens", "prompt_lengths"}
+    assert int(b["pair_tokens"]) == 4 + 4 + 6 + 3 and b["prompt_lengths"].tolist() == [2, 1]
     assert b["input_ids"].shape == b["attention_mask"].shape == (4, 6) and b["input_ids"].dtype == torch.long
     assert b["input_ids"].tolist() == [[5, 6, 7, EOS, PAD, PAD],      # chosen 0
                                        [5, 7, 7, EOS, PAD, PAD],      # chosen 1
@@ -43,6 +44,7 @@ def test_packed_pair_collator_layout():
     assert b["chosen_end"].tolist() == [[0, 3], [1, 3], [2, 1]]
     assert b["rejected_end"].tolist() == [[0, 7], [1, 5], [2, 2]]
     assert int(b["pair_tokens"]) == (4 + 6) + (4 + 3) + (2 + 2)
+    assert b["prompt_lengths"].tolist() == [2, 1, 1] and b["prompt_lengths"].dtype == torch.long
     assert b["attention_mask"].tolist()[2] == [1, 1, 1, 0, 0, 0, 0, 0]
     allowed = b["pair_attention"][:, 0]
     assert allowed.dtype == torch.bool and allowed.shape == (3, 8, 8)

@@ -3,14 +3,6 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def tiny_causal(tiny_model_cfg, tokenizer):
-    """A fresh seeded tiny causal LM (float32, eval mode)."""
-    from rlhf_cli.models import load_causal_lm
-
-    return load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer).eval()
-
-
-@pytest.fixture(scope="module")
 def tiny_scalar(tiny_model_cfg):
     """A seeded tiny scalar-head model (float32, eval mode)."""
     from rlhf_cli.models import load_scalar_model

@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli.config import ConfigError, LoraSettings
+from rlhf_cli.forwards import policy_forward
 from rlhf_cli.models import (
     Float32Head,
     adapters_disabled,
@@ -20,7 +21,6 @@ from rlhf_cli.models import (
     sequence_rewards,
     without_adapters,
 )
-from rlhf_cli.rollout import policy_forward
 
 
 def lora(**kw):

@@ -145,7 +145,7 @@ def test_init_from_in_memory_models_copies(tiny_causal, tiny_scalar):
 def test_bf16_scores_are_as_distinct_and_rank_pairs_as_fp32(tiny_model_cfg, tokenizer, pad_batch, precision):
     """The head computes in float32 under every precision: a bf16 head output (8 significant bits) put
     many of 256 scores on the same bf16 value, and a tied pair counts as wrong in accuracy."""
-    from rlhf_cli.rollout import batched_rewards
+    from rlhf_cli.forwards import batched_rewards
 
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 2000, (int(torch.randint(6, 20, (1,), generator=g)),), generator=g).tolist()

@@ -18,6 +18,7 @@ from stage_helpers import REPO, subprocess_env
 from test_stage_ppo import build_trainer, snapshot
 
 from rlhf_cli.data import checker
+from rlhf_cli.models import has_value_head
 from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.rollout import has_value_head, kl_stats
 

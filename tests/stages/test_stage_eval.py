@@ -89,7 +89,7 @@ def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, to
     """A hand-made file whose responses carry their score ("score=1.5"); the model's scores are replaced
     by that number, everything else (loading, batching, packing, gathering, metrics, eval.json) is the real code.
     Packed, each score's text is what its position may attend to: the mask itself must hide chosen from rejected."""
-    import rlhf_cli.rollout.scoring as scoring
+    import rlhf_cli.forwards.scoring as scoring
 
     rows = [{"prompt": f"Question {i}: which reply is better?",
              "chosen": f"Chosen reply number {i}. score={c}", "rejected": f"Another reply {i}. score={r}"}

@@ -10,8 +10,8 @@ from stage_helpers import compose
 from test_stage_ppo import RUN, build_trainer, load_safetensors
 
 from rlhf_cli.data import load_preference_data
+from rlhf_cli.forwards import FrozenWithoutAdapters, policy_forward, score_pairs
 from rlhf_cli.models import ADAPTER_DIR, load_causal_lm, load_scalar_model, load_tokenizer
-from rlhf_cli.rollout import FrozenWithoutAdapters, policy_forward, score_pairs
 from rlhf_cli.runs import read_metrics, set_status
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
@@ -179,8 +179,8 @@ def test_a_lora_critic_grown_from_the_reward_model_holds_its_weights_once(lora_r
     """`ppo.critic_init=reward_model` with LoRA: the critic's adapters go on the reward model's own weights, and the
     reward model is that critic with its adapters off (its head the original peft keeps): the same scores as the
     reward model loaded on its own, before and after the critic's updates."""
+    from rlhf_cli.forwards import batched_rewards
     from rlhf_cli.models import sequence_rewards, token_values
-    from rlhf_cli.rollout import batched_rewards
 
     run_dir, _ = lora_rm
     tr = build_trainer(tmp_path, [*LORA, "reward.type=model", f"reward_model.path={run_dir}", "ppo.critic=separate",

@@ -18,12 +18,13 @@ import pytest
 import torch
 from stage_helpers import compose
 
-from rlhf_cli import engine, rollout
+from rlhf_cli import engine, models, rollout
 from rlhf_cli.config import ConfigError
 from rlhf_cli.core import compute_gae, entropy_bonus, kl_penalized_rewards, masked_whiten, policy_loss, value_loss
+from rlhf_cli.forwards import critic_values, policy_forward
 from rlhf_cli.lifecycle import seed_everything
 from rlhf_cli.preflight import VALIDATORS, resolve_reward_model
-from rlhf_cli.rollout import Experience, critic_values, policy_forward, response_mask, whiten_across_ranks
+from rlhf_cli.rollout import Experience, response_mask, whiten_across_ranks
 from rlhf_cli.runs import read_metrics, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.ppo import PPOTrainer
@@ -55,7 +56,7 @@ def edit_generate(monkeypatch, tr, edit):
 
     The rest of `sample_responses` (cut at the first EOS, pad after, drop all-pad columns) runs as is.
     """
-    lm = rollout.lm_of(tr.actor.module)
+    lm = models.lm_of(tr.actor.module)
     generate = lm.generate
 
     def edited_generate(*args, **kwargs):
@@ -221,7 +222,7 @@ def test_old_logprobs_use_the_sampling_temperature(tmp_path):
     tr = build_trainer(tmp_path)
     exp, _, _ = tr.maker.make_experience(0)
     P, T = exp.prompt_len, tr.p.temperature
-    lm = rollout.lm_of(tr.actor.module)
+    lm = models.lm_of(tr.actor.module)
     with torch.no_grad():
         pos = (exp.attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = lm(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=pos).logits
@@ -265,7 +266,7 @@ def test_per_row_sampler_draws_from_softmax_over_temperature_after_top_p():
 def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     """The same (prompt, seed) gives the same response alone, in another order, or in another chunk size."""
     tr = build_trainer(tmp_path, ["ppo.max_new_tokens=10"])
-    lm = rollout.lm_of(tr.actor.module)
+    lm = models.lm_of(tr.actor.module)
     prompts = tr.prompts[:6]
     seeds = [derive_seed(42, 0, k) for k in range(6)]
 
@@ -297,7 +298,7 @@ def test_the_models_own_generation_config_does_not_change_the_samples(tmp_path):
     """A checkpoint's generation_config (repetition penalty, suppressed tokens, beams) must not leak into PPO
     sampling."""
     tr = build_trainer(tmp_path, ["ppo.max_new_tokens=10"])
-    lm = rollout.lm_of(tr.actor.module)
+    lm = models.lm_of(tr.actor.module)
     prompts, seeds = tr.prompts[:4], [derive_seed(1, k) for k in range(4)]
 
     def sample():
@@ -404,7 +405,7 @@ def test_policy_gradient_equals_hand_built_surrogate(tmp_path, monkeypatch, crit
     micro_rows, steps = [], []
     rows_of = Experience.rows
     monkeypatch.setattr(Experience, "rows", lambda self, idx: (micro_rows.append(idx.clone()), rows_of(self, idx))[1])
-    policy = rollout.lm_of(tr.actor.module)
+    policy = models.lm_of(tr.actor.module)
     real_step = tr.actor.step
 
     def step():
@@ -686,7 +687,7 @@ def test_checker_run_with_shared_critic_trains_the_value_head(run_stage):
     assert record["step"] == 1 and record["val/loss"] > 0
 
     initial = load_causal_lm(cfg.model, "fp32", cfg.seed)
-    head0 = rollout.PolicyWithValueHead(initial, cfg.seed).score.weight.detach()
+    head0 = models.PolicyWithValueHead(initial, cfg.seed).score.weight.detach()
     head = load_safetensors(final / "value_head.safetensors")["score.weight"]
     assert head.shape == head0.shape and not torch.equal(head, head0)
     trained = AutoModelForCausalLM.from_pretrained(final)

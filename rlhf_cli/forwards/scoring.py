@@ -11,8 +11,8 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator
+from rlhf_cli.forwards.packing import pack_rollout, use_packing
 from rlhf_cli.models import attention_tokens, rewards_at, sequence_rewards
-from rlhf_cli.rollout.packing import pack_rollout, use_packing
 
 
 @torch.no_grad()
@@ -22,7 +22,7 @@ def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     precision; on the inputs' device. See models.sequence_rewards for where each score is read.
 
     With `packing` (`data.packing`) and `prompt_len` (the batch laid out `[prompt | response]` as
-    `sample_responses` gives it), each forward runs packed (`rollout.pack_rollout`: a prompt shared by several
+    `sample_responses` gives it), each forward runs packed (`forwards.pack_rollout`: a prompt shared by several
     rows once, no padding between sequences): the same scores to float rounding.
 
     Identical sequences (the same real tokens) are scored once and share that score, so they tie exactly in any

@@ -9,7 +9,7 @@ system prompt of different prompts; tries share rows, so only row tails are padd
 Every response token sees exactly the keys at exactly the positions it sees in its own padded row, so the log-probs,
 entropies and values read from a packed forward equal the padded forward's to float rounding (the layout of
 `rlhf_cli.data.pack_tries`; prefix sharing, Wang et al. 2024). Every pass of a rollout runs packed
-(`rollout.plan.packs_rollout_passes`, `rollout.batched_rewards`); the experience maker builds each micro-batch's
+(`rollout.plan.packs_rollout_passes`, `forwards.batched_rewards`); the experience maker builds each micro-batch's
 layout once and the update reuses it (`Experience.layouts`).
 """
 

@@ -1,5 +1,5 @@
 """The training forward of one micro-batch, with its graph: the one code path of the update's forwards and of the
-rollout's forwards of the update's first micro-batches (`plan.fold_settings`, `Experience.forwards`)."""
+rollout's forwards of the update's first micro-batches (`rollout.plan.fold_settings`, `rollout.Experience.forwards`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.rollout.policy import critic_values, has_value_head, policy_forward
+from rlhf_cli.forwards.policy import critic_values, policy_forward
+from rlhf_cli.models import has_value_head
 
 
 class Forward(NamedTuple):

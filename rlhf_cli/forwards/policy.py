@@ -1,62 +1,20 @@
 """The forwards of a policy and its critic over `[prompt | response]` batches: response log-probs at the
 sampling temperature (with entropy and a shared value head's values), a separate critic's values, and the
-per-sequence KL of two policies. Also the model wrappers these forwards read: the shared value head, a LoRA
-policy's reference (its adapters off) and dropout switched off."""
+per-sequence KL of two policies. Also a LoRA policy's reference (its adapters off), read as a frozen model is.
+The models they read (the shared value head, `lm_of`) are `models/policy.py`'s."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from rlhf_cli import engine
 from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits
-from rlhf_cli.models import (
-    ADAPTER_DIR,
-    attention_tokens,
-    has_lora,
-    merged_state_dict,
-    new_scalar_head,
-    response_values,
-    save_adapter,
-    save_hf,
-    trunk_hidden,
-    without_adapters,
-)
-from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
-
-
-class PolicyWithValueHead(torch.nn.Module):
-    """`ppo.critic=shared`: the policy's trunk carries a scalar value head `score` next to its LM head."""
-
-    def __init__(self, lm: torch.nn.Module, seed: int) -> None:
-        super().__init__()
-        self.lm = lm
-        self.score = new_scalar_head(lm.config.get_text_config().hidden_size, seed, next(lm.parameters()))
-
-    @property
-    def config(self) -> Any:
-        return self.lm.config
-
-
-def unwrap(model: Any) -> Any:
-    return getattr(model, "module", model)
-
-
-def has_value_head(model: Any) -> bool:
-    """Whether `model` (or the module a DeepSpeed engine wraps) is a policy carrying a shared value head."""
-    return isinstance(unwrap(model), PolicyWithValueHead)
-
-
-def lm_of(model: Any) -> Any:
-    model = unwrap(model)
-    return model.lm if isinstance(model, PolicyWithValueHead) else model
+from rlhf_cli.forwards.packing import PackedRollout, pack_rollout, use_packing
+from rlhf_cli.models import attention_tokens, lm_of, response_values, trunk_hidden, unwrap, without_adapters
 
 
 class FrozenWithoutAdapters:
@@ -78,58 +36,12 @@ class FrozenWithoutAdapters:
         yield self.module
 
 
-def save_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, out: Path,
-               base: str | None = None, **kwargs: Any) -> None:
-    """`models.save_hf` of a trained model; a LoRA one (`models.has_lora`) is saved as its merged plain weights
-    (`models.merged_state_dict`), its adapter beside them in `out/adapter/` (peft's format, `base` recorded as
-    the base model). `kwargs` go to `save_hf` (`extra_config`)."""
-    if not has_lora(model):
-        save_hf(model, tokenizer, out, state_dict=state_dict, **kwargs)
-        return
-    save_hf(model, tokenizer, out, state_dict=merged_state_dict(model, state_dict), **kwargs)
-    save_adapter(model, state_dict, out / ADAPTER_DIR, base)
-
-
-def save_policy(
-    final: Path,
-    policy: torch.nn.Module,
-    policy_sd: dict[str, torch.Tensor],
-    tokenizer: Any,
-    extra_config: dict[str, Any],
-    critic: torch.nn.Module | None = None,
-    critic_sd: dict[str, torch.Tensor] | None = None,
-    base: str | None = None,
-    critic_base: str | None = None,
-) -> None:
-    """Write a trained policy to `final` in HF format (rank 0; the state dicts are consolidated ones).
-
-    A `PolicyWithValueHead` is saved as its causal LM plus `value_head.safetensors` (`score.weight`), so that
-    `final/` loads with `AutoModelForCausalLM`; a separate critic goes to `final/critic/` (written beside
-    `final/` first, then moved in, so a crash leaves no half-written critic inside `final/`).
-    `extra_config` is added to the policy's config.json (the `rlhf_*` lineage keys). LoRA models are merged, and
-    their adapters saved in `final/adapter/` and `final/critic/adapter/` (`save_model`; `base`, `critic_base`: the
-    models they adapt, recorded in each adapter's config).
-    """
-    if isinstance(policy, PolicyWithValueHead):
-        lm_sd = {k[len("lm."):]: v for k, v in policy_sd.items() if k.startswith("lm.")}
-        save_model(policy.lm, lm_sd, tokenizer, final, base, extra_config=extra_config)
-        save_file({"score.weight": policy_sd["score.weight"].contiguous()}, str(final / "value_head.safetensors"))
-    else:
-        save_model(policy, policy_sd, tokenizer, final, base, extra_config=extra_config)
-    if critic is not None:
-        staging = final.parent / "critic"
-        save_model(critic, critic_sd, tokenizer, staging, critic_base)
-        if (final / "critic").exists():
-            shutil.rmtree(final / "critic")
-        os.replace(staging, final / "critic")
-
-
 def response_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                     packing: bool | PackedRollout = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The trunk's last hidden states that read the response entries, (B, R, H): entry t is the position of the
     token before response token t (the prompt's last token for t = 0), as `policy_forward` and `critic_values`
-    read them. With `packing` (and a model that takes a custom mask: `rollout.use_packing`) the batch runs packed
-    (`rollout.pack_rollout`: a shared prompt once, no padding between sequences) and the second result is the
+    read them. With `packing` (and a model that takes a custom mask: `forwards.use_packing`) the batch runs packed
+    (`forwards.pack_rollout`: a shared prompt once, no padding between sequences) and the second result is the
     (B, R) bool mask of entries computed from real tokens; else the padded forward and None. `packing` may be
     the batch's `PackedRollout`, built once for several passes (it must be `pack_rollout` of these rows; it is
     moved to the batch's device for the call)."""
@@ -212,17 +124,3 @@ def critic_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         return response_values(critic, input_ids, attention_mask, prompt_len)
     hidden, computed = response_hidden(critic, input_ids, attention_mask, prompt_len, packing)
     return _zero_outside(critic.score(hidden).squeeze(-1).float(), computed)
-
-
-def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Set every dropout probability to 0 so that the rollout's old logprobs and values and the
-    training forward see the same function (TRL and OpenRLHF do the same)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention modules
-            module.attention_dropout = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
-            setattr(model.config, key, 0.0)
-    return model
