@@ -20,7 +20,7 @@ from test_stage_ppo import build_trainer, snapshot
 from rlhf_cli.data import checker
 from rlhf_cli.models import has_value_head
 from rlhf_cli.rewards import load_reward_function
-from rlhf_cli.rollout import has_value_head, kl_stats
+from rlhf_cli.rollout import kl_stats
 
 # 2 prompts × 4 samples = 8 completions, one minibatch
 GROUPS = ["ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=4", "ppo.mini_batch_size=8"]
