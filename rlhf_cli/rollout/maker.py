@@ -208,6 +208,10 @@ class ExperienceMaker:
         return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
 
     def make_experience(self, iteration: int) -> tuple[Experience, dict[str, float], dict[str, Any]]:
+        """One iteration's rollout on this rank: sample (`generate`), score (`rewards`), the passes by the update's
+        plan (`rollout_passes`), shaping (`shape`). Returns the `Experience` (carrying the plan), the rollout's
+        statistics (means over ranks; its KL statistics come after the update, `stats.kl_stats`) and a few
+        samples (prompts, responses, raw scores) for the log."""
         p = self.p
         prompts, seeds, groups = self.prompt_batch(iteration)
         t0 = time.perf_counter()
@@ -226,32 +230,19 @@ class ExperienceMaker:
         valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
         loss_mask = mask * valid.float()[:, None]
         beta = self.kl_ctl.value
-        if p.kl_in == "reward":
-            rewards = kl_penalized_rewards(score, logprobs, ref_logprobs, mask, beta, p.kl_estimator)
-        else:  # β·KL is a loss term (PPOTrainer.losses): the reward is the score alone
-            rewards = add_at_last_token(torch.zeros_like(logprobs), mask, score)
         groups = groups.to(score.device)
-        advantages, returns = self.estimator(rewards, mask, scores=score, groups=groups, valid=valid, values=values,
-                                             gamma=p.gamma, lam=p.lam)
-        if self.whiten:
-            advantages = whiten_across_ranks(advantages, loss_mask)
+        rewards, advantages, returns = self.shape(score, logprobs, ref_logprobs, values, mask, loss_mask, valid,
+                                                  groups, beta)
         exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
                          values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
                          score, groups, layouts, forwards, plan)
-        # token means over all ranks of the advantages the update uses (after whitening)
-        adv_sums = engine.all_reduce_sum(torch.stack([(advantages * loss_mask).sum(),
-                                                      (advantages.abs() * loss_mask).sum(), loss_mask.sum()]))
-        if adv_sums[2] == 0 and engine.is_main():
-            log.warning("iteration %d trains nothing: every response is masked (ppo.truncated=mask and none ended "
-                        "with EOS within ppo.max_new_tokens=%d)", iteration + 1, p.max_new_tokens)
         lengths = mask.sum(1)
         gen_tokens = float(lengths.sum())
         stats = {
             "objective/scores": raw.mean().item(),
             "objective/scores_norm": score.mean().item(),
             "objective/kl_beta": beta,
-            "advantages/mean": (adv_sums[0] / adv_sums[2].clamp(min=1)).item(),
-            "advantages/abs_mean": (adv_sums[1] / adv_sums[2].clamp(min=1)).item(),
+            **self.advantage_stats(advantages, loss_mask, iteration),
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": has_eos.float().mean().item(),
             "time/generation": t1 - t0,
@@ -271,6 +262,36 @@ class ExperienceMaker:
                    "responses": self.tokenizer.batch_decode(input_ids[:3, P:], skip_special_tokens=True),
                    "scores": raw[:3].tolist()}
         return exp, stats, samples
+
+    def advantage_stats(self, advantages: torch.Tensor, loss_mask: torch.Tensor, iteration: int) -> dict[str, float]:
+        """`advantages/mean` and `advantages/abs_mean`: token means over all ranks of the advantages (B, R) the update
+        uses (after whitening), over `loss_mask`; an iteration with no trainable token says so (it trains nothing)."""
+        adv_sums = engine.all_reduce_sum(torch.stack([(advantages * loss_mask).sum(),
+                                                      (advantages.abs() * loss_mask).sum(), loss_mask.sum()]))
+        if adv_sums[2] == 0 and engine.is_main():
+            log.warning("iteration %d trains nothing: every response is masked (ppo.truncated=mask and none ended "
+                        "with EOS within ppo.max_new_tokens=%d)", iteration + 1, self.p.max_new_tokens)
+        return {"advantages/mean": (adv_sums[0] / adv_sums[2].clamp(min=1)).item(),
+                "advantages/abs_mean": (adv_sums[1] / adv_sums[2].clamp(min=1)).item()}
+
+    def shape(self, score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+              values: torch.Tensor | None, mask: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
+              groups: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token rewards (B, R) float32: −β·kl_t plus the score (B,) at the last real token with
+        `ppo.kl_in=reward`, the score alone with `loss` (β·KL is then a loss term); then (advantages, returns)
+        (B, R) by `ppo.advantage_estimator`, the advantages whitened over `loss_mask`'s tokens of all ranks when
+        `ppo.whiten_advantages` (or the estimator's default) says so. mask: (B, R) response mask; valid: (B,) bool,
+        rows that count in a group baseline; groups: (B,) long group ids."""
+        p = self.p
+        if p.kl_in == "reward":
+            rewards = kl_penalized_rewards(score, logprobs, ref_logprobs, mask, beta, p.kl_estimator)
+        else:  # β·KL is a loss term (PolicyLearner.losses): the reward is the score alone
+            rewards = add_at_last_token(torch.zeros_like(logprobs), mask, score)
+        advantages, returns = self.estimator(rewards, mask, scores=score, groups=groups, valid=valid, values=values,
+                                             gamma=p.gamma, lam=p.lam)
+        if self.whiten:
+            advantages = whiten_across_ranks(advantages, loss_mask)
+        return rewards, advantages, returns
 
 
 class _ChunkPasses(NamedTuple):
