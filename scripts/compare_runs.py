@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-SKIP_KEYS = ("time", "throughput/", "timing/", "perf/", "memory/", "elapsed", "seconds", "_s", "rss")
+SKIP_KEYS = ("time/", "throughput/", "timing/", "perf/", "memory/")
 SKIP_TEXT = ("path", "dir", "run_id", "created", "date", "host")
 
 
