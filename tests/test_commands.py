@@ -20,7 +20,8 @@ def _docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         for stmt in body if isinstance(body, list) else []:
-            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+            if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+                    and isinstance(stmt.value.value, str)):
                 out.add(id(stmt.value))
     return out
 

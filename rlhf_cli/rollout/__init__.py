@@ -3,7 +3,9 @@
     experience.py   `Experience`, the record a rollout hands to the learner
     maker.py        `ExperienceMaker`: one PPO iteration's prompts -> an `Experience` and its statistics
     learner.py      `PolicyLearner`: the update on one `Experience` (minibatches, losses, backward, steps)
-    sampling.py     per-prompt seeds, per-row sampling inside HF `generate`, the cut at the first EOS
+    generation.py   the sampling-engine seam (`Generator`: prompt ids + one seed per prompt + `Sampling` ->
+                    `Generation`), its HF engine (`HFGenerator`: per-row sampling inside HF `generate`), the
+                    registry `GENERATORS` (`rollout.engine`), the cut at the first EOS, the rollout batch layout
     policy.py       response log-probs / entropy / values of a policy (and its shared value head), a separate
                     critic's values, the per-sequence KL of two policies, dropout switched off,
                     a LoRA policy's reference (its adapters off), the trained models' final save
@@ -22,6 +24,18 @@ run packed (packing.py) and read their outputs back into this layout.
 """
 
 from rlhf_cli.rollout.experience import Experience
+from rlhf_cli.rollout.generation import (
+    GENERATORS,
+    Generation,
+    Generator,
+    HFGenerator,
+    PerRowSampler,
+    Sampling,
+    make_generator,
+    response_mask,
+    rollout_batch,
+    sample_responses,
+)
 from rlhf_cli.rollout.learner import Losses, PolicyLearner
 from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.packing import PackedRollout, pack_rollout, use_packing
@@ -40,13 +54,16 @@ from rlhf_cli.rollout.policy import (
     unwrap,
 )
 from rlhf_cli.rollout.rewards import Rewards, call_on_every_rank
-from rlhf_cli.rollout.sampling import PerRowSampler, response_mask, sample_responses
 from rlhf_cli.rollout.scoring import batched_rewards, forward_pairs, pair_collator, pair_metrics, score_pairs
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, whiten_across_ranks
 
 __all__ = [
+    "GENERATORS",
     "Experience",
     "ExperienceMaker",
+    "Generation",
+    "Generator",
+    "HFGenerator",
     "Losses",
     "PackedRollout",
     "PerRowSampler",
@@ -54,6 +71,7 @@ __all__ = [
     "PolicyWithValueHead",
     "FrozenWithoutAdapters",
     "Rewards",
+    "Sampling",
     "batched_rewards",
     "call_on_every_rank",
     "critic_values",
@@ -64,10 +82,12 @@ __all__ = [
     "pair_collator",
     "has_value_head",
     "lm_of",
+    "make_generator",
     "pair_metrics",
     "policy_forward",
     "response_hidden",
     "response_mask",
+    "rollout_batch",
     "sample_responses",
     "save_model",
     "save_policy",
