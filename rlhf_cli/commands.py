@@ -103,7 +103,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         name="train-ppo", config_name="train_ppo", stage="rlhf_cli.stages.ppo", kind="ppo", pointer="latest_policy",
         help="optimise a policy against a reward with PPO (KL penalty, GAE, clipped surrogate) or a critic-free "
              "estimator (GRPO, RLOO, REINFORCE++)",
-        reads=(*_COMMON, "deepspeed", "ppo", "reward", "reward_model", "reference", "logger", "tracker"),
+        reads=(*_COMMON, "deepspeed", "ppo", "rollout", "reward", "reward_model", "reference", "logger",
+               "tracker"),
         validator=config.validate_ppo, trains=True, section="ppo",
         model_paths=(
             ModelPath("reward_model.path", "reward", f"set it to a `{{rm}}` {_FROM_RUN} or an HF reward-model dir, "
@@ -121,7 +122,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command(
         name="eval", config_name="eval", stage="rlhf_cli.stages.evaluate", kind="eval",
         help="measure a reward model or a policy, and build run reports",
-        reads=(*_COMMON, "eval", "reward", "reward_model", "reference", "policy", "run_dir"),
+        reads=(*_COMMON, "eval", "rollout", "reward", "reward_model", "reference", "policy", "run_dir"),
         validator=config.validate_eval, section="eval", reward_function_always=True,
         model_paths=(
             ModelPath("policy.path", "lm", f"set it to a `{{ppo}}` {_FROM_RUN} or an HF causal-LM dir, or leave it "

@@ -42,6 +42,8 @@ SCORING_PRECISIONS = ("fp32", "same")
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
 # the reward sources `reward.type` / `reward.weights` name
 REWARD_SOURCES = ("model", "checker", "function")
+# the sampling engines `rollout.engine` names: rollout.generation.GENERATORS (a test keeps the two equal)
+ROLLOUT_ENGINES = ("hf",)
 # the names `logger` takes: `jsonl` and the trackers of runs.TRACKERS (a test keeps the two equal)
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 
@@ -455,6 +457,17 @@ class EvalOptions:
 
 
 @dataclass
+class RolloutConfig:
+    """`rollout.*`: how train-ppo and eval sample responses."""
+
+    engine: str = "hf"
+    """The sampling engine of train-ppo's rollouts and of eval's policy and reference samples: `hf` (default),
+    transformers' `generate` on the live model with one random stream per prompt (`vllm` comes with the vLLM
+    engine). A prompt's response depends on the weights, the prompt, its seed and the sampling keys, not on the
+    engine's batching."""
+
+
+@dataclass
 class TrackerConfig:
     """`tracker.*`: how the trackers of `logger` (wandb, mlflow, trackio) name and group a run."""
 
@@ -505,6 +518,8 @@ class RunConfig:
     """eval: build the report of a past training run (or a multirun sweep dir) instead of evaluating models."""
     eval: EvalOptions = field(default_factory=EvalOptions)
     """`rlhf eval`'s sampling and batching."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The sampling engine of train-ppo and eval (`rollout.engine`)."""
     precision: str = "auto"
     """`fp32`; `bf16-autocast` (fp32 master weights, bf16 matmuls under torch.autocast); `bf16`
     (bf16 weights, DeepSpeed's bf16 optimizer with fp32 master copies); `auto` (default): bf16-autocast
@@ -764,6 +779,7 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.max_bad_steps >= 0, f"ppo.max_bad_steps must be >= 0 (got {p.max_bad_steps})")
     _check(p.max_kl is None or p.max_kl > 0, f"ppo.max_kl must be > 0 or null (got {p.max_kl})")
     validate_reward(cfg)
+    validate_rollout(cfg)
 
 
 def reward_sources(cfg: Any) -> dict[str, float]:
@@ -788,6 +804,11 @@ def validate_reward(cfg: Any) -> None:
                f"reward.function={r.function!r} is not <module or path/to/file.py>:<callable name>")
 
 
+def validate_rollout(cfg: Any) -> None:
+    """`rollout.*`: a known sampling engine."""
+    _one_of("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+
+
 def validate_eval(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
     e = cfg.eval
@@ -797,4 +818,5 @@ def validate_eval(cfg: Any, world_size: int = 1) -> None:
     _check(e.temperature > 0, f"eval.temperature must be > 0 (got {e.temperature})")
     _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")
     validate_reward(cfg)
+    validate_rollout(cfg)
     _one_of("eval.split", e.split, ("eval", "train", "all"))

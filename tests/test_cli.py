@@ -214,6 +214,8 @@ def test_help_lists_the_groups_and_the_keys_each_command_reads_with_their_descri
                                  "of the rm.* keys? (`rlhf train-rm --help` lists the keys it reads)"),
     ("train-ppo", "rm.lr=1e-5", "`rlhf train-ppo` does not read rm.lr (an `rlhf train-rm` key); did you mean "
                                 "ppo.actor_lr? (`rlhf train-ppo --help` lists the keys it reads)"),
+    ("train-rm", "rollout.engine=hf", "`rlhf train-rm` does not read rollout.engine (an `rlhf train-ppo / eval` key) "
+                                      "(`rlhf train-rm --help` lists the keys it reads)"),
     ("train-rm", "ppo.max_steps=3", "unknown config key 'ppo.max_steps' for `rlhf train-rm`; did you mean "
                                     "'rm.max_steps'? (`rlhf train-rm --cfg job` lists every key)"),
     ("train-ppo", "tensorboard=true",

@@ -75,7 +75,7 @@ def pack_rollout(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
     """Pack a rollout batch as token tries (`rlhf_cli.data.pack_tries`): rows whose real prompt tokens are equal are
     one group, computed as one trie; groups that begin alike share a trie where that costs less.
 
-    input_ids, attention_mask: (B, P+R) as `sample_responses` lays them out, prompts left-padded to P = `prompt_len`,
+    input_ids, attention_mask: (B, P+R) as `rollout_batch` lays them out, prompts left-padded to P = `prompt_len`,
     responses right-padded. `pad_id` fills the packed rows' tails (any id: padding attends only to itself and is
     never read). `attention_tokens` (`models.attention_tokens` of the model that will run it) lets groups share
     tries and rows grow wider than the longest trie where that costs less (`rlhf_cli.data.row_width`). Tensors

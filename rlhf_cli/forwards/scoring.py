@@ -22,7 +22,7 @@ def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     precision; on the inputs' device. See models.sequence_rewards for where each score is read.
 
     With `packing` (`data.packing`) and `prompt_len` (the batch laid out `[prompt | response]` as
-    `sample_responses` gives it), each forward runs packed (`forwards.pack_rollout`: a prompt shared by several
+    `rollout_batch` gives it), each forward runs packed (`forwards.pack_rollout`: a prompt shared by several
     rows once, no padding between sequences): the same scores to float rounding.
 
     Identical sequences (the same real tokens) are scored once and share that score, so they tie exactly in any

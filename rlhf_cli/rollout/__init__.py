@@ -5,7 +5,9 @@
                     folds into it (its first micro-batches' training forwards; an on-policy update's old log-probs)
     maker.py        `ExperienceMaker`: one PPO iteration's prompts -> an `Experience` and its statistics
     learner.py      `PolicyLearner`: the update on one `Experience` (minibatches, losses, backward, steps)
-    sampling.py     per-prompt seeds, per-row sampling inside HF `generate`, the cut at the first EOS
+    generation.py   the sampling-engine seam (`Generator`: prompt ids + one seed per prompt + `Sampling` ->
+                    `Generation`), its HF engine (`HFGenerator`: per-row sampling inside HF `generate`), the
+                    registry `GENERATORS` (`rollout.engine`), the cut at the first EOS, the rollout batch layout
     rewards.py      `Rewards`: the run's reward, one source or a weighted sum (model, checker, function)
     stats.py        whitening, explained variance and the rollout's KL statistics over all ranks
 
@@ -17,26 +19,44 @@ the response mask ending at the first EOS (inclusive); `forwards/__init__.py` sa
 """
 
 from rlhf_cli.rollout.experience import Experience
+from rlhf_cli.rollout.generation import (
+    GENERATORS,
+    Generation,
+    Generator,
+    HFGenerator,
+    PerRowSampler,
+    Sampling,
+    make_generator,
+    response_mask,
+    rollout_batch,
+    sample_responses,
+)
 from rlhf_cli.rollout.learner import Losses, PolicyLearner
 from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.plan import UpdatePlan, update_order
 from rlhf_cli.rollout.rewards import Rewards, call_on_every_rank
-from rlhf_cli.rollout.sampling import PerRowSampler, response_mask, sample_responses
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, kl_stats, whiten_across_ranks
 
 __all__ = [
+    "GENERATORS",
     "Experience",
     "ExperienceMaker",
+    "Generation",
+    "Generator",
+    "HFGenerator",
     "Losses",
     "PerRowSampler",
     "PolicyLearner",
     "Rewards",
+    "Sampling",
+    "UpdatePlan",
     "call_on_every_rank",
     "explained_variance_across_ranks",
     "kl_stats",
+    "make_generator",
     "response_mask",
+    "rollout_batch",
     "sample_responses",
-    "UpdatePlan",
     "update_order",
     "whiten_across_ranks",
 ]

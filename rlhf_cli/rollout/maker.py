@@ -31,9 +31,9 @@ from rlhf_cli.forwards import (
 )
 from rlhf_cli.models import attention_tokens, has_value_head, lm_of
 from rlhf_cli.rollout.experience import Experience
+from rlhf_cli.rollout.generation import Sampling, make_generator, rollout_batch
 from rlhf_cli.rollout.plan import UpdatePlan
 from rlhf_cli.rollout.rewards import Rewards
-from rlhf_cli.rollout.sampling import sample_responses
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl, whiten_across_ranks
 from rlhf_cli.seeds import derive_seed
 
@@ -64,6 +64,10 @@ class ExperienceMaker:
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
         self.precision = cfg.precision  # sampling, separate critic
+        self.generator = make_generator(cfg.rollout.engine, precision=cfg.precision, chunk=self.p.micro_batch_size * 4)
+        """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout."""
+        self.sampling = Sampling(eos_ids=(self.eos_id,), pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
+                                 temperature=self.p.temperature, top_p=self.p.top_p)
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
         self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
         self._order_epoch: int | None = None
@@ -98,11 +102,14 @@ class ExperienceMaker:
 
     def generate(self, prompts: list[dict[str, Any]],
                  seeds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-        """Sample one response per prompt with the current policy (see `sample_responses`)."""
-        p = self.p
-        with self.actor.gathered_params():
-            return sample_responses(lm_of(self.actor.module), prompts, self.pad_id, self.eos_id, p.max_new_tokens,
-                                    p.temperature, p.top_p, self.precision, chunk=p.micro_batch_size * 4, seeds=seeds)
+        """Sample one response per prompt with the current policy, one seed per prompt (`self.generator`).
+        Returns the rollout batch: input_ids (B, P+R), attention_mask (B, P+R), P, has_eos (B,)
+        (`generation.rollout_batch`)."""
+        prompt_ids = [x["prompt_ids"] for x in prompts]
+        with self.actor.gathered_params():  # ZeRO-3: the full weights, for the engine to sample from
+            self.generator.update_weights(lm_of(self.actor.module))
+            generation = self.generator.generate(prompt_ids, seeds, self.sampling)
+        return rollout_batch(prompt_ids, generation, self.pad_id)
 
     def rollout_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                        plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,

@@ -54,7 +54,7 @@ from rlhf_cli.report import (
     summary_table,
 )
 from rlhf_cli.rewards import load_reward_function
-from rlhf_cli.rollout import call_on_every_rank, sample_responses
+from rlhf_cli.rollout import Sampling, call_on_every_rank, make_generator, rollout_batch
 from rlhf_cli.runs import atomic_write_json, atomic_write_text, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
@@ -167,9 +167,14 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     # one noise stream per prompt, shared by policy and reference (common random numbers): the same
     # samples whatever the world size, and identical responses wherever the two models agree
     seeds = [derive_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
-    sampled = {who: sample_responses(lm, mine, pad_id, eos_id, e.max_new_tokens, e.temperature, e.top_p,
-                                     cfg.precision, chunk=e.generation_batch_size, seeds=seeds)
-               for who, lm in (("policy", policy), ("reference", reference))}
+    generator = make_generator(cfg.rollout.engine, precision=cfg.precision, chunk=e.generation_batch_size)
+    sampling = Sampling(eos_ids=(eos_id,), pad_id=pad_id, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                        top_p=e.top_p)
+    prompt_ids = [x["prompt_ids"] for x in mine]
+    sampled = {}
+    for who, lm in (("policy", policy), ("reference", reference)):  # one engine, the same seeds on both sides
+        generator.update_weights(lm)
+        sampled[who] = rollout_batch(prompt_ids, generator.generate(prompt_ids, seeds, sampling), pad_id)
     scores = {}
     if reward_model is not None:  # both sides in one pass: a prompt's two samples share its computation
         scores = side_by_side_rewards(reward_model, sampled["policy"][:3], sampled["reference"][:3], pad_id,
@@ -265,7 +270,7 @@ def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, i
     first tokens its two samples share are computed once, and a sequence both models sampled is scored once (an
     exact tie).
 
-    policy, reference: (input_ids (N, P+R), attention_mask (N, P+R), P) as `sample_responses` returns them, the
+    policy, reference: (input_ids (N, P+R), attention_mask (N, P+R), P) as `rollout_batch` returns them, the
     same prompts in the same order (R may differ: the narrower side is right-padded)."""
     (a_ids, a_am, P), (b_ids, b_am, Pb) = policy, reference
     if P != Pb or a_ids.shape[0] != b_ids.shape[0]:
@@ -348,7 +353,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         write_config(cfg, run_dir)  # the data this eval reads, as run
         console.print(data_note, soft_wrap=True, highlight=False)
     if cfg.dry_run:
-        print_table(f"eval (dry run): {run_dir}", {"policy": policy_path, "reward_model": rm_path, "data": data_note})
+        sampler = {"sampling engine": cfg.rollout.engine} if policy_path is not None else {}
+        print_table(f"eval (dry run): {run_dir}", {"policy": policy_path, "reward_model": rm_path, "data": data_note,
+                                                   **sampler})
         set_status(run_dir, "dry_run") if engine.is_main() else None
         return None
     if policy_path is not None:
@@ -362,7 +369,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if engine.is_main():
         atomic_write_json(run_dir / "eval.json",
                           {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)})
-        print_table(COMMAND.name, {k: v for k, v in results.items() if k not in ("samples", "data")})
+        sampler = {"sampling engine": cfg.rollout.engine} if results["mode"] == "policy" else {}
+        print_table(COMMAND.name, {**sampler, **{k: v for k, v in results.items() if k not in ("samples", "data")}})
         if results.get("samples"):
             print_summary(console, ["prompt", "policy", "score", "reference", "score"],
                           [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120],

@@ -250,6 +250,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             "trained policy params": trained_parameters(policy, cfg.model.lora),
             "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,
             "prompts × samples / mini / micro / world": batches, "advantage estimator": p.advantage_estimator,
+            "sampling engine": cfg.rollout.engine,
             "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
             "zero stage": cfg.deepspeed.zero_stage})
         if engine.is_main():
@@ -268,7 +269,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                       if isinstance(tr.reward_model, FrozenWithoutAdapters) else ")")
                    if tr.estimator.needs_critic else "none (critic-free)"),
         "prompts": len(tr.prompts), "iterations": p.iterations,
-        "prompts × samples / mini / micro / world": batches,
+        "prompts × samples / mini / micro / world": batches, "sampling engine": cfg.rollout.engine,
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",
         "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})"})
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,

@@ -198,28 +198,38 @@ def fixed_responses(prompts, tokenizer):
 
 
 def fake_sampling(monkeypatch, tiny_dirs, tokenizer):
-    """Replace eval's sampling with `fixed_responses`; returns {role: (prompt ids, responses)} as filled."""
+    """Replace eval's sampling engine (`rollout.engine=hf`) with one answering `fixed_responses`; returns
+    {role: (prompt ids, responses)} as filled. The rollout batch is built from its answers as from any engine's."""
     import rlhf_cli.stages.evaluate as evaluate
+    from rlhf_cli.rollout import Generation, generation, response_mask
 
-    seen = {}
+    seen, loaded = {}, []
+    load_prompt_data = evaluate.load_prompt_data
 
-    def fake_sample_responses(lm, prompts, pad_id, eos_id, max_new_tokens, temperature, top_p, precision,
-                              chunk=32, seeds=None):
-        # the layout sample_responses returns: [left-padded prompt | right-padded response], width P + R
-        role = "policy" if str(lm.name_or_path) == str(tiny_dirs["policy"]) else "reference"
-        responses = fixed_responses(prompts, tokenizer)[role]
-        seen[role] = ([p["prompt_ids"] for p in prompts], responses)
-        P, R = max(len(p["prompt_ids"]) for p in prompts), max_new_tokens
-        ids = torch.full((len(prompts), P + R), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (p, resp) in enumerate(zip(prompts, responses)):
-            ids[i, P - len(p["prompt_ids"]):P] = torch.tensor(p["prompt_ids"])
-            ids[i, P:P + len(resp)] = torch.tensor(resp)
-            mask[i, P - len(p["prompt_ids"]):P + len(resp)] = 1
-        has_eos = torch.tensor([resp[-1] == eos_id for resp in responses])
-        return ids, mask, P, has_eos
+    def spy_load_prompt_data(*args, **kwargs):  # the prompts' answers, which `fixed_responses` reads
+        loaded.append(load_prompt_data(*args, **kwargs))
+        return loaded[-1]
 
-    monkeypatch.setattr(evaluate, "sample_responses", fake_sample_responses)
+    class FixedGenerator:
+        def __init__(self, precision, chunk):
+            self.lm = None
+
+        def update_weights(self, model):
+            self.lm = model
+
+        def generate(self, prompt_ids, seeds, sampling):
+            role = "policy" if str(self.lm.name_or_path) == str(tiny_dirs["policy"]) else "reference"
+            prompts = list(loaded[-1])[:len(prompt_ids)]
+            assert [p["prompt_ids"] for p in prompts] == list(prompt_ids) and len(seeds) == len(prompt_ids)
+            responses = fixed_responses(prompts, tokenizer)[role]
+            seen[role] = (list(prompt_ids), responses)
+            ids = torch.full((len(responses), sampling.max_new_tokens), sampling.pad_id, dtype=torch.long)
+            for i, resp in enumerate(responses):
+                ids[i, :len(resp)] = torch.tensor(resp)
+            return Generation(*response_mask(ids, sampling.eos_ids, sampling.pad_id), None)
+
+    monkeypatch.setattr(evaluate, "load_prompt_data", spy_load_prompt_data)
+    monkeypatch.setitem(generation.GENERATORS, "hf", FixedGenerator)
     return seen
 
 

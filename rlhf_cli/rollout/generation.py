@@ -1,0 +1,252 @@
+"""Sampling responses: the seam a sampling engine plugs into, and its HF implementation.
+
+    Sampling            the settings of one call: the ids that end a response, pad, length, τ, top-p
+    Generation          what an engine returns: responses (B, R), mask, has_eos, its own log-probs or None
+    Generator           the protocol an engine implements: `generate(prompt_ids, seeds, sampling)` and
+                        `update_weights(model)`
+    HFGenerator         `rollout.engine=hf`: HF `generate` with one random stream per prompt (`PerRowSampler`)
+    GENERATORS          {`rollout.engine` value: engine class}; `make_generator(name, ...)` builds one
+    rollout_batch       prompt ids + a `Generation` -> the rollout batch `[left-padded prompt | right-padded
+                        response]` the stages score and train on
+    response_mask       the cut at the first EOS (any id of `eos_ids`)
+    sample_responses    the one-call form of `HFGenerator` + `rollout_batch` (benchmarks, tests)
+
+An engine takes token ids and gives token ids: tokenizing and detokenizing stay with the caller. Each prompt
+has its own seed, and its response depends only on (the weights, its prompt, its seed, the sampling settings),
+never on the batch it is in, the chunk size or the world size: two models given the same seeds sample with
+the same noise (the eval pairs its policy and reference samples on this). A new engine (vLLM next) is one class
+implementing `Generator`, one `GENERATORS` entry and one `rollout.engine` value (`config.ROLLOUT_ENGINES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from rlhf_cli import engine
+from rlhf_cli.data import pad_sequences
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The settings of one `Generator.generate` call."""
+
+    eos_ids: tuple[int, ...]
+    """Every token id that ends a response (the tokenizer's EOS; a chat template's end-of-turn id too)."""
+    pad_id: int
+    """The id written after a response's end (and to the left of shorter prompts)."""
+    max_new_tokens: int
+    """Longest response, in tokens (>= 1); a response that reaches it without an EOS is cut there."""
+    temperature: float
+    """τ > 0: tokens are drawn from softmax(logits / τ)."""
+    top_p: float
+    """Nucleus sampling in (0, 1]: after the temperature, only the smallest set of tokens whose probability
+    reaches top_p can be drawn; 1 = no filter."""
+
+
+class Generation(NamedTuple):
+    """One response per prompt, as an engine returns them (rows in the order of the prompts).
+
+    responses  (B, R) long     the sampled ids, right-padded with `pad_id` after the first EOS (R <= max_new_tokens;
+                               columns past the longest response are all pad)
+    mask       (B, R) float32  1 = a response token, up to and including the first EOS
+    has_eos    (B,) bool       the response ended with an id of `eos_ids` (else `max_new_tokens` cut it)
+    logprobs   (B, R) float32  the engine's own log-probs (nats) of the sampled tokens after temperature (and
+               | None          top-p), 0 where mask is 0; None when the engine gives none (HF)
+    """
+
+    responses: torch.Tensor
+    mask: torch.Tensor
+    has_eos: torch.Tensor
+    logprobs: torch.Tensor | None
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """A sampling engine: prompt token ids in, response token ids out.
+
+    Contract:
+      - `generate(prompt_ids, seeds, sampling)`: one response per prompt (B prompts of any lengths, ids without
+        padding), returned as a `Generation` in the prompts' order.
+      - One seed per prompt. A prompt's response depends only on (the weights, its prompt, its seed,
+        `sampling`), not on which prompts share its batch, the chunk size or the world size (up to float
+        differences in the logits), so two models given the same seeds sample with the same noise (common random
+        numbers): `rlhf eval` pairs its policy's and its reference's samples of a prompt on this.
+      - A response ends at the first id of `sampling.eos_ids` (kept, mask 1) or at `sampling.max_new_tokens`;
+        everything after the first EOS is `sampling.pad_id`, mask 0.
+      - `update_weights(model)`: the engine samples from `model`'s current weights from then on (a causal LM,
+        the live training module; an engine with its own copy of the weights copies them here). train-ppo calls
+        it before each rollout, inside the actor's `gathered_params()` (ZeRO-3's full weights); `rlhf eval` once
+        for the policy, then once for the reference.
+    """
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:
+        ...
+
+    def update_weights(self, model: Any) -> None:
+        ...
+
+
+def response_mask(responses: torch.Tensor, eos_ids: int | Sequence[int],
+                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut generated tokens at the first EOS, any id of `eos_ids` (one int or several).
+
+    responses: (B, R) long as returned by generate (anything after the EOS is filler).
+    Returns (responses with everything after the first EOS set to pad, mask (B, R) float with 1 up
+    to and including the first EOS, has_eos (B,) bool).
+    """
+    ids = (eos_ids,) if isinstance(eos_ids, int) else tuple(eos_ids)
+    is_eos = torch.isin(responses, torch.tensor(ids, dtype=responses.dtype, device=responses.device))
+    before_or_at = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0  # no EOS strictly before t
+    mask = before_or_at.float()
+    cleaned = torch.where(before_or_at, responses, torch.full_like(responses, pad_id))
+    return cleaned, mask, is_eos.any(dim=1)
+
+
+def rollout_batch(prompt_ids: Sequence[Sequence[int]], generation: Generation,
+                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """The rollout batch of prompts and their responses, the layout every stage scores and trains on.
+
+    Returns input_ids (B, P+R) `[left-padded prompt | right-padded response]`, attention_mask (B, P+R) long
+    (response part 1 up to and including the first EOS), P (the longest prompt) and has_eos (B,) bool, on the
+    responses' device. R is the longest response (at least 1): the all-pad columns after it are dropped.
+    """
+    prompts = pad_sequences(prompt_ids, pad_id, side="left")
+    dev = generation.responses.device
+    prompt_ids_t, prompt_mask = prompts["input_ids"].to(dev), prompts["attention_mask"].to(dev)
+    R = max(int(generation.mask.sum(1).max().item()), 1)  # drop all-pad columns
+    input_ids = torch.cat([prompt_ids_t, generation.responses[:, :R]], dim=1)
+    attention_mask = torch.cat([prompt_mask, generation.mask[:, :R].long()], dim=1)
+    return input_ids, attention_mask, prompt_ids_t.shape[1], generation.has_eos
+
+
+class PerRowSampler(LogitsProcessor):
+    """Sampling with one random stream per row, run inside HF `generate`'s greedy loop (Gumbel-max).
+
+    argmax(logits / τ + g), with g ~ Gumbel(0, 1) i.i.d. and τ the temperature (`ppo.temperature`), is a
+    sample from softmax(logits / τ) (Gumbel 1954; Maddison et al. 2014); tokens a top-p filter set to -inf
+    are never drawn. Each row draws its noise from
+    its own `torch.Generator` on the scores' device, so a prompt's sample depends only on its seed, not on
+    which rows share its batch, the chunk size or the number of ranks (up to float differences in the
+    logits). The noise is float32: u in [2^-24, 1 - 2^-24] truncates the Gumbel tail at ~16.6 (an event of
+    probability ~6e-8 per token and row).
+
+    seeds: one int per row of the `generate` batch. Scores (B, V) float; returns scores + noise, same shape.
+    """
+
+    def __init__(self, seeds: Sequence[int]) -> None:
+        self.seeds = [int(s) for s in seeds]
+        self.generators: list[torch.Generator] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if scores.shape[0] != len(self.seeds):
+            raise ValueError(f"PerRowSampler: {scores.shape[0]} rows but {len(self.seeds)} seeds")
+        if not self.generators:
+            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        V, dev = scores.shape[-1], scores.device
+        u = torch.stack([torch.rand(V, generator=g, device=dev) for g in self.generators])
+        u = u.clamp(2.0**-24, 1.0 - 2.0**-24)
+        return scores + (-torch.log(-torch.log(u))).to(scores.dtype)
+
+
+class HFGenerator:
+    """`rollout.engine=hf`: HF `generate` (KV cache) on the live model, one random stream per prompt.
+
+    Greedy decoding over temperature- and top-p-warped scores plus each row's Gumbel noise (`PerRowSampler`)
+    is sampling; `chunk` prompts per `generate` call (the samples do not depend on it), under `precision`'s
+    autocast (`engine.autocast`). The model's own `generation_config` (repetition penalty, suppressed tokens,
+    beams...) is set aside for the call. Gives no log-probs (`Generation.logprobs` is None).
+    """
+
+    def __init__(self, precision: str, chunk: int = 32) -> None:
+        self.precision, self.chunk = precision, int(chunk)
+        self.lm: Any = None
+
+    def update_weights(self, model: Any) -> None:
+        """Sample from `model` (a causal LM) from now on: the module itself, nothing is copied."""
+        self.lm = model
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:
+        """One response per prompt (see `Generator`): responses (B, max_new_tokens), on `engine.device()`."""
+        if self.lm is None:
+            raise RuntimeError("HFGenerator.generate before update_weights(model)")
+        seeds = [int(s) for s in seeds]
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"HFGenerator.generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
+        lm, chunk, n = self.lm, self.chunk, sampling.max_new_tokens
+        dev = engine.device()
+        prompts = pad_sequences(prompt_ids, sampling.pad_id, side="left")
+        ids, am = prompts["input_ids"].to(dev), prompts["attention_mask"].to(dev)
+        P = ids.shape[1]
+        # greedy decoding over warped, noised scores == sampling
+        gen_config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=list(sampling.eos_ids),
+                                      pad_token_id=sampling.pad_id, use_cache=True)
+        warpers = ([TemperatureLogitsWarper(sampling.temperature)]
+                   + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []))
+        was_training, model_gen_config = lm.training, lm.generation_config
+        lm.eval()
+        # HF fills every option our config leaves unset from the model's own generation_config (repetition
+        # penalty, suppressed tokens, beams...): a blank one for the duration, so nothing but ours applies
+        lm.generation_config = GenerationConfig()
+        outs = []
+        try:
+            with engine.autocast(self.precision):
+                for i in range(0, len(seeds), chunk):
+                    processors = LogitsProcessorList([*warpers, PerRowSampler(seeds[i:i + chunk])])
+                    out = lm.generate(input_ids=ids[i:i + chunk], attention_mask=am[i:i + chunk],
+                                      generation_config=gen_config, logits_processor=processors)
+                    resp = out[:, P:]
+                    if resp.shape[1] < n:  # every chunk to the same width
+                        resp = torch.nn.functional.pad(resp, (0, n - resp.shape[1]), value=sampling.pad_id)
+                    outs.append(resp)
+        finally:
+            lm.generation_config = model_gen_config
+            lm.train(was_training)
+        responses, mask, has_eos = response_mask(torch.cat(outs), sampling.eos_ids, sampling.pad_id)
+        return Generation(responses, mask, has_eos, None)
+
+
+GENERATORS: dict[str, type] = {"hf": HFGenerator}
+"""{`rollout.engine` value: engine class}; `config.ROLLOUT_ENGINES` lists the same names (a test keeps the two
+equal)."""
+
+
+def make_generator(name: str, *, precision: str, chunk: int) -> Generator:
+    """The sampling engine `rollout.engine=<name>`, built from the settings every engine takes: `precision` (the
+    run's `precision`) and `chunk` (prompts per engine call; the samples do not depend on it)."""
+    if name not in GENERATORS:
+        raise ValueError(f"rollout.engine={name!r} is not one of {', '.join(GENERATORS)}")
+    return GENERATORS[name](precision=precision, chunk=chunk)
+
+
+def sample_responses(
+    lm: Any, prompts: list[dict[str, Any]], pad_id: int, eos_id: int, max_new_tokens: int, temperature: float,
+    top_p: float, precision: str, chunk: int = 32, seeds: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Sample one response per prompt from `lm` in one call: `HFGenerator` then `rollout_batch`.
+
+    prompts: dicts with `prompt_ids`. Returns input_ids (B, P+R) `[left-padded prompt | right-padded
+    response]`, attention_mask (B, P+R) (response part 1 up to and including the first EOS), P, and
+    has_eos (B,) bool. R is the longest response (<= max_new_tokens).
+
+    `seeds`: one int per prompt (see `Generator`); without them, they are drawn from torch's global generator.
+    """
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+    generator = HFGenerator(precision, chunk)
+    generator.update_weights(lm)
+    prompt_ids = [p["prompt_ids"] for p in prompts]
+    sampling = Sampling(eos_ids=(eos_id,), pad_id=pad_id, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_p=top_p)
+    return rollout_batch(prompt_ids, generator.generate(prompt_ids, seeds, sampling), pad_id)

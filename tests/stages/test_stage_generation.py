@@ -1,0 +1,290 @@
+"""The sampling-engine seam (`rollout/generation.py`) and its HF engine, on the tiny random model (CPU, fp32).
+
+What issue 39's generator seam asks these tests to prove: `HFGenerator` + `rollout_batch` give bit for bit the
+tensors the sampling before the seam gave (`old_sample_responses` below is that code, as it was); a prompt's
+response depends only on (weights, prompt, seed, sampling), not on chunk size or prompt order, and two models
+given the same seeds draw the same noise; a response ends at whichever id of `eos_ids` comes first, in the mask
+and in HF `generate`; `rollout.engine` takes only the registry's names and only the commands that sample read it.
+"""
+
+from typing import Any
+
+import pytest
+import torch
+from stage_helpers import compose
+from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+from rlhf_cli import config, engine
+from rlhf_cli.commands import by_config
+from rlhf_cli.config import ConfigError
+from rlhf_cli.data import PromptCollator
+from rlhf_cli.overrides import check_override_keys
+from rlhf_cli.rollout import (
+    GENERATORS,
+    Generation,
+    Generator,
+    HFGenerator,
+    PerRowSampler,
+    Sampling,
+    make_generator,
+    response_mask,
+    rollout_batch,
+    sample_responses,
+)
+from rlhf_cli.seeds import derive_seed
+
+# ----------------------------------------------------------------------------------------------
+# the sampling before the seam (rollout/sampling.py at 33f015b), kept verbatim as the reference; `PerRowSampler`
+# moved unchanged (its draws are tested against softmax in test_stage_ppo.py)
+
+
+def old_response_mask(responses, eos_id, pad_id):
+    is_eos = responses == eos_id
+    before_or_at = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0  # no EOS strictly before t
+    mask = before_or_at.float()
+    cleaned = torch.where(before_or_at, responses, torch.full_like(responses, pad_id))
+    return cleaned, mask, is_eos.any(dim=1)
+
+
+@torch.no_grad()
+def old_sample_responses(lm: Any, prompts, pad_id, eos_id, max_new_tokens, temperature, top_p, precision, chunk=32,
+                         seeds=None):
+    dev = engine.device()
+    batch = PromptCollator(pad_id)(prompts)
+    prompt_ids, prompt_mask = batch["input_ids"].to(dev), batch["attention_mask"].to(dev)
+    P = prompt_ids.shape[1]
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
+                                  pad_token_id=pad_id, use_cache=True)
+    warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
+    was_training, model_gen_config = lm.training, lm.generation_config
+    lm.eval()
+    lm.generation_config = GenerationConfig()
+    outs = []
+    try:
+        with engine.autocast(precision):
+            for i in range(0, len(prompts), chunk):
+                processors = LogitsProcessorList([*warpers, PerRowSampler(seeds[i:i + chunk])])
+                out = lm.generate(input_ids=prompt_ids[i:i + chunk], attention_mask=prompt_mask[i:i + chunk],
+                                  generation_config=gen_config, logits_processor=processors)
+                resp = out[:, P:]
+                if resp.shape[1] < max_new_tokens:
+                    resp = torch.nn.functional.pad(resp, (0, max_new_tokens - resp.shape[1]), value=pad_id)
+                outs.append(resp)
+    finally:
+        lm.generation_config = model_gen_config
+        lm.train(was_training)
+    responses, rmask, has_eos = old_response_mask(torch.cat(outs), eos_id, pad_id)
+    R = max(int(rmask.sum(1).max().item()), 1)
+    input_ids = torch.cat([prompt_ids, responses[:, :R]], dim=1)
+    attention_mask = torch.cat([prompt_mask, rmask[:, :R].long()], dim=1)
+    return input_ids, attention_mask, P, has_eos
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+
+PAD = 0
+NO_EOS = 1  # an id the tiny model's samples below never hold: nothing ends early
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_cfg, tokenizer):
+    from rlhf_cli.models import load_causal_lm
+
+    return load_causal_lm(tiny_model_cfg, "fp32", 1, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    """Six prompts of different lengths (left padding at work)."""
+    texts = ["What is 2 + 3?", "Hi", "Name a colour of the sky at noon, please.", "Count to three.", "Why?",
+             "The quick brown fox jumps over"]
+    return [{"prompt_ids": tokenizer.encode(t, add_special_tokens=False)} for t in texts]
+
+
+def sampling(eos_ids, max_new_tokens=10, temperature=0.7, top_p=1.0):
+    return Sampling(eos_ids=tuple(eos_ids), pad_id=PAD, max_new_tokens=max_new_tokens, temperature=temperature,
+                    top_p=top_p)
+
+
+def hf(model, chunk=32):
+    gen = HFGenerator("fp32", chunk)
+    gen.update_weights(model)
+    return gen
+
+
+def responses_of(gen: Generation):
+    """{row: the response's ids up to and including its first EOS}."""
+    return [r[m.bool()].tolist() for r, m in zip(gen.responses, gen.mask)]
+
+
+def common_tokens(lm, prompts, seeds, top_p=1.0):
+    """The samples with no early stop (12 tokens each), and a token that some but not all of them hold (an id to
+    make an EOS id of, so that some responses end early)."""
+    raw = hf(lm).generate([p["prompt_ids"] for p in prompts], seeds, sampling([NO_EOS], 12, top_p=top_p))
+    assert not raw.has_eos.any()
+    rows = raw.responses.tolist()
+    counts = torch.bincount(raw.responses.flatten())
+    some = [t for t in torch.argsort(counts, descending=True).tolist()
+            if t != PAD and 0 < sum(t in r for r in rows) < len(rows)]
+    return raw, some[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# the same numbers as before the seam
+
+
+@pytest.mark.parametrize("chunk, top_p", [(32, 1.0), (4, 0.9), (1, 1.0)])
+def test_hf_generator_and_rollout_batch_equal_the_sampling_before_the_seam(lm, prompts, chunk, top_p):
+    """Bit-identical input_ids, attention_mask, P and has_eos: with an EOS id some samples hold (some responses
+    end early, at different lengths), the same on only the prompts whose responses end before the last column
+    (all-pad columns dropped), and an id they never hold (all cut at max_new_tokens)."""
+    seeds = [derive_seed(7, 0, k) for k in range(len(prompts))]
+    raw, common = common_tokens(lm, prompts, seeds, top_p)
+    early = [k for k, r in enumerate(raw.responses.tolist()) if common in r[:-1]]
+    cases = [(prompts, seeds, common), ([prompts[k] for k in early], [seeds[k] for k in early], common),
+             (prompts, seeds, NO_EOS)]
+    widths = []
+    for rows, row_seeds, eos in cases:
+        want = old_sample_responses(lm, rows, PAD, eos, 12, 0.7, top_p, "fp32", chunk=chunk, seeds=row_seeds)
+        prompt_ids = [p["prompt_ids"] for p in rows]
+        generation = hf(lm, chunk).generate(prompt_ids, row_seeds, sampling([eos], 12, 0.7, top_p))
+        got = rollout_batch(prompt_ids, generation, PAD)
+        one_call = sample_responses(lm, rows, PAD, eos, 12, 0.7, top_p, "fp32", chunk=chunk, seeds=row_seeds)
+        for out in (got, one_call):
+            assert out[2] == want[2]
+            for a, b in ((out[0], want[0]), (out[1], want[1]), (out[3], want[3])):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+        widths.append(want[0].shape[1] - want[2])
+    assert 0 < len(early) < len(prompts) and widths[1] < 12 == widths[0] == widths[2]
+
+
+def test_a_generation_is_in_the_documented_layout(lm, prompts):
+    seeds = [derive_seed(7, 1, k) for k in range(len(prompts))]
+    gen = hf(lm).generate([p["prompt_ids"] for p in prompts], seeds, sampling([NO_EOS], 5))
+    B = len(prompts)
+    assert gen.responses.shape == (B, 5) and gen.responses.dtype == torch.long
+    assert gen.mask.shape == (B, 5) and gen.mask.dtype == torch.float32
+    assert gen.has_eos.shape == (B,) and gen.has_eos.dtype == torch.bool
+    assert gen.logprobs is None  # HF gives none
+    assert isinstance(hf(lm), Generator)
+
+
+# ----------------------------------------------------------------------------------------------
+# the pairing contract
+
+
+def test_a_prompts_response_does_not_depend_on_chunk_size_or_prompt_order(lm, prompts):
+    seeds = [derive_seed(42, 0, k) for k in range(len(prompts))]
+    ids = [p["prompt_ids"] for p in prompts]
+    s = sampling([NO_EOS], 8)
+    full = responses_of(hf(lm, chunk=6).generate(ids, seeds, s))
+    order = [4, 1, 5, 0]
+    part = responses_of(hf(lm, chunk=3).generate([ids[i] for i in order], [seeds[i] for i in order], s))
+    assert part == [full[i] for i in order]
+    assert responses_of(hf(lm, chunk=1).generate([ids[3]], [seeds[3]], s)) == [full[3]]
+    assert len({tuple(r) for r in full}) > 1  # different seeds, different samples
+    assert responses_of(hf(lm, chunk=6).generate(ids, [x + 1 for x in seeds], s)) != full  # the seed decides
+
+
+def test_two_models_given_the_same_seeds_draw_the_same_noise(tiny_model_cfg, tokenizer, prompts):
+    """Models whose logits are constant (LM head zeroed; the trunks differ) sample nothing but the noise: the same
+    tokens per prompt, and token t is the argmax of the Gumbel noise of the t-th draw of the prompt's own stream."""
+    from rlhf_cli.models import load_causal_lm
+
+    models = [load_causal_lm(tiny_model_cfg, "fp32", seed, tokenizer=tokenizer) for seed in (1, 2)]
+    for m in models:
+        with torch.no_grad():
+            m.get_output_embeddings().weight.zero_()
+    seeds = [derive_seed(3, k) for k in range(4)]
+    ids = [p["prompt_ids"] for p in prompts[:4]]
+    gen = hf(models[0], chunk=4)  # one engine, pointed at each model in turn (as `rlhf eval` does)
+    a = gen.generate(ids, seeds, sampling([NO_EOS], 6))
+    gen.update_weights(models[1])
+    b = gen.generate(ids[::-1], seeds[::-1], sampling([NO_EOS], 6))
+    assert torch.equal(a.responses, b.responses.flip(0))
+    V = models[0].get_output_embeddings().weight.shape[0]
+    for row, seed in zip(a.responses.tolist(), seeds):
+        g = torch.Generator().manual_seed(seed)
+        gumbel = lambda u: -torch.log(-torch.log(u.clamp(2.0**-24, 1.0 - 2.0**-24)))  # noqa: E731
+        assert row == [int(gumbel(torch.rand(V, generator=g)).argmax()) for _ in range(6)]
+
+
+# ----------------------------------------------------------------------------------------------
+# several EOS ids
+
+
+def test_response_mask_cuts_at_the_first_of_several_eos_ids():
+    eos, pad = (2, 7), 0
+    responses = torch.tensor([[5, 7, 2, 3],   # the second id first
+                              [5, 2, 7, 3],   # the first id first
+                              [4, 5, 6, 8],   # neither
+                              [7, 4, 4, 4],   # at once
+                              [3, 4, 5, 2]])  # the last column
+    cleaned, mask, has_eos = response_mask(responses, eos, pad)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert cleaned.tolist() == [[5, 7, 0, 0], [5, 2, 0, 0], [4, 5, 6, 8], [7, 0, 0, 0], [3, 4, 5, 2]]
+    assert has_eos.tolist() == [True, True, False, True, True]
+
+    g = torch.Generator().manual_seed(0)  # against a plain loop on random rows
+    x = torch.randint(0, 9, (64, 7), generator=g)
+    cleaned, mask, has_eos = response_mask(x, eos, pad)
+    for row, c, m, h in zip(x.tolist(), cleaned.tolist(), mask.tolist(), has_eos.tolist()):
+        n = next((t + 1 for t, v in enumerate(row) if v in eos), len(row))
+        assert m == [1.0] * n + [0.0] * (len(row) - n)
+        assert c == row[:n] + [pad] * (len(row) - n)
+        assert h == any(v in eos for v in row)
+    assert torch.equal(response_mask(x, (2,), pad)[1], response_mask(x, 2, pad)[1])  # one id: as an int
+
+
+def test_generate_ends_a_response_at_whichever_eos_id_comes_first(lm, prompts, monkeypatch):
+    """Two prompts; one id of `eos_ids` first appears in the first response, the other later in the second: each
+    response ends at its own, and HF `generate` stops once both have (its output is no wider)."""
+    seeds = [derive_seed(5, k) for k in range(len(prompts))]
+    raw, _ = common_tokens(lm, prompts, seeds)
+    rows = raw.responses.tolist()
+    # row 0 ends at i on a (a token new to it); row 1 at j > i on b; neither id appears earlier in the other row
+    i, j, a, b = next((i, j, rows[0][i], rows[1][j]) for i in range(1, 6) for j in range(i + 1, 11)
+                      if rows[0][i] not in rows[0][:i] + rows[1][:j + 1]
+                      and rows[1][j] not in rows[1][:j] + rows[0][:i + 1])
+    widths = []
+    generate = lm.generate
+
+    def spy(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        widths.append(out.shape[1] - kwargs["input_ids"].shape[1])
+        return out
+
+    monkeypatch.setattr(lm, "generate", spy)
+    ids = [p["prompt_ids"] for p in prompts[:2]]
+    gen = hf(lm).generate(ids, seeds[:2], sampling([a, b], 12))
+    assert responses_of(gen) == [rows[0][:i + 1], rows[1][:j + 1]]
+    assert gen.has_eos.tolist() == [True, True] and gen.responses.shape == (2, 12)
+    assert widths == [j + 1]  # generate stopped when the second response ended, on the other id
+
+
+# ----------------------------------------------------------------------------------------------
+# the config key and the registry
+
+
+def test_the_registry_and_the_config_name_the_same_engines():
+    assert tuple(GENERATORS) == config.ROLLOUT_ENGINES
+    assert isinstance(make_generator("hf", precision="fp32", chunk=4), HFGenerator)
+    with pytest.raises(ValueError, match="rollout.engine='bogus' is not one of hf"):
+        make_generator("bogus", precision="fp32", chunk=4)
+
+
+@pytest.mark.parametrize("command", ["train_ppo", "eval"])
+def test_an_unknown_engine_is_refused_in_one_line(command):
+    cfg = compose(command, ["model=tiny", "rollout.engine=bogus"])
+    with pytest.raises(ConfigError) as e:
+        by_config(command).validator(cfg)
+    assert str(e.value) == "rollout.engine='bogus' is not one of hf"
+
+
+def test_only_the_commands_that_sample_read_the_engine():
+    assert check_override_keys("train_ppo", ["rollout.engine=hf"]) == []
+    assert check_override_keys("eval", ["rollout.engine=hf"]) == []
+    with pytest.raises(ConfigError) as e:
+        check_override_keys("train_rm", ["rollout.engine=hf"])
+    assert str(e.value).startswith("`rlhf train-rm` does not read rollout.engine (an `rlhf train-ppo / eval` key)")
