@@ -79,6 +79,9 @@ class Command:
     """Metric-name prefixes that tell its runs apart when a run dir is not where it was written."""
     report: tuple[str, tuple[str, ...]] | None = None
     """(section title, `report.plots.PANELS` names) of its runs in an eval's page, or None."""
+    defaults: tuple[tuple[str, str], ...] = ()
+    """(key, run-dir kind): with none of these keys set, the first kind whose pointer exists under `paths.root`
+    gives its key the model that pointer names (eval: the newest policy, else the newest reward model)."""
 
     @property
     def invocation(self) -> str:
@@ -88,7 +91,7 @@ class Command:
 
 _FROM_RUN = "run dir, its final/ dir"
 
-COMMANDS: dict[str, Command] = {c.name: c for c in (
+_ALL = (
     Command(
         name="train-rm", config_name="train_rm", stage="rlhf_cli.stages.rm", kind="rm", pointer="latest_rm",
         help="train a reward model (LM + scalar head, Bradley-Terry loss) on preference pairs",
@@ -133,8 +136,11 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
                                               "for the one the policy recorded"),
         ),
         meant={"model.name_or_path": "policy.path", "rm": "eval", "ppo": "eval"},
+        defaults=(("policy.path", "ppo"), ("reward_model.path", "rm")),
     ),
-)}
+)
+COMMANDS: dict[str, Command] = {c.name: c for c in _ALL}
+"""{name as typed: Command}, in help order."""
 
 
 def _one(what: str, value: str, found: list[Command]) -> Command:
@@ -166,11 +172,6 @@ def reporter() -> Command:
 def kinds() -> tuple[str, ...]:
     """Every run-dir kind, in registry order."""
     return tuple(c.kind for c in COMMANDS.values())
-
-
-def pointers() -> dict[str, str]:
-    """{run-dir kind: pointer file name} of the commands that write a model."""
-    return {c.kind: c.pointer for c in COMMANDS.values() if c.pointer}
 
 
 def quote(text: str, **extra: Any) -> str:

@@ -33,6 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine
+from rlhf_cli.commands import by_kind
 from rlhf_cli.config import leaves
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lineage import FILE as LINEAGE_FILE
@@ -322,7 +323,8 @@ def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -
     (final / "rlhf_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if (run_dir / LINEAGE_FILE).is_file():
         shutil.copyfile(run_dir / LINEAGE_FILE, final / MODEL_LINEAGE_FILE)
-    pointer = None if is_sweep_job(run_dir) else write_pointer(cfg.paths.root, kind, final)
+    moves = by_kind(kind).pointer is not None and not is_sweep_job(run_dir)  # a command may keep no pointer
+    pointer = write_pointer(cfg.paths.root, kind, final) if moves else None
     set_status(run_dir, "finished", final=str(final.resolve()), **status)
     drop_checkpoints(run_dir, cfg.paths.keep_checkpoints)
     return pointer

@@ -69,7 +69,10 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
 def write_pointer(root: Path | str, stage: str, final_dir: Path | str) -> Path:
     """Atomically point `<root>/latest_rm` (or latest_policy) at `final_dir`; returns the pointer path.
     Raises SaveError when it cannot be written (the old pointer is then unchanged)."""
-    pointer = Path(root) / by_kind(stage).pointer
+    name = by_kind(stage).pointer
+    if name is None:
+        raise ValueError(f"runs of kind {stage!r} have no pointer (commands.Command.pointer)")
+    pointer = Path(root) / name
     try:
         atomic_write_text(pointer, str(Path(final_dir).resolve()) + "\n")
     except OSError as e:
@@ -78,8 +81,9 @@ def write_pointer(root: Path | str, stage: str, final_dir: Path | str) -> Path:
 
 
 def read_pointer(root: Path | str, stage: str) -> Path | None:
-    pointer = Path(root) / by_kind(stage).pointer
-    if not pointer.is_file():
+    name = by_kind(stage).pointer
+    pointer = Path(root) / name if name else None
+    if pointer is None or not pointer.is_file():
         return None
     target = Path(pointer.read_text().strip())
     return target if target.exists() else None

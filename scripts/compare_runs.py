@@ -23,11 +23,12 @@ SKIP_KEYS = ("time/", "throughput/", "timing/", "perf/", "memory/")
 SKIP_TEXT = ("path", "dir", "run_id", "created", "date", "host")
 
 
-def skipped(key: str) -> bool:
+def skipped(key: str, value=None) -> bool:
+    """Wall times, throughput and memory; and strings that name a place or a moment (paths, dates, hosts)."""
     leaf = key.split(".")[-1]
-    return (any(key.startswith(p) or f".{p}" in key for p in SKIP_KEYS if p.endswith("/"))
+    return (any(key.startswith(p) or f".{p}" in key for p in SKIP_KEYS)
             or leaf in ("time", "elapsed") or leaf.endswith(("_s", "_seconds", "rss_gib", "_rss"))
-            or any(t in leaf for t in SKIP_TEXT))
+            or (isinstance(value, str) and any(t in leaf for t in SKIP_TEXT)))
 
 
 def flat(obj, prefix=""):
@@ -58,8 +59,8 @@ def equal(a, b) -> bool:
 
 
 def compare_values(name: str, before: dict, after: dict, rename: dict[str, str]) -> list[str]:
-    before = {rename.get(k, k): v for k, v in before.items() if not skipped(k)}
-    after = {k: v for k, v in after.items() if not skipped(k)}
+    before = {rename.get(k, k): v for k, v in before.items() if not skipped(k, v)}
+    after = {k: v for k, v in after.items() if not skipped(k, v)}
     diffs = [f"{name}: {k} only before" for k in before.keys() - after.keys()]
     diffs += [f"{name}: {k} only after" for k in after.keys() - before.keys()]
     diffs += [f"{name}: {k} {before[k]!r} -> {after[k]!r}" for k in sorted(before.keys() & after.keys())
@@ -103,14 +104,18 @@ def main() -> int:
                     va = {k: normal(v, args.after) for k, v in flat(json.loads(fa.read_text()))}
                     ren = rename
                 d = compare_values(f"{kind}/{b.name} {fname}", vb, va, ren)
-                n = sum(1 for k in vb if not skipped(k))
+                n = sum(1 for k, v in vb.items() if not skipped(k, v))
                 counted += n
                 print(f"{kind}/{b.name} vs {a.name} {fname}: {n} values, {len(d)} differ")
                 diffs += d
             if args.weights and (b / "final").is_dir():
                 from safetensors.torch import load_file
 
-                for wb in sorted((b / "final").rglob("*.safetensors")):
+                files_b = {w.relative_to(b / "final") for w in (b / "final").rglob("*.safetensors")}
+                files_a = {w.relative_to(a / "final") for w in (a / "final").rglob("*.safetensors")}
+                diffs += [f"{kind}/{b.name} final/{f}: only {'before' if f in files_b else 'after'}"
+                          for f in sorted(files_b ^ files_a)]
+                for wb in sorted((b / "final") / f for f in files_b & files_a):
                     wa = a / "final" / wb.relative_to(b / "final")
                     tb, ta = load_file(str(wb)), load_file(str(wa))
                     bad = [k for k in tb if k not in ta or not tb[k].equal(ta[k])] + [k for k in ta if k not in tb]

@@ -26,25 +26,42 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
+# a variable that holds a command, a config name or a run-dir kind, compared against a literal: a branch on a command
+HOLDERS = {"command", "cmd", "config_name", "kind", "stage"}
+
+
+def _holder(node: ast.AST) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return name in HOLDERS
+
+
 def command_literals(text: str) -> list[tuple[int, str]]:
     """(line, literal) of each string in `text`'s code (docstrings and comments aside) that names a command of
-    the registry: `rlhf <name>` anywhere, a name or config name spelt with `-` or `_` as a word, or a literal equal
-    to one (a name that is also a config section, `eval`, only in the first form)."""
+    the registry: `rlhf <name>` anywhere, a name or config name spelt with `-` or `_` as a word, a literal equal
+    to one (a name that is also a config section, `eval`, only in the first form), or any name, config name or
+    run-dir kind compared with a variable that holds one (`command == "eval"`, `kind != "rm"`)."""
     sections = set(commands.config.RunConfig.__dataclass_fields__)
     words = [w for c in commands.COMMANDS.values() for w in (c.name, c.config_name) if "-" in w or "_" in w]
     pattern = re.compile("|".join([rf"rlhf {re.escape(c.name)}\b" for c in commands.COMMANDS.values()]
                                   + [rf"(?<![\w-]){re.escape(w)}(?![\w-])" for w in words]))
     exact = {w for c in commands.COMMANDS.values() for w in (c.name, c.config_name) if w not in sections}
+    named = {w for c in commands.COMMANDS.values() for w in (c.name, c.config_name, c.kind)}
     tree = ast.parse(text)
     docs = _docstrings(tree)
-    return [(node.lineno, node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
-            and (node.value in exact or pattern.search(node.value))]
+    found = [(node.lineno, node.value) for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+             and (node.value in exact or pattern.search(node.value))]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_holder(s) for s in sides):
+                found += [(s.lineno, s.value) for s in sides if isinstance(s, ast.Constant) and s.value in named]
+    return found
 
 
 def test_no_module_but_the_registry_names_a_command():
     found = {f"{p.relative_to(PACKAGE)}:{line}: {value!r}"
-             for p in sorted(PACKAGE.rglob("*.py")) if p.name != "commands.py"
+             for p in sorted(PACKAGE.rglob("*.py")) if p != PACKAGE / "commands.py"
              for line, value in command_literals(p.read_text())}
     assert found == set(), "read the command from rlhf_cli.commands instead"
 
@@ -54,18 +71,21 @@ def test_the_scan_finds_command_names_in_code_and_passes_prose():
            'x = {"train_ppo": 1}\n'
            'def f(run_dir):\n'
            '    """train-ppo here too."""\n'
-           '    return f"run `rlhf eval run_dir={run_dir}`", "split", "eval", "train-rm finished"\n')
+           '    return f"run `rlhf eval run_dir={run_dir}`", "split", "eval", "train-rm finished"\n'
+           'if command == "eval" or cfg.kind != "rm" or split == "eval":\n'
+           '    pass\n')
     found = command_literals(src)
-    assert [line for line, _ in found] == [2, 5, 5]
-    assert {value for _, value in found} == {"train_ppo", "run `rlhf eval run_dir=", "train-rm finished"}
+    assert sorted(line for line, _ in found) == [2, 5, 5, 6, 6]
+    assert {value for _, value in found} == {"train_ppo", "run `rlhf eval run_dir=", "train-rm finished", "eval", "rm"}
 
 
 def test_the_registry_is_consistent():
-    names = list(commands.COMMANDS)
-    assert [c.name for c in commands.COMMANDS.values()] == names
-    for field in ("config_name", "stage", "kind"):
-        values = [getattr(c, field) for c in commands.COMMANDS.values()]
+    assert len(commands.COMMANDS) == len(commands._ALL)  # no name twice
+    for field in ("name", "config_name", "stage", "kind"):
+        values = [getattr(c, field) for c in commands._ALL]
         assert len(set(values)) == len(values), field
+    pointers = [c.pointer for c in commands._ALL if c.pointer]
+    assert len(set(pointers)) == len(pointers)
     conf = PACKAGE / "conf"
     for c in commands.COMMANDS.values():
         assert (conf / f"{c.config_name}.yaml").is_file()
@@ -80,6 +100,8 @@ def test_the_registry_is_consistent():
         for m in c.model_paths:
             assert m.key.split(".")[0] in c.reads
             commands.quote(m.hint, root=Path("runs"))  # every placeholder resolves
+        for key, kind in c.defaults:
+            assert key.split(".")[0] in c.reads and commands.by_kind(kind).pointer
     assert commands.reporter().kind == "eval"
     with pytest.raises(KeyError):
         commands.by_kind("nope")

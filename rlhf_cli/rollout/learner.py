@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class Losses(NamedTuple):
-    """One micro-batch's losses (`PPOTrainer.losses`): what each engine backpropagates, the two losses logged
+    """One micro-batch's losses (`PolicyLearner.losses`): what each engine backpropagates, the two losses logged
     (detached), the training forward's response logprobs (B, R) (detached) and the loss modules' stats."""
 
     actor: torch.Tensor
@@ -94,13 +94,18 @@ class PolicyLearner:
         """The plan's order (`exp.plan.order`), micro-batch by micro-batch. Yields (micro-batch, real response
         tokens of its minibatch over all ranks: the divisor of every micro-batch loss, its rows' indices in `exp`).
         A training forward the rollout ran for a micro-batch (`exp.forwards`) moves onto it (used once)."""
-        for epoch in exp.plan.order:
-            for minibatch in epoch:
+        if exp.plan is None:
+            raise ValueError("an Experience without its UpdatePlan (PolicyLearner.plan): the update has no order")
+        for e, epoch in enumerate(exp.plan.order):
+            for m, minibatch in enumerate(epoch):
                 num_tokens = engine.all_reduce_sum(exp.mask[torch.cat(minibatch)].sum()).item()
                 for rows in minibatch:
                     b = exp.rows(rows)
                     fwd = exp.forwards.pop(tuple(rows.tolist()), None)
                     if fwd is not None:
+                        if (e, m) != (0, 0):  # its weights are the rollout's: only before the first optimizer step
+                            raise RuntimeError("a training forward of the rollout reached after the update's first "
+                                               "optimizer step (Experience.forwards, UpdatePlan.carry)")
                         b.forwards[tuple(range(len(rows)))] = fwd
                     yield b, num_tokens, rows
         if exp.forwards:  # else its graph would be held until the rollout is dropped

@@ -63,7 +63,6 @@ class ExperienceMaker:
         self.rewards, self.kl_ctl = rewards, kl_ctl
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
-        self.precision = cfg.precision  # sampling, separate critic
         self.generator = make_generator(cfg.rollout.engine, precision=cfg.precision, chunk=self.p.micro_batch_size * 4)
         """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout."""
         self.sampling = Sampling(eos_ids=(self.eos_id,), pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
@@ -126,7 +125,7 @@ class ExperienceMaker:
         mb, B, R = self.p.micro_batch_size, input_ids.shape[0], input_ids.shape[1] - P
         chunks = (plan.first_epoch if plan.packed
                   else [torch.arange(i, min(i + mb, B)) for i in range(0, B, mb)])
-        carry = plan.carry if plan.packed else 0
+        carry = plan.carry  # 0 unless packed (`plan.fold_settings`)
         dev = input_ids.device
         out = {"logprobs": torch.zeros(B, R, device=dev), "ref_logprobs": torch.zeros(B, R, device=dev),
                "values": torch.zeros(B, R, device=dev)}

@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine, lineage
-from rlhf_cli.commands import by_stage
+from rlhf_cli.commands import by_kind, by_stage
 from rlhf_cli.config import ConfigError, ModelConfig
 from rlhf_cli.core import (
     mean_ci95,
@@ -311,6 +311,24 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 # entry point
 
 
+def default_models(cfg: Any) -> tuple[str | None, str | None]:
+    """(policy path, reward-model path) to evaluate: `policy.path` and `reward_model.path` as set; with neither
+    set, the newest model a pointer names (`commands.Command.defaults`: `latest_policy`, else `latest_rm`).
+    Raises ConfigError when there is nothing to evaluate."""
+    chosen = {"policy.path": cfg.policy.path, "reward_model.path": cfg.reward_model.path}
+    if all(v is None for v in chosen.values()):
+        for key, kind in COMMAND.defaults:
+            target = read_pointer(cfg.paths.root, kind)
+            if target is not None:
+                chosen[key] = str(target)
+                break
+        else:
+            keys = ", ".join(f"{key}=..." for key, _ in COMMAND.defaults)
+            pointers = " / ".join(str(by_kind(kind).pointer) for _, kind in COMMAND.defaults)
+            raise ConfigError(f"nothing to evaluate: set {keys} or run_dir=... (no {pointers} under {cfg.paths.root})")
+    return chosen["policy.path"], chosen["reward_model.path"]
+
+
 def run(cfg: Any, run_dir: Path) -> float | None:
     engine.init_distributed()
     if cfg.run_dir:  # report of a past run: nothing to train or load
@@ -336,17 +354,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if lora_enabled(cfg.model.lora) and engine.is_main():
         log.warning("model.lora.r=%d has no effect in `%s`: a LoRA run's final/ holds merged plain weights, "
                     "evaluated as they are", cfg.model.lora.r, COMMAND.invocation)
-    policy_path, rm_path = cfg.policy.path, cfg.reward_model.path
-    if policy_path is None and rm_path is None:
-        target = read_pointer(cfg.paths.root, "ppo")
-        if target is not None:
-            policy_path = str(target)
-        else:
-            target = read_pointer(cfg.paths.root, "rm")
-            if target is None:
-                raise ConfigError(f"nothing to evaluate: set policy.path=..., reward_model.path=... or run_dir=... "
-                                  f"(no latest_policy / latest_rm under {cfg.paths.root})")
-            rm_path = str(target)
+    policy_path, rm_path = default_models(cfg)
     # the data the evaluated model was trained on (its held-out split), unless this command chose other data
     cfg.data, data_note = lineage.eval_data(cfg.data, policy_path or rm_path, command_line_keys())
     if data_note and engine.is_main():
@@ -354,8 +362,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         console.print(data_note, soft_wrap=True, highlight=False)
     if cfg.dry_run:
         sampler = {"sampling engine": cfg.rollout.engine} if policy_path is not None else {}
-        print_table(f"eval (dry run): {run_dir}", {"policy": policy_path, "reward_model": rm_path, "data": data_note,
-                                                   **sampler})
+        print_table(f"{COMMAND.name} (dry run): {run_dir}",
+                    {"policy": policy_path, "reward_model": rm_path, "data": data_note, **sampler})
         set_status(run_dir, "dry_run") if engine.is_main() else None
         return None
     if policy_path is not None:

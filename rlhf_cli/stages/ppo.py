@@ -296,11 +296,11 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             with deferred_interrupts() as pending:
                 updating = True
                 train_stats = tr.train_on(exp, it)
+                # the rollout's KL after its update, which fills an on-policy plan's old log-probs (an all-reduce:
+                # inside the block, so that a Ctrl-C between the two leaves no rank behind)
+                roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
                 updating = False
-            # the rollout's KL after its update, which fills an on-policy plan's old log-probs; an abort saves no
-            # part of this iteration
-            roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
-            check_max_kl(p, roll_stats, it)
+            check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
             tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
             del exp  # its tensors and packed layouts are not held through the next rollout
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}

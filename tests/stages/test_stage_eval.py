@@ -222,7 +222,7 @@ def fake_sampling(monkeypatch, tiny_dirs, tokenizer):
             prompts = list(loaded[-1])[:len(prompt_ids)]
             assert [p["prompt_ids"] for p in prompts] == list(prompt_ids) and len(seeds) == len(prompt_ids)
             responses = fixed_responses(prompts, tokenizer)[role]
-            seen[role] = (list(prompt_ids), responses)
+            seen[role] = (list(prompt_ids), responses, list(seeds))
             ids = torch.full((len(responses), sampling.max_new_tokens), sampling.pad_id, dtype=torch.long)
             for i, resp in enumerate(responses):
                 ids[i, :len(resp)] = torch.tensor(resp)
@@ -253,7 +253,7 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
     scores, k1, k3 = {"policy": [], "reference": []}, [], []
     with torch.no_grad():
         for role in ("policy", "reference"):
-            for prompt, resp in zip(*seen[role]):
+            for prompt, resp in zip(*seen[role][:2]):
                 seq = torch.tensor([prompt + resp])
                 scores[role].append(float(rm(input_ids=seq).logits[0, 0]))
                 if role != "policy":
@@ -269,6 +269,7 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
                 k3.append(float((log_r.exp() - 1 - log_r).sum()))
 
     pol, ref = seen["policy"][1], seen["reference"][1]
+    assert seen["policy"][2] == seen["reference"][2]  # the pairing: both sides draw the same noise per prompt
     same = [p == r for p, r in zip(pol, ref)]
     assert same == [True, False, True, False, False, True]
     for s, p, r in zip(same, scores["policy"], scores["reference"]):

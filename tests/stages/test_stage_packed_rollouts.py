@@ -421,13 +421,19 @@ def test_the_first_micro_batches_forwards_are_carried_only_where_they_fold(token
 
 
 def test_training_forwards_of_rows_the_plan_does_not_visit_are_an_error(tmp_path):
-    """A carried graph the update does not consume would be held until the rollout is dropped: an error instead.
-    (The forwards are keyed by their rows and the order is the plan's, computed once: none can reach other rows.)"""
+    """A carried graph the update does not consume would be held until the rollout is dropped, and one reached after
+    the first optimizer step would hold stale weights: both are errors. (The forwards are keyed by their rows and
+    the order is the plan's, computed once: the stage's own plans reach neither.)"""
     tr = build_trainer(tmp_path, ["ppo.carried_forwards=2"])
     exp, _, _ = tr.maker.make_experience(0)
     exp.plan.order = [[exp.plan.order[0][0][:1]]]  # the update visits only its first micro-batch
     with pytest.raises(RuntimeError, match="does not visit"):
         tr.train_on(exp, 0)
+    exp, _, _ = tr.maker.make_experience(1)  # a carried micro-batch after the first optimizer step: stale weights
+    first, *rest = exp.plan.order[0]
+    exp.plan.order = [[first[:1], first[1:], *rest]]
+    with pytest.raises(RuntimeError, match="after the update's first optimizer step"):
+        tr.train_on(exp, 1)
 
 
 def first_epoch_before(cfg, iteration, groups):

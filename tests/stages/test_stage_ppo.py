@@ -54,7 +54,8 @@ def build_trainer(tmp_path, overrides=()):
 def edit_generate(monkeypatch, tr, edit):
     """Pass every `generate` output's response columns (B, max_new_tokens) through `edit` (in place).
 
-    The rest of `sample_responses` (cut at the first EOS, pad after, drop all-pad columns) runs as is.
+    The rest of the sampling (`HFGenerator.generate` and `rollout_batch`: cut at the first EOS, pad after, drop
+    all-pad columns) runs as is.
     """
     lm = models.lm_of(tr.actor.module)
     generate = lm.generate
