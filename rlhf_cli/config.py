@@ -43,7 +43,7 @@ ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
 # the reward sources `reward.type` / `reward.weights` name
 REWARD_SOURCES = ("model", "checker", "function")
 # the sampling engines `rollout.engine` names: rollout.generation.GENERATORS (a test keeps the two equal)
-ROLLOUT_ENGINES = ("hf",)
+ROLLOUT_ENGINES = ("hf", "vllm")
 # the names `logger` takes: `jsonl` and the trackers of runs.TRACKERS (a test keeps the two equal)
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 
@@ -462,9 +462,14 @@ class RolloutConfig:
 
     engine: str = "hf"
     """The sampling engine of train-ppo's rollouts and of eval's policy and reference samples: `hf` (default),
-    transformers' `generate` on the live model with one random stream per prompt (`vllm` comes with the vLLM
-    engine). A prompt's response depends on the weights, the prompt, its seed and the sampling keys, not on the
-    engine's batching."""
+    transformers' `generate` on the live model with one random stream per prompt; `vllm`, a vLLM engine in this
+    process (`make install-vllm`), started from the policy's weights and reloaded with them after every update.
+    A prompt's response depends on the weights, the prompt, its seed and the sampling keys, not on the engine's
+    batching. `vllm` runs on one process only, and on the CPU needs an attention head size vLLM serves (32, 64,
+    80, ...)."""
+    kv_cache_gb: int = 2
+    """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
+    `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16; the `hf` engine ignores it."""
 
 
 @dataclass
@@ -779,7 +784,7 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.max_bad_steps >= 0, f"ppo.max_bad_steps must be >= 0 (got {p.max_bad_steps})")
     _check(p.max_kl is None or p.max_kl > 0, f"ppo.max_kl must be > 0 or null (got {p.max_kl})")
     validate_reward(cfg)
-    validate_rollout(cfg)
+    validate_rollout(cfg, world_size)
 
 
 def reward_sources(cfg: Any) -> dict[str, float]:
@@ -804,9 +809,13 @@ def validate_reward(cfg: Any) -> None:
                f"reward.function={r.function!r} is not <module or path/to/file.py>:<callable name>")
 
 
-def validate_rollout(cfg: Any) -> None:
-    """`rollout.*`: a known sampling engine."""
+def validate_rollout(cfg: Any, world_size: int = 1) -> None:
+    """`rollout.*`: a known sampling engine; `vllm` on one process (an engine per rank is not built yet)."""
     _one_of("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
+    _check(cfg.rollout.engine != "vllm" or world_size == 1,
+           f"rollout.engine=vllm runs on one process; this run has {world_size}: use rollout.engine=hf with "
+           "several ranks")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:
@@ -818,5 +827,5 @@ def validate_eval(cfg: Any, world_size: int = 1) -> None:
     _check(e.temperature > 0, f"eval.temperature must be > 0 (got {e.temperature})")
     _check(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1] (got {e.top_p})")
     validate_reward(cfg)
-    validate_rollout(cfg)
+    validate_rollout(cfg, world_size)
     _one_of("eval.split", e.split, ("eval", "train", "all"))

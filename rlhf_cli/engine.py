@@ -76,16 +76,23 @@ def init_distributed() -> None:
     if not _has_gpu():  # also when the group exists already: deepspeed.initialize may still build its backend
         _skip_shm_comm_op()
     if dist.is_available() and dist.is_initialized():
+        if "LOCAL_RANK" not in os.environ and dist.get_world_size() == 1:  # a lone group another library made
+            _lone_process_env()  # (an in-process vLLM engine started first): DeepSpeed reads these
         return
     if "RANK" not in os.environ:  # a lone process: rendezvous with itself
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
+        _lone_process_env()
     backend = "nccl" if _has_gpu() else "gloo"
     if _has_gpu():
         torch.cuda.set_device(local_rank())
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     _unlink_shm_buffers()
+
+
+def _lone_process_env() -> None:
+    """The launcher's variables of a process that is the whole world (rank 0 of 1, a free local port)."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
 
 
 def _skip_shm_comm_op() -> None:

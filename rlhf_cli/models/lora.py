@@ -116,6 +116,30 @@ def _adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return _lora_layers(model) + [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
 
 
+def lora_delta_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each LoRA layer's weight update, keyed by the name its base weight has in the model's HF checkpoint.
+
+    model: a module with adapters injected by `add_lora` (or none: returns {}). For each active LoRA layer,
+    ΔW = peft's `get_delta_weight` of its adapter (B·A·α/r, in the base weight's layout: (out, in) for a Linear),
+    under `<module name>.weight` (the checkpoint name of the base weight, without peft's `.base_layer.`). A layer
+    whose adapters are off or already merged into its base weight contributes nothing. So W + ΔW is the weight the
+    model computes with (the merged model an inference engine or `merge_and_unload` would hold). Detached.
+    """
+    deltas: dict[str, torch.Tensor] = {}
+    layers = set(_lora_layers(model))
+    for name, module in model.named_modules():
+        if module not in layers or module.disable_adapters or module.merged:
+            continue
+        delta = None
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                d = module.get_delta_weight(adapter).detach()
+                delta = d if delta is None else delta + d
+        if delta is not None:
+            deltas[f"{name}.weight"] = delta
+    return deltas
+
+
 def has_lora(model: Any) -> bool:
     """Whether `model` (or the module a DeepSpeed engine wraps) carries LoRA adapters."""
     return bool(_lora_layers(getattr(model, "module", model)))

@@ -5,6 +5,7 @@
                     folds into it (its first micro-batches' training forwards; an on-policy update's old log-probs)
     maker.py        `ExperienceMaker`: one PPO iteration's prompts -> an `Experience` and its statistics
     learner.py      `PolicyLearner`: the update on one `Experience` (minibatches, losses, backward, steps)
+    vllm_engine.py  `rollout.engine=vllm`: the vLLM engine behind the seam (the one module importing vllm)
     generation.py   the sampling-engine seam (`Generator`: prompt ids + one seed per prompt + `Sampling` ->
                     `Generation`), its HF engine (`HFGenerator`: per-row sampling inside HF `generate`), the
                     registry `GENERATORS` (`rollout.engine`), the cut at the first EOS, the rollout batch layout
@@ -21,6 +22,7 @@ the response mask ending at the first EOS (inclusive); `forwards/__init__.py` sa
 from rlhf_cli.rollout.experience import Experience
 from rlhf_cli.rollout.generation import (
     GENERATORS,
+    EngineSettings,
     Generation,
     Generator,
     HFGenerator,
@@ -35,10 +37,18 @@ from rlhf_cli.rollout.learner import Losses, PolicyLearner
 from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.plan import UpdatePlan, update_order
 from rlhf_cli.rollout.rewards import Rewards, call_on_every_rank
-from rlhf_cli.rollout.stats import explained_variance_across_ranks, kl_stats, whiten_across_ranks
+from rlhf_cli.rollout.stats import (
+    EngineDriftGuard,
+    engine_stats,
+    explained_variance_across_ranks,
+    kl_stats,
+    whiten_across_ranks,
+)
 
 __all__ = [
     "GENERATORS",
+    "EngineDriftGuard",
+    "EngineSettings",
     "Experience",
     "ExperienceMaker",
     "Generation",
@@ -51,6 +61,7 @@ __all__ = [
     "Sampling",
     "UpdatePlan",
     "call_on_every_rank",
+    "engine_stats",
     "explained_variance_across_ranks",
     "kl_stats",
     "make_generator",

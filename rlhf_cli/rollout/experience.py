@@ -38,11 +38,16 @@ class Experience:
     plan: UpdatePlan | None = field(default=None, repr=False)
     """The iteration's update (`PolicyLearner.plan`): its micro-batch order and what the rollout folded into it.
     `plan.on_policy`: `logprobs` are filled in by the update's own forward (zeros until then)."""
+    engine_logprobs: torch.Tensor | None = None
+    """(B, R) float32: the sampling engine's own log-probs of the response tokens (after temperature and top-p),
+    0 on padding; None when the engine gives none (`rollout.engine=hf`). `stats.engine_stats` compares them with
+    the trainer's `logprobs`."""
 
     def rows(self, idx: torch.Tensor) -> Experience:
         """The rows `idx` as an Experience of their own (a micro-batch); it keeps their packed layout, if known."""
         kept = ("layouts", "forwards", "plan")
-        sliced = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name not in kept}
+        sliced = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                  for f in fields(self) if f.name not in kept}
         layout = self.layouts.get(tuple(idx.tolist()))
         return Experience(**sliced, layouts={} if layout is None else {tuple(range(len(idx))): layout}, plan=self.plan)
 

@@ -5,7 +5,8 @@
     Generator           the protocol an engine implements: `generate(prompt_ids, seeds, sampling)` and
                         `update_weights(model)`
     HFGenerator         `rollout.engine=hf`: HF `generate` with one random stream per prompt (`PerRowSampler`)
-    GENERATORS          {`rollout.engine` value: engine class}; `make_generator(name, ...)` builds one
+    GENERATORS          {`rollout.engine` value: engine builder, imported on use}; `make_generator(name,
+                        EngineSettings)` builds one
     rollout_batch       prompt ids + a `Generation` -> the rollout batch `[left-padded prompt | right-padded
                         response]` the stages score and train on
     response_mask       the cut at the first EOS (any id of `eos_ids`)
@@ -14,14 +15,16 @@
 An engine takes token ids and gives token ids: tokenizing and detokenizing stay with the caller. Each prompt
 has its own seed, and its response depends only on (the weights, its prompt, its seed, the sampling settings),
 never on the batch it is in, the chunk size or the world size: two models given the same seeds sample with
-the same noise (the eval pairs its policy and reference samples on this). A new engine (vLLM next) is one class
-implementing `Generator`, one `GENERATORS` entry and one `rollout.engine` value (`config.ROLLOUT_ENGINES`).
+the same noise (the eval pairs its policy and reference samples on this). A new engine is one class
+implementing `Generator`, one `GENERATORS` entry and one `rollout.engine` value (`config.ROLLOUT_ENGINES`):
+`vllm` is `rollout/vllm_engine.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -88,12 +91,20 @@ class Generator(Protocol):
         the live training module; an engine with its own copy of the weights copies them here). train-ppo calls
         it before each rollout, inside the actor's `gathered_params()` (ZeRO-3's full weights); `rlhf eval` once
         for the policy, then once for the reference.
+      - `close()`: the run is over; the engine frees what it holds (an engine's model dir, its process state).
     """
+
+    sync_seconds: float
+    """Seconds the last `update_weights` spent copying weights into the engine (0 for an engine that samples from
+    the live module)."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:
         ...
 
     def update_weights(self, model: Any) -> None:
+        ...
+
+    def close(self) -> None:
         ...
 
 
@@ -171,10 +182,15 @@ class HFGenerator:
     def __init__(self, precision: str, chunk: int = 32) -> None:
         self.precision, self.chunk = precision, int(chunk)
         self.lm: Any = None
+        self.sync_seconds = 0.0  # nothing is copied
 
     def update_weights(self, model: Any) -> None:
         """Sample from `model` (a causal LM) from now on: the module itself, nothing is copied."""
         self.lm = model
+
+    def close(self) -> None:
+        """Let go of the model."""
+        self.lm = None
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:
@@ -217,17 +233,44 @@ class HFGenerator:
         return Generation(responses, mask, has_eos, None)
 
 
-GENERATORS: dict[str, type] = {"hf": HFGenerator}
-"""{`rollout.engine` value: engine class}; `config.ROLLOUT_ENGINES` lists the same names (a test keeps the two
-equal)."""
+@dataclass(frozen=True)
+class EngineSettings:
+    """What `make_generator` builds an engine from: the run's settings every engine may read."""
+
+    precision: str
+    """The run's `precision`: the engine samples as the trainer would under it."""
+    chunk: int
+    """Prompts per engine call, where the engine batches itself (`hf`); the samples do not depend on it."""
+    workdir: str | Path | None = None
+    """The run dir: an engine with its own copy of the weights (`vllm`) writes its model dir there."""
+    kv_cache_gb: int = 2
+    """`rollout.kv_cache_gb`: the KV cache of an engine that reserves one (`vllm`), GiB."""
+    max_model_len: int = 2048
+    """The longest prompt + response the engine must hold, tokens."""
 
 
-def make_generator(name: str, *, precision: str, chunk: int) -> Generator:
-    """The sampling engine `rollout.engine=<name>`, built from the settings every engine takes: `precision` (the
-    run's `precision`) and `chunk` (prompts per engine call; the samples do not depend on it)."""
+def _hf(settings: EngineSettings) -> Generator:
+    return HFGenerator(settings.precision, settings.chunk)
+
+
+def _vllm(settings: EngineSettings) -> Generator:
+    from rlhf_cli.rollout.vllm_engine import VLLMGenerator  # vllm is an optional install: imported on use
+
+    return VLLMGenerator(settings.precision, settings.chunk, workdir=settings.workdir,
+                         kv_cache_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len)
+
+
+GENERATORS: dict[str, Callable[[EngineSettings], Generator]] = {"hf": _hf, "vllm": _vllm}
+"""{`rollout.engine` value: the function building that engine from `EngineSettings`} (an engine's module, and its
+optional dependency, is imported only when chosen); `config.ROLLOUT_ENGINES` lists the same names (a test keeps
+the two equal)."""
+
+
+def make_generator(name: str, settings: EngineSettings) -> Generator:
+    """The sampling engine `rollout.engine=<name>`, built from `settings`."""
     if name not in GENERATORS:
         raise ValueError(f"rollout.engine={name!r} is not one of {', '.join(GENERATORS)}")
-    return GENERATORS[name](precision=precision, chunk=chunk)
+    return GENERATORS[name](settings)
 
 
 def sample_responses(

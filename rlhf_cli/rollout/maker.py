@@ -31,7 +31,7 @@ from rlhf_cli.forwards import (
 )
 from rlhf_cli.models import attention_tokens, has_value_head, lm_of
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.generation import Sampling, make_generator, rollout_batch
+from rlhf_cli.rollout.generation import EngineSettings, Sampling, make_generator, rollout_batch
 from rlhf_cli.rollout.plan import UpdatePlan
 from rlhf_cli.rollout.rewards import Rewards
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl, whiten_across_ranks
@@ -50,12 +50,12 @@ class ExperienceMaker:
     is β; score_precision: the precision of the scoring passes, as `engine.scoring_precision` resolved it;
     plan: the learner's `plan(iteration, groups) -> UpdatePlan` (`PolicyLearner.plan`), asked once per iteration:
     the rollout runs its passes over the update's micro-batches, folds what the plan says into them, and hands the
-    plan to the update in the `Experience`.
+    plan to the update in the `Experience`; workdir: the run dir (an engine with its own model dir writes it there).
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, prompts: Sequence[dict[str, Any]], actor: Any, reference: Any,
                  critic: Any, rewards: Rewards, kl_ctl: Any, score_precision: str,
-                 plan: Callable[[int, torch.Tensor], UpdatePlan]) -> None:
+                 plan: Callable[[int, torch.Tensor], UpdatePlan], workdir: Any = None) -> None:
         self.cfg, self.p = cfg, cfg.ppo
         self.tokenizer, self.prompts = tokenizer, prompts
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -63,8 +63,11 @@ class ExperienceMaker:
         self.rewards, self.kl_ctl = rewards, kl_ctl
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
-        self.generator = make_generator(cfg.rollout.engine, precision=cfg.precision, chunk=self.p.micro_batch_size * 4)
-        """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout."""
+        self.generator = make_generator(cfg.rollout.engine, EngineSettings(
+            precision=cfg.precision, chunk=self.p.micro_batch_size * 4, workdir=workdir,
+            kv_cache_gb=cfg.rollout.kv_cache_gb, max_model_len=cfg.data.max_prompt_length + self.p.max_new_tokens))
+        """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout; the stage
+        closes it (`generator.close()`) when the run ends."""
         self.sampling = Sampling(eos_ids=(self.eos_id,), pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
                                  temperature=self.p.temperature, top_p=self.p.top_p)
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
@@ -100,15 +103,20 @@ class ExperienceMaker:
         return prompts, seeds, groups
 
     def generate(self, prompts: list[dict[str, Any]],
-                 seeds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+                 seeds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
         """Sample one response per prompt with the current policy, one seed per prompt (`self.generator`).
         Returns the rollout batch: input_ids (B, P+R), attention_mask (B, P+R), P, has_eos (B,)
-        (`generation.rollout_batch`)."""
+        (`generation.rollout_batch`), and the engine's log-probs of the response tokens (B, R) float32 on the
+        batch's device, or None when the engine gives none (`hf`)."""
         prompt_ids = [x["prompt_ids"] for x in prompts]
         with self.actor.gathered_params():  # ZeRO-3: the full weights, for the engine to sample from
             self.generator.update_weights(lm_of(self.actor.module))
             generation = self.generator.generate(prompt_ids, seeds, self.sampling)
-        return rollout_batch(prompt_ids, generation, self.pad_id)
+        input_ids, attention_mask, P, has_eos = rollout_batch(prompt_ids, generation, self.pad_id)
+        engine_logprobs = None
+        if generation.logprobs is not None:
+            engine_logprobs = generation.logprobs[:, :input_ids.shape[1] - P].float().to(input_ids.device)
+        return input_ids, attention_mask, P, has_eos, engine_logprobs
 
     def rollout_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                        plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
@@ -221,7 +229,7 @@ class ExperienceMaker:
         p = self.p
         prompts, seeds, groups = self.prompt_batch(iteration)
         t0 = time.perf_counter()
-        input_ids, attention_mask, P, has_eos = self.generate(prompts, seeds)
+        input_ids, attention_mask, P, has_eos, engine_logprobs = self.generate(prompts, seeds)
         t1 = time.perf_counter()
         raw, score, source_means = self.rewards(input_ids, attention_mask, P, prompts)
         self.pass_seconds = {"reward": _clock(input_ids.device) - t1, "reference": 0.0, "policy": 0.0, "critic": 0.0,
@@ -241,7 +249,7 @@ class ExperienceMaker:
                                                   groups, beta)
         exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
                          values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
-                         score, groups, layouts, forwards, plan)
+                         score, groups, layouts, forwards, plan, engine_logprobs)
         lengths = mask.sum(1)
         gen_tokens = float(lengths.sum())
         stats = {
@@ -252,6 +260,7 @@ class ExperienceMaker:
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": has_eos.float().mean().item(),
             "time/generation": t1 - t0,
+            "time/engine_sync": self.generator.sync_seconds,
             "time/scoring": t2 - t1 - carried_seconds,  # the carried forwards count in time/training
             **{f"time/scoring_{k}": v for k, v in self.pass_seconds.items()},
             "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),

@@ -75,3 +75,45 @@ def kl_stats(exp: Experience, beta: float) -> dict[str, float]:
         "objective/rlhf_reward": (exp.scores - beta * kl_seq).mean().item(),
         "objective/entropy_sampled": (-(exp.logprobs * mask).sum(1)).mean().item(),
     })
+
+
+def engine_stats(exp: Experience) -> dict[str, float]:
+    """How far the sampling engine's log-probs are from the trainer's, over all ranks' response tokens:
+    `rollout/engine_logprob_diff_mean` and `rollout/engine_logprob_diff_max`, |engine − trainer| in nats per token
+    (`Experience.engine_logprobs` against `Experience.logprobs`, both after temperature). {} when the engine gives
+    no log-probs (`rollout.engine=hf`). Run after the update (an on-policy plan's old log-probs come from it).
+    A stale engine (weights not pushed) shows here as a diff that grows with every update."""
+    if exp.engine_logprobs is None:
+        return {}
+    mask = exp.attention_mask[:, exp.prompt_len:].float()
+    diff = (exp.engine_logprobs - exp.logprobs).abs() * mask
+    sums = engine.all_reduce_sum(torch.stack([diff.sum(), mask.sum()]))
+    top = max(engine.all_gather_object(float(diff.max()) if diff.numel() else 0.0))
+    return {"rollout/engine_logprob_diff_mean": (sums[0] / sums[1].clamp(min=1)).item(),
+            "rollout/engine_logprob_diff_max": top}
+
+
+class EngineDriftGuard:
+    """Stops a run whose engine drifted from the trainer in bf16, where the greedy probe cannot judge.
+
+    The first iteration's `rollout/engine_logprob_diff_mean` is the baseline (bf16 rounding of the same weights:
+    the engine starts from the trainer's); an iteration whose mean is more than `factor` times the baseline raises
+    FloatingPointError (the stage aborts the run in one line). In fp32 the probe (`VLLMGenerator.probe`) is the
+    check and this does nothing. After a resume the baseline is the first iteration run.
+    """
+
+    def __init__(self, precision: str, factor: float = 5.0) -> None:
+        self.active, self.factor = precision != "fp32", factor
+        self.baseline: float | None = None
+
+    def check(self, stats: dict[str, float], iteration: int) -> None:
+        diff = stats.get("rollout/engine_logprob_diff_mean")
+        if not self.active or diff is None:
+            return
+        if self.baseline is None:
+            self.baseline = diff
+        elif diff > self.factor * max(self.baseline, 1e-6):
+            raise FloatingPointError(
+                f"aborting at iteration {iteration + 1}: the sampling engine's log-probs are {diff:.3g} nats/token "
+                f"from the trainer's, > {self.factor:g}x the {self.baseline:.3g} of the first iteration: its "
+                "weights went stale (rollout.engine=vllm)")

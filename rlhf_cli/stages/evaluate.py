@@ -54,7 +54,7 @@ from rlhf_cli.report import (
     summary_table,
 )
 from rlhf_cli.rewards import load_reward_function
-from rlhf_cli.rollout import Sampling, call_on_every_rank, make_generator, rollout_batch
+from rlhf_cli.rollout import EngineSettings, Sampling, call_on_every_rank, make_generator, rollout_batch
 from rlhf_cli.runs import atomic_write_json, atomic_write_text, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
@@ -167,14 +167,19 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     # one noise stream per prompt, shared by policy and reference (common random numbers): the same
     # samples whatever the world size, and identical responses wherever the two models agree
     seeds = [derive_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
-    generator = make_generator(cfg.rollout.engine, precision=cfg.precision, chunk=e.generation_batch_size)
+    generator = make_generator(cfg.rollout.engine, EngineSettings(
+        precision=cfg.precision, chunk=e.generation_batch_size, workdir=run_dir, kv_cache_gb=cfg.rollout.kv_cache_gb,
+        max_model_len=cfg.data.max_prompt_length + e.max_new_tokens))
     sampling = Sampling(eos_ids=(eos_id,), pad_id=pad_id, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                         top_p=e.top_p)
     prompt_ids = [x["prompt_ids"] for x in mine]
     sampled = {}
-    for who, lm in (("policy", policy), ("reference", reference)):  # one engine, the same seeds on both sides
-        generator.update_weights(lm)
-        sampled[who] = rollout_batch(prompt_ids, generator.generate(prompt_ids, seeds, sampling), pad_id)
+    try:
+        for who, lm in (("policy", policy), ("reference", reference)):  # one engine, the same seeds on both sides
+            generator.update_weights(lm)
+            sampled[who] = rollout_batch(prompt_ids, generator.generate(prompt_ids, seeds, sampling), pad_id)
+    finally:
+        generator.close()
     scores = {}
     if reward_model is not None:  # both sides in one pass: a prompt's two samples share its computation
         scores = side_by_side_rewards(reward_model, sampled["policy"][:3], sampled["reference"][:3], pad_id,

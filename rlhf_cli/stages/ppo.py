@@ -53,7 +53,7 @@ from rlhf_cli.models import (
     save_policy,
 )
 from rlhf_cli.preflight import resolve_reward_model
-from rlhf_cli.rollout import ExperienceMaker, PolicyLearner, Rewards, kl_stats
+from rlhf_cli.rollout import EngineDriftGuard, ExperienceMaker, PolicyLearner, Rewards, engine_stats, kl_stats
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
 from rlhf_cli.stages.common import check_same_tokenizer, model_source, print_table, trained_parameters
 
@@ -203,7 +203,7 @@ class PPOTrainer(PolicyLearner):
                           self.score_precision, normalize=p.normalize_reward)
         self.settle_folds(self.reference)  # what the rollout folds into the update, from the engines as built
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
-                                     rewards, self.kl_ctl, self.score_precision, plan=self.plan)
+                                     rewards, self.kl_ctl, self.score_precision, plan=self.plan, workdir=self.run_dir)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""
@@ -287,6 +287,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     progress = Progress(p.iterations, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
+    drift = EngineDriftGuard(cfg.precision)
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):
@@ -299,8 +300,10 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                 # the rollout's KL after its update, which fills an on-policy plan's old log-probs (an all-reduce:
                 # inside the block, so that a Ctrl-C between the two leaves no rank behind)
                 roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
+                roll_stats.update(engine_stats(exp))  # {} unless the engine gives its own log-probs
                 updating = False
             check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
+            drift.check(roll_stats, it)
             tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
             del exp  # its tensors and packed layouts are not held through the next rollout
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
@@ -327,6 +330,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         if engine.is_main():
             set_status(run_dir, "aborted", reason=str(e))
         raise ConfigError(str(e)) from None
+    finally:
+        tr.maker.generator.close()  # an engine's model dir and memory
     progress.close()
 
     # 4. save

@@ -211,11 +211,14 @@ def fake_sampling(monkeypatch, tiny_dirs, tokenizer):
         return loaded[-1]
 
     class FixedGenerator:
-        def __init__(self, precision, chunk):
+        def __init__(self):
             self.lm = None
 
         def update_weights(self, model):
             self.lm = model
+
+        def close(self):
+            self.lm = None
 
         def generate(self, prompt_ids, seeds, sampling):
             role = "policy" if str(self.lm.name_or_path) == str(tiny_dirs["policy"]) else "reference"
@@ -229,7 +232,7 @@ def fake_sampling(monkeypatch, tiny_dirs, tokenizer):
             return Generation(*response_mask(ids, sampling.eos_ids, sampling.pad_id), None)
 
     monkeypatch.setattr(evaluate, "load_prompt_data", spy_load_prompt_data)
-    monkeypatch.setitem(generation.GENERATORS, "hf", FixedGenerator)
+    monkeypatch.setitem(generation.GENERATORS, "hf", lambda settings: FixedGenerator())
     return seen
 
 

@@ -21,6 +21,7 @@ from rlhf_cli.data import PromptCollator
 from rlhf_cli.overrides import check_override_keys
 from rlhf_cli.rollout import (
     GENERATORS,
+    EngineSettings,
     Generation,
     Generator,
     HFGenerator,
@@ -269,9 +270,20 @@ def test_generate_ends_a_response_at_whichever_eos_id_comes_first(lm, prompts, m
 
 def test_the_registry_and_the_config_name_the_same_engines():
     assert tuple(GENERATORS) == config.ROLLOUT_ENGINES
-    assert isinstance(make_generator("hf", precision="fp32", chunk=4), HFGenerator)
-    with pytest.raises(ValueError, match="rollout.engine='bogus' is not one of hf"):
-        make_generator("bogus", precision="fp32", chunk=4)
+    settings = EngineSettings(precision="fp32", chunk=4)
+    assert isinstance(make_generator("hf", settings), HFGenerator)
+    with pytest.raises(ValueError, match="rollout.engine='bogus' is not one of hf, vllm"):
+        make_generator("bogus", settings)
+
+
+@pytest.mark.parametrize("command", ["train_ppo", "eval"])
+def test_vllm_on_several_ranks_or_with_no_kv_cache_is_refused_in_one_line(command):
+    validate = {"train_ppo": config.validate_ppo, "eval": config.validate_eval}[command]
+    with pytest.raises(ConfigError, match="rollout.engine=vllm runs on one process; this run has 2"):
+        validate(compose(command, ["model=tiny", "rollout.engine=vllm", "ppo.micro_batch_size=4"]
+                         if command == "train_ppo" else ["model=tiny", "rollout.engine=vllm"]), world_size=2)
+    with pytest.raises(ConfigError, match="rollout.kv_cache_gb must be >= 1"):
+        validate(compose(command, ["model=tiny", "rollout.engine=vllm", "rollout.kv_cache_gb=0"]))
 
 
 @pytest.mark.parametrize("command", ["train_ppo", "eval"])
@@ -279,7 +291,7 @@ def test_an_unknown_engine_is_refused_in_one_line(command):
     cfg = compose(command, ["model=tiny", "rollout.engine=bogus"])
     with pytest.raises(ConfigError) as e:
         by_config(command).validator(cfg)
-    assert str(e.value) == "rollout.engine='bogus' is not one of hf"
+    assert str(e.value) == "rollout.engine='bogus' is not one of hf, vllm"
 
 
 def test_only_the_commands_that_sample_read_the_engine():
@@ -288,3 +300,35 @@ def test_only_the_commands_that_sample_read_the_engine():
     with pytest.raises(ConfigError) as e:
         check_override_keys("train_rm", ["rollout.engine=hf"])
     assert str(e.value).startswith("`rlhf train-rm` does not read rollout.engine (an `rlhf train-ppo / eval` key)")
+
+
+def test_engine_weights_are_the_checkpoint_names_with_lora_merged(tiny_causal, tokenizer):
+    """What a vLLM push carries (`vllm_engine.engine_weights`, importable without vllm): the HF checkpoint's names,
+    tied `lm_head.weight` included; under LoRA the merged W + B·A·α/r under the base name, and the merged model
+    computes what the model with its adapters computes."""
+    import copy
+
+    from rlhf_cli.models.lora import add_lora
+    from rlhf_cli.rollout.vllm_engine import engine_weights
+
+    plain = dict(engine_weights(tiny_causal))
+    assert set(plain) == set(tiny_causal.state_dict()) and "lm_head.weight" in plain
+    lm = copy.deepcopy(tiny_causal)
+    add_lora(lm, compose("train_ppo", ["model=tiny", "model.lora.r=4"]).model.lora, what="policy")
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    merged = dict(engine_weights(lm, torch.float32))
+    assert set(merged) == set(plain)
+    layer = lm.model.layers[0].self_attn.q_proj
+    scale = layer.scaling["default"]
+    want = layer.base_layer.weight + scale * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"], want)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], plain[q])
+    fresh = copy.deepcopy(tiny_causal)
+    fresh.load_state_dict(merged)
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

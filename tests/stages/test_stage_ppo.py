@@ -350,7 +350,7 @@ def test_garbage_in_padded_positions_changes_no_loss(tmp_path, monkeypatch, aggr
              "returns": -1e6, "rewards": float("nan")}
     # the tensors, dirtied below (minibatch_losses runs the plain layout, where padding would show)
     dirty = Experience(**{f: getattr(exp, f).clone() for f in exp.__dataclass_fields__
-                         if f not in ("layouts", "forwards", "plan")})
+                         if f not in ("layouts", "forwards", "plan") and getattr(exp, f) is not None})
     for name, value in fills.items():
         getattr(dirty, name)[pad] = value
     noise = torch.randint(3, len(tr.tokenizer), exp.input_ids.shape, generator=g)

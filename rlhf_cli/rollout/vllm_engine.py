@@ -1,0 +1,297 @@
+"""`rollout.engine=vllm`: sampling through vLLM, in this process, beside the trainer (colocated).
+
+The one module that imports `vllm` (an optional install: `make install-vllm`). The engine starts from a model
+dir this module writes into the run dir (the policy's weights as the trainer holds them, LoRA merged), samples
+from token ids with one seed per prompt, and takes each new policy through vLLM's in-place reload
+(`reload_weights`), never by copying into its parameters: on the CPU backend those are packed copies that a
+`copy_` would leave stale.
+
+    VLLMGenerator       the engine behind the `Generator` seam (generation.py): start, `update_weights` (the push),
+                        `generate`, the greedy probe, `close`
+    engine_weights      the (name, tensor) pairs the engine loads: the checkpoint names of the trainer's causal LM,
+                        LoRA merged under the base names, tied weights once
+    check_head_size     the CPU attention's head sizes, checked before the engine starts
+
+Exactness (measured on the tiny model and SmolLM2, docs/results.md): in fp32 the engine's log-probs of the sampled
+tokens equal the trainer's to ~1e-6 nats, after any number of pushes. The engine is built with
+`logprobs_mode="processed_logprobs"` (log-probs after temperature and top-p, as the trainer scores them), the
+model's own `generation_config` set aside (`generation_config="vllm"`: no repetition penalty or top-k of the
+checkpoint's), `skip_tokenizer_init` (ids in, ids out: the caller tokenizes) and, on the CPU, `enforce_eager`
+(compilation costs minutes and gains nothing at these sizes).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_cli.errors import ConfigError
+from rlhf_cli.rollout.generation import Generation, Sampling, response_mask
+
+log = logging.getLogger(__name__)
+
+ENGINE_DTYPES = {"fp32": torch.float32, "bf16-autocast": torch.bfloat16, "bf16": torch.bfloat16}
+"""The engine's weight dtype for each `precision`: it samples as the HF engine would under that precision."""
+
+PROBE_PROMPTS = 4
+"""How many of the run's first prompts the greedy probe decodes after each push (fp32)."""
+PROBE_TOKENS = 8
+"""How many greedy tokens the probe decodes per prompt."""
+PROBE_TOLERANCE = 1e-3
+"""Nats: a probe token passes when the trainer's log-prob of it is within this of the engine's and of the
+trainer's largest (fp32: the two agree to ~2e-6; a tie between two tokens is not a failure)."""
+
+
+def cpu_backend() -> bool:
+    """Whether vLLM runs on its CPU backend here (no CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def check_head_size(config: Any) -> None:
+    """Refuse, in one line, a model whose attention head size vLLM's CPU attention cannot serve.
+
+    config: the causal LM's `PretrainedConfig`. The sizes come from vLLM's CPU attention backend (32, 64, 80, ...,
+    512 in vLLM 0.32). Raises ConfigError naming the keys that set the head size.
+    """
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim is not None and head_dim not in supported:
+        raise ConfigError(
+            f"rollout.engine=vllm: vLLM's CPU attention serves head sizes {', '.join(map(str, supported))}, and this "
+            f"model's is {head_dim} (hidden size {config.hidden_size} / {heads} heads): use rollout.engine=hf, or "
+            f"for model=tiny set model.arch.num_attention_heads so that model.arch.hidden_size / heads is one of them "
+            f"(e.g. model.arch.num_attention_heads=2 model.arch.num_key_value_heads=2)")
+
+
+def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights an inference engine loads for a causal LM, under the names of its HF checkpoint.
+
+    model: the trainer's causal LM (`models.lm_of`), with or without LoRA adapters injected by peft
+    (`models.lora.add_lora`). Yields (name, tensor) once per distinct tensor, in `state_dict` order:
+      - a LoRA layer's weight merged, W + ΔW with ΔW = peft's `get_delta_weight` (B·A·α/r), under the base name
+        (`...q_proj.weight`, never `.base_layer.` or `lora_A/B`);
+      - a head peft trains in full (`modules_to_save`) under the original name, with the trained copy's values;
+      - a tied tensor (`lm_head.weight` sharing `embed_tokens.weight`) under each of its names: vLLM's in-place
+        reload finishes a layer only when its weight arrives, and a push without `lm_head.weight` left the engine's
+        head stale, silently (measured: 0.46 nats max log-prob gap after one perturbed push, 2e-6 with it).
+    Tensors are detached, cast to `dtype` when given (else as held), on their own device. Under ZeRO-3 call this
+    inside the engine's `gathered_params()`.
+    """
+    from rlhf_cli.models.lora import lora_delta_weights
+
+    deltas = lora_delta_weights(model)  # {base weight name: ΔW}, empty without LoRA
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if "lora_" in name or ".original_module." in name:
+            continue
+        base = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        out = tensor.detach()
+        if base in deltas:
+            out = out + deltas[base].to(out.dtype)
+        yield base, (out.to(dtype) if dtype is not None else out)
+
+
+class VLLMGenerator:
+    """`rollout.engine=vllm`: a vLLM engine in this process, reloaded with the policy's weights before each rollout.
+
+    precision: the run's `precision` (the engine's dtype, `ENGINE_DTYPES`); chunk: unused (vLLM schedules its own
+    batches; the samples do not depend on it); workdir: where the engine's model dir is written (the run dir;
+    deleted by `close`); kv_cache_gb: the KV cache, GiB (`rollout.kv_cache_gb`); max_model_len: the longest
+    prompt + response, tokens; probe: the greedy probe after each push (fp32 only, see `probe`).
+
+    Weights: the first `update_weights(model)` writes `engine_weights(model)` and the model's config to
+    `<workdir>/engine_model/` and starts the engine from it; later calls push the same names through vLLM's
+    `reload_weights` (checkpoint format, the engine's own name mapping and packing). A push must carry exactly
+    the names of that first checkpoint (the engine loaded all of it, strictly) with the same shapes; anything
+    else raises. `sync_seconds` is the last push's time, `start_seconds` the engine's start.
+    """
+
+    def __init__(self, precision: str, chunk: int = 32, workdir: str | Path | None = None, kv_cache_gb: int = 2,
+                 max_model_len: int = 2048, probe: bool = True) -> None:
+        if workdir is None:
+            raise ValueError("VLLMGenerator needs a workdir (the run dir) for its model dir")
+        self.precision, self.chunk = precision, int(chunk)
+        self.dtype = ENGINE_DTYPES[precision]
+        self.model_dir = Path(workdir) / "engine_model"
+        self.kv_cache_gb, self.max_model_len, self.probe_on = int(kv_cache_gb), int(max_model_len), probe
+        self.llm: Any = None
+        self.lm: Any = None
+        self.names: dict[str, tuple[int, ...]] = {}  # the engine's checkpoint: name -> shape
+        self.sync_seconds = 0.0
+        self.start_seconds = 0.0
+        self.probe_prompts: list[list[int]] = []
+        self._probe_due = False
+        self._run_group = False
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def update_weights(self, model: Any) -> None:
+        """Sample from `model`'s current weights from now on: start the engine from them (first call) or push
+        them (later calls). Raises ValueError when the weights' names or shapes differ from the engine's."""
+        self.lm = model
+        t0 = time.perf_counter()
+        if self.llm is None:
+            self._start(model)
+            self.start_seconds = time.perf_counter() - t0
+            log.info("vLLM engine up from %s (%s) in %.1fs", self.model_dir, str(self.dtype).removeprefix("torch."),
+                     self.start_seconds)
+            self.sync_seconds = 0.0
+        else:
+            self._push(model)
+            self.sync_seconds = time.perf_counter() - t0
+        self._probe_due = self.probe_on and self.dtype == torch.float32
+
+    def _start(self, model: Any) -> None:
+        from safetensors.torch import save_file
+
+        if cpu_backend():
+            check_head_size(model.config)
+        weights = {n: t.contiguous().cpu().clone() for n, t in engine_weights(model, self.dtype)}
+        self.names = {n: tuple(t.shape) for n, t in weights.items()}
+        if self.model_dir.exists():
+            shutil.rmtree(self.model_dir)
+        self.model_dir.mkdir(parents=True)
+        save_file(weights, str(self.model_dir / "model.safetensors"), metadata={"format": "pt"})
+        del weights
+        model.config.save_pretrained(self.model_dir)
+        # in this process (no engine-core subprocess: colocated, and no spawn of the caller's __main__);
+        # the CPU backend reads its KV cache size (GiB) from the environment
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs: dict[str, Any] = {}
+        if cpu_backend():
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
+        else:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_gb << 30
+        import torch.distributed as dist
+        from vllm import LLM
+
+        self._run_group = dist.is_available() and dist.is_initialized()  # the run's group, which close() keeps
+        self.llm = LLM(model=str(self.model_dir), dtype=self.dtype, skip_tokenizer_init=True,
+                       logprobs_mode="processed_logprobs", generation_config="vllm",
+                       enforce_eager=cpu_backend(), max_model_len=self.max_model_len, seed=0,
+                       enable_prefix_caching=False, **kwargs)
+
+    def _push(self, model: Any) -> None:
+        pushed = [(n, t) for n, t in engine_weights(model, self.dtype)]
+        got = {n: tuple(t.shape) for n, t in pushed}
+        unknown, missing = sorted(set(got) - set(self.names)), sorted(set(self.names) - set(got))
+        wrong = sorted(n for n in set(got) & set(self.names) if got[n] != self.names[n])
+        if unknown or missing or wrong:
+            raise ValueError(
+                "vLLM weight push: the policy's weights do not match the engine's checkpoint"
+                + (f"; names the engine does not load: {', '.join(unknown[:5])}" if unknown else "")
+                + (f"; engine weights not pushed: {', '.join(missing[:5])}" if missing else "")
+                + (f"; shapes differ: {', '.join(wrong[:5])}" if wrong else ""))
+        consumed = [0]
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for item in pushed:
+                consumed[0] += 1
+                yield item
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(),
+                                                          "is_checkpoint_format": True})
+        if consumed[0] != len(pushed):
+            raise ValueError(f"vLLM weight push: the engine read {consumed[0]} of {len(pushed)} weights")
+
+    # -- sampling ------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:
+        """One response per prompt (see `Generator`), responses (B, max_new_tokens) on the CPU, with the engine's
+        log-probs (after temperature and top-p) of the sampled tokens. The first call fixes the probe prompts."""
+        from vllm import SamplingParams
+
+        if self.llm is None:
+            raise RuntimeError("VLLMGenerator.generate before update_weights(model)")
+        seeds = [int(s) for s in seeds]
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"VLLMGenerator.generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
+        if not self.probe_prompts:
+            self.probe_prompts = [list(map(int, p)) for p in prompt_ids[:PROBE_PROMPTS]]
+        if self._probe_due:
+            self.probe(sampling)
+        params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_new_tokens, seed=s % (2**63 - 1), logprobs=0,
+                                 stop_token_ids=list(sampling.eos_ids), ignore_eos=False, detokenize=False,
+                                 skip_special_tokens=False)
+                  for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompt_ids], params,
+                                 use_tqdm=False)
+        B, R = len(outs), sampling.max_new_tokens
+        responses = torch.full((B, R), sampling.pad_id, dtype=torch.long)
+        logprobs = torch.zeros(B, R)
+        for i, out in enumerate(outs):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)[:R]
+            responses[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[i, :len(ids)] = torch.tensor([step[t].logprob for step, t in zip(completion.logprobs, ids)])
+        responses, mask, has_eos = response_mask(responses, sampling.eos_ids, sampling.pad_id)
+        return Generation(responses, mask, has_eos, logprobs * mask)
+
+    @torch.no_grad()
+    def probe(self, sampling: Sampling) -> None:
+        """The greedy probe, after each push in fp32: the engine decodes the probe prompts greedily, and each of its
+        tokens must be the trainer's greedy token there, with the trainer's log-prob.
+
+        For every position, the trainer's fp32 log-softmax of the engine's token must be within `PROBE_TOLERANCE`
+        of both the trainer's largest (a tie is not a failure) and the engine's own log-prob of it. A stale or
+        mis-pushed engine fails it even where a small change leaves the greedy tokens as they were.
+        Raises ConfigError (one line) naming the first mismatch.
+        """
+        from vllm import SamplingParams
+
+        self._probe_due = False
+        if not self.probe_prompts:
+            return
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True, detokenize=False,
+                                logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in self.probe_prompts], params, use_tqdm=False)
+        lm = self.lm
+        dev = next(lm.parameters()).device
+        was_training = lm.training
+        lm.eval()
+        try:
+            for k, (prompt, out) in enumerate(zip(self.probe_prompts, outs)):
+                tokens = list(out.outputs[0].token_ids)
+                engine_lp = torch.tensor([step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)])
+                ids = torch.tensor([prompt + tokens], device=dev)
+                logp = torch.log_softmax(lm(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1).cpu()
+                mine = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+                gap = torch.maximum(logp.max(-1).values - mine, (engine_lp - mine).abs())
+                if (gap > PROBE_TOLERANCE).any():
+                    t = int((gap > PROBE_TOLERANCE).nonzero()[0])
+                    raise ConfigError(
+                        f"rollout.engine=vllm: the engine's weights are not the trainer's: probe prompt {k}, greedy "
+                        f"token {t}: the engine's is {tokens[t]} (log-prob {float(engine_lp[t]):.4f}), the trainer's "
+                        f"{int(logp[t].argmax())} (its log-prob of the engine's: {float(mine[t]):.4f}); the weight "
+                        "push went stale or missed a weight")
+        finally:
+            lm.train(was_training)
+
+    def close(self) -> None:
+        """Stop the engine and delete its model dir.
+
+        vLLM's in-process shutdown destroys the default process group (`cleanup_dist_env_and_memory`), which is the
+        run's own when the run made it before the engine started (the stage still saves, reduces and barriers
+        after): then the default group is kept through the shutdown, and only vLLM's own groups go."""
+        import torch.distributed as dist
+
+        if self.llm is not None:
+            destroy = dist.destroy_process_group
+            if self._run_group:
+                dist.destroy_process_group = lambda group=None: None if group is None else destroy(group)
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+            finally:
+                dist.destroy_process_group = destroy
+            self.llm = None
+            gc.collect()
+        shutil.rmtree(self.model_dir, ignore_errors=True)

