@@ -16,7 +16,9 @@ Exactness (measured on the tiny model and SmolLM2, docs/results.md): in fp32 the
 tokens equal the trainer's to ~1e-6 nats, after any number of pushes. The engine is built with
 `logprobs_mode="processed_logprobs"` (log-probs after temperature and top-p, as the trainer scores them), the
 model's own `generation_config` set aside (`generation_config="vllm"`: no repetition penalty or top-k of the
-checkpoint's), `skip_tokenizer_init` (ids in, ids out: the caller tokenizes) and, on the CPU, `enforce_eager`
+checkpoint's), `skip_tokenizer_init` (ids in, ids out: the caller tokenizes), without chunked prefill (a
+prompt's prefill split over two steps discards a sampled token and rewinds its seeded generator, which the CPU
+backend cannot do: "CPU Generator does not use offset", seen at 128 prompts) and, on the CPU, `enforce_eager`
 (compilation costs minutes and gains nothing at these sizes).
 """
 
@@ -178,7 +180,8 @@ class VLLMGenerator:
         self.llm = LLM(model=str(self.model_dir), dtype=self.dtype, skip_tokenizer_init=True,
                        logprobs_mode="processed_logprobs", generation_config="vllm",
                        enforce_eager=cpu_backend(), max_model_len=self.max_model_len, seed=0,
-                       enable_prefix_caching=False, **kwargs)
+                       enable_prefix_caching=False, enable_chunked_prefill=False,
+                       max_num_batched_tokens=max(self.max_model_len, 8192), **kwargs)
 
     def _push(self, model: Any) -> None:
         pushed = [(n, t) for n, t in engine_weights(model, self.dtype)]

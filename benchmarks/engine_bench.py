@@ -1,0 +1,160 @@
+"""The sampling engines side by side: `rollout.engine=hf` against `rollout.engine=vllm` on the same prompts.
+
+Needs vLLM in the venv (`make install-vllm`). Each engine runs in its own process (vLLM binds OpenMP threads and
+replaces `torch.set_num_threads` process-wide), in the order A-B-B-A over `--rounds` (hf, vllm, vllm, hf, ...),
+on SmolLM2-135M-Instruct (or `--model tiny`) in the run's precision, at three shapes:
+
+    grpo   32 rollouts x 48 new tokens (grpo_bench: 4 prompts x 8 completions), one push before
+    ppo    16 rollouts x 32 new tokens (ppo_bench), one push before
+    eval   128 prompts x 2 sides x 48 new tokens (`rlhf eval`): start + policy + push + reference, the engine's
+           start and warm-up included (once per run, as an eval pays them)
+
+Per shape: generation seconds (warm, except eval's), sync seconds (the push of the policy's weights after a
+change: vLLM's in-place reload; 0 for hf, which samples from the live module), generated tokens and tokens/s,
+and vllm/hf ratios. The built-in task's prompts, rendered and tokenized by `rlhf_cli.data`; seeds per prompt.
+
+    python benchmarks/engine_bench.py                       # bf16-autocast where native, else fp32 (precision=auto)
+    python benchmarks/engine_bench.py --precision fp32 --rounds 1 --out results/engine_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, Table, compose, machine_info, model_label, write_outputs  # noqa: E402
+
+SHAPES = {"grpo": (32, 48), "ppo": (16, 32), "eval": (128, 48)}
+
+
+def worker(engine_name: str, model: str, precision: str, workdir: Path) -> dict[str, Any]:
+    """One engine's measurements in this process (see the module docstring)."""
+    import torch
+
+    from rlhf_cli.data import load_prompt_data
+    from rlhf_cli.engine import resolve_precision
+    from rlhf_cli.models import load_causal_lm
+    from rlhf_cli.models.loading import load_tokenizer
+    from rlhf_cli.rollout import EngineSettings, Sampling, make_generator
+
+    overrides = [f"model={model}", f"precision={precision}", "data.builtin.ppo_train=256"]
+    if model == "tiny":
+        overrides += ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
+    cfg = compose("train_ppo", overrides)
+    precision = resolve_precision(cfg.precision)
+    tok = load_tokenizer(cfg.model)
+    lm = load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tok)  # fp32 weights; autocast does the rest
+    prompts = [p["prompt_ids"] for p in load_prompt_data(cfg.data, tok, "train")]
+    gen = make_generator(engine_name, EngineSettings(precision=precision, chunk=32, workdir=workdir,
+                                                     max_model_len=cfg.data.max_prompt_length + 64))
+
+    def sampling(n: int) -> Sampling:
+        return Sampling(eos_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id, max_new_tokens=n, temperature=1.0,
+                        top_p=1.0)
+
+    def nudge() -> None:  # a policy update's worth of change, so the push has something to carry
+        with torch.no_grad():
+            for p in lm.parameters():
+                p.mul_(1.0 + 1e-4)
+
+    def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - t0
+
+    out: dict[str, Any] = {"engine": engine_name, "precision": precision}
+    # eval first: a fresh engine pays its start and warm-up, as `rlhf eval` does
+    rows, n = SHAPES["eval"]
+    batch, seeds = prompts[:rows], list(range(rows))
+    _, start = timed(lambda: gen.update_weights(lm))
+    pol, t_pol = timed(lambda: gen.generate(batch, seeds, sampling(n)))
+    nudge()
+    _, sync = timed(lambda: gen.update_weights(lm))
+    ref, t_ref = timed(lambda: gen.generate(batch, seeds, sampling(n)))
+    out["eval"] = {"start": start, "generation": t_pol + t_ref, "sync": sync, "total": start + t_pol + sync + t_ref,
+                   "tokens": int(pol.mask.sum() + ref.mask.sum())}
+    for shape in ("grpo", "ppo"):
+        rows, n = SHAPES[shape]
+        batch, seeds = prompts[rows:2 * rows], list(range(rows))
+        nudge()
+        _, sync = timed(gen.update_weights, lm)
+        g, t = timed(gen.generate, batch, seeds, sampling(n))
+        out[shape] = {"generation": t, "sync": sync, "total": t + sync, "tokens": int(g.mask.sum())}
+    gen.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny (a smoke test of the script)")
+    ap.add_argument("--precision", default="auto", help="the run's precision: auto, fp32, bf16-autocast")
+    ap.add_argument("--rounds", type=int, default=1, help="A-B-B-A rounds (each runs both engines twice)")
+    ap.add_argument("--out", default=None, help="also write the table as JSON and markdown")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.model, args.precision, Path(args.workdir))))
+        return
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        sys.exit("error: engine_bench needs vLLM in this venv: run `make install-vllm` first")
+    order = ["hf", "vllm", "vllm", "hf"] * args.rounds
+    results: dict[str, list[dict[str, Any]]] = {"hf": [], "vllm": []}
+    with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
+        for i, name in enumerate(order):
+            cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--precision", args.precision,
+                   "--workdir", str(Path(tmp) / f"{i}-{name}")]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ})
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                sys.exit(f"error: the {name} worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            results[name].append(json.loads(line[-1][len("RESULT "):]))
+            print(f"  run {i + 1}/{len(order)} ({name}) done", file=sys.stderr)
+
+    def mean(name: str, shape: str, key: str) -> float:
+        vals = [r[shape][key] for r in results[name]]
+        return sum(vals) / len(vals)
+
+    table = Table(ours="vllm")
+    table.columns = ("metric", "vllm", "hf", "vllm/hf")
+    for shape, (rows, n) in SHAPES.items():
+        what = f"{rows} x 2 sides x {n}" if shape == "eval" else f"{rows} x {n}"
+        if shape == "eval":
+            table.add(f"{shape}_start", f"{shape} ({what}): engine start, s", mean("vllm", shape, "start"),
+                      mean("hf", shape, "start"))
+        table.add(f"{shape}_generation", f"{shape} ({what}): generation, s", mean("vllm", shape, "generation"),
+                  mean("hf", shape, "generation"))
+        table.add(f"{shape}_sync", f"{shape}: sync (push), s", mean("vllm", shape, "sync"), mean("hf", shape, "sync"),
+                  ratio=False)
+        table.add(f"{shape}_total", f"{shape}: total, s" + (" (start, both sides, push)" if shape == "eval" else ""),
+                  mean("vllm", shape, "total"), mean("hf", shape, "total"))
+        table.add(f"{shape}_tps", f"{shape}: generated tokens/s",
+                  mean("vllm", shape, "tokens") / mean("vllm", shape, "generation"),
+                  mean("hf", shape, "tokens") / mean("hf", shape, "generation"))
+    info = machine_info()
+    cfg = compose("train_ppo", [f"model={args.model}"] + (["model.arch.num_attention_heads=2",
+                                                            "model.arch.num_key_value_heads=2"]
+                                                           if args.model == "tiny" else []))
+    precision = results["hf"][0]["precision"]
+    header = [f"sampling engines, hf vs vllm: {model_label(cfg.model)}, {precision}",
+              f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores",
+              f"order: {' '.join(order)} (means over {args.rounds * 2} runs per engine)"]
+    print("\n".join(header))
+    print("\n".join(table.lines()))
+    notes = ["each engine in its own process; temperature 1, top-p 1, one seed per prompt",
+             "eval: a fresh engine, its start and first-call warm-up included; grpo and ppo: warm, after a push"]
+    write_outputs(args.out, header, table, notes, {"runs": results})
+
+
+if __name__ == "__main__":
+    main()
