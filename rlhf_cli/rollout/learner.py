@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import entropy_bonus, kl_loss, policy_loss, value_loss
+from rlhf_cli.core import POLICY_LOSSES, entropy_bonus, kl_loss, value_loss
 from rlhf_cli.forwards import training_forward
 from rlhf_cli.models import has_value_head
 from rlhf_cli.rollout.experience import Experience
@@ -114,8 +114,9 @@ class PolicyLearner:
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
         """The forward (`training_forward`, or the one the rollout ran for one of the update's first micro-batches:
-        `b.forward`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
-        (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
+        `b.forward`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): the policy loss
+        (`ppo.policy_loss`: PPO's clipped surrogate, GSPO's or CISPO's, with `ppo.clip`, `ppo.clip_high` and
+        `ppo.dual_clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
         `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
         separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
         whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so micro-batch losses sum
@@ -132,7 +133,8 @@ class PolicyLearner:
                                              p.temperature, p.c2 != 0, packing)
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
         old = lp.detach() if b.plan.on_policy else b.logprobs
-        pg_loss, pg_stats = policy_loss(lp, old, b.advantages, b.mask, p.clip, **agg)
+        pg_loss, pg_stats = POLICY_LOSSES[p.policy_loss](lp, old, b.advantages, b.mask, p.clip, **agg,
+                                                         clip_high=p.clip_high, dual_clip=p.dual_clip)
         ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
         actor_loss = pg_loss - p.c2 * ent_bonus
         stats = {**pg_stats, **ent_stats}
