@@ -369,6 +369,19 @@ class PPOConfig:
     """Responses that end without EOS: `penalize` (score − missing_eos_penalty), `mask` (no loss) or `keep`."""
     missing_eos_penalty: float = 1.0
     """Subtracted from the (normalised) score of an unterminated response, >= 0."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): the last this many tokens before
+    `ppo.max_new_tokens`, in [0, `ppo.max_new_tokens`]; 0 = off. A response of n tokens (EOS included) longer than
+    max_new_tokens − buffer gets `ppo.overlong_penalty` × (n − (max_new_tokens − buffer)) / buffer subtracted from
+    its (normalised) score, the full `ppo.overlong_penalty` at max_new_tokens. It adds to `ppo.truncated`: an
+    unterminated response (n = max_new_tokens) with `penalize` loses both penalties; with `mask` it leaves the loss
+    and the group baselines, so the ramp shapes only responses that end within the buffer (DAPO's overlong
+    filtering plus soft punishment); with `keep` it gets the ramp's full penalty alone. veRL
+    overlong_buffer.len (under its reward_model section), OpenRLHF `--overlong_buffer_len`."""
+    overlong_penalty: float = 1.0
+    """The soft overlong punishment at `ppo.max_new_tokens` (score units, after normalisation), >= 0; read only
+    with `ppo.overlong_buffer` > 0. DAPO 1.0; veRL `overlong_buffer.penalty_factor`, OpenRLHF
+    `--overlong_penalty_factor`."""
     critic: str = "separate"
     """`separate` (own engine and optimiser) or `shared` (value head on the policy trunk)."""
     critic_init: str = "reward_model"
@@ -800,6 +813,10 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check_batches("ppo", p.mini_batch_size, p.micro_batch_size, world_size, "mini_batch_size")
     _one_of("ppo.truncated", p.truncated, ("penalize", "mask", "keep"))
     _check(p.missing_eos_penalty >= 0, f"ppo.missing_eos_penalty must be >= 0 (got {p.missing_eos_penalty})")
+    _check(0 <= p.overlong_buffer <= p.max_new_tokens,
+           f"ppo.overlong_buffer must be in [0, ppo.max_new_tokens={p.max_new_tokens}] (0 = off; got "
+           f"{p.overlong_buffer})")
+    _check(p.overlong_penalty >= 0, f"ppo.overlong_penalty must be >= 0 (got {p.overlong_penalty})")
     _one_of("ppo.critic", p.critic, ("separate", "shared"))
     _one_of("ppo.critic_init", p.critic_init, ("reward_model", "policy"))
     _one_of("ppo.aggregation", p.aggregation, ("token-mean", "seq-mean-token-mean"))

@@ -71,6 +71,10 @@ RANGE_ERRORS = [
     ("train_ppo", "ppo.policy_loss=gspo", "ppo.policy_loss=gspo with ppo.advantage_estimator=gae: GSPO's sequence"),
     ("train_ppo", "ppo.policy_loss=cispo ppo.dual_clip=3",
      "ppo.dual_clip=3.0 with ppo.policy_loss=cispo: CISPO has no clipped objective to bound"),
+    ("train_ppo", "ppo.overlong_buffer=-1",
+     "ppo.overlong_buffer must be in [0, ppo.max_new_tokens=32] (0 = off; got -1)"),
+    ("train_ppo", "ppo.overlong_buffer=33", "ppo.overlong_buffer must be in [0, ppo.max_new_tokens=32]"),
+    ("train_ppo", "ppo.overlong_penalty=-1", "ppo.overlong_penalty must be >= 0 (got -1.0)"),
     ("train_ppo", "ppo.actor_lr=0", "ppo.actor_lr (0.0) and ppo.critic_lr (1e-05) must be > 0"),
     ("train_ppo", "ppo.max_bad_steps=-1", "ppo.max_bad_steps must be >= 0 (got -1)"),
     ("train_ppo", "ppo.max_kl=0", "ppo.max_kl must be > 0 or null (got 0.0)"),
@@ -125,6 +129,7 @@ def test_defaults_and_edge_values_pass(tmp_path):
     validate("train_ppo", ["ppo.policy_loss=gspo", "ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=2",
                            "ppo.dual_clip=3"], tmp_path)
     validate("train_ppo", ["ppo.policy_loss=cispo", "ppo.clip_high=4"], tmp_path)
+    validate("train_ppo", ["ppo.overlong_buffer=32", "ppo.overlong_penalty=0"], tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from rlhf_cli.core.advantages import (
     compute_gae_vectorized,
     discounted_returns,
     kl_penalized_rewards,
+    overlong_penalty,
 )
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats
@@ -93,6 +94,7 @@ __all__ = [
     "masked_whiten",
     "mean_ci95",
     "outcome_advantages",
+    "overlong_penalty",
     "pairwise_loss",
     "policy_loss",
     "ppo_total_loss",
