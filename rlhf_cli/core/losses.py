@@ -95,7 +95,7 @@ def _clipped_surrogate(
     """The per-token clipped surrogate (negated) of a ratio with gradient, 0 on padding, and its clip fractions.
 
     ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip, 1 + clip_high))``, then for ``A_t < 0`` bounded above by
-    ``-dual_clip * A_t`` when ``dual_clip`` is set (Ye et al. 2020, eq. 5). All inputs ``(B, T)``, ``adv`` 0 on
+    ``-dual_clip * A_t`` when ``dual_clip`` is set (Ye et al. 2020's dual clip). All inputs ``(B, T)``, ``adv`` 0 on
     padding."""
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip_high)
@@ -132,8 +132,8 @@ def policy_loss(
     """PPO clipped surrogate (``ppo.policy_loss=ppo``), negated for minimisation, with clip-higher and dual-clip.
 
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7, with the asymmetric clip range of
-    Yu et al. 2025 (DAPO, eq. 10: ε_low = ``clip``, ε_high = ``clip_high``) and the dual clip of Ye et al. 2020
-    ("Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", eq. 5)::
+    Yu et al. 2025 (DAPO's clip-higher: ε_low = ``clip``, ε_high = ``clip_high``) and the dual clip of Ye et al.
+    2020 ("Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", dual-clip PPO)::
 
         r_t    = exp(log pi(a_t) - log pi_old(a_t))
         loss_t = -min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)      (= -L^CLIP_t)
@@ -206,17 +206,18 @@ def gspo_loss(
     """GSPO (``ppo.policy_loss=gspo``): the clipped surrogate of the length-normalised sequence ratio, in its
     token form (GSPO-token), negated for minimisation.
 
-    Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7 (the sequence ratio) and eqs. 13-14
-    (GSPO-token)::
+    Zheng et al. 2025, "Group Sequence Policy Optimization": the length-normalised sequence ratio s_i of the GSPO
+    objective, in the token form of GSPO-token (its eq. 14)::
 
         s_i    = exp(1/|y_i| * sum_t (log pi(y_i,t) - log pi_old(y_i,t)))           (geometric mean ratio)
         s_i,t  = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)]                                (value s_i)
         loss_t = -min(s_i,t * A_t, clip(s_i,t, 1 - eps_low, 1 + eps_high) * A_t)
 
     then :func:`policy_loss`'s dual clip and aggregation. The value of ``s_i,t`` is ``s_i`` on every token of
-    row i, so the clip is decided per sequence; the gradient of a token's term is ``-A_t * s_i * grad log pi_t``.
+    row i, so the clip is decided per sequence; where unclipped, the gradient of a token's term is
+    ``-A_t * s_i * grad log pi_t``.
     With one advantage per row and ``aggregation="seq-mean-token-mean"`` the gradient is exactly that of the
-    paper's sequence objective ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)`` (eq. 5); ``"token-mean"`` weighs each
+    paper's sequence objective ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)``; ``"token-mean"`` weighs each
     row by its length. veRL and TRL compute the same token form.
 
     Args: as :func:`policy_loss` (``clip``/``clip_high`` bound ``s_i``; GSPO's paper uses 3e-4 and 4e-4).

@@ -222,7 +222,7 @@ def test_cispo_hand_computed():
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 5), T=st.integers(1, 8))
 def test_gspo_gradient_is_the_sequence_objectives(seed, B, T):
     """With one advantage per row and seq-mean-token-mean, the token form's gradient is that of the paper's
-    sequence objective -1/G Σ_i min(s_i A_i, clip(s_i) A_i) (Zheng et al. 2025, eq. 5), taken by autograd."""
+    sequence objective -1/G Σ_i min(s_i A_i, clip(s_i) A_i) (Zheng et al. 2025), taken by autograd."""
     d = row_constant_advantages(rand_ppo_batch(seed, B, T))
     mask = d["mask"]
     loss, _, grad = run(gspo_loss, d, 0.2, aggregation="seq-mean-token-mean", clip_high=0.3)
