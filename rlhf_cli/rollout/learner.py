@@ -69,12 +69,18 @@ class PolicyLearner:
         """Decide once per run what the rollout folds into the update (`plan.fold_settings`): `on_policy` and
         `carry`, from the config and the engines as built (their ZeRO stage, an offloaded `reference`). A
         `ppo.carried_forwards` above the default that does nothing here says why, once; one above the first
-        minibatch's micro-batches says it is capped."""
+        minibatch's micro-batches says it is capped. On an on-policy update (the ratio is exactly 1), a policy loss
+        other than `ppo`, `ppo.clip_high` and `ppo.dual_clip` change nothing, which is said once."""
         p = self.p
         zero_stage = max((e.zero_stage for e in (self.actor, self.critic) if e is not None), default=0)  # as built
         self.on_policy, self.carry, why_not = fold_settings(self.cfg, self.estimator.needs_critic,
                                                             self.score_precision, zero_stage,
                                                             getattr(reference, "offload", False))
+        inert = ([f"ppo.policy_loss={p.policy_loss}"] if p.policy_loss != "ppo" else []) + [
+            f"ppo.{key}={getattr(p, key)}" for key in ("clip_high", "dual_clip") if getattr(p, key) is not None]
+        if self.on_policy and inert and engine.is_main():
+            log.warning("%s change(s) nothing here: the update is on-policy (one epoch of one minibatch: the ratio is "
+                        "exactly 1, no clip acts and every policy loss has the gradient −A·∇log π)", ", ".join(inert))
         before_first_step = micro_batches_per_minibatch(p)  # the first optimizer step follows them
         if why_not and p.carried_forwards > 1 and engine.is_main():  # the default's cases: README "Packing"
             log.warning("ppo.carried_forwards=%d does nothing here: %s", p.carried_forwards, why_not)
