@@ -40,6 +40,8 @@ PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 SCORING_PRECISIONS = ("fp32", "same")
 # the names in core.estimators.ESTIMATORS (config.py imports no package code; a test keeps the two equal)
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
+# the names in core.losses.POLICY_LOSSES (a test keeps the two equal)
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 # the reward sources `reward.type` / `reward.weights` name
 REWARD_SOURCES = ("model", "checker", "function")
 # the sampling engines `rollout.engine` names: rollout.generation.GENERATORS (a test keeps the two equal)
@@ -306,7 +308,26 @@ class PPOConfig:
     PPO's default) or `loss` (β × the per-token `ppo.kl_estimator` KL, aggregated like the policy loss, added to
     the policy loss; GRPO's way, with k3). With `ppo.kl_target` the adaptive controller steers β either way."""
     clip: float = 0.2
-    """ε, ratio clip of the surrogate, > 0."""
+    """ε, ratio clip of the surrogate, > 0. The ratio is kept in [1 − ε, 1 + ε] (ε_low when `ppo.clip_high` is
+    set); with `ppo.policy_loss=cispo` it is only the default of `ppo.clip_high`."""
+    clip_high: float | None = None
+    """ε_high, the upper ratio clip (DAPO's clip-higher), > 0; null = `ppo.clip`. Yu et al. 2025 (DAPO) use 0.28
+    with `ppo.clip`=0.2. With `ppo.policy_loss=cispo` the importance weight's cap is 1 + ε_high: TRL's cispo
+    `epsilon_high` is that cap (TRL's 5.0 is 4.0 here). TRL `epsilon_high`, OpenRLHF `--eps_clip_low_high`, veRL
+    `clip_ratio_high`."""
+    dual_clip: float | None = None
+    """c, the dual clip: for a negative advantage the clipped objective is bounded by c·A; > 1, null = off. Ye et
+    al. 2020 (dual-clip PPO): a token whose ratio grew past c gets no gradient. `ppo` and `gspo` only (refused with
+    `cispo`). OpenRLHF `--dual_clip`, veRL `clip_ratio_c` (3.0)."""
+    policy_loss: str = "ppo"
+    """The policy loss: `ppo`, `gspo` or `cispo` (`core/losses.py`). `ppo`: the clipped surrogate of the token
+    ratio (Schulman et al. 2017). `gspo`: the clipped surrogate of the length-normalised sequence ratio
+    exp(mean_t log π/π_old), in its token form (Zheng et al. 2025; with `ppo.aggregation=seq-mean-token-mean` its
+    gradient is the paper's; the paper clips at 3e-4/4e-4). `cispo`: REINFORCE weighted by the stop-gradient
+    importance weight capped at 1 + `ppo.clip_high`, with no lower bound and no token's gradient switched off
+    (MiniMax-M1, 2025). `gspo` needs a critic-free `ppo.advantage_estimator`: a sequence ratio times a per-token
+    critic's advantages is no objective of the paper's, so `gae` is refused. TRL `loss_type` and
+    `importance_sampling_level`, veRL `policy_loss.loss_mode`."""
     value_clip: float | None = 0.2
     """Clip of the value update around the old values (null disables)."""
     c1: float = 0.1
@@ -348,6 +369,19 @@ class PPOConfig:
     """Responses that end without EOS: `penalize` (score − missing_eos_penalty), `mask` (no loss) or `keep`."""
     missing_eos_penalty: float = 1.0
     """Subtracted from the (normalised) score of an unterminated response, >= 0."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): the last this many tokens before
+    `ppo.max_new_tokens`, in [0, `ppo.max_new_tokens`]; 0 = off. A response of n tokens (EOS included) longer than
+    max_new_tokens − buffer gets `ppo.overlong_penalty` × (n − (max_new_tokens − buffer)) / buffer subtracted from
+    its (normalised) score, the full `ppo.overlong_penalty` at max_new_tokens. It adds to `ppo.truncated`: an
+    unterminated response (n = max_new_tokens) with `penalize` loses both penalties; with `mask` it leaves the loss
+    and the group baselines, so the ramp shapes only responses that end within the buffer (DAPO's overlong
+    filtering plus soft punishment); with `keep` it gets the ramp's full penalty alone. veRL
+    overlong_buffer.len (under its reward_model section), OpenRLHF `--overlong_buffer_len`."""
+    overlong_penalty: float = 1.0
+    """The soft overlong punishment at `ppo.max_new_tokens` (score units, after normalisation), >= 0; read only
+    with `ppo.overlong_buffer` > 0. DAPO 1.0; veRL `overlong_buffer.penalty_factor`, OpenRLHF
+    `--overlong_penalty_factor`."""
     critic: str = "separate"
     """`separate` (own engine and optimiser) or `shared` (value head on the policy trunk)."""
     critic_init: str = "reward_model"
@@ -355,7 +389,10 @@ class PPOConfig:
     (`model.lora.r` > 0), `reward_model` puts the critic's adapters on the reward model's own weights, and the
     reward model is then that critic with its adapters off: one copy of those weights."""
     aggregation: str = "token-mean"
-    """Loss aggregation: `token-mean` or `seq-mean-token-mean`."""
+    """Loss aggregation: `token-mean` or `seq-mean-token-mean`. `token-mean`: every real response token of a
+    minibatch weighs the same (the sum over its tokens divided by their count); `seq-mean-token-mean`: each
+    response's token mean, averaged over the minibatch's responses. Either divides by the whole minibatch's count
+    (over all ranks), so the update does not depend on `ppo.micro_batch_size` or the world size."""
     actor_lr: float = 1e-5
     """Policy learning rate (constant). Sized for short CPU runs: on the built-in task four iterations at 1e-5
     raise the RM score by ~0.5 RM std at ~4 nats/seq (docs/results.md); at 1e-6 they move the policy < 0.1 nats.
@@ -738,6 +775,12 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(0 <= p.gamma <= 1, f"ppo.gamma (γ) must be in [0, 1] (got {p.gamma})")
     _check(0 <= p.lam <= 1, f"ppo.lam (λ) must be in [0, 1] (got {p.lam})")
     _check(p.clip > 0, f"ppo.clip (ε) must be > 0 (got {p.clip})")
+    _check(p.clip_high is None or p.clip_high > 0, f"ppo.clip_high (ε_high) must be > 0 or null (got {p.clip_high})")
+    _check(p.dual_clip is None or p.dual_clip > 1, f"ppo.dual_clip (c) must be > 1 or null (got {p.dual_clip})")
+    _one_of("ppo.policy_loss", p.policy_loss, POLICY_LOSSES)
+    _check(p.policy_loss != "cispo" or p.dual_clip is None,
+           f"ppo.dual_clip={p.dual_clip} with ppo.policy_loss=cispo: CISPO has no clipped objective to bound (its "
+           "weight is capped at 1 + ppo.clip_high); set ppo.dual_clip=null")
     _check(p.value_clip is None or p.value_clip > 0, f"ppo.value_clip must be > 0 or null (got {p.value_clip})")
     _check(p.c1 >= 0, f"ppo.c1 must be >= 0 (got {p.c1})")
     _check(p.c2 >= 0, f"ppo.c2 must be >= 0 (got {p.c2})")
@@ -747,6 +790,10 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _one_of("ppo.kl_estimator", p.kl_estimator, ("k1", "k2", "k3"))
     _one_of("ppo.advantage_estimator", p.advantage_estimator, ESTIMATORS)
     _one_of("ppo.kl_in", p.kl_in, ("reward", "loss"))
+    _check(p.policy_loss != "gspo" or p.advantage_estimator != "gae",
+           "ppo.policy_loss=gspo with ppo.advantage_estimator=gae: GSPO's sequence ratio is defined for sequence-level "
+           "(group) advantages, not a per-token critic's; use a critic-free estimator (grpo, dr_grpo, rloo, "
+           "reinforce_pp) or ppo.policy_loss=ppo")
     _check(p.kl_in != "loss" or p.kl_estimator != "k1",
            "ppo.kl_in=loss with ppo.kl_estimator=k1: the k1 estimate's gradient is zero in expectation, so the KL "
            "term would add only noise; use ppo.kl_estimator=k3 (GRPO) or k2")
@@ -771,6 +818,10 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check_batches("ppo", p.mini_batch_size, p.micro_batch_size, world_size, "mini_batch_size")
     _one_of("ppo.truncated", p.truncated, ("penalize", "mask", "keep"))
     _check(p.missing_eos_penalty >= 0, f"ppo.missing_eos_penalty must be >= 0 (got {p.missing_eos_penalty})")
+    _check(0 <= p.overlong_buffer <= p.max_new_tokens,
+           f"ppo.overlong_buffer must be in [0, ppo.max_new_tokens={p.max_new_tokens}] (0 = off; got "
+           f"{p.overlong_buffer})")
+    _check(p.overlong_penalty >= 0, f"ppo.overlong_penalty must be >= 0 (got {p.overlong_penalty})")
     _one_of("ppo.critic", p.critic, ("separate", "shared"))
     _one_of("ppo.critic_init", p.critic_init, ("reward_model", "policy"))
     _one_of("ppo.aggregation", p.aggregation, ("token-mean", "seq-mean-token-mean"))

@@ -160,17 +160,21 @@ def test_lora_two_ranks_match_one_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_group_advantages_match_one_rank(tmp_path):
+@pytest.mark.parametrize("loss", [[], ["ppo.policy_loss=gspo", "ppo.aggregation=seq-mean-token-mean",
+                                       "ppo.clip_high=0.28"]], ids=["ppo-token-mean", "gspo-seq-mean-token-mean"])
+def test_two_ranks_group_advantages_match_one_rank(tmp_path, loss):
     """GRPO with 4 samples per prompt: each rank holds whole groups, so 2 ranks compute the advantages, and then
     the update, of 1 rank (one minibatch per epoch, see the module docstring). The 2 ranks run packed (one epoch:
-    the policy, reference and training passes too), the 1 rank plain (`data.packing=false`)."""
+    the policy, reference and training passes too), the 1 rank plain (`data.packing=false`). With GSPO and
+    `seq-mean-token-mean` each rank divides by the minibatch's response count over both ranks (issue 42's
+    invariance on two ranks; tests/stages/test_update_invariance.py cuts one rank's minibatch)."""
     fn = tmp_path / "rewards.py"  # the tiny model's checker score is 0 everywhere: a reward that varies
     fn.write_text("def length(prompts, completions, answer, **kw):\n    return [len(c) / 10 for c in completions]\n")
     args = ["train-ppo", *COMMON, "reward.type=function", f"reward.function={fn}:length",
             "ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=4",
             "ppo.rollout_batch_size=4", "ppo.mini_batch_size=16", "ppo.micro_batch_size=4", "ppo.iterations=2",
             "ppo.max_new_tokens=8", "ppo.truncated=penalize", "ppo.missing_eos_penalty=1.0", "ppo.kl_in=loss",
-            "ppo.kl_estimator=k3", "ppo.epochs=1", "deepspeed=zero2"]
+            "ppo.kl_estimator=k3", "ppo.epochs=1", "deepspeed=zero2", *loss]
     launch([*args, "data.packing=false"], tmp_path / "one")
     launch(args, tmp_path / "two", ranks=2)  # packed (ppo.epochs=1): each group's prompt computed once
     a, b = metrics(tmp_path / "one", "ppo"), metrics(tmp_path / "two", "ppo")

@@ -65,6 +65,16 @@ RANGE_ERRORS = [
     ("train_ppo", "ppo.critic=none", "ppo.critic='none' is not one of separate, shared"),
     ("train_ppo", "ppo.critic_init=random", "ppo.critic_init='random' is not one of reward_model, policy"),
     ("train_ppo", "ppo.aggregation=sum", "ppo.aggregation='sum' is not one of token-mean, seq-mean-token-mean"),
+    ("train_ppo", "ppo.clip_high=0", "ppo.clip_high (ε_high) must be > 0 or null (got 0.0)"),
+    ("train_ppo", "ppo.dual_clip=1", "ppo.dual_clip (c) must be > 1 or null (got 1.0)"),
+    ("train_ppo", "ppo.policy_loss=grpo", "ppo.policy_loss='grpo' is not one of ppo, gspo, cispo"),
+    ("train_ppo", "ppo.policy_loss=gspo", "ppo.policy_loss=gspo with ppo.advantage_estimator=gae: GSPO's sequence"),
+    ("train_ppo", "ppo.policy_loss=cispo ppo.dual_clip=3",
+     "ppo.dual_clip=3.0 with ppo.policy_loss=cispo: CISPO has no clipped objective to bound"),
+    ("train_ppo", "ppo.overlong_buffer=-1",
+     "ppo.overlong_buffer must be in [0, ppo.max_new_tokens=32] (0 = off; got -1)"),
+    ("train_ppo", "ppo.overlong_buffer=33", "ppo.overlong_buffer must be in [0, ppo.max_new_tokens=32]"),
+    ("train_ppo", "ppo.overlong_penalty=-1", "ppo.overlong_penalty must be >= 0 (got -1.0)"),
     ("train_ppo", "ppo.actor_lr=0", "ppo.actor_lr (0.0) and ppo.critic_lr (1e-05) must be > 0"),
     ("train_ppo", "ppo.max_bad_steps=-1", "ppo.max_bad_steps must be >= 0 (got -1)"),
     ("train_ppo", "ppo.max_kl=0", "ppo.max_kl must be > 0 or null (got 0.0)"),
@@ -105,7 +115,7 @@ RANGE_ERRORS = [
 
 @pytest.mark.parametrize("command,override,needle", RANGE_ERRORS, ids=[r[1] for r in RANGE_ERRORS])
 def test_out_of_range_value_is_one_line_naming_the_key(command, override, needle, tmp_path):
-    assert needle in config_error(command, [override], tmp_path)
+    assert needle in config_error(command, override.split(), tmp_path)  # a space separates combined overrides
 
 
 def test_defaults_and_edge_values_pass(tmp_path):
@@ -114,6 +124,12 @@ def test_defaults_and_edge_values_pass(tmp_path):
     validate("train_rm", ["rm.eval_every=0", "rm.save_every=0", "rm.betas=[0.0,0.999]", "rm.weight_decay=0"], tmp_path)
     validate("train_ppo", ["ppo.sample_every=0", "ppo.max_grad_norm=0", "ppo.kl_target=null", "ppo.max_kl=null"],
              tmp_path)
+    # the policy losses where they are defined: gspo with a critic-free estimator, cispo without a dual clip
+    validate("train_ppo", ["ppo.clip_high=0.28", "ppo.dual_clip=3", "ppo.aggregation=seq-mean-token-mean"], tmp_path)
+    validate("train_ppo", ["ppo.policy_loss=gspo", "ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=2",
+                           "ppo.dual_clip=3"], tmp_path)
+    validate("train_ppo", ["ppo.policy_loss=cispo", "ppo.clip_high=4"], tmp_path)
+    validate("train_ppo", ["ppo.overlong_buffer=32", "ppo.overlong_penalty=0"], tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------

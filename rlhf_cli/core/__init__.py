@@ -12,6 +12,8 @@ Paper names map to code (and config) names once, here:
 paper                         argument / config key       usual long name (TRL etc.)
 ============================  ==========================  ==========================
 epsilon (PPO clip)            ``clip`` / ``ppo.clip``     ``clip_range``
+epsilon_high (DAPO)           ``clip_high`` / ``ppo.clip_high``  TRL ``epsilon_high``
+c (dual clip, Ye et al.)      ``dual_clip`` / ``ppo.dual_clip``  veRL ``clip_ratio_c``
 c1 (value-loss coefficient)   ``c1`` / ``ppo.c1``         ``vf_coef``
 c2 (entropy coefficient)      ``c2`` / ``ppo.c2``         ``ent_coef``
 lambda (GAE)                  ``lam`` / ``ppo.lam``       ``gae_lambda``
@@ -28,12 +30,16 @@ from rlhf_cli.core.advantages import (
     compute_gae_vectorized,
     discounted_returns,
     kl_penalized_rewards,
+    overlong_penalty,
 )
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
 from rlhf_cli.core.losses import (
+    POLICY_LOSSES,
+    cispo_loss,
     entropy_bonus,
+    gspo_loss,
     kl_loss,
     masked_aggregate,
     pairwise_loss,
@@ -63,17 +69,20 @@ from rlhf_cli.core.paired import (
 
 __all__ = [
     "ESTIMATORS",
+    "POLICY_LOSSES",
     "SMALL_SAMPLE",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "FixedKLController",
     "add_at_last_token",
+    "cispo_loss",
     "compute_gae",
     "compute_gae_vectorized",
     "discounted_returns",
     "entropy_bonus",
     "entropy_from_logits",
     "group_adjusted_scores",
+    "gspo_loss",
     "group_stats",
     "kl_estimate",
     "kl_loss",
@@ -85,6 +94,7 @@ __all__ = [
     "masked_whiten",
     "mean_ci95",
     "outcome_advantages",
+    "overlong_penalty",
     "pairwise_loss",
     "policy_loss",
     "ppo_total_loss",

@@ -185,3 +185,39 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     """
     advantages, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
     return advantages
+
+
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment: a score penalty that grows linearly over the last ``buffer`` tokens.
+
+    Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", eq. 13, with
+    L_max = ``max_new_tokens`` and L_cache = ``buffer``, scaled by ``penalty``::
+
+        R_length(y) = 0                                        |y| <= L_max - L_cache
+                    = ((L_max - L_cache) - |y|) / L_cache      L_max - L_cache < |y| <= L_max
+                    = -1                                       |y| > L_max
+        returns penalty * R_length(y)
+
+    Naive equivalent: ``[penalty * max(-1, min(0, (max_new_tokens - buffer - n) / buffer)) for n in lengths]``.
+
+    Args:
+        lengths: ``(B,)`` response lengths in tokens (EOS included), int or float.
+        max_new_tokens: L_max (``ppo.max_new_tokens``), >= 1.
+        buffer: L_cache (``ppo.overlong_buffer``), tokens, in [0, max_new_tokens]; 0 gives all zeros.
+        penalty: the penalty at L_max (``ppo.overlong_penalty``), >= 0, score units.
+
+    Returns:
+        ``(B,)`` float32 (float64 for float64 lengths), <= 0: what to add to each response's score.
+
+    Raises:
+        ValueError: ``buffer`` outside [0, max_new_tokens] or a negative ``penalty``.
+    """
+    if not 0 <= buffer <= max_new_tokens:
+        raise ValueError(f"buffer must be in [0, max_new_tokens={max_new_tokens}], got {buffer}")
+    if penalty < 0:
+        raise ValueError(f"penalty must be >= 0, got {penalty}")
+    n = lengths.to(_compute_dtype(lengths) if lengths.is_floating_point() else torch.float32)
+    if buffer == 0:
+        return torch.zeros_like(n)
+    ramp = ((max_new_tokens - buffer) - n) / buffer
+    return penalty * ramp.clamp(min=-1.0, max=0.0)

@@ -1,5 +1,9 @@
 """PPO and reward-model losses, each returning ``(loss, stats)``.
 
+The policy losses ``ppo.policy_loss`` selects (:data:`POLICY_LOSSES`) share one signature: :func:`policy_loss`
+(PPO's clipped surrogate, with clip-higher and dual-clip), :func:`gspo_loss` (the sequence ratio) and
+:func:`cispo_loss` (the clipped IS weight on REINFORCE).
+
 ``loss`` is a 0-dim float32 tensor (float64 for float64 inputs) to minimise. ``stats`` is a
 dict of detached Python floats with namespaced keys: ``*/loss`` is the returned loss value
 (so it sums over micro-batches like the loss does); every other stat is a mean over the
@@ -74,6 +78,44 @@ def _floats(stats: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(stats.keys(), values))
 
 
+def _check_clips(clip: float, clip_high: float | None, dual_clip: float | None) -> float:
+    """The upper clip ε_high (``clip_high``, default ``clip``); raises ValueError on a bad clip range."""
+    if clip < 0:
+        raise ValueError(f"clip must be >= 0, got {clip}")
+    if clip_high is not None and clip_high < 0:
+        raise ValueError(f"clip_high must be >= 0 or None, got {clip_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
+    return clip if clip_high is None else clip_high
+
+
+def _clipped_surrogate(
+    ratio: Tensor, adv: Tensor, m: Tensor, clip: float, clip_high: float, dual_clip: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token clipped surrogate (negated) of a ratio with gradient, 0 on padding, and its clip fractions.
+
+    ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip, 1 + clip_high))``, then for ``A_t < 0`` bounded above by
+    ``-dual_clip * A_t`` when ``dual_clip`` is set (Ye et al. 2020's dual clip). All inputs ``(B, T)``, ``adv`` 0 on
+    padding."""
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(m)
+    if dual_clip is not None:
+        bound = -dual_clip * adv
+        dual = (adv < 0) & (per_token > bound) & m
+        per_token = torch.where(dual, bound, per_token)
+    active = (clipped > unclipped) & m  # the clipped term is the active one: zero gradient
+    dtype = per_token.dtype
+    flags = {
+        "policy/clipfrac": masked_mean(active.to(dtype), m),
+        "policy/clipfrac_high": masked_mean((active & (adv > 0)).to(dtype), m),
+        "policy/clipfrac_low": masked_mean((active & (adv < 0)).to(dtype), m),
+        "policy/dual_clipfrac": masked_mean(dual.to(dtype), m),
+    }
+    return torch.where(m, per_token, 0.0), flags
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -83,56 +125,185 @@ def policy_loss(
     num_tokens: float | Tensor | None = None,
     aggregation: str = "token-mean",
     num_seqs: float | Tensor | None = None,
+    *,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate, negated for minimisation.
+    """PPO clipped surrogate (``ppo.policy_loss=ppo``), negated for minimisation, with clip-higher and dual-clip.
 
-    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7::
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7, with the asymmetric clip range of
+    Yu et al. 2025 (DAPO's clip-higher: ε_low = ``clip``, ε_high = ``clip_high``) and the dual clip of Ye et al.
+    2020 ("Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", dual-clip PPO)::
 
         r_t    = exp(log pi(a_t) - log pi_old(a_t))
-        loss_t = -min(r_t * A_t, clip(r_t, 1 - eps, 1 + eps) * A_t)      (= -L^CLIP_t)
+        loss_t = -min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)      (= -L^CLIP_t)
+        loss_t = min(loss_t, -c * A_t)   where A_t < 0, when dual_clip = c is set
 
-    aggregated over real tokens (module docstring). ``old_logprobs`` and ``advantages``
-    are treated as constants (detached); gradients flow into ``logprobs`` only.
+    aggregated over real tokens (module docstring). The dual clip bounds the loss of a token with a negative
+    advantage whose ratio has grown past c (the gradient there is 0), so one very off-policy token cannot
+    dominate the update. ``old_logprobs`` and ``advantages`` are treated as constants (detached); gradients
+    flow into ``logprobs`` only.
 
     Args:
         logprobs: ``(B, T)`` log pi of the sampled tokens under the current policy (nats).
         old_logprobs: ``(B, T)`` log pi_old from the rollout (nats).
         advantages: ``(B, T)`` advantage estimates, usually whitened.
         mask: ``(B, T)``, 1 = real response token, 0 = padding (ignored whatever it holds).
-        clip: epsilon (``ppo.clip``), >= 0.
+        clip: ε_low (``ppo.clip``), >= 0.
         num_tokens, aggregation, num_seqs: see the module docstring.
+        clip_high: ε_high (``ppo.clip_high``), >= 0; None = ``clip``.
+        dual_clip: c (``ppo.dual_clip``), > 1; None = no dual clip.
 
     Returns:
-        ``(loss, stats)``; stats: ``policy/loss``; ``policy/clipfrac`` (fraction of real
-        tokens where the clipped term is the active one, i.e. the gradient is zero);
-        ``policy/approx_kl`` (k3 estimate of KL(pi_old || pi), nats per token:
-        ``(r - 1) - log r``); ``policy/ratio_mean``.
+        ``(loss, stats)``; stats: ``policy/loss``; ``policy/clipfrac`` (fraction of real tokens where the
+        clipped term is the active one, i.e. the gradient is zero), split into ``policy/clipfrac_high`` (A > 0,
+        r > 1 + ε_high) and ``policy/clipfrac_low`` (A < 0, r < 1 - ε_low); ``policy/dual_clipfrac`` (fraction
+        of real tokens the dual clip bounds; 0 without it); ``policy/approx_kl`` (k3 estimate of
+        KL(pi_old || pi), nats per token: ``(r - 1) - log r``); ``policy/ratio_mean``.
 
     Raises:
-        ValueError: shape mismatch, negative ``clip``, unknown ``aggregation``.
+        ValueError: shape mismatch, negative ``clip`` or ``clip_high``, ``dual_clip <= 1``, unknown
+        ``aggregation``.
     """
     _check_shapes(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    if clip < 0:
-        raise ValueError(f"clip must be >= 0, got {clip}")
+    high = _check_clips(clip, clip_high, dual_clip)
     m = _bool_mask(mask)
     dtype = _compute_dtype(logprobs, old_logprobs, advantages)
     log_ratio = masked_fill_zero(logprobs, m, dtype) - masked_fill_zero(old_logprobs.detach(), m, dtype)
     adv = masked_fill_zero(advantages.detach(), m, dtype)
     ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    per_token = torch.where(m, torch.maximum(unclipped, clipped), 0.0)
+    per_token, flags = _clipped_surrogate(ratio, adv, m, clip, high, dual_clip)
     loss = masked_aggregate(per_token, m, num_tokens, aggregation, num_seqs)
+    return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
+
+
+def _policy_stats(loss: Tensor, flags: dict[str, Tensor], log_ratio: Tensor, ratio: Tensor,
+                  m: Tensor) -> dict[str, float]:
     with torch.no_grad():
-        stats = _floats(
+        return _floats(
             {
                 "policy/loss": loss,
-                "policy/clipfrac": masked_mean((clipped > unclipped).to(dtype), m),
+                **flags,
                 "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, m),
                 "policy/ratio_mean": masked_mean(ratio, m),
             }
         )
-    return loss, stats
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float,
+    num_tokens: float | Tensor | None = None,
+    aggregation: str = "token-mean",
+    num_seqs: float | Tensor | None = None,
+    *,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (``ppo.policy_loss=gspo``): the clipped surrogate of the length-normalised sequence ratio, in its
+    token form (GSPO-token), negated for minimisation.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization": the length-normalised sequence ratio s_i of the GSPO
+    objective, in the token form of GSPO-token (its eq. 14)::
+
+        s_i    = exp(1/|y_i| * sum_t (log pi(y_i,t) - log pi_old(y_i,t)))           (geometric mean ratio)
+        s_i,t  = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)]                                (value s_i)
+        loss_t = -min(s_i,t * A_t, clip(s_i,t, 1 - eps_low, 1 + eps_high) * A_t)
+
+    then :func:`policy_loss`'s dual clip and aggregation. The value of ``s_i,t`` is ``s_i`` on every token of
+    row i, so the clip is decided per sequence; where unclipped, the gradient of a token's term is
+    ``-A_t * s_i * grad log pi_t``.
+    With one advantage per row and ``aggregation="seq-mean-token-mean"`` the gradient is exactly that of the
+    paper's sequence objective ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)``; ``"token-mean"`` weighs each
+    row by its length. veRL and TRL compute the same token form.
+
+    Args: as :func:`policy_loss` (``clip``/``clip_high`` bound ``s_i``; GSPO's paper uses 3e-4 and 4e-4).
+
+    Returns:
+        ``(loss, stats)``: :func:`policy_loss`'s keys; the clip fractions count the real tokens of clipped rows;
+        ``policy/ratio_mean`` is the mean of ``s_i`` over real tokens; ``policy/approx_kl`` is per token.
+
+    Raises:
+        ValueError: as :func:`policy_loss`.
+    """
+    _check_shapes(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    high = _check_clips(clip, clip_high, dual_clip)
+    m = _bool_mask(mask)
+    dtype = _compute_dtype(logprobs, old_logprobs, advantages)
+    lp = masked_fill_zero(logprobs, m, dtype)
+    log_ratio = lp - masked_fill_zero(old_logprobs.detach(), m, dtype)
+    adv = masked_fill_zero(advantages.detach(), m, dtype)
+    lengths = m.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)  # (B, 1)
+    log_seq_ratio = log_ratio.sum(dim=1, keepdim=True) / lengths  # (B, 1)
+    # log s_i,t = sg[log s_i] + log pi_t - sg[log pi_t]: value log s_i, gradient that of log pi_t
+    ratio = torch.exp(log_seq_ratio.detach() + (lp - lp.detach()))  # (B, T)
+    per_token, flags = _clipped_surrogate(ratio, adv, m, clip, high, dual_clip)
+    loss = masked_aggregate(per_token, m, num_tokens, aggregation, num_seqs)
+    return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float,
+    num_tokens: float | Tensor | None = None,
+    aggregation: str = "token-mean",
+    num_seqs: float | Tensor | None = None,
+    *,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (``ppo.policy_loss=cispo``): REINFORCE weighted by the stop-gradient, clipped importance weight.
+
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", eqs. 4-5::
+
+        r_t    = exp(log pi(a_t) - log pi_old(a_t))
+        w_t    = min(r_t, 1 + eps_high)                                  (eq. 5 without a lower bound)
+        loss_t = -sg[w_t] * A_t * log pi(a_t)
+
+    aggregated over real tokens (module docstring). The paper sets ε_low^IS large, i.e. no lower bound, and
+    tunes only ε_high^IS; so does TRL (``loss_type="cispo"``: ``clamp(r, max=epsilon_high)``, an absolute cap:
+    TRL's ``epsilon_high`` = 1 + ``clip_high`` here). Unlike PPO's clip no token's gradient is switched off:
+    the gradient of a token's term is ``-w_t * A_t * grad log pi_t``. The loss *value* is not a surrogate of
+    the return (it scales with log pi); only its gradient is meaningful.
+
+    Args: as :func:`policy_loss`; ``clip`` is only the default of ``clip_high`` (1 + ε_high is the weight's
+    cap); ``dual_clip`` must be None (there is no clipped objective to bound).
+
+    Returns:
+        ``(loss, stats)``: :func:`policy_loss`'s keys; ``policy/clipfrac`` = ``policy/clipfrac_high`` is the
+        fraction of real tokens whose weight is capped; ``policy/clipfrac_low`` and ``policy/dual_clipfrac`` are 0.
+
+    Raises:
+        ValueError: as :func:`policy_loss`; ``dual_clip`` set.
+    """
+    _check_shapes(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    high = _check_clips(clip, clip_high, dual_clip)
+    if dual_clip is not None:
+        raise ValueError("dual_clip is not defined for CISPO: its weight is capped already (clip_high)")
+    m = _bool_mask(mask)
+    dtype = _compute_dtype(logprobs, old_logprobs, advantages)
+    lp = masked_fill_zero(logprobs, m, dtype)
+    log_ratio = lp - masked_fill_zero(old_logprobs.detach(), m, dtype)
+    adv = masked_fill_zero(advantages.detach(), m, dtype)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio.detach(), max=1.0 + high)
+    per_token = torch.where(m, -weight * adv * lp, 0.0)
+    loss = masked_aggregate(per_token, m, num_tokens, aggregation, num_seqs)
+    capped = ((ratio.detach() > 1.0 + high) & m).to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=lp.device)
+    flags = {"policy/clipfrac": masked_mean(capped, m), "policy/clipfrac_high": masked_mean(capped, m),
+             "policy/clipfrac_low": zero, "policy/dual_clipfrac": zero}
+    return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
+
+
+POLICY_LOSSES = {"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+"""The policy losses by the name ``ppo.policy_loss`` gives; each takes :func:`policy_loss`'s arguments."""
 
 
 def value_loss(

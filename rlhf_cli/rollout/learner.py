@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import entropy_bonus, kl_loss, policy_loss, value_loss
+from rlhf_cli.core import POLICY_LOSSES, entropy_bonus, kl_loss, value_loss
 from rlhf_cli.forwards import training_forward
 from rlhf_cli.models import has_value_head
 from rlhf_cli.rollout.experience import Experience
@@ -69,12 +69,18 @@ class PolicyLearner:
         """Decide once per run what the rollout folds into the update (`plan.fold_settings`): `on_policy` and
         `carry`, from the config and the engines as built (their ZeRO stage, an offloaded `reference`). A
         `ppo.carried_forwards` above the default that does nothing here says why, once; one above the first
-        minibatch's micro-batches says it is capped."""
+        minibatch's micro-batches says it is capped. On an on-policy update (the ratio is exactly 1), a policy loss
+        other than `ppo`, `ppo.clip_high` and `ppo.dual_clip` change nothing, which is said once."""
         p = self.p
         zero_stage = max((e.zero_stage for e in (self.actor, self.critic) if e is not None), default=0)  # as built
         self.on_policy, self.carry, why_not = fold_settings(self.cfg, self.estimator.needs_critic,
                                                             self.score_precision, zero_stage,
                                                             getattr(reference, "offload", False))
+        inert = ([f"ppo.policy_loss={p.policy_loss}"] if p.policy_loss != "ppo" else []) + [
+            f"ppo.{key}={getattr(p, key)}" for key in ("clip_high", "dual_clip") if getattr(p, key) is not None]
+        if self.on_policy and inert and engine.is_main():
+            log.warning("%s change(s) nothing here: the update is on-policy (one epoch of one minibatch: the ratio is "
+                        "exactly 1, no clip acts and every policy loss has the gradient −A·∇log π)", ", ".join(inert))
         before_first_step = micro_batches_per_minibatch(p)  # the first optimizer step follows them
         if why_not and p.carried_forwards > 1 and engine.is_main():  # the default's cases: README "Packing"
             log.warning("ppo.carried_forwards=%d does nothing here: %s", p.carried_forwards, why_not)
@@ -114,8 +120,9 @@ class PolicyLearner:
 
     def losses(self, b: Experience, num_tokens: float) -> Losses:
         """The forward (`training_forward`, or the one the rollout ran for one of the update's first micro-batches:
-        `b.forward`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): clipped surrogate
-        (`ppo.clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
+        `b.forward`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): the policy loss
+        (`ppo.policy_loss`: PPO's clipped surrogate, GSPO's or CISPO's, with `ppo.clip`, `ppo.clip_high` and
+        `ppo.dual_clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
         `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
         separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
         whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so micro-batch losses sum
@@ -132,7 +139,8 @@ class PolicyLearner:
                                              p.temperature, p.c2 != 0, packing)
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
         old = lp.detach() if b.plan.on_policy else b.logprobs
-        pg_loss, pg_stats = policy_loss(lp, old, b.advantages, b.mask, p.clip, **agg)
+        pg_loss, pg_stats = POLICY_LOSSES[p.policy_loss](lp, old, b.advantages, b.mask, p.clip, **agg,
+                                                         clip_high=p.clip_high, dual_clip=p.dual_clip)
         ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
         actor_loss = pg_loss - p.c2 * ent_bonus
         stats = {**pg_stats, **ent_stats}

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_penalized_rewards
+from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_penalized_rewards, overlong_penalty
 from rlhf_cli.data import epoch_order
 from rlhf_cli.forwards import (
     Forward,
@@ -237,6 +237,8 @@ class ExperienceMaker:
         mask = attention_mask[:, P:].float()
         if p.truncated == "penalize":
             score = score - p.missing_eos_penalty * (~has_eos).float()
+        overlong = overlong_penalty(mask.sum(1), p.max_new_tokens, p.overlong_buffer, p.overlong_penalty)
+        score = score + overlong.to(score.dtype)  # DAPO's soft overlong punishment; 0 with ppo.overlong_buffer=0
         plan = self.plan(iteration, groups)  # the update's, computed once: the passes run over its micro-batches
         logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(input_ids, attention_mask, P, plan)
         t2 = time.perf_counter()
@@ -259,6 +261,7 @@ class ExperienceMaker:
             **self.advantage_stats(advantages, loss_mask, iteration),
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": has_eos.float().mean().item(),
+            **({"reward/overlong_penalty": overlong.mean().item()} if p.overlong_buffer else {}),
             "time/generation": t1 - t0,
             "time/engine_sync": self.generator.sync_seconds,
             "time/scoring": t2 - t1 - carried_seconds,  # the carried forwards count in time/training

@@ -264,6 +264,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "reward": describe_reward(cfg, tr.rm_path),
         "reward normalisation": tr.reward_stats if p.normalize_reward else None,
         "advantage estimator": p.advantage_estimator,
+        "policy loss": (f"{p.policy_loss}, {p.aggregation}"
+                        + (f", ε_high {p.clip_high}" if p.clip_high is not None else "")
+                        + (f", dual clip {p.dual_clip}" if p.dual_clip is not None else "")),
         "critic": (f"{p.critic} ({p.critic_init}"
                    + ("; the reward model is this critic with its LoRA adapters off)"
                       if isinstance(tr.reward_model, FrozenWithoutAdapters) else ")")

@@ -14,6 +14,7 @@ from rlhf_cli.core import (
     discounted_returns,
     kl_estimate,
     kl_penalized_rewards,
+    overlong_penalty,
 )
 
 PROPERTY = settings(max_examples=30, deadline=None)
@@ -248,3 +249,39 @@ def test_kl_penalized_rewards_uses_kl_estimate():
     rewards, values, mask = rand_batch(3, 3, 6)
     got = kl_penalized_rewards(torch.zeros(3, dtype=torch.float64), rewards, values, mask, 0.2, "k2")
     assert torch.allclose(got, -0.2 * kl_estimate(rewards, values, "k2", mask=mask))
+
+
+# ---------------------------------------------------------------- overlong_penalty
+
+
+def test_overlong_penalty_hand_computed():
+    # L_max = 16, L_cache = 4: no penalty up to 12 tokens, then -1/4 per token, -1 at 16
+    lengths = torch.tensor([1, 10, 12, 13, 15, 16])
+    assert overlong_penalty(lengths, 16, 4, 1.0).tolist() == [0.0, 0.0, 0.0, -0.25, -0.75, -1.0]
+    assert overlong_penalty(lengths, 16, 4, 0.5).tolist() == [0.0, 0.0, 0.0, -0.125, -0.375, -0.5]
+    assert overlong_penalty(lengths, 16, 0, 1.0).tolist() == [0.0] * 6  # no buffer: off
+    assert overlong_penalty(lengths, 16, 16, 2.0).tolist() == [-0.125, -1.25, -1.5, -1.625, -1.875, -2.0]
+    assert overlong_penalty(torch.tensor([20.0]), 16, 4, 1.0).tolist() == [-1.0]  # past L_max: -1 (eq. 13)
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), max_new=st.integers(1, 40), data=st.data())
+def test_overlong_penalty_matches_reference(seed, max_new, data):
+    buffer = data.draw(st.integers(0, max_new))
+    penalty = data.draw(st.floats(0, 3))
+    lengths = torch.randint(0, max_new + 1, (8,), generator=torch.Generator().manual_seed(seed))
+    got = overlong_penalty(lengths, max_new, buffer, penalty)
+    for n, g in zip(lengths.tolist(), got.tolist()):
+        if buffer == 0 or n <= max_new - buffer:
+            want = 0.0
+        else:
+            want = penalty * max(-1.0, ((max_new - buffer) - n) / buffer)
+        assert g == pytest.approx(want, abs=1e-6)
+    assert got.dtype == torch.float32
+
+
+def test_overlong_penalty_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(torch.tensor([1]), 4, 5, 1.0)
+    with pytest.raises(ValueError, match="penalty"):
+        overlong_penalty(torch.tensor([1]), 4, 2, -1.0)

@@ -23,7 +23,8 @@ PROPERTY = settings(max_examples=25, deadline=None)
 GARBAGE = [1e6, -1e6, math.inf, -math.inf, math.nan]
 SHAPES = [(1, 1), (2, 5), (4, 7), (3, 16)]
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean"]
-POLICY_KEYS = {"policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/ratio_mean"}
+POLICY_KEYS = {"policy/loss", "policy/clipfrac", "policy/clipfrac_high", "policy/clipfrac_low", "policy/dual_clipfrac",
+               "policy/approx_kl", "policy/ratio_mean"}
 VALUE_KEYS = {"val/loss", "val/clipfrac", "val/explained_var"}
 RM_KEYS = {"rm/loss", "rm/accuracy", "rm/margin", "rm/chosen_mean", "rm/rejected_mean"}
 
@@ -74,22 +75,31 @@ def real_rows(mask, *tensors):
     return [[tuple(lst[b][t] for lst in lists) for t, m in enumerate(row) if m] for b, row in enumerate(mask.tolist())]
 
 
-def ref_policy_loss(lp, olp, adv, mask, clip, num_tokens=None, aggregation="token-mean", num_seqs=None):
-    losses, clipped_flags, kls, ratios = [], [], [], []
+def ref_policy_loss(lp, olp, adv, mask, clip, num_tokens=None, aggregation="token-mean", num_seqs=None,
+                    clip_high=None, dual_clip=None):
+    high = clip if clip_high is None else clip_high
+    losses, flags, kls, ratios = [], {"high": [], "low": [], "dual": []}, [], []
     for row in real_rows(mask, lp, olp, adv):
         row_losses = []
         for a, b, A in row:
             r = math.exp(a - b)
-            unclipped, clipped = -A * r, -A * min(max(r, 1 - clip), 1 + clip)
-            row_losses.append(max(unclipped, clipped))
-            clipped_flags.append(1.0 if clipped > unclipped else 0.0)
+            unclipped, clipped = -A * r, -A * min(max(r, 1 - clip), 1 + high)
+            loss = max(unclipped, clipped)
+            dual = dual_clip is not None and A < 0 and loss > -dual_clip * A
+            row_losses.append(-dual_clip * A if dual else loss)
+            flags["high"].append(1.0 if clipped > unclipped and A > 0 else 0.0)
+            flags["low"].append(1.0 if clipped > unclipped and A < 0 else 0.0)
+            flags["dual"].append(1.0 if dual else 0.0)
             kls.append((r - 1) - (a - b))
             ratios.append(r)
         losses.append(row_losses)
     loss = aggregate(losses, num_tokens, aggregation, num_seqs)
     return loss, {
         "policy/loss": loss,
-        "policy/clipfrac": mean(clipped_flags),
+        "policy/clipfrac": mean(flags["high"]) + mean(flags["low"]),
+        "policy/clipfrac_high": mean(flags["high"]),
+        "policy/clipfrac_low": mean(flags["low"]),
+        "policy/dual_clipfrac": mean(flags["dual"]),
         "policy/approx_kl": mean(kls),
         "policy/ratio_mean": mean(ratios),
     }
@@ -464,7 +474,8 @@ def test_bf16_inputs_within_tolerance_of_fp32(seed, B, T):
         assert low_stats[key] == pytest.approx(exact_stats[key], abs=1e-5), key
         # clip fractions count threshold crossings that bf16 rounding may flip, and explained
         # variance is a ratio of variances, ill-conditioned on tiny batches
-        if key not in ("policy/clipfrac", "val/clipfrac", "val/explained_var"):
+        if key not in ("policy/clipfrac", "policy/clipfrac_high", "policy/clipfrac_low", "policy/dual_clipfrac",
+                       "val/clipfrac", "val/explained_var"):
             assert low_stats[key] == pytest.approx(high_stats[key], rel=5e-2, abs=5e-2), key
 
 

@@ -161,6 +161,22 @@ def test_an_on_policy_update_takes_the_old_logprobs_from_the_training_forward(tm
     assert any(not torch.equal(w_f[k], before[k]) for k in w_f), "the update moved no weight"
 
 
+@pytest.mark.parametrize("extra,warned", [
+    (["ppo.policy_loss=gspo", "ppo.dual_clip=3"], "ppo.policy_loss=gspo, ppo.dual_clip=3.0 change(s) nothing here"),
+    (["ppo.clip_high=0.28"], "ppo.clip_high=0.28 change(s) nothing here"),
+    ([], None), (["ppo.policy_loss=cispo", "ppo.epochs=2"], None)])
+def test_a_policy_loss_or_clip_on_an_on_policy_update_says_once_that_it_changes_nothing(tmp_path, caplog, extra,
+                                                                                       warned):
+    with caplog.at_level("WARNING"):
+        build_trainer(tmp_path, [*GROUPS, "ppo.advantage_estimator=grpo", "ppo.kl_in=loss", "ppo.kl_estimator=k3",
+                                 *extra])
+    said = [r.getMessage() for r in caplog.records if "change(s) nothing here" in r.getMessage()]
+    if warned is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith(warned)
+
+
 @pytest.mark.parametrize("overrides", [["ppo.epochs=2"], ["ppo.mini_batch_size=4"], ["ppo.kl_in=reward"],
                                        ["ppo.advantage_estimator=gae"]])
 def test_an_update_that_is_not_on_policy_keeps_the_separate_pass(tmp_path, overrides):

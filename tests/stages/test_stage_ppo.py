@@ -484,6 +484,29 @@ def test_missing_eos_penalty_hits_only_unterminated_responses(tmp_path, monkeypa
         assert exp.mask.equal(resp_mask)
 
 
+@pytest.mark.parametrize("truncated", ["penalize", "mask", "keep"])
+def test_overlong_penalty_ramps_over_the_buffer_and_adds_to_truncated(tmp_path, monkeypatch, truncated):
+    """`ppo.overlong_buffer=3` before `ppo.max_new_tokens=6`, `ppo.overlong_penalty=0.5`: lengths 1-3 lose nothing,
+    4 loses 0.5/3, 5 loses 1/3, 6 (ended at the last token or unterminated) 0.5, on top of `ppo.truncated`'s."""
+    tr = build_trainer(tmp_path, [f"ppo.truncated={truncated}", "ppo.missing_eos_penalty=0.75",
+                                  "ppo.overlong_buffer=3", "ppo.overlong_penalty=0.5"])
+    eos_at = {0: 5, 1: 3, 3: 0, 4: 2, 5: 4}  # lengths 6, 4, 1, 3, 5; rows 2, 6 and 7 are cut at 6 tokens
+    force_eos(monkeypatch, tr, eos_at)
+    known = torch.linspace(-1.0, 1.0, 8)
+    monkeypatch.setattr(tr.maker, "rewards", lambda ids, am, P, prompts: (known.clone(), known.clone(), {}))
+    exp, stats, _ = tr.maker.make_experience(0)
+
+    lengths = exp.attention_mask[:, exp.prompt_len:].sum(1)
+    assert lengths.tolist() == [6, 4, 6, 1, 3, 5, 6, 6]
+    overlong = torch.tensor([-0.5, -0.5 / 3, -0.5, 0.0, 0.0, -1 / 3, -0.5, -0.5])
+    ended = torch.tensor([i in eos_at for i in range(8)])
+    missing = 0.75 * (~ended).float() if truncated == "penalize" else torch.zeros(8)
+    torch.testing.assert_close(exp.scores, known - missing + overlong)
+    assert stats["reward/overlong_penalty"] == pytest.approx(overlong.mean().item())
+    if truncated == "mask":  # the cut rows leave the loss whatever their penalty
+        assert exp.advantages[~ended].abs().sum() == 0
+
+
 def test_checker_scores_the_decoded_response(tmp_path, monkeypatch):
     """reward.type=checker: 1 for the right final number, 0 otherwise; then the missing-EOS penalty."""
     tr = build_trainer(tmp_path)
