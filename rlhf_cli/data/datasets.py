@@ -105,10 +105,11 @@ class DataSummary:
     unused: int = 0
     """Valid rows left out by `max_samples` or held out for a split that was not requested."""
     truncated: int = 0
-    """Kept examples whose prompt was truncated (older turns dropped or content cut, see `Encoder.fit_prompt`)."""
+    """Kept examples whose prompt was truncated (older turns dropped or content cut, see `Encoder.fit_prompt`), or,
+    for train-sft, whose conversation lost its later turns (`Encoder.fit_demo`)."""
     lengths: dict[str, int] = field(default_factory=dict)
     """Token-length percentiles {p50, p90, max} of prompt + longer response (prompt alone for prompt
-    data), before truncation."""
+    data, prompt + first response for demonstrations), before truncation."""
     duplicates: int = 0
     """Kept pairs identical to an earlier kept pair (same prompt, chosen and rejected tokens), in any
     split: kept, and counted here (prompt data drops repeated prompts instead, as `duplicate_prompt`)."""

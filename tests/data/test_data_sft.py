@@ -191,3 +191,20 @@ def test_packed_batch_reads_the_same_tokens_and_isolates_segments(write, make_cf
     with pytest.raises(ValueError, match="first token cannot be a target"):
         SFTCollator(0)([{"input_ids": [5, 6], "loss_mask": [1, 1]}])
     assert torch.equal(padded["attention_mask"].sum(), padded["tokens"])
+
+
+def test_raw_text_and_conversational_completions(write, make_cfg, tokenizer):
+    """`data.chat_template=false`: a conversation is its raw transcript, each assistant turn " content" + EOS
+    trained; a completion row may give its prompt as messages and its completion as one assistant message."""
+    data = load_sft_data(make_cfg(path=write("m.jsonl", MESSAGES), test_size=1, seed=3, chat_template=False),
+                         tokenizer)
+    (ex,) = [ex for ex in data.train + data.eval if ex["row"] == 1]
+    assert _trained_text(tokenizer, ex) == [" Hello! How can I help?<|im_end|>", " It is 4.<|im_end|>"]
+    assert tokenizer.decode(ex["input_ids"]) == ("\n\nHuman: Hi\n\nAssistant: Hello! How can I help?<|im_end|>"
+                                                 "\n\nHuman: 2+2?\n\nAssistant: It is 4.<|im_end|>")
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "completion": [{"role": "assistant", "content": r["completion"]}]} for r in COMPLETION]
+    data = load_sft_data(make_cfg(path=write("c.jsonl", rows), test_size=1), tokenizer)
+    assert data.summary.format == "completion"
+    for ex in data.train + data.eval:
+        assert _trained_text(tokenizer, ex) == [COMPLETION[ex["row"] - 1]["completion"] + "<|im_end|>"]

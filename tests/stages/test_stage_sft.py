@@ -105,3 +105,18 @@ def test_resume_continues_the_run(run_stage, tmp_path):
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5)
     assert json.loads((crashed / "status.json").read_text())["state"] == "finished"
+
+
+def test_lora_under_zero3_saves_a_merged_causal_lm_with_its_adapter(run_stage, tiny_model_cfg, tokenizer):
+    """LoRA through the components train-rm uses, under ZeRO-3: `final/` is the base model with the adapters
+    merged (its linear layers moved, its embeddings not), the adapter beside it in `final/adapter/`."""
+    from rlhf_cli.models import load_causal_lm
+
+    _, run_dir, _ = run_stage("train_sft", [*SMOKE, "sft.max_steps=2", "model.lora.r=4", "deepspeed=zero3"])
+    final = run_dir / "final"
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    merged = load_file(final / "model.safetensors")
+    base = load_causal_lm(tiny_model_cfg, "fp32", seed=42, tokenizer=tokenizer).state_dict()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged[key], base[key])
+    torch.testing.assert_close(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"], rtol=0, atol=0)
