@@ -100,6 +100,7 @@ _ALL = (
         meant={"policy.path": "model.name_or_path", "rm": "sft", "ppo": "sft"},
         headline=(("eval/sft/loss", "held-out loss", -1), ("sft/loss", "loss", -1)),
         metric_prefixes=("sft/", "eval/sft/"),
+        report=("supervised fine-tuning", ("sft_loss", "sft_perplexity")),
     ),
     Command(
         name="train-rm", config_name="train_rm", stage="rlhf_cli.stages.rm", kind="rm", pointer="latest_rm",
