@@ -29,8 +29,9 @@ Hostile input, decided once:
     response longer than `data.max_length` (`response_too_long`), a pair whose different texts
     tokenise identically (`identical_after_truncation`, e.g. one ends in the EOS string), a repeated
     prompt in prompt data (`duplicate_prompt`), a prompt that cannot keep one token of its content in its
-    budget (`prompt_too_long`). Other too-long prompts are truncated (`Encoder.fit_prompt`) and counted in
-    `truncated`.
+    budget (`prompt_too_long`), a demonstration whose first response cannot fit whole (`no_response_left`: no
+    response token would be left to train on). Other too-long prompts are truncated (`Encoder.fit_prompt`) and
+    counted in `truncated`.
   - Exact duplicate pairs are KEPT (a repeated row is a legitimate up-weighting) and counted in
     `DataSummary.duplicates`.
   - Damage to a whole file (empty, only blank lines, a truncated gzip stream, no valid row at all)

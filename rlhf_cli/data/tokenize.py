@@ -27,6 +27,12 @@ prompt keeps its template whole: the oldest turns go first, then the last messag
 left, and a system turn is kept (`Encoder.fit_prompt`). A pair is dropped when a response alone is longer than
 max_length (`response_too_long`), when chosen and rejected tokenise identically, or when no prompt with at
 least one token of content fits (`prompt_too_long`).
+
+A demonstration (train-sft, `Encoder.fit_demo`) is the prompt's ids, its response's ids (content + EOS), then for
+each later assistant turn of a conversation the template's text and messages since the previous one
+(`followup_segments`) and that turn's ids; its loss mask is 1 on response ids only. The same rules hold: responses
+whole, the prompt fitted to min(max_prompt_length, max_length - first response); later turns that do not fit whole
+are left out, and a row whose first response does not fit is dropped (`no_response_left`).
 """
 
 from __future__ import annotations

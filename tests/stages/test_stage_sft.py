@@ -1,7 +1,7 @@
 """`rlhf train-sft` end to end on the tiny model and the built-in task's correct solutions: the CLI run writes
-`final/` (a plain causal LM) and `latest_sft`, from which train-rm starts; the loss does not depend on how an
-optimizer step is cut into micro-batches, packed runs train the model unpacked runs train (fp32), and a resumed run
-continues the run it resumes."""
+`final/` (a plain causal LM) and `latest_sft`, from which train-rm and train-ppo start (then eval); the loss does
+not depend on how an optimizer step is cut into micro-batches, packed runs train the model unpacked runs train
+(fp32), and a resumed run continues the run it resumes."""
 
 import json
 import shutil
@@ -62,6 +62,18 @@ def test_cli_run_writes_a_causal_lm_and_latest_sft_that_train_rm_starts_from(tmp
     torch.testing.assert_close(rm[key], saved[key], rtol=0, atol=1e-6)  # one step at lr 1e-12 moves nothing
     # the run dir is accepted as well (checked and loaded, then a dry run)
     cli.main(["train-rm", *SMOKE, "model=hf", f"model.name_or_path={run_dir}", f"paths.root={root}", "dry_run=true"])
+
+    # the chain goes on: train-ppo from latest_sft (its reference: the SFT model) against latest_rm, then eval,
+    # whose page shows the SFT run before the RM and PPO runs
+    cli.main(["train-ppo", *SMOKE, "model=hf", f"model.name_or_path={root / 'latest_sft'}", f"paths.root={root}",
+              "ppo.iterations=1"])
+    (ppo_dir,) = (root / "ppo").iterdir()
+    assert read_run(ppo_dir)["parents"]["model"]["stage"] == "sft"
+    cli.main(["eval", *SMOKE, f"paths.root={root}", "eval.num_prompts=4"])
+    (eval_dir,) = (root / "eval").iterdir()
+    sections = sorted(p.name.split("_")[1] for p in (eval_dir / "report").iterdir() if p.is_dir())
+    assert sections == ["ppo", "rm", "sft"]
+    assert (eval_dir / "report" / f"0_sft_{run_dir.name}" / "sft_loss.png").is_file()
 
 
 def test_loss_and_update_do_not_depend_on_how_the_step_is_cut_or_packed(run_stage):
