@@ -93,6 +93,16 @@ _FROM_RUN = "run dir, its final/ dir"
 
 _ALL = (
     Command(
+        name="train-sft", config_name="train_sft", stage="rlhf_cli.stages.sft", kind="sft", pointer="latest_sft",
+        help="fine-tune a causal LM on demonstrations (next-token loss on response tokens only)",
+        reads=(*_COMMON, "deepspeed", "sft", "logger", "tracker"), validator=config.validate_sft,
+        trains=True, section="sft",
+        meant={"policy.path": "model.name_or_path", "rm": "sft", "ppo": "sft"},
+        headline=(("eval/sft/loss", "held-out loss", -1), ("sft/loss", "loss", -1)),
+        metric_prefixes=("sft/", "eval/sft/"),
+        report=("supervised fine-tuning", ("sft_loss", "sft_perplexity")),
+    ),
+    Command(
         name="train-rm", config_name="train_rm", stage="rlhf_cli.stages.rm", kind="rm", pointer="latest_rm",
         help="train a reward model (LM + scalar head, Bradley-Terry loss) on preference pairs",
         reads=(*_COMMON, "deepspeed", "rm", "logger", "tracker"), validator=config.validate_rm,

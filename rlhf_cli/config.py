@@ -148,7 +148,9 @@ class DataConfig:
     format: str = "auto"
     """`auto`, `explicit` (prompt/chosen/rejected), `implicit` (chosen/rejected full texts),
     `hh` (Anthropic `\\n\\nHuman:`/`\\n\\nAssistant:` transcripts), `conversation` (lists of
-    {role, content} messages) or `prompt` (prompts only, for PPO)."""
+    {role, content} messages), `prompt` (prompts only, for PPO); for train-sft's demonstrations `completion`
+    (prompt/completion strings, or prompt/response) or `messages` (a list of {role, content} messages, the loss on
+    every assistant turn). `auto` tells them apart by their columns."""
     split: str = "train"
     """Split to read from a hub dataset or a local file (local files have only `train`)."""
     eval_path: str | None = None
@@ -175,7 +177,11 @@ class DataConfig:
     rejected_key: str = "rejected"
     """Column of the dispreferred response (or the whole dispreferred dialogue)."""
     messages_key: str = "messages"
-    """Column of a `conversation`-format prompt dataset (chosen/rejected columns hold message lists)."""
+    """Column of a `prompt`-format dataset given as message lists, and of a `messages`-format SFT dataset
+    (a `conversation`'s chosen/rejected columns hold message lists)."""
+    completion_key: str = "completion"
+    """Column of the demonstrated response of a `completion`-format SFT dataset (train-sft); a file without it
+    but with a `response` column reads that one."""
     answer_key: str = "answer"
     """Column with the ground-truth answer, for datasets with a checker."""
     margin_key: str | None = None
@@ -272,6 +278,43 @@ class RMConfig:
     """Subtract the per-pair margin from column `data.margin_key` inside the sigmoid (Llama-2 style)."""
     center_rewards_coef: float | None = None
     """Adds c·mean((r_w + r_l)²) to keep rewards centred (TRL's `center_rewards_coefficient`)."""
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning (train-sft): next-token loss (nats) on response tokens only, the sum of their
+    negative log-likelihoods over an optimizer step divided by their count in that step (so the loss does not
+    depend on how the step is cut into micro-batches and ranks)."""
+
+    lr: float = 2e-5
+    """Peak learning rate (AdamW). TRL SFTTrainer default 2e-5, OpenRLHF 5e-6."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, >= 0; applied to matrices only (not to biases and norms)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (β1, β2), each in [0, 1)."""
+    lr_scheduler: str = "cosine"
+    """`cosine`, `linear` or `constant` after warm-up."""
+    warmup_ratio: float = 0.03
+    """Fraction of total optimizer steps of linear warm-up, in [0, 1)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (L2 norm); 0 disables."""
+    epochs: int = 1
+    """Passes over the training demonstrations (each epoch in a new seeded order); ignored when `sft.max_steps`
+    is set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides `epochs`); null = run `epochs`."""
+    batch_size: int = 16
+    """Demonstrations (rows) per optimizer step across all ranks (global batch)."""
+    micro_batch_size: int = 8
+    """Rows per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
+    eval_batch_size: int = 16
+    """Rows per forward pass per rank on the held-out demonstrations."""
+    eval_every: int = 0
+    """Held-out loss and perplexity every N optimizer steps (0 = only at the end)."""
+    save_every: int = 0
+    """Write a resumable DeepSpeed checkpoint every N optimizer steps (0 = only at the end)."""
+    log_every: int = 1
+    """Write a `metrics.jsonl` record every N optimizer steps (and always at the last step)."""
 
 
 @dataclass
@@ -538,11 +581,14 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (train-ppo, eval) or the reward model's base LM (train-rm): group `model/`."""
     data: DataConfig = field(default_factory=DataConfig)
-    """Preference pairs (train-rm, eval of an RM) or prompts (train-ppo, eval of a policy): group `data/`."""
+    """Demonstrations (train-sft), preference pairs (train-rm, eval of an RM) or prompts (train-ppo, eval of a
+    policy): group `data/`."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     """ZeRO stage and offload: group `deepspeed/`."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     """Where runs, checkpoints and pointers go."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """train-sft's optimisation."""
     rm: RMConfig = field(default_factory=RMConfig)
     """train-rm's optimisation."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -709,7 +755,8 @@ def validate_common(cfg: Any) -> None:
     _check(not cfg.deepspeed.offload_optimizer or cfg.deepspeed.zero_stage >= 1,
            f"deepspeed.offload_optimizer=true needs deepspeed.zero_stage>=1 (got {cfg.deepspeed.zero_stage})")
     d = cfg.data
-    _one_of("data.format", d.format, ("auto", "explicit", "implicit", "hh", "conversation", "prompt"))
+    _one_of("data.format", d.format, ("auto", "explicit", "implicit", "hh", "conversation", "prompt", "completion",
+                                      "messages"))
     _check(d.max_length > 0, f"data.max_length must be > 0 (got {d.max_length})")
     _check(0 < d.max_prompt_length < d.max_length,
            f"data.max_prompt_length ({d.max_prompt_length}) must be > 0 and < data.max_length ({d.max_length})")
@@ -765,6 +812,27 @@ def validate_rm(cfg: Any, world_size: int = 1) -> None:
     _check(not r.margin or cfg.data.margin_key, "rm.margin=true needs data.margin_key (the column holding the margin)")
     _check(r.center_rewards_coef is None or r.center_rewards_coef >= 0,
            f"rm.center_rewards_coef must be >= 0 or null (got {r.center_rewards_coef})")
+
+
+def validate_sft(cfg: Any, world_size: int = 1) -> None:
+    validate_common(cfg)
+    validate_logging(cfg)
+    s = cfg.sft
+    _check_finite("sft", s)
+    _check(s.lr > 0, f"sft.lr must be > 0 (got {s.lr})")
+    _check(0 <= s.warmup_ratio < 1, f"sft.warmup_ratio must be in [0, 1) (got {s.warmup_ratio})")
+    _one_of("sft.lr_scheduler", s.lr_scheduler, ("cosine", "linear", "constant"))
+    _check(s.epochs >= 1, f"sft.epochs must be >= 1 (got {s.epochs})")
+    _check(s.max_steps is None or s.max_steps >= 1, f"sft.max_steps must be >= 1 or null (got {s.max_steps})")
+    _check(s.max_grad_norm >= 0, f"sft.max_grad_norm must be >= 0 (got {s.max_grad_norm})")
+    _check(s.weight_decay >= 0, f"sft.weight_decay must be >= 0 (got {s.weight_decay})")
+    _check(len(s.betas) == 2 and all(0 <= b < 1 for b in s.betas),
+           f"sft.betas must be two AdamW decay rates in [0, 1) (got {list(s.betas)})")
+    _check(s.eval_every >= 0, f"sft.eval_every must be >= 0 (0 = only at the end; got {s.eval_every})")
+    _check(s.save_every >= 0, f"sft.save_every must be >= 0 (0 = only at the end; got {s.save_every})")
+    _check(s.log_every >= 1, f"sft.log_every must be >= 1 (got {s.log_every})")
+    _check_batches("sft", s.batch_size, s.micro_batch_size, world_size, "batch_size")
+    _check(s.eval_batch_size > 0, f"sft.eval_batch_size must be > 0 (got {s.eval_batch_size})")
 
 
 def validate_ppo(cfg: Any, world_size: int = 1) -> None:

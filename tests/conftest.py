@@ -72,9 +72,9 @@ def run_stage(tmp_path):
     """Run a stage in-process: run_stage("train_rm", [overrides]) -> (result, run_dir, cfg)."""
     import importlib
 
+    from rlhf_cli.commands import by_config
     from rlhf_cli.preflight import VALIDATORS
 
-    modules = {"train_rm": "rlhf_cli.stages.rm", "train_ppo": "rlhf_cli.stages.ppo", "eval": "rlhf_cli.stages.evaluate"}
     counter = {"n": 0}
 
     def _run(command, overrides=(), run_dir=None, root=None):
@@ -82,9 +82,9 @@ def run_stage(tmp_path):
         root = root or tmp_path / "runs"
         cfg = compose(command, [*SMOKE, f"paths.root={root}", *overrides])
         VALIDATORS[command](cfg)
-        stage = {"train_rm": "rm", "train_ppo": "ppo", "eval": "eval"}[command]
-        run_dir = run_dir or root / stage / f"run{counter['n']}"
-        result = importlib.import_module(modules[command]).run(cfg, run_dir)
+        entry = by_config(command)
+        run_dir = run_dir or root / entry.kind / f"run{counter['n']}"
+        result = importlib.import_module(entry.stage).run(cfg, run_dir)
         return result, run_dir, cfg
 
     return _run

@@ -303,6 +303,70 @@ def pack_tries(groups: Sequence[Sequence[Sequence[int]]], pad_id: int,
     return PackedTries(input_ids, position_ids, real, allowed, columns)
 
 
+def _targets(examples: Sequence[dict[str, Any]], columns: Sequence[tuple[int, torch.Tensor]]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 2) long `target` and `source` of demonstrations laid out at `columns` (per example: its row, (n,) long
+    column of each of its n tokens): every token with loss_mask 1, in example then token order, and the column of
+    the token before it in its own sequence."""
+    target, source = [], []
+    for ex, (row, cols) in zip(examples, columns):
+        t = torch.tensor([i for i, m in enumerate(ex["loss_mask"]) if m], dtype=torch.long)
+        if t.numel() and int(t.min()) < 1:
+            raise ValueError("a demonstration's first token cannot be a target: nothing precedes it")
+        target.append(torch.stack([torch.full_like(t, row), cols[t]], -1))
+        source.append(torch.stack([torch.full_like(t, row), cols[t - 1]], -1))
+    empty = torch.zeros((0, 2), dtype=torch.long)
+    return torch.cat(target) if target else empty, torch.cat(source) if source else empty
+
+
+class SFTCollator:
+    """Demonstrations (`data.load_sft_data` examples) -> ONE right-padded batch, an example per row.
+
+        input_ids       (B, L) long  pad id on padding
+        attention_mask  (B, L) long  1 = real token
+        target          (N, 2) long  (row, column) of each response token (loss_mask 1), example by example
+        source          (N, 2) long  (row, column) whose logits predict it: the token before it in its row
+        tokens          () long      real tokens of the examples
+    """
+
+    def __init__(self, pad_id: int):
+        self.pad_id = int(pad_id)
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = pad_sequences([ex["input_ids"] for ex in examples], self.pad_id, side="right")
+        columns = [(i, torch.arange(len(ex["input_ids"]))) for i, ex in enumerate(examples)]
+        batch["target"], batch["source"] = _targets(examples, columns)
+        batch["tokens"] = batch["attention_mask"].sum()
+        return batch
+
+
+class PackedSFTCollator:
+    """Demonstrations -> packed rows with isolated segments (`pack_tries`, one sequence per group): a token
+    attends to exactly the tokens before it in its own demonstration, at positions counted from its start, so
+    every log-prob equals `SFTCollator`'s to float rounding; where the model's `attention_tokens` says it costs
+    less, demonstrations that begin alike (the chat template's system prompt) compute their common first tokens
+    once, and rows hold several of them, only row tails being padding.
+
+        input_ids       (W, L) long
+        position_ids    (W, L) long         0 on padding
+        attention_mask  (W, L) long         1 = real token (counts what is computed)
+        allowed         (W, 1, L, L) bool   [w, 0, q, k] = query q may attend key k
+        target, source  (N, 2) long         as `SFTCollator`'s, in the packed rows
+        tokens          () long             real tokens of the unpacked examples
+    """
+
+    def __init__(self, pad_id: int, attention_tokens: float | None = None):
+        self.pad_id = int(pad_id)
+        self.attention_tokens = attention_tokens
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        packed = pack_tries([[list(ex["input_ids"])] for ex in examples], self.pad_id, self.attention_tokens)
+        target, source = _targets(examples, [paths[0] for paths in packed.paths])
+        return {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                "attention_mask": packed.attention_mask, "allowed": packed.allowed, "target": target,
+                "source": source, "tokens": torch.tensor(sum(len(ex["input_ids"]) for ex in examples))}
+
+
 class PromptCollator:
     """Prompt examples -> a LEFT-padded batch for generation (new tokens append on the right).
 
@@ -325,7 +389,10 @@ class PromptCollator:
 
 
 def example_length(ex: dict[str, Any]) -> int:
-    """Tokens of an example: prompt + longer response for pairs, the prompt for prompt examples."""
+    """Tokens of an example: prompt + longer response for pairs, the prompt for prompt examples, the whole
+    sequence for demonstrations."""
+    if "input_ids" in ex:  # a demonstration
+        return len(ex["input_ids"])
     n = len(ex["prompt_ids"])
     if "chosen_ids" in ex:
         n += max(len(ex["chosen_ids"]), len(ex["rejected_ids"]))

@@ -4,6 +4,7 @@ Entry points:
 
     load_preference_data(data_cfg, tokenizer, splits=("train", "eval")) -> PreferenceData
     load_prompt_data(data_cfg, tokenizer, split="train") -> PromptData (a list of prompt dicts)
+    load_sft_data(data_cfg, tokenizer) -> SFTData (demonstrations, train-sft)
 
 Steps, in order:
   1. read     `data.path` (local .json/.jsonl/.jsonl.gz/.parquet/.csv via `datasets`, or a hub name with
@@ -28,8 +29,9 @@ Hostile input, decided once:
     response longer than `data.max_length` (`response_too_long`), a pair whose different texts
     tokenise identically (`identical_after_truncation`, e.g. one ends in the EOS string), a repeated
     prompt in prompt data (`duplicate_prompt`), a prompt that cannot keep one token of its content in its
-    budget (`prompt_too_long`). Other too-long prompts are truncated (`Encoder.fit_prompt`) and counted in
-    `truncated`.
+    budget (`prompt_too_long`), a demonstration whose first response cannot fit whole (`no_response_left`: no
+    response token would be left to train on). Other too-long prompts are truncated (`Encoder.fit_prompt`) and
+    counted in `truncated`.
   - Exact duplicate pairs are KEPT (a repeated row is a legitimate up-weighting) and counted in
     `DataSummary.duplicates`.
   - Damage to a whole file (empty, only blank lines, a truncated gzip stream, no valid row at all)
@@ -57,14 +59,17 @@ from rlhf_cli.data.formats import (
     DUPLICATE_PROMPT,
     PREFERENCE_FORMATS,
     PROMPT_TOO_LONG,
+    SFT_FORMATS,
     SKIP_HINT,
     TEMPLATE_ERROR,
     DataError,
+    Demo,
     Keys,
     Pair,
     Prompt,
     RowError,
     detect_format,
+    parse_demo,
     parse_pair,
     parse_prompt,
     required_columns,
@@ -101,10 +106,11 @@ class DataSummary:
     unused: int = 0
     """Valid rows left out by `max_samples` or held out for a split that was not requested."""
     truncated: int = 0
-    """Kept examples whose prompt was truncated (older turns dropped or content cut, see `Encoder.fit_prompt`)."""
+    """Kept examples whose prompt was truncated (older turns dropped or content cut, see `Encoder.fit_prompt`), or,
+    for train-sft, whose conversation lost its later turns (`Encoder.fit_demo`)."""
     lengths: dict[str, int] = field(default_factory=dict)
     """Token-length percentiles {p50, p90, max} of prompt + longer response (prompt alone for prompt
-    data), before truncation."""
+    data, prompt + first response for demonstrations), before truncation."""
     duplicates: int = 0
     """Kept pairs identical to an earlier kept pair (same prompt, chosen and rejected tokens), in any
     split: kept, and counted here (prompt data drops repeated prompts instead, as `duplicate_prompt`)."""
@@ -346,7 +352,7 @@ def read_rows(path: str, split: str = "train") -> tuple[str, list[str], list[dic
 
 
 def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
-    """Read and validate one source; `want` is `pairs` or `prompts`."""
+    """Read and validate one source; `want` is `pairs`, `prompts` or `demos` (train-sft)."""
     keys = Keys.from_cfg(data_cfg)
     raw = _read(path, data_cfg.split)
     name, columns, rows = raw.name, raw.columns, raw.rows
@@ -357,10 +363,16 @@ def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
         if not data_cfg.skip_invalid:
             raise DataError(name, rows[0].detail, row=1, reason=BAD_JSON, hint=SKIP_HINT)
         raise DataError(name, f"no valid rows: all {len(rows)} rows are skipped as {BAD_JSON}")
-    fmt = data_cfg.format if data_cfg.format != "auto" else detect_format(columns, records, keys, name)
+    fmt = (data_cfg.format if data_cfg.format != "auto"
+           else detect_format(columns, records, keys, name, sft=want == "demos"))
     if want == "pairs" and fmt not in PREFERENCE_FORMATS:
-        raise DataError(name, f"format '{fmt}' holds prompts only; reward-model training needs chosen/rejected "
+        held = "demonstrations (supervised fine-tuning)" if fmt in SFT_FORMATS else "prompts only"
+        raise DataError(name, f"format '{fmt}' holds {held}; reward-model training needs chosen/rejected "
                               f"pairs (data.format one of {', '.join(PREFERENCE_FORMATS)} or auto)")
+    if want == "demos" and fmt not in SFT_FORMATS:
+        held = "preference pairs" if fmt in PREFERENCE_FORMATS else "prompts"
+        raise DataError(name, f"format '{fmt}' holds {held}; supervised fine-tuning needs demonstrations "
+                              f"(data.format one of {', '.join(SFT_FORMATS)} or auto)")
     key_cfg = dataclasses.replace(keys, margin=None) if want == "prompts" else keys
     missing = required_columns(fmt, key_cfg, columns)
     if missing:
@@ -373,6 +385,9 @@ def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
                 raise RowError(None, BAD_JSON, row.detail)
             if want == "pairs":
                 item = parse_pair(row, fmt, keys)
+                item.row = i
+            elif want == "demos":
+                item = parse_demo(row, fmt, keys)
                 item.row = i
             else:
                 item = (i, parse_prompt(row, fmt, keys))
@@ -506,10 +521,17 @@ def builtin_prompt(p: builtin_task.BuiltinProblem) -> Prompt:
                   answer=p.answer)
 
 
+def builtin_demo(p: builtin_task.BuiltinProblem, row: int) -> Demo:
+    """A built-in problem as a demonstration: its prompt and its correct worked solution (the pair's chosen)."""
+    return Demo(prompt=builtin_prompt(p), response=" " + p.chosen, later=[], row=row)
+
+
 def _builtin_source(data_cfg: Any, split: str, want: str) -> _Parsed:
     problems = builtin_task.builtin_splits(data_cfg.builtin)[split]
     if want == "pairs":
         items = [builtin_pair(p, i) for i, p in enumerate(problems, 1)]
+    elif want == "demos":
+        items = [builtin_demo(p, i) for i, p in enumerate(problems, 1)]
     else:
         items = [(i, builtin_prompt(p)) for i, p in enumerate(problems, 1)]
     return _Parsed(f"builtin:{split}(seed {data_cfg.builtin.seed})", "builtin arithmetic", len(problems), items,
@@ -610,6 +632,65 @@ def _tokenize_pairs(pairs: list[Pair], encoder: Encoder, data_cfg: Any, drops: C
             ex["margin"] = pair.margin
         examples.append(ex)
     return examples
+
+
+@dataclass
+class SFTData:
+    """Tokenised demonstrations (train-sft): `train` and `eval` lists of examples
+
+        input_ids  list[int]  prompt, then each kept assistant turn (content + EOS) and the template text between
+        loss_mask  list[int]  1 = a response token, a target of the next-token loss; 0 = prompt or template text
+        row        int        1-based row in the source (split index for the built-in task)
+    """
+
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    summary: DataSummary
+
+
+def load_sft_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLITS) -> SFTData:
+    """Load, validate, split and tokenise demonstrations for train-sft (`data.format` `completion` or `messages`,
+    or `auto`); `data.path=null` uses the built-in task's correct worked solutions (the chosen replies of its
+    rm_train problems; held out: rm_eval's). Split, shuffle and caps as `load_preference_data`; truncation and
+    drops (`prompt_too_long`, `no_response_left`) as `Encoder.fit_demo` says, counted in the summary. Raises
+    DataError for unusable data (one line naming the file, row and field)."""
+    _check_splits(splits)
+    encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt)
+    if data_cfg.path is None:
+        chosen, sources, unused = _builtin_select(data_cfg, "demos", {"train": "rm_train", "eval": "rm_eval"}, splits)
+    else:
+        chosen, sources, unused = _select(data_cfg, lambda p: _parse_source(p, data_cfg, "demos"), splits)
+    summary = _summary(sources, encoder)
+    summary.unused = unused
+    out: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
+    lengths: list[int] = []
+    drops: Counter = Counter(summary.dropped)
+    for split, demos in chosen.items():
+        keep, _, segments = _render(encoder, [(d.row, d.prompt) for d in demos], data_cfg, drops, summary.source)
+        demos = [demos[i] for i in keep]
+        prompt_ids = encoder.encode_segments(segments)
+        response_ids = encoder.encode_responses([d.response for d in demos])
+        for demo, p_ids, r_ids in zip(demos, prompt_ids, response_ids):
+            lengths.append(len(p_ids) + len(r_ids))
+            try:
+                fit = encoder.fit_demo(demo, p_ids, r_ids, data_cfg.max_length, data_cfg.max_prompt_length)
+            except Exception as e:  # a later turn's messages the chat template rejects
+                if not data_cfg.skip_invalid:
+                    raise DataError(summary.source, f"the tokenizer's chat template rejects this conversation ({e})",
+                                    row=demo.row, field=data_cfg.messages_key, reason=TEMPLATE_ERROR,
+                                    hint=SKIP_HINT) from None
+                fit = TEMPLATE_ERROR
+            if isinstance(fit, str):
+                drops[fit] += 1
+                continue
+            ids, mask, truncated = fit
+            summary.truncated += truncated
+            out[split].append({"input_ids": ids, "loss_mask": mask, "row": demo.row})
+        summary.kept[split] = len(out[split])
+    summary.dropped = dict(drops)
+    summary.lengths = lengths_summary(lengths)
+    logger.info(summary.line())
+    return SFTData(train=out["train"], eval=out["eval"], summary=summary)
 
 
 def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> PromptData:

@@ -1,9 +1,10 @@
 """Row formats of preference and prompt data: detection, parsing and validation.
 
-Every supported shape of row is parsed into one of two records before anything is tokenised:
+Every supported shape of row is parsed into one of three records before anything is tokenised:
 
     Prompt  the context: chat `messages` (for the tokenizer's chat template) and `text` (raw form)
     Pair    a Prompt plus the `chosen` and `rejected` responses, in raw form (see below)
+    Demo    a Prompt plus the demonstrated response (train-sft), and any later turns of a conversation
 
 Formats (`data.format`, detected when `auto`; column names from `data.*_key`):
 
@@ -15,6 +16,14 @@ Formats (`data.format`, detected when `auto`; column names from `data.*_key`):
     conversation  chosen / rejected lists of {role, content} messages ending in an assistant turn; an
                   optional prompt column (messages or a string) is prepended to both
     prompt        prompts only (PPO): a prompt string or message list, or a `messages` column
+    completion    SFT demonstrations: prompt / completion (or prompt / response) strings; the prompt may also be
+                  a message list and the completion a one-message assistant list (TRL's conversational form)
+    messages      SFT demonstrations: a `messages` list of {role, content} with at least one assistant turn;
+                  every assistant turn is trained on (distinct from `conversation`, a preference format)
+
+Detection (`auto`) reads the columns: chosen/rejected make a preference format, prompt/messages a prompt format;
+train-sft's loader asks for demonstrations (`detect_format(..., sft=True)`): a `messages` column is `messages`,
+prompt with completion (or response) is `completion`.
 
 Raw vs chat form: a response's raw form is the exact text that follows the raw prompt (e.g. HH's
 " Sure, ..." after "Assistant:"), so raw prompt + raw response reproduces the source text. The chat form
@@ -37,8 +46,11 @@ from typing import Any
 
 from rlhf_cli.errors import DataError
 
-FORMATS = ("explicit", "implicit", "hh", "conversation", "prompt")
+FORMATS = ("explicit", "implicit", "hh", "conversation", "prompt", "completion", "messages")
 PREFERENCE_FORMATS = ("explicit", "implicit", "hh", "conversation")
+SFT_FORMATS = ("completion", "messages")
+RESPONSE_FALLBACK = "response"
+"""The response column a `completion`-format file may have instead of `data.completion_key`."""
 
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"
@@ -66,6 +78,8 @@ PROMPT_TOO_LONG = "prompt_too_long"
 IDENTICAL_AFTER_TRUNCATION = "identical_after_truncation"
 DUPLICATE_PROMPT = "duplicate_prompt"
 TEMPLATE_ERROR = "chat_template_error"
+NO_RESPONSE_LEFT = "no_response_left"
+"""A demonstration none of whose assistant turns fits `data.max_length` whole after its prompt (train-sft)."""
 
 SKIP_HINT = "set data.skip_invalid=true to skip such rows"
 
@@ -103,6 +117,23 @@ class Pair:
     """1-based row number in the source."""
 
 
+@dataclass
+class Demo:
+    """A demonstration (train-sft): the prompt, its response in raw form, and the later turns of a conversation.
+
+    The chat form of the conversation is `prompt.messages`, the assistant message `response` (stripped), then
+    for each later turn its messages and its assistant message. The raw form is `prompt.text` + `response`, then
+    each later turn's `raw_transcript(messages)` + its response."""
+
+    prompt: Prompt
+    response: str
+    later: list[tuple[list[dict[str, str]], str]]
+    """Later assistant turns of a `messages` conversation: (the messages between the previous assistant turn and
+    this one, this turn's response in raw form)."""
+    row: int = 0
+    """1-based row number in the source."""
+
+
 @dataclass(frozen=True)
 class Keys:
     """Column names, from `data.*_key` (the defaults live in config.DataConfig only: build with `from_cfg`)."""
@@ -113,11 +144,13 @@ class Keys:
     messages: str
     answer: str
     margin: str | None
+    completion: str = "completion"
 
     @classmethod
     def from_cfg(cls, data_cfg: Any) -> Keys:
         return cls(prompt=data_cfg.prompt_key, chosen=data_cfg.chosen_key, rejected=data_cfg.rejected_key,
-                   messages=data_cfg.messages_key, answer=data_cfg.answer_key, margin=data_cfg.margin_key)
+                   messages=data_cfg.messages_key, answer=data_cfg.answer_key, margin=data_cfg.margin_key,
+                   completion=data_cfg.completion_key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,9 +169,31 @@ def _looks_hh(rows: Sequence[dict[str, Any]], key: str, limit: int = 100) -> boo
                for r in rows[:limit])
 
 
-def detect_format(columns: Sequence[str], rows: Sequence[dict[str, Any]], keys: Keys, source: str) -> str:
-    """Guess the format from the column names and the first rows' value types. Raises DataError."""
+def completion_column(keys: Keys, columns: Any) -> str:
+    """The column a `completion`-format row's response is read from: `data.completion_key`, or `response` when
+    `columns` (the file's columns, or one row's keys) has that and not the other."""
+    if keys.completion not in columns and RESPONSE_FALLBACK in columns:
+        return RESPONSE_FALLBACK
+    return keys.completion
+
+
+def detect_format(columns: Sequence[str], rows: Sequence[dict[str, Any]], keys: Keys, source: str,
+                  sft: bool = False) -> str:
+    """Guess the format from the column names and the first rows' value types; `sft`: the loader wants
+    demonstrations (train-sft), so a `messages` column is `messages` and prompt + completion (or response) is
+    `completion`. Raises DataError."""
     cols = set(columns)
+    if sft:
+        if keys.messages in cols:
+            return "messages"
+        if keys.prompt in cols and completion_column(keys, cols) in cols:
+            return "completion"
+        held = (f"preference pairs ('{keys.chosen}'/'{keys.rejected}')" if keys.chosen in cols and keys.rejected in cols
+                else f"the columns {sorted(cols)}")
+        raise DataError(source, f"cannot read demonstrations from {held}: expected '{keys.prompt}' + "
+                                f"'{keys.completion}' (or '{RESPONSE_FALLBACK}') for data.format=completion, or "
+                                f"'{keys.messages}' (lists of {{role, content}}) for data.format=messages; set "
+                                f"data.format and data.prompt_key/completion_key/messages_key")
     if keys.chosen in cols and keys.rejected in cols:
         if isinstance(_first_value(rows, keys.chosen), list):
             return "conversation"
@@ -161,9 +216,13 @@ def required_columns(fmt: str, keys: Keys, columns: Sequence[str]) -> list[str]:
         need = [keys.chosen, keys.rejected]
     elif fmt == "prompt":
         need = [] if (keys.prompt in columns or keys.messages in columns) else [keys.prompt]
+    elif fmt == "completion":
+        need = [keys.prompt, completion_column(keys, columns)]
+    elif fmt == "messages":
+        need = [keys.messages]
     else:
         raise ValueError(f"unknown data format {fmt!r}")
-    if keys.margin and fmt != "prompt":
+    if keys.margin and fmt in PREFERENCE_FORMATS:
         need.append(keys.margin)
     return [c for c in need if c not in columns]
 
@@ -369,16 +428,69 @@ def parse_pair(row: dict[str, Any], fmt: str, keys: Keys) -> Pair:
     return pair
 
 
+def _completion_prompt(row: dict[str, Any], keys: Keys) -> Prompt:
+    value = row.get(keys.prompt)
+    if isinstance(value, list):
+        msgs = _messages(value, keys.prompt)
+        prompt, empty = Prompt(messages=msgs, text=raw_transcript(msgs)), not any(m["content"].strip() for m in msgs)
+    else:
+        text = _string(row, keys.prompt)
+        prompt, empty = text_prompt(text), not text.strip()
+    if empty:
+        raise RowError(keys.prompt, EMPTY_PROMPT, "empty prompt")
+    return prompt
+
+
+def _parse_completion(row: dict[str, Any], keys: Keys) -> Demo:
+    prompt = _completion_prompt(row, keys)
+    key = completion_column(keys, row)
+    value = row.get(key)
+    if isinstance(value, list):  # conversational prompt-completion: [{"role": "assistant", "content": ...}]
+        msgs = _messages(value, key)
+        if len(msgs) != 1 or msgs[0]["role"] != "assistant":
+            raise RowError(key, BAD_MESSAGES, "a completion given as messages must be one assistant message")
+        response = " " + msgs[0]["content"].strip()
+    else:
+        response = _string(row, key)
+    if not response.strip():
+        raise RowError(key, EMPTY_RESPONSE, "empty completion")
+    return Demo(prompt, response, [])
+
+
+def _parse_messages(row: dict[str, Any], keys: Keys) -> Demo:
+    msgs = _messages(row.get(keys.messages), keys.messages)
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if not turns:
+        raise RowError(keys.messages, NO_ASSISTANT_TURN, "conversation has no assistant message to train on")
+    for i in turns:
+        if not msgs[i]["content"].strip():
+            raise RowError(keys.messages, EMPTY_RESPONSE, f"message {i} (assistant) is empty")
+    head = msgs[:turns[0]]
+    if not any(m["content"].strip() for m in head):
+        raise RowError(keys.messages, EMPTY_PROMPT, "the first assistant message has no non-empty message before it")
+    later = [(msgs[a + 1:b], " " + msgs[b]["content"].strip()) for a, b in zip(turns, turns[1:])]
+    return Demo(Prompt(messages=head, text=raw_transcript(head)), " " + msgs[turns[0]]["content"].strip(), later)
+
+
+def parse_demo(row: dict[str, Any], fmt: str, keys: Keys) -> Demo:
+    """One source row of a `completion` or `messages` format -> a validated Demo (train-sft). Messages after the
+    last assistant turn carry no loss and are left out. Raises RowError naming the field and reason."""
+    demo = _parse_completion(row, keys) if fmt == "completion" else _parse_messages(row, keys)
+    demo.prompt.answer = row.get(keys.answer)
+    return demo
+
+
 def parse_prompt(row: dict[str, Any], fmt: str, keys: Keys) -> Prompt:
-    """The prompt of one row of any format (responses of preference rows are not validated)."""
-    if fmt == "prompt":
-        value = row.get(keys.prompt)
-        if value is None and keys.messages in row:
-            value = row.get(keys.messages)
-            field_ = keys.messages
+    """The prompt of one row of any format (responses of preference and demonstration rows are not validated;
+    a `messages` row's prompt is its messages but a last assistant one, as a `prompt` row's message list)."""
+    if fmt == "completion":
+        prompt = _completion_prompt(row, keys)
+    elif fmt in ("prompt", "messages"):
+        if fmt == "messages" or (row.get(keys.prompt) is None and keys.messages in row):
+            value, field_ = row.get(keys.messages), keys.messages
         else:
-            field_ = keys.prompt
-        if isinstance(value, list):
+            value, field_ = row.get(keys.prompt), keys.prompt
+        if isinstance(value, list) or fmt == "messages":
             msgs = _messages(value, field_)
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs = msgs[:-1]  # a reference reply is not part of the prompt

@@ -27,6 +27,12 @@ prompt keeps its template whole: the oldest turns go first, then the last messag
 left, and a system turn is kept (`Encoder.fit_prompt`). A pair is dropped when a response alone is longer than
 max_length (`response_too_long`), when chosen and rejected tokenise identically, or when no prompt with at
 least one token of content fits (`prompt_too_long`).
+
+A demonstration (train-sft, `Encoder.fit_demo`) is the prompt's ids, its response's ids (content + EOS), then for
+each later assistant turn of a conversation the template's text and messages since the previous one
+(`followup_segments`) and that turn's ids; its loss mask is 1 on response ids only. The same rules hold: responses
+whole, the prompt fitted to min(max_prompt_length, max_length - first response); later turns that do not fit whole
+are left out, and a row whose first response does not fit is dropped (`no_response_left`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,15 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from rlhf_cli.data.formats import IDENTICAL_AFTER_TRUNCATION, RESPONSE_TOO_LONG, Prompt
+from rlhf_cli.data.formats import (
+    IDENTICAL_AFTER_TRUNCATION,
+    NO_RESPONSE_LEFT,
+    PROMPT_TOO_LONG,
+    RESPONSE_TOO_LONG,
+    Demo,
+    Prompt,
+    raw_transcript,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +99,24 @@ class Encoder:
     def _template(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def _pieces(self, messages: list[dict[str, str]]) -> list[tuple[str, bool, int | None]] | None:
+        """The chat rendering of `messages` (with the generation prompt) as (text, plain, message index) pieces:
+        the template's own text (plain=False, index None) and each message's content (plain=True, its index),
+        joined exactly the rendered text; None when the template changes message text beyond trimming it."""
+        marked = self._template([{**m, "content": SENTINEL.format(i)} for i, m in enumerate(messages)])
+        whole = self._template(messages)
+        for edit in (lambda text: text, str.strip):  # as given, or as a trimming template (Llama 3, Gemma) writes it
+            out: list[tuple[str, bool, int | None]] = []
+            pos = 0
+            for m in _SENTINEL.finditer(marked):
+                i = int(m.group(1))
+                out += [(marked[pos:m.start()], False, None), (edit(messages[i]["content"]), True, i)]
+                pos = m.end()
+            out.append((marked[pos:], False, None))
+            if "".join(t for t, _, _ in out) == whole:
+                return out
+        return None
+
     def render_prompt(self, prompt: Prompt) -> str:
         """The prompt as the model sees it: the chat template with the generation prompt, or raw text."""
         return self._template(self.messages(prompt)) if self.use_chat else prompt.text
@@ -97,22 +129,33 @@ class Encoder:
         if not self.use_chat:
             return [(prompt.text, True)]
         messages = self.messages(prompt) if messages is None else messages
-        marked = self._template([{**m, "content": SENTINEL.format(i)} for i, m in enumerate(messages)])
-        whole = self._template(messages)
-        for edit in (lambda text: text, str.strip):  # as given, or as a trimming template (Llama 3, Gemma) writes it
-            out, pos = [], 0
-            for m in _SENTINEL.finditer(marked):
-                out += [(marked[pos:m.start()], False), (edit(messages[int(m.group(1))]["content"]), True)]
-                pos = m.end()
-            out.append((marked[pos:], False))
-            if "".join(t for t, _ in out) == whole:
-                return [(t, plain) for t, plain in out if t]
+        pieces = self._pieces(messages)
+        if pieces is not None:
+            return [(t, plain) for t, plain, _ in pieces if t]
         # the template edits message text in another way: this prompt is one piece, its markers read as markers
         if not self.template_edits_text:
             logger.warning("the chat template changes message text beyond trimming it: such prompts are tokenised "
                            "whole, so special-token strings inside their text are read as special tokens")
         self.template_edits_text = True
-        return [(whole, False)]
+        return [(self._template(messages), False)]
+
+    def followup_segments(self, messages: list[dict[str, str]], after: int) -> list[tuple[str, bool]]:
+        """The text between an assistant turn and the next one of a conversation, as (text, plain) pieces like
+        `segments`: `messages` ends just before the next assistant turn, and the pieces are those of its
+        rendering with the generation prompt that follow the content of message `after` (the previous assistant
+        turn), less the template's EOS string right after that content (the EOS id ends the previous response:
+        `encode_responses`). Raw text: `raw_transcript` of the messages after `after`. Raises ValueError when the
+        chat template changes message text beyond trimming it, and what the template raises."""
+        if not self.use_chat:
+            return [(raw_transcript(messages[after + 1:]), True)]
+        pieces = self._pieces(messages)
+        if pieces is None:
+            raise ValueError("the chat template changes message text beyond trimming it")
+        start = next(k for k, (_, _, i) in enumerate(pieces) if i == after) + 1
+        out = [(t, plain) for t, plain, _ in pieces[start:] if t]
+        if out and self.eos_token and out[0][0].startswith(self.eos_token):
+            out[0] = (out[0][0][len(self.eos_token):], out[0][1])
+        return [(t, plain) for t, plain in out if t]
 
     def response_text(self, raw: str) -> str:
         """The text tokenised for a response: stripped content (chat) or the raw text; a trailing EOS
@@ -194,6 +237,40 @@ class Encoder:
             return None
         (head,), (tail,) = self.encode_segments([segs[:last]]), self.encode_segments([segs[last + 1:]], bos=False)
         return head + content[-keep:] + tail
+
+
+    def fit_demo(self, demo: Demo, prompt_ids: list[int], response_ids: list[int], max_length: int,
+                 max_prompt_length: int) -> tuple[list[int], list[int], bool] | str:
+        """A demonstration as (input_ids, loss_mask, truncated), or the reason it is dropped.
+
+        `prompt_ids`: the prompt's `encode_prompts` ids; `response_ids`: its first response's `encode_responses`
+        ids. loss_mask[t] = 1 where token t is a response token (an assistant turn's content and its EOS id): a
+        target of the next-token loss, predicted from position t - 1; 0 on the prompt and the template's own text.
+        Responses are kept whole, with their EOS (as pairs' are): the prompt gets min(`max_prompt_length`,
+        `max_length` - first response) tokens (`fit_prompt`: template-safe); each later assistant turn of a
+        conversation (`Demo.later`) is kept, with the text before it, while the whole stays within `max_length`,
+        and the conversation ends before the first that does not fit. Dropped: `prompt_too_long` (no prompt
+        with a token of content fits `max_prompt_length`), `no_response_left` (the first response does not fit
+        whole beside such a prompt: no response token would be left). `truncated`: the prompt was cut or later
+        turns left out. Raises what the chat template raises for a later turn's messages."""
+        budget = min(max_prompt_length, max_length - len(response_ids))
+        fitted = self.fit_prompt(demo.prompt, prompt_ids, budget) if budget >= 1 else None
+        if fitted is None:
+            return NO_RESPONSE_LEFT if self.fit_prompt(demo.prompt, prompt_ids, max_prompt_length) else PROMPT_TOO_LONG
+        ids, mask = fitted + response_ids, [0] * len(fitted) + [1] * len(response_ids)
+        truncated = fitted != prompt_ids
+        messages = self.messages(demo.prompt) + [{"role": "assistant", "content": demo.response.strip()}]
+        for between, raw in demo.later:
+            after = len(messages) - 1
+            messages = messages + list(between)
+            (context,) = self.encode_segments([self.followup_segments(messages, after)], bos=False)
+            (response,) = self.encode_responses([raw])
+            if len(ids) + len(context) + len(response) > max_length:
+                truncated = True
+                break
+            ids, mask = ids + context + response, mask + [0] * len(context) + [1] * len(response)
+            messages = messages + [{"role": "assistant", "content": raw.strip()}]
+        return ids, mask, truncated
 
 
 def truncate_left(ids: list[int], budget: int, bos_id: int | None = None) -> list[int]:

@@ -5,6 +5,7 @@ forwards over preference pairs, padded or packed.
                  critic's values, the per-sequence KL of two policies; a LoRA policy's reference (its adapters off)
     scoring.py   reward-model scores of sequences and of preference pairs, the pair collator for a model, pair metrics
     pairs.py     a causal LM's summed response log-probs of each pair's chosen and rejected (DPO and its kin)
+    sft.py       a causal LM's log-probs of demonstrations' response tokens (train-sft), padded or packed
     training.py  the training forward of one micro-batch (`Forward`, with its graph): PPO's update, and the rollout's
                  forwards of the update's first micro-batches
     packing.py   `data.packing` for rollouts: a group's shared prompt computed once, sequences packed into rows
@@ -30,6 +31,7 @@ from rlhf_cli.forwards.policy import (
     sequence_kl,
 )
 from rlhf_cli.forwards.scoring import batched_rewards, forward_pairs, pair_collator, pair_metrics, score_pairs
+from rlhf_cli.forwards.sft import response_logprobs, sft_collator
 from rlhf_cli.forwards.training import Forward, training_forward
 
 __all__ = [
@@ -45,8 +47,10 @@ __all__ = [
     "pair_metrics",
     "policy_forward",
     "response_hidden",
+    "response_logprobs",
     "score_pairs",
     "sequence_kl",
+    "sft_collator",
     "training_forward",
     "use_packing",
 ]

@@ -75,7 +75,7 @@ def read_responses(eval_dir: Path | str) -> list[dict[str, Any]]:
 
 def chain_runs(run_dir: Path | str) -> list[tuple[str, Path]]:
     """The training runs a run's models came from, as recorded in `lineage.json` files: [(stage, run dir)],
-    reward-model runs first, then PPO runs, each once; runs whose dir is gone are left out."""
+    in registry order (SFT, reward-model, then PPO runs), each once; runs whose dir is gone are left out."""
     found: dict[Path, str] = {}
     queue = [_lineage(Path(run_dir))]
     while queue:

@@ -27,6 +27,9 @@ class Panel:
 
 
 PANELS: tuple[Panel, ...] = (
+    # supervised fine-tuning (`rlhf train-sft`)
+    Panel("sft_loss", "SFT loss (response tokens)", ("sft/loss",), "NLL (nats per token)"),
+    Panel("sft_perplexity", "SFT perplexity (response tokens)", ("sft/perplexity",), "exp(NLL)"),
     # reward model (`rlhf train-rm`)
     Panel("rm_loss", "RM loss", ("rm/loss",), "-log σ(r_c - r_r) (nats)"),
     Panel("rm_accuracy", "RM pairwise accuracy", ("rm/accuracy",), "fraction r_c > r_r"),

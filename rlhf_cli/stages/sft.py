@@ -1,0 +1,183 @@
+"""`rlhf train-sft`: supervised fine-tuning of a causal LM on demonstrations, on DeepSpeed.
+
+The loss is the next-token negative log-likelihood (nats) of response tokens only: an assistant turn's content
+and its EOS; the prompt and the chat template's own text are context, never targets. It is aggregated over the
+whole optimizer step: Σ NLL over the step's response tokens (all micro-batches, all ranks) / their count, so it
+does not depend on how the step is cut into micro-batches and ranks (each micro-batch's sum is divided by the
+step's count and `engine.TrainEngine.backward_global` undoes DeepSpeed's average over ranks).
+
+Steps: load tokenizer and demonstrations → build the causal LM (LoRA adapters when `model.lora.r` > 0) →
+DeepSpeed engine → (resume) → loop over optimizer steps with held-out loss and perplexity every `sft.eval_every`
+steps and checkpoints → final held-out loss → `final/` a plain causal LM in HF format (LoRA merged, its adapter
+in `final/adapter/`) → `latest_sft` pointer, which `model.name_or_path` of the next stage accepts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from rlhf_cli import engine, lineage
+from rlhf_cli.commands import by_stage
+from rlhf_cli.data import epoch_order, example_length, load_sft_data
+from rlhf_cli.errors import ConfigError
+from rlhf_cli.forwards import response_logprobs, sft_collator
+from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
+from rlhf_cli.models import add_lora, count_parameters, load_causal_lm, load_tokenizer, lora_enabled, save_model
+from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
+from rlhf_cli.stages.common import model_source, print_table, trained_parameters
+
+log = logging.getLogger(__name__)
+COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
+
+PROGRESS_KEYS = ["sft/loss", "sft/perplexity", "throughput/tokens_per_s"]
+
+
+def response_tokens(examples: Sequence[dict[str, Any]]) -> int:
+    """The response tokens (loss targets) of demonstrations: the sum of their loss masks."""
+    return sum(sum(ex["loss_mask"]) for ex in examples)
+
+
+@torch.no_grad()
+def heldout_loss(model: Any, examples: Sequence[dict[str, Any]], collate: Callable, batch_size: int,
+                 precision: str) -> dict[str, float]:
+    """`eval/sft/loss` (mean NLL per response token, nats) and `eval/sft/perplexity` (its exp) of held-out
+    demonstrations, `batch_size` at a time. Every rank runs every batch (the same forwards on each, as ZeRO-3
+    needs)."""
+    nll, count = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        lp = response_logprobs(model, collate(examples[i:i + batch_size]), precision)
+        nll, count = nll - float(lp.sum()), count + lp.numel()
+    loss = nll / max(count, 1)
+    return {"eval/sft/loss": loss, "eval/sft/perplexity": math.exp(min(loss, 700.0))}
+
+
+def run(cfg: Any, run_dir: Path) -> float | None:
+    engine.init_distributed()
+    run_dir = prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
+    sc = cfg.sft
+
+    # 1. data
+    tokenizer = load_tokenizer(cfg.model)
+    data = load_sft_data(cfg.data, tokenizer)
+    train, heldout = data.train, data.eval
+    lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
+    if len(train) < sc.batch_size:
+        raise ConfigError(f"only {len(train)} training demonstrations, fewer than sft.batch_size={sc.batch_size}")
+
+    # 2. model
+    model = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer)
+    n_params = count_parameters(model)
+    if lora_enabled(cfg.model.lora):
+        add_lora(model, cfg.model.lora, what="policy")
+    steps_per_epoch = len(train) // sc.batch_size
+    total_steps = sc.max_steps or steps_per_epoch * sc.epochs
+    dropped = len(train) - steps_per_epoch * sc.batch_size  # each epoch's last partial batch (reshuffled each epoch)
+    if dropped and engine.is_main():
+        log.warning("each epoch trains on %d of %d demonstrations: the last partial batch of %d is dropped "
+                    "(sft.batch_size=%d; each epoch reshuffles, so different rows sit out)", len(train) - dropped,
+                    len(train), dropped, sc.batch_size)
+    print_table(f"{COMMAND.name}: {run_dir}", {
+        "model": cfg.model.name, "params (non-embedding)": n_params,
+        "trained params": trained_parameters(model, cfg.model.lora),
+        "train demonstrations": len(train), "eval demonstrations": len(heldout), "optimizer steps": total_steps,
+        "train response tokens": response_tokens(train),
+        "batch / micro / world": f"{sc.batch_size} / {sc.micro_batch_size} / {engine.world_size()}",
+        "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+    })
+    if cfg.dry_run:
+        set_status(run_dir, "dry_run") if engine.is_main() else None
+        return None
+
+    # 3. engine
+    eng = engine.TrainEngine(
+        model, cfg.deepspeed, cfg.precision, lr=sc.lr, train_batch_size=sc.batch_size,
+        micro_batch_size=sc.micro_batch_size, total_steps=total_steps,
+        warmup_steps=int(sc.warmup_ratio * total_steps), scheduler=sc.lr_scheduler,
+        weight_decay=sc.weight_decay, betas=tuple(sc.betas), max_grad_norm=sc.max_grad_norm)
+    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
+                            config=OmegaConf.to_container(cfg, resolve=True))
+
+    # 4. resume
+    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints)
+    step, _ = ckpts.resume(cfg.resume, metrics)
+
+    # 5. loop
+    collate = sft_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
+    lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
+    per_rank = sc.batch_size // engine.world_size()
+    progress = Progress(total_steps, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=step)
+    order_epoch, order = -1, []
+    eng.train()
+    try:
+        while step < total_steps:
+            epoch, pos = divmod(step, steps_per_epoch)
+            if epoch != order_epoch:
+                order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, sc.micro_batch_size)
+                order_epoch = epoch
+            batch_idx = order[pos * sc.batch_size:(pos + 1) * sc.batch_size]
+            mine = [train[j] for j in batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]]
+            t0 = time.perf_counter()
+            # the step's response tokens over every rank: each micro-batch's NLL sum is divided by it
+            n_step = float(engine.all_reduce_sum(torch.tensor([float(response_tokens(mine))]))[0])
+            sums = torch.zeros(4)  # NLL (nats), tokens, real tokens computed, positions
+            for m in range(0, per_rank, sc.micro_batch_size):
+                batch = collate(mine[m:m + sc.micro_batch_size])
+                lp = response_logprobs(eng.module, batch, cfg.precision)  # (N,) float32
+                eng.backward_global(-lp.sum() / n_step)
+                eng.step()
+                sums += torch.tensor([-float(lp.detach().sum()), float(batch["tokens"]),
+                                      float(batch["attention_mask"].sum()), float(batch["attention_mask"].numel())])
+            step += 1
+            dt = time.perf_counter() - t0
+            nll, tokens, real, positions = engine.all_reduce_sum(sums).tolist()
+            loss = nll / n_step
+            record = {"sft/loss": loss, "sft/perplexity": math.exp(min(loss, 700.0)), "sft/response_tokens": n_step,
+                      "lr": eng.lr(), "grad_norm": eng.grad_norm(), "epoch": step / steps_per_epoch,
+                      "throughput/tokens_per_s": tokens / dt, "throughput/padding_fraction": 1 - real / positions,
+                      "throughput/positions_per_token": positions / tokens}
+            if sc.eval_every and step % sc.eval_every == 0 and step < total_steps and heldout:
+                eng.eval()
+                record.update(heldout_loss(eng.module, heldout, collate, sc.eval_batch_size, cfg.precision))
+                eng.train()
+            if step % sc.log_every == 0 or step == total_steps:
+                metrics.log(step, record)
+            progress.update(1, record)
+            if sc.save_every and step % sc.save_every == 0 and step < total_steps:
+                ckpts.save(step)
+    except KeyboardInterrupt:
+        progress.close()
+        log.warning("interrupted at step %d: saving a checkpoint before exit", step)
+        ckpts.save(step)
+        raise
+    progress.close()
+
+    # 6. final held-out loss, HF checkpoint, pointer
+    final_stats: dict[str, float] = {}
+    if heldout:
+        eng.eval()
+        final_stats = heldout_loss(eng.module, heldout, collate, sc.eval_batch_size, cfg.precision)
+        metrics.log(step, final_stats)
+    ckpts.save(step)
+    final = run_dir / "final"
+    state_dict = eng.consolidated_state_dict()
+    if engine.is_main():
+        # the held-out loss goes to rlhf_eval.json only: a config key would be carried into the next stage's model
+        save_model(eng.module, state_dict, tokenizer, final, model_source(cfg.model),
+                   extra_config={"rlhf_stage": COMMAND.kind})
+        atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "steps": step})
+        pointer = finish_run(cfg, run_dir, final, COMMAND.kind, steps=step)
+        print_table(f"{COMMAND.name} finished", {**{k: v for k, v in final_stats.items()},
+                                                 "checkpoint": str(final),
+                                                 "pointer": str(pointer or "not moved (a sweep job)")})
+    engine.barrier()
+    metrics.close()
+    return final_stats.get("eval/sft/loss")
