@@ -1,7 +1,7 @@
 """Save models as plain HF directories and inspect saved ones.
 
     save_hf(model, tokenizer, out_dir, extra_config=None)   safetensors + config + tokenizer, atomically
-    with_scoring_template(tokenizer)                           a reward model's tokenizer: the chat template ends at EOS
+    with_scoring_template(tokenizer, eos_ids)                  a reward model's tokenizer: the chat template ends at EOS
     read_reward_stats(path) -> (mean, std) | None            reward normalisation stored by train-rm
     is_scalar_model_dir(path) -> bool                          reward model / critic, or not
     require_scalar_model_dir(path, what)                       the same, as a one-line error
@@ -18,10 +18,12 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rlhf_cli.commands import by_kind
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ModelSourceError
 from rlhf_cli.models.loading import atomic_dir, fix_pad_token, looks_like_hub_id, resolve_hf_dir
 from rlhf_cli.runs import save_error
@@ -69,7 +71,7 @@ def save_hf(
     gen = copy.deepcopy(live_gen) if live_gen is not None else None
     if gen is not None:
         gen.pad_token_id = tokenizer.pad_token_id
-        gen.eos_token_id = tokenizer.eos_token_id
+        gen.eos_token_id = list(eos_ids(tokenizer, gen))  # the whole EOS set: generate stops where the run did
 
     out = Path(out_dir)
     try:
@@ -93,9 +95,13 @@ def save_hf(
     return out
 
 
-def with_scoring_template(tokenizer: Any) -> Any:
+def with_scoring_template(tokenizer: Any, eos_ids: Sequence[int] = ()) -> Any:
     """A copy of `tokenizer` whose chat template ends a conversation that ends with an assistant message AT its
     EOS (SmolLM2's template writes `<|im_end|>\\n`: the newline goes), for a reward model's `final/`.
+
+    The end is the run's (`eos.eos_ids`, `data.Encoder`): the assistant's content, then the tokenizer's EOS once.
+    A template that closes the turn with other ids of the EOS set `eos_ids` (Phi-3: `<|end|>\\n<|endoftext|>`) has
+    that whole tail, the EOS-set texts and the whitespace between them, replaced by the tokenizer's EOS.
 
     A reward model is trained and scored at the EOS closing the response; `AutoModelForSequenceClassification`
     reads the last non-pad token. With this template the standard call,
@@ -107,18 +113,29 @@ def with_scoring_template(tokenizer: Any) -> Any:
     eos = tokenizer.eos_token
     if not isinstance(template, str) or not eos:
         return tokenizer
-    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    answer = "\ue002"  # a private-use character: what the template writes after it is the turn's tail
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
     try:
         rendered = tokenizer.apply_chat_template(probe, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that rejects this conversation: save it as it is
         return tokenizer
-    if rendered.endswith(eos) or not rendered.rstrip().endswith(eos):
+    special = getattr(tokenizer, "added_tokens_decoder", {})
+    texts = sorted({special[int(i)].content for i in eos_ids if int(i) in special} | {eos}, key=len, reverse=True)
+    tail = rendered[rendered.rfind(answer) + len(answer):] if answer in rendered else ""
+    rest, ends = tail, 0
+    while rest := rest.strip():
+        end = next((t for t in texts if rest.endswith(t)), None)
+        if end is None:
+            return tokenizer  # the turn's tail holds other text: leave the template as it is
+        rest, ends = rest[: -len(end)], ends + 1
+    if not ends or tail == eos:  # no EOS at the end, or it already ends at the EOS
         return tokenizer
     out = copy.deepcopy(tokenizer)
     out.chat_template = (
         "{%- set rendered -%}" + template + "{%- endset -%}"
         "{%- if not add_generation_prompt and messages and messages[-1]['role'] == 'assistant' "
-        "and rendered.rstrip().endswith(eos_token) -%}{{ rendered.rstrip() }}{%- else -%}{{ rendered }}{%- endif -%}")
+        f"and rendered.endswith({json.dumps(tail)}) -%}}{{{{ rendered[:{-len(tail)}] + eos_token }}}}"
+        "{%- else -%}{{ rendered }}{%- endif -%}")
     return out
 
 

@@ -5,6 +5,7 @@ Model sources (see `ModelConfig`): a hub id or local HF dir, a GGUF file (a path
 
     load_tokenizer(model_cfg)                        tokenizer with pad != eos
     load_causal_lm(model_cfg, precision, seed)       AutoModelForCausalLM from any of the sources
+    load_generation_config(model_cfg)                a model's saved generation config (its EOS ids), or None
     torch_dtype_for(precision)                       weight dtype of a run's `precision`
     count_parameters(model, non_embedding=True)
 
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError, ModelSourceError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -266,6 +268,30 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
     return model
 
 
+def load_generation_config(model_cfg: Any) -> Any:
+    """The `GenerationConfig` saved beside a ModelConfig's (or a path's) weights, read without loading them: its
+    `eos_token_id` is the model's part of the EOS set (`eos.eos_ids`). None when there is none (a random model, a
+    reward model, a dir without `generation_config.json`, a hub id not in the offline cache)."""
+    from transformers import GenerationConfig
+
+    cfg = as_model_config(model_cfg)
+    if cfg.init == "random":
+        return None
+    if cfg.name_or_path:
+        path = resolve_hf_dir(cfg.name_or_path)
+    elif cfg.gguf_file:
+        path = str(gguf_cache_dir(cfg.gguf_file, cfg.cache_dir) / "model")
+    else:
+        return None
+    local = Path(path)
+    if local.is_dir() and not (local / "generation_config.json").is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):  # a hub id not in the cache, an unreadable file: no model-side EOS ids
+        return None
+
+
 def tiny_llama_config(arch: Any, tokenizer: Any) -> Any:
     """LlamaConfig of shape `arch` (a TinyArch) over `tokenizer`'s vocabulary and special tokens."""
     from transformers import LlamaConfig
@@ -327,12 +353,13 @@ def drop_quantization(model: Any) -> None:
 
 
 def set_special_token_ids(model: Any, tokenizer: Any) -> None:
-    """Copy the tokenizer's pad/bos/eos ids into the model's config and generation config."""
+    """Copy the tokenizer's pad/bos ids into the model's config and generation config; the generation config's
+    `eos_token_id` becomes the whole EOS set (`eos.eos_ids`: the tokenizer's EOS, then the model's own)."""
     model.config.pad_token_id = tokenizer.pad_token_id
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.pad_token_id = tokenizer.pad_token_id
-        gen.eos_token_id = tokenizer.eos_token_id
+        gen.eos_token_id = list(eos_ids(tokenizer, gen))
         if tokenizer.bos_token_id is not None:
             gen.bos_token_id = tokenizer.bos_token_id
 

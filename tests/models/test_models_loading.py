@@ -42,7 +42,7 @@ def test_tiny_model_shape_and_special_tokens(tiny_model_cfg, tokenizer, tiny_cau
     assert c.pad_token_id == tokenizer.pad_token_id == 0  # <|endoftext|>, not the EOS
     assert c.eos_token_id == tokenizer.eos_token_id == 2
     assert tiny_causal.generation_config.pad_token_id == 0
-    assert tiny_causal.generation_config.eos_token_id == 2
+    assert tiny_causal.generation_config.eos_token_id == [2]  # the EOS set (`eos.eos_ids`)
     assert c.use_cache is True and not is_checkpointing(tiny_causal)
 
 
@@ -119,3 +119,4 @@ def test_gguf_is_dequantised_once_then_loaded_from_cache(tiny_model_cfg, tokeniz
     assert len(gguf_calls) == 1  # cache hit: no second de-quantisation
     assert _same_weights(first, second) and _same_weights(first, tiny_causal)
     assert first.config.pad_token_id == 0
+
