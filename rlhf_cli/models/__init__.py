@@ -19,6 +19,7 @@ from rlhf_cli.models.loading import (
     load_tokenizer,
     resolve_hf_dir,
     torch_dtype_for,
+    with_attention_fallback,
 )
 from rlhf_cli.models.lora import (
     ADAPTER_DIR,
@@ -86,5 +87,6 @@ __all__ = [
     "token_values",
     "torch_dtype_for",
     "trunk_hidden",
+    "with_attention_fallback",
     "unwrap",
 ]

@@ -6,6 +6,7 @@ Model sources (see `ModelConfig`): a hub id or local HF dir, a GGUF file (a path
     load_tokenizer(model_cfg)                        tokenizer with pad != eos
     load_causal_lm(model_cfg, precision, seed)       AutoModelForCausalLM from any of the sources
     load_generation_config(model_cfg)                a model's saved generation config (its EOS ids), or None
+    with_attention_fallback(build, attn, what)       a model built with `attn`, or with one its family supports
     torch_dtype_for(precision)                       weight dtype of a run's `precision`
     count_parameters(model, non_embedding=True)
 
@@ -24,7 +25,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -230,7 +231,8 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
     tokenizer's vocabulary: same seed, same weights); `name_or_path` (hub id, HF dir, run dir or
     `latest_*` pointer file, see `resolve_hf_dir`); `gguf_file` (de-quantised once, then loaded from
     the HF-dir cache). Weights get `torch_dtype_for(precision)`. `gradient_checkpointing` switches
-    checkpointing on (and the KV cache off); `attn_implementation` picks the attention backend.
+    checkpointing on (and the KV cache off); `attn_implementation` picks the attention backend (one the family
+    does not support falls back to one it does, `with_attention_fallback`).
     `config.pad_token_id` (and the generation config's pad/eos) are set from the tokenizer, whose
     pad is distinct from EOS (`fix_pad_token`). Pass `tokenizer` to skip reloading it.
     """
@@ -246,16 +248,20 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
         config = tiny_llama_config(cfg.arch, tok)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+            model = with_attention_fallback(
+                lambda a: AutoModelForCausalLM.from_config(config, attn_implementation=a), attn, cfg.name)
         model = model.to(dtype)
         source = f"random init (seed {seed}, {cfg.arch.num_hidden_layers} layers x {cfg.arch.hidden_size})"
     elif cfg.name_or_path:
         path = resolve_hf_dir(cfg.name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        model = with_attention_fallback(
+            lambda a: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=a), attn, path)
         source = path
     elif cfg.gguf_file:
         mdir, cached = dequantized_gguf_dir(cfg.gguf_file, cfg.cache_dir)
-        model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=dtype, attn_implementation=attn)
+        model = with_attention_fallback(
+            lambda a: AutoModelForCausalLM.from_pretrained(str(mdir), dtype=dtype, attn_implementation=a), attn,
+            cfg.gguf_file)
         source = f"{cfg.gguf_file} ({'cached HF copy' if cached else 'de-quantised now, cached'} at {mdir})"
     else:
         raise ModelSourceError("model config names no weights: "
@@ -265,6 +271,39 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
     log.info("model %s: %s, %s, %.1fM params (%.1fM non-embedding), loaded in %.1fs", cfg.name, source,
              str(dtype).removeprefix("torch."), count_parameters(model, non_embedding=False) / 1e6,
              count_parameters(model) / 1e6, time.perf_counter() - t0)
+    return model
+
+
+ATTENTION_FALLBACKS = ("sdpa", "eager")
+"""What `with_attention_fallback` tries, in order, when a family does not support `model.attn_implementation`:
+PyTorch's fused attention, then the plain one that every family has."""
+
+
+def with_attention_fallback(build: Callable[[str], Any], attn: str, what: str) -> Any:
+    """`build(attn)`, the model built with the attention implementation `model.attn_implementation` names; when
+    the model's family does not support it (transformers raises ValueError "... does not support an attention
+    implementation through ...": Gemma 2 and sdpa in some versions), `build` of the first of `ATTENTION_FALLBACKS`
+    the family supports, with one warning naming both. Any other error is raised as is; so is the last fallback's.
+    `what` names the model in the warning. Returns what `build` returns."""
+    try:
+        return build(attn)
+    except ValueError as e:
+        if "does not support" not in str(e) or attn == ATTENTION_FALLBACKS[-1]:
+            raise
+        reason = str(e).split(". ")[0]
+    fallbacks = [a for a in ATTENTION_FALLBACKS if a != attn]
+    for fallback in fallbacks[:-1]:
+        try:
+            model = build(fallback)
+            break
+        except ValueError as e:
+            if "does not support" not in str(e):
+                raise
+    else:
+        fallback = fallbacks[-1]
+        model = build(fallback)
+    log.warning("model %s: model.attn_implementation=%s is not supported (%s): using %s instead", what, attn,
+                reason, fallback)
     return model
 
 
