@@ -3,7 +3,7 @@ hidden 64, 2 layers, heads of 16, so a family's own code paths (absolute positio
 projections, tied or untied heads) run in seconds on a CPU.
 
     FAMILIES                     the families' names
-    tiny_config(family, tok)     the transformers config of one
+    tiny_config(family, tok)     the transformers config of one (or of "llama", the family every other test uses)
     save_tiny(family, tok, out)  a seeded random causal LM of that config and the tokenizer, saved to `out`
 """
 
@@ -23,6 +23,8 @@ def tiny_config(family: str, tok: Any) -> Any:
                eos_token_id=tok.eos_token_id)
     llama_like = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS, **ids)
+    if family == "llama":
+        return tf.LlamaConfig(**llama_like, head_dim=HEAD_DIM, tie_word_embeddings=True)
     if family == "gpt2":
         return tf.GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=POSITIONS, n_inner=FFN, **ids)
     if family == "opt":

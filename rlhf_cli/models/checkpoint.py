@@ -1,7 +1,7 @@
 """Save models as plain HF directories and inspect saved ones.
 
     save_hf(model, tokenizer, out_dir, extra_config=None)   safetensors + config + tokenizer, atomically
-    with_scoring_template(tokenizer, eos_ids)                  a reward model's tokenizer: the chat template ends at EOS
+    with_scoring_template(tokenizer, eos_ids)                  a reward model's tokenizer: ends at EOS, pads right
     read_reward_stats(path) -> (mean, std) | None            reward normalisation stored by train-rm
     is_scalar_model_dir(path) -> bool                          reward model / critic, or not
     require_scalar_model_dir(path, what)                       the same, as a one-line error
@@ -106,19 +106,26 @@ def with_scoring_template(tokenizer: Any, eos_ids: Sequence[int] = ()) -> Any:
     A reward model is trained and scored at the EOS closing the response; `AutoModelForSequenceClassification`
     reads the last non-pad token. With this template the standard call,
     `tokenizer.apply_chat_template([user, assistant], return_dict=True, return_tensors="pt")`, ends at that EOS,
-    so it scores as the run did. Prompt rendering (`add_generation_prompt=True`) is unchanged. A tokenizer without
-    a template, or whose template already ends there, is returned as it is.
+    so it scores as the run did. Prompt rendering (`add_generation_prompt=True`) is unchanged. A template that
+    already ends there, or none, is kept as it is.
+
+    The copy pads on the right (`padding_side="right"`, saved in `tokenizer_config.json`), the side the run's scores
+    assume for every family: the run counts positions from each sequence's first token, and so does a plain
+    transformers forward of right-padded rows; left padding shifts every position of an absolute-position family
+    (GPT-2, OPT), and their scores with it.
     """
     template = getattr(tokenizer, "chat_template", None)
     eos = tokenizer.eos_token
+    out = copy.deepcopy(tokenizer)
+    out.padding_side = out.init_kwargs["padding_side"] = "right"  # what save_pretrained writes is `init_kwargs`
     if not isinstance(template, str) or not eos:
-        return tokenizer
+        return out
     answer = "\ue002"  # a private-use character: what the template writes after it is the turn's tail
     probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
     try:
         rendered = tokenizer.apply_chat_template(probe, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that rejects this conversation: save it as it is
-        return tokenizer
+        return out
     special = getattr(tokenizer, "added_tokens_decoder", {})
     texts = sorted({special[int(i)].content for i in eos_ids if int(i) in special} | {eos}, key=len, reverse=True)
     tail = rendered[rendered.rfind(answer) + len(answer):] if answer in rendered else ""
@@ -126,11 +133,10 @@ def with_scoring_template(tokenizer: Any, eos_ids: Sequence[int] = ()) -> Any:
     while rest := rest.strip():
         end = next((t for t in texts if rest.endswith(t)), None)
         if end is None:
-            return tokenizer  # the turn's tail holds other text: leave the template as it is
+            return out  # the turn's tail holds other text: leave the template as it is
         rest, ends = rest[: -len(end)], ends + 1
     if not ends or tail == eos:  # no EOS at the end, or it already ends at the EOS
-        return tokenizer
-    out = copy.deepcopy(tokenizer)
+        return out
     out.chat_template = (
         "{%- set rendered -%}" + template + "{%- endset -%}"
         "{%- if not add_generation_prompt and messages and messages[-1]['role'] == 'assistant' "

@@ -8,6 +8,7 @@ head (`*ForSequenceClassification` of each family), positions under left padding
 positions), packing (`data.packing`, the default) or its fallback, the final saves, and the numbers being finite.
 """
 
+import copy
 import json
 import math
 
@@ -106,3 +107,39 @@ def test_lora_default_targets_resolve(family, tmp_path, tokenizer):
         plain.load_state_dict(merged, strict=False)
         with torch.no_grad():
             torch.testing.assert_close(plain.eval()(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_exported_reward_model_reproduces_the_runs_scores(family, run_stage, tmp_path, tokenizer):
+    """Plain transformers reads a train-rm `final/` as the run scored: `AutoModelForSequenceClassification` on the
+    held-out pairs padded by the saved tokenizer gives `rewards.json`. The user's tokenizer pads on the left; the
+    saved one pads on the right, the side the scores assume (GPT-2's absolute positions move under left padding)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_cli.data import load_preference_data
+
+    user_tok = copy.deepcopy(tokenizer)
+    user_tok.padding_side = user_tok.init_kwargs["padding_side"] = "left"  # saved with the user's model
+    path = save_tiny(family, user_tok, tmp_path / family)
+    assert AutoTokenizer.from_pretrained(path).padding_side == "left"
+    model = [f"model.name_or_path={path}", "model.init=pretrained", "model.tokenizer=null"]
+    _, rm_dir, cfg = run_stage("train_rm", [*model, *DATA, "rm.batch_size=4", "rm.micro_batch_size=2",
+                                            "rm.max_steps=2", "rm.lr=1e-2", "rm.eval_batch_size=4"])
+    want = json.loads((rm_dir / "rewards.json").read_text())
+    saved = AutoTokenizer.from_pretrained(rm_dir / "final")
+    assert saved.padding_side == "right"
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir / "final").eval()
+    heldout = load_preference_data(cfg.data, saved).eval
+    scores = {}
+    for side in ("right", "left"):
+        saved.padding_side = side
+        for which in ("chosen", "rejected"):
+            batch = saved.pad({"input_ids": [ex["prompt_ids"] + ex[f"{which}_ids"] for ex in heldout]},
+                              return_tensors="pt")
+            with torch.no_grad():
+                scores[side, which] = rm(**batch).logits[:, 0]
+    for which in ("chosen", "rejected"):
+        torch.testing.assert_close(scores["right", which], torch.tensor(want[which]), atol=1e-4, rtol=1e-4)
+    if family == "gpt2":  # what a left-padding default would have given
+        lengths = {len(ex["prompt_ids"]) + len(ex["chosen_ids"]) for ex in heldout}
+        assert len(lengths) > 1 and not torch.allclose(scores["left", "chosen"], scores["right", "chosen"], atol=1e-3)
