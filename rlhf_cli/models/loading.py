@@ -309,9 +309,10 @@ def with_attention_fallback(build: Callable[[str], Any], attn: str, what: str) -
 
 def load_generation_config(model_cfg: Any) -> Any:
     """The `GenerationConfig` saved beside a ModelConfig's (or a path's) weights, read without loading them: its
-    `eos_token_id` is the model's part of the EOS set (`eos.eos_ids`). None when there is none (a random model, a
-    reward model, a dir without `generation_config.json`, a hub id not in the offline cache)."""
-    from transformers import GenerationConfig
+    `eos_token_id` is the model's part of the EOS set (`eos.eos_ids`). A dir without `generation_config.json` (a
+    reward model's `final/`, whose config.json keeps the set as its `eos_token_id`) gives the one transformers
+    derives from its config.json. None when there is none (a random model, a hub id not in the offline cache)."""
+    from transformers import AutoConfig, GenerationConfig
 
     cfg = as_model_config(model_cfg)
     if cfg.init == "random":
@@ -323,9 +324,10 @@ def load_generation_config(model_cfg: Any) -> Any:
     else:
         return None
     local = Path(path)
-    if local.is_dir() and not (local / "generation_config.json").is_file():
-        return None
     try:
+        if local.is_dir() and not (local / "generation_config.json").is_file():
+            return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path)) if (
+                local / "config.json").is_file() else None
         return GenerationConfig.from_pretrained(path)
     except (OSError, ValueError):  # a hub id not in the cache, an unreadable file: no model-side EOS ids
         return None

@@ -39,6 +39,7 @@ from rlhf_cli.lifecycle import command_line_keys, prepare_run_dir, seed_everythi
 from rlhf_cli.models import (
     is_scalar_model_dir,
     load_causal_lm,
+    load_generation_config,
     load_scalar_model,
     load_tokenizer,
     lora_enabled,
@@ -80,7 +81,8 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
     """Pairwise accuracy (ties not correct), margin and reward distributions on preference data."""
     rm_dir = require_scalar_model_dir(rm_path, "reward model")
     tokenizer = load_tokenizer(_model_cfg(rm_dir, cfg.model))
-    data = load_preference_data(cfg.data, tokenizer)
+    eos = eos_ids(tokenizer, load_generation_config(rm_dir))  # train-rm keeps the set in its config.json
+    data = load_preference_data(cfg.data, tokenizer, eos_ids=eos)
     lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"reward_model": rm_dir}, write=engine.is_main())
     pairs = {"eval": data.eval, "train": data.train, "all": list(data.train) + list(data.eval)}[cfg.eval.split]
     if cfg.eval.num_prompts:

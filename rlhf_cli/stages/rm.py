@@ -174,7 +174,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if engine.is_main():
         stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
         save_model(eng.module, state_dict, with_scoring_template(tokenizer, eos), final, model_source(cfg.model),
-                   extra_config={**stats, "rlhf_stage": COMMAND.kind,
+                   extra_config={**stats, "rlhf_stage": COMMAND.kind, "eos_token_id": list(eos),
                                  "rlhf_eval_accuracy": final_stats.get("rm/accuracy")})
         atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,
                                                      "reward_std": reward_std, "steps": step})

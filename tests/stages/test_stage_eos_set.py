@@ -6,6 +6,7 @@ The model is the tiny random Llama saved to a directory with `generation_config.
 Phi-3's `<|end|>`), loaded with `model.name_or_path=<dir>` as a user's model is.
 """
 
+import json
 import types
 
 import pytest
@@ -130,3 +131,21 @@ def test_data_and_the_exported_template_end_at_the_tokenizers_eos(tokenizer):
     assert rendered.endswith("assistant\nHello<|im_end|>"), rendered
     assert exported.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True) == (
         tok.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True))
+
+
+def test_a_reward_model_keeps_the_set_for_its_readers(run_stage, two_eos_dir):
+    """train-rm of a model listing two EOS ids: its `final/` config keeps the set (`rlhf eval` of the reward model
+    and `load_generation_config` read it there) and its template ends a turn at the tokenizer's EOS."""
+    from transformers import AutoTokenizer
+
+    _, rm_dir, _ = run_stage("train_rm", [f"model.name_or_path={two_eos_dir}", "model.init=pretrained",
+                                          "model.tokenizer=null", "data.builtin.rm_train=8", "data.builtin.rm_eval=4",
+                                          "rm.batch_size=4", "rm.micro_batch_size=2", "rm.max_steps=1"])
+    final = rm_dir / "final"
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == [EOS, TURN]
+    tok = AutoTokenizer.from_pretrained(final)
+    assert eos_ids(tok, load_generation_config(str(final))) == (EOS, TURN)
+    _, eval_dir, _ = run_stage("eval", [f"reward_model.path={rm_dir}", "data.builtin.rm_train=8",
+                                        "data.builtin.rm_eval=4"])
+    result = json.loads((eval_dir / "eval.json").read_text())["results"]
+    assert result["mode"] == "reward_model" and result["pairs"] == 4
