@@ -16,8 +16,15 @@ import pytest
 import torch
 from family_helpers import FAMILIES, save_tiny
 
-from rlhf_cli.forwards import batched_rewards, policy_forward
-from rlhf_cli.models import add_lora, load_causal_lm, load_scalar_model, merged_state_dict, parameter_counts
+from rlhf_cli.forwards import batched_rewards, packing_probe, policy_forward
+from rlhf_cli.models import (
+    add_lora,
+    custom_mask_support,
+    load_causal_lm,
+    load_scalar_model,
+    merged_state_dict,
+    parameter_counts,
+)
 from rlhf_cli.rollout import Generation, rollout_batch
 
 DATA = ["data.builtin.rm_train=8", "data.builtin.rm_eval=4", "data.builtin.ppo_train=4", "data.builtin.ppo_eval=2"]
@@ -67,6 +74,8 @@ def test_padding_and_packing_change_no_number(family, tmp_path, tokenizer):
         has_eos = torch.tensor([responses[i][-1] == 2 for i in rows])
         return rollout_batch([prompts[i] for i in rows], Generation(resp, mask, has_eos, None), pad)
 
+    if custom_mask_support(lm) is None:  # packed segments stay apart (sliding-window families never pack)
+        assert packing_probe(lm) is None and packing_probe(rm) is None
     ids, am, P, _ = batch([0, 1, 2])
     with torch.no_grad():
         lp = {packed: policy_forward(lm, ids, am, P, 1.0, packing=packed)[0] for packed in (False, True)}
@@ -143,3 +152,30 @@ def test_the_exported_reward_model_reproduces_the_runs_scores(family, run_stage,
     if family == "gpt2":  # what a left-padding default would have given
         lengths = {len(ex["prompt_ids"]) + len(ex["chosen_ids"]) for ex in heldout}
         assert len(lengths) > 1 and not torch.allclose(scores["left", "chosen"], scores["right", "chosen"], atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "gemma2"])
+def test_the_cli_chain_runs(family, tmp_path, tokenizer):
+    """The whole chain as a user types it, `model=hf model.name_or_path=<dir>`: train-rm, train-ppo with GAE and
+    with GRPO, eval (each finds the last one's output through the pointers). Gemma 2 says once that sdpa fell back
+    to eager; no command prints a traceback."""
+    import subprocess
+    import sys
+
+    from stage_helpers import REPO, subprocess_env
+
+    path = save_tiny(family, tokenizer, tmp_path / family)
+    common = ["model=hf", f"model.name_or_path={path}", "precision=fp32", f"paths.root={tmp_path / 'runs'}", *DATA]
+    commands = [["train-rm", "rm.batch_size=4", "rm.micro_batch_size=2", "rm.max_steps=1"],
+                ["train-ppo", *PPO, "ppo.advantage_estimator=gae"],
+                ["train-ppo", *PPO, "ppo.advantage_estimator=grpo"],
+                ["eval", "eval.max_new_tokens=4", "eval.batch_size=4"]]
+    for command, *args in commands:
+        out = subprocess.run([sys.executable, "-m", "rlhf_cli", command, *common, *args], cwd=REPO,
+                             env=subprocess_env(HYDRA_FULL_ERROR="0"), capture_output=True, text=True, timeout=600)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0 and "Traceback" not in text, f"{command}: {text[-3000:]}"
+        if family == "gemma2":
+            assert "model.attn_implementation=sdpa is not supported" in text, command
+    assert (tmp_path / "runs" / "latest_rm").exists() and (tmp_path / "runs" / "latest_policy").exists()
