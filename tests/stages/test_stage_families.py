@@ -1,7 +1,8 @@
 """Every family a user brings runs through the chain in-process (issue 41): tiny random GPT-2, OPT, GPT-NeoX, Qwen2,
 Qwen3, Gemma 2, Phi-3 and Mistral (`family_helpers`), each loaded as a user's model (`model.name_or_path=<dir>`):
-a train-rm step, a train-ppo iteration with GAE (a separate critic grown from the reward model), one with GRPO,
-and `rlhf eval` of the GAE policy scored by the reward model.
+a train-rm step (packed; and one with LoRA, unpacked), whose `final/` plain transformers reads as the run scored
+(`rewards.json`), a train-ppo iteration with GAE (a separate critic grown from the reward model), one with GRPO,
+and `rlhf eval` of the GRPO policy scored by the reward model.
 
 What can break per family and is checked here: loading (Gemma 2 lacks sdpa: the attention fallback), the scalar
 head (`*ForSequenceClassification` of each family), positions under left padding (GPT-2, OPT: absolute
@@ -32,16 +33,40 @@ PPO = ["ppo.iterations=1", "ppo.rollout_batch_size=2", "ppo.mini_batch_size=4", 
        "ppo.epochs=1", "ppo.max_new_tokens=4", "ppo.n_samples_per_prompt=2"]
 
 
+def assert_plain_transformers_reproduces(rm_dir, data_cfg):
+    """`AutoModelForSequenceClassification` and the tokenizer of a train-rm `final/`, on the run's held-out pairs
+    (`data_cfg`: the run's `data` section) padded the saved tokenizer's way, give the run's `rewards.json`."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_cli.data import load_preference_data
+
+    want = json.loads((rm_dir / "rewards.json").read_text())
+    tok = AutoTokenizer.from_pretrained(rm_dir / "final")
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir / "final").eval()
+    heldout = load_preference_data(data_cfg, tok).eval
+    for which in ("chosen", "rejected"):
+        batch = tok.pad({"input_ids": [ex["prompt_ids"] + ex[f"{which}_ids"] for ex in heldout]}, return_tensors="pt")
+        with torch.no_grad():
+            got = rm(**batch).logits[:, 0]
+        torch.testing.assert_close(got, torch.tensor(want[which]), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_chain_runs_in_process(family, run_stage, tmp_path, tokenizer):
     path = save_tiny(family, tokenizer, tmp_path / family)
     model = [f"model.name_or_path={path}", "model.init=pretrained", "model.tokenizer=null", f"model.name={family}"]
     root = tmp_path / "runs"
-    acc, rm_dir, _ = run_stage("train_rm", [*model, *DATA, "rm.batch_size=4", "rm.micro_batch_size=2",
+    acc, rm_dir, rm_cfg = run_stage("train_rm", [*model, *DATA, "rm.batch_size=4", "rm.micro_batch_size=2",
                                             "rm.max_steps=1", "rm.eval_batch_size=4"], root=root)
     assert acc is not None and 0 <= acc <= 1
     rewards = json.loads((rm_dir / "rewards.json").read_text())
     assert len(rewards["chosen"]) == 4 and all(map(math.isfinite, rewards["chosen"] + rewards["rejected"]))
+    assert_plain_transformers_reproduces(rm_dir, rm_cfg.data)
+    lora_acc, lora_dir, lora_cfg = run_stage("train_rm", [*model, *DATA, "rm.batch_size=4", "rm.micro_batch_size=2",
+                                                   "rm.max_steps=1", "model.lora.r=4", "data.packing=false"],
+                                      root=tmp_path / "lora_runs")
+    assert lora_acc is not None and (lora_dir / "final" / "adapter").is_dir()
+    assert_plain_transformers_reproduces(lora_dir, lora_cfg.data)
     for estimator in ("gae", "grpo"):
         _, ppo_dir, _ = run_stage("train_ppo", [*model, *DATA, *PPO, f"ppo.advantage_estimator={estimator}",
                                                 f"reward_model.path={rm_dir}"], root=root)
