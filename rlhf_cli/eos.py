@@ -13,10 +13,15 @@ as `<|end|>` or `<end_of_turn>`). Everything that asks "did the response end?" r
                     with that id read as the tokenizer's EOS (`forwards.batched_rewards`), and the exported
                     reward model's chat template ends a conversation the same way (`models.with_scoring_template`)
     saved models    `generation_config.json` lists the whole set, so HF `generate` and vLLM stop where the run did
+                    (a reward model's `config.json`, as its `eos_token_id`)
+
+    eos_ids(tokenizer, generation_config)   the set, the tokenizer's EOS first
+    eos_texts(tokenizer, ids)                its texts, as a response's or a template's text may end in them
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -38,3 +43,15 @@ def eos_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
         raise ValueError("no EOS id: the tokenizer has no eos_token and the model's generation_config names no "
                          "eos_token_id, so a response could never end")
     return tuple(ids)
+
+
+def eos_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The texts of an EOS set `ids` (`eos_ids`) as they appear in text: the tokenizer's `eos_token` and the content
+    of every id of the set that is a special (added) token, each once, longest first (so that `<|endoftext|>` is
+    matched before a shorter text it ends with). Ids that are ordinary tokens are left out: their text also ends
+    ordinary words."""
+    special = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    texts = {special[int(i)].content for i in ids if int(i) in special}
+    if getattr(tokenizer, "eos_token", None):
+        texts.add(tokenizer.eos_token)
+    return sorted(texts, key=len, reverse=True)

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf_cli.data.formats import IDENTICAL_AFTER_TRUNCATION, RESPONSE_TOO_LONG, Prompt
+from rlhf_cli.eos import eos_texts
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,8 @@ class Encoder:
         if self.eos_id is None:
             raise ValueError("the tokenizer has no EOS token; responses must end in one")
         self.eos_token: str = tokenizer.eos_token
-        special = getattr(tokenizer, "added_tokens_decoder", {})
-        self.eos_texts = sorted({special[int(i)].content for i in eos_ids if int(i) in special} | {self.eos_token},
-                                key=len, reverse=True)
-        """The texts of the EOS set (`eos_ids`'s special tokens, the tokenizer's EOS always among them), longest
-        first: a response ending in one ends there."""
+        self.eos_texts = eos_texts(tokenizer, eos_ids)
+        """The texts of the EOS set (`eos.eos_texts`), longest first: a response ending in one ends there."""
         bos = tokenizer.bos_token_id
         probe = tokenizer("a", add_special_tokens=True)["input_ids"]
         self.bos_id: int | None = bos if bos is not None and probe[:1] == [bos] else None

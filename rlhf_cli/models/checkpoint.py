@@ -1,7 +1,7 @@
 """Save models as plain HF directories and inspect saved ones.
 
     save_hf(model, tokenizer, out_dir, extra_config=None)   safetensors + config + tokenizer, atomically
-    with_scoring_template(tokenizer, eos_ids)                  a reward model's tokenizer: ends at EOS, pads right
+    with_scoring_template(tokenizer, eos_set)                  a reward model's tokenizer: ends at EOS, pads right
     read_reward_stats(path) -> (mean, std) | None            reward normalisation stored by train-rm
     is_scalar_model_dir(path) -> bool                          reward model / critic, or not
     require_scalar_model_dir(path, what)                       the same, as a one-line error
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.commands import by_kind
-from rlhf_cli.eos import eos_ids
+from rlhf_cli.eos import eos_ids, eos_texts
 from rlhf_cli.errors import ModelSourceError
 from rlhf_cli.models.loading import atomic_dir, fix_pad_token, looks_like_hub_id, resolve_hf_dir
 from rlhf_cli.runs import save_error
@@ -95,12 +95,12 @@ def save_hf(
     return out
 
 
-def with_scoring_template(tokenizer: Any, eos_ids: Sequence[int] = ()) -> Any:
+def with_scoring_template(tokenizer: Any, eos_set: Sequence[int] = ()) -> Any:
     """A copy of `tokenizer` whose chat template ends a conversation that ends with an assistant message AT its
     EOS (SmolLM2's template writes `<|im_end|>\\n`: the newline goes), for a reward model's `final/`.
 
     The end is the run's (`eos.eos_ids`, `data.Encoder`): the assistant's content, then the tokenizer's EOS once.
-    A template that closes the turn with other ids of the EOS set `eos_ids` (Phi-3: `<|end|>\\n<|endoftext|>`) has
+    A template that closes the turn with other ids of the EOS set `eos_set` (Phi-3: `<|end|>\\n<|endoftext|>`) has
     that whole tail, the EOS-set texts and the whitespace between them, replaced by the tokenizer's EOS.
 
     A reward model is trained and scored at the EOS closing the response; `AutoModelForSequenceClassification`
@@ -126,8 +126,7 @@ def with_scoring_template(tokenizer: Any, eos_ids: Sequence[int] = ()) -> Any:
         rendered = tokenizer.apply_chat_template(probe, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that rejects this conversation: save it as it is
         return out
-    special = getattr(tokenizer, "added_tokens_decoder", {})
-    texts = sorted({special[int(i)].content for i in eos_ids if int(i) in special} | {eos}, key=len, reverse=True)
+    texts = eos_texts(tokenizer, eos_set)
     tail = rendered[rendered.rfind(answer) + len(answer):] if answer in rendered else ""
     rest, ends = tail, 0
     while rest := rest.strip():

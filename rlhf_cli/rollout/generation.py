@@ -232,8 +232,7 @@ def make_generator(name: str, *, precision: str, chunk: int) -> Generator:
 
 def sample_responses(
     lm: Any, prompts: list[dict[str, Any]], pad_id: int, eos_ids: int | Sequence[int], max_new_tokens: int,
-    temperature: float,
-    top_p: float, precision: str, chunk: int = 32, seeds: Sequence[int] | None = None,
+    temperature: float, top_p: float, precision: str, chunk: int = 32, seeds: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample one response per prompt from `lm` in one call: `HFGenerator` then `rollout_batch`.
 
