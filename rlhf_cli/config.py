@@ -112,7 +112,8 @@ class ModelConfig:
     cache_dir: str | None = None
     """Cache for de-quantised GGUF models; default `$RLHF_CLI_CACHE` or `~/.cache/rlhf_cli`."""
     attn_implementation: str = "sdpa"
-    """transformers' attention backend: `sdpa` or `eager`."""
+    """transformers' attention backend: `sdpa` or `eager`. One the model's family does not support (Gemma 2 has no
+    sdpa in transformers 5) falls back to one it does (sdpa, then eager), and the run says so once."""
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA (`model.lora.r` > 0): train-rm trains reward-model adapters and the head; train-ppo trains policy
     adapters (and critic adapters, or a shared value head), and its reference is the policy with the adapters

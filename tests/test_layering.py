@@ -3,7 +3,7 @@
 A module may import the package's modules of a LOWER layer, and of its own unit (a package such as
 `models/`, or the module itself); never of its own layer's other units or of a higher layer:
 
-    0  core/  errors.py  seeds.py      (core/: torch and the standard library only; errors.py: stdlib only)
+    0  core/  errors.py  seeds.py  eos.py (core/: torch and the standard library only; errors.py, eos.py: stdlib only)
     1  config.py                       (third-party: hydra and omegaconf only)
     2  commands.py                     (the command registry: data naming each command's pieces)
     3  runs.py  overrides.py            (overrides.py: the command line's keys and Hydra's errors)
@@ -48,7 +48,7 @@ def imports(path: Path, text: str = None):
 
 
 LAYERS = {
-    "core": 0, "errors": 0, "seeds": 0,
+    "core": 0, "errors": 0, "seeds": 0, "eos": 0,
     "config": 1,
     "commands": 2,
     "runs": 3, "overrides": 3,
@@ -73,7 +73,7 @@ def violation(rel: str, name: str) -> bool:
     here = unit("rlhf_cli." + rel.removesuffix(".py").replace("/", "."))
     if here == "core" and not (stdlib or top == "torch" or name.startswith("rlhf_cli.core")):
         return True
-    if here == "errors" and not stdlib:
+    if here in ("errors", "eos") and not stdlib:
         return True
     if here == "config" and not (stdlib or top in ("hydra", "omegaconf", "rlhf_cli")):
         return True
@@ -121,6 +121,7 @@ def test_the_rules_catch_what_they_should():
     assert not violation("models/scalar.py", "rlhf_cli.models.loading")
     assert violation("engine.py", "rlhf_cli.lifecycle") and not violation("lifecycle.py", "rlhf_cli.engine")
     assert violation("errors.py", "rlhf_cli.config") and not violation("errors.py", "typing")
+    assert violation("eos.py", "torch") and not violation("data/tokenize.py", "rlhf_cli.eos")
     assert violation("rollout/maker.py", "rlhf_cli.rollout.learner")
     assert not violation("rollout/maker.py", "rlhf_cli.rollout.plan")
     assert not violation("stages/ppo.py", "rlhf_cli.rollout.learner")

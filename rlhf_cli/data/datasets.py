@@ -554,15 +554,17 @@ def _builtin_select(data_cfg: Any, want: str, names: dict[str, str], splits: Seq
 # entry points
 
 
-def load_preference_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLITS) -> PreferenceData:
+def load_preference_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLITS,
+                         eos_ids: Sequence[int] = ()) -> PreferenceData:
     """Load, validate, split and tokenise preference pairs for reward-model training and evaluation.
 
     `data_cfg` is a `DataConfig` (dataclass or DictConfig); `data.path=null` uses the built-in task's
     rm_train / rm_eval splits. Splits not requested come back empty. Raises DataError for unusable data
-    (one line naming the file, row and field). The summary is logged at INFO and returned.
+    (one line naming the file, row and field). The summary is logged at INFO and returned. `eos_ids`: the model's
+    EOS set (`eos.eos_ids`): a response whose text ends in the text of any of them ends there (`Encoder`).
     """
     _check_splits(splits)
-    encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt)
+    encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt, eos_ids)
     if data_cfg.path is None:
         chosen, sources, unused = _builtin_select(data_cfg, "pairs", {"train": "rm_train", "eval": "rm_eval"}, splits)
     else:

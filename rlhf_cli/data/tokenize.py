@@ -16,7 +16,9 @@ characters it is, so user text can neither end a response early nor forge a turn
 and the one appended EOS are special ids. A prompt whose user text holds no such string is tokenised whole,
 exactly as `apply_chat_template(..., tokenize=True)` tokenises it; one that holds one is tokenised piece by
 piece (`Encoder.segments`): the template's text with its markers, each message's content as plain text. A
-response's trailing EOS string is taken as its end (removed, the EOS id appended once).
+response's trailing EOS string, the text of any id of the EOS set (`eos.eos_ids`: `<|end|>` as well as the
+tokenizer's `<|endoftext|>`), is taken as its end: removed, and the tokenizer's EOS id appended once, so the
+reward model always reads its score at the tokenizer's EOS.
 
 The template's own text after the EOS (SmolLM2 writes "<|im_end|>\\n") is not part of the response: a
 policy stops at the EOS, and the reward model reads its score at the EOS.
@@ -52,6 +54,7 @@ from rlhf_cli.data.formats import (
     Prompt,
     raw_transcript,
 )
+from rlhf_cli.eos import eos_texts
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,8 @@ class Encoder:
     template's own markers, and the one EOS appended to a response, are special ids.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None):
+    def __init__(self, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None,
+                 eos_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.use_chat = bool(chat_template) and bool(getattr(tokenizer, "chat_template", None))
@@ -77,6 +81,8 @@ class Encoder:
         if self.eos_id is None:
             raise ValueError("the tokenizer has no EOS token; responses must end in one")
         self.eos_token: str = tokenizer.eos_token
+        self.eos_texts = eos_texts(tokenizer, eos_ids)
+        """The texts of the EOS set (`eos.eos_texts`), longest first: a response ending in one ends there."""
         bos = tokenizer.bos_token_id
         probe = tokenizer("a", add_special_tokens=True)["input_ids"]
         self.bos_id: int | None = bos if bos is not None and probe[:1] == [bos] else None
@@ -159,10 +165,11 @@ class Encoder:
 
     def response_text(self, raw: str) -> str:
         """The text tokenised for a response: stripped content (chat) or the raw text; a trailing EOS
-        string in the data is removed (the EOS id is appended once by `encode_responses`)."""
+        string in the data (the text of any id of the EOS set) is removed (the tokenizer's EOS id is appended once by
+        `encode_responses`)."""
         text = raw.strip() if self.use_chat else raw
-        while self.eos_token and text.endswith(self.eos_token):
-            text = text[: -len(self.eos_token)]
+        while end := next((t for t in self.eos_texts if t and text.endswith(t)), None):
+            text = text[: -len(end)]
             text = text.rstrip() if self.use_chat else text
         return text
 

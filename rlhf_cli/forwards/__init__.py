@@ -8,7 +8,8 @@ forwards over preference pairs, padded or packed.
     sft.py       a causal LM's log-probs of demonstrations' response tokens (train-sft), padded or packed
     training.py  the training forward of one micro-batch (`Forward`, with its graph): PPO's update, and the rollout's
                  forwards of the update's first micro-batches
-    packing.py   `data.packing` for rollouts: a group's shared prompt computed once, sequences packed into rows
+    packing.py   `data.packing` for rollouts: a group's shared prompt computed once, sequences packed into rows; the
+                 start-up probe that packed segments stay apart on a model (`packing_probe`)
 
 It sits between the components (`core/` math, `models/`, `data/`, `engine.py`) and what uses the forwards
 (`rollout/`, the stages): it imports neither. The models the forwards read (`PolicyWithValueHead`, `lm_of`,
@@ -21,7 +22,7 @@ run packed (packing.py) and read their outputs back into this layout. Pair batch
 `data.PackedPairCollator`'s (`pair_collator` picks one for a model).
 """
 
-from rlhf_cli.forwards.packing import PackedRollout, pack_rollout, use_packing
+from rlhf_cli.forwards.packing import PackedRollout, pack_rollout, packing_probe, use_packing
 from rlhf_cli.forwards.pairs import pair_logprobs
 from rlhf_cli.forwards.policy import (
     FrozenWithoutAdapters,
@@ -53,4 +54,5 @@ __all__ = [
     "sft_collator",
     "training_forward",
     "use_packing",
+    "packing_probe",
 ]

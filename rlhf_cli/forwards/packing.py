@@ -4,6 +4,7 @@ responses (and the first tokens those responses have in common), and, where it c
 system prompt of different prompts; tries share rows, so only row tails are padding.
 
     use_packing(model, packing)                          whether the model can take it (says once when not)
+    packing_probe(model)                                 whether packed segments stay apart on this model and backend
     pack_rollout(input_ids, attention_mask, prompt_len)  the packed layout and where each entry is read
 
 Every response token sees exactly the keys at exactly the positions it sees in its own padded row, so the log-probs,
@@ -16,24 +17,36 @@ layout once and the update reuses it (`Experience.layouts`).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, NamedTuple
 
 import torch
 
 from rlhf_cli import engine
 from rlhf_cli.data import PackedTries, pack_tries
-from rlhf_cli.models import custom_mask_support
+from rlhf_cli.models import custom_mask_support, trunk_hidden
 
 log = logging.getLogger(__name__)
 _SAID: set[str] = set()
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> `packing_probe`'s answer
+
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+"""The largest difference `packing_probe` takes for float noise, relative to the largest hidden state, by the dtype
+the probe computes in: a packed forward sums in another order (fp32: ~1e-6), and bf16 rounds each sum (~1e-2)."""
 
 
 def use_packing(model: Any, packing: bool) -> bool:
-    """`packing` where `model`'s attention implementation takes a custom 4D mask (`models.custom_mask_support`);
-    False otherwise, with one warning per reason per process."""
+    """`packing` where `model`'s attention implementation takes a custom 4D mask (`models.custom_mask_support`) and
+    keeps packed segments apart on this model (`packing_probe`, run at the model's first call); False otherwise, with
+    one warning per reason per process, and the run goes on unpacked."""
     if not packing:
         return False
     reason = custom_mask_support(model)
+    if reason is None:
+        inner = getattr(model, "module", model)
+        if inner not in _PROBED:
+            _PROBED[inner] = packing_probe(model)
+        reason = _PROBED[inner]
     if reason is None:
         return True
     if reason not in _SAID and engine.is_main():
@@ -41,6 +54,51 @@ def use_packing(model: Any, packing: bool) -> bool:
         log.warning("data.packing=true is off for this model: %s; every sequence is computed as its own padded row",
                     reason)
     return False
+
+
+def packing_probe(model: Any) -> str | None:
+    """A start-up check that packing holds on `model` as it will run (its weights, attention implementation, dtype
+    and the caller's autocast): two short segments packed into one row (a block-diagonal causal 4D mask, positions
+    restarting at the second), against each segment alone. None when every hidden state agrees to float noise
+    (`PROBE_TOLERANCE`, relative to the largest); else the reason, one line. A backend that reads the 4D mask as
+    plain causal (transformers PR #46634: an all-ones 2-D mask over packed rows) lets the second segment attend to
+    the first, and fails.
+
+    Three forwards of 9 tokens in all, without gradients, in eval mode (dropout off; the mode is restored). Under
+    ZeRO-3 every rank runs it (the forwards gather weights), as every rank runs the forward that asks. Only for a
+    model that takes a custom 4D mask (`models.custom_mask_support`; `trunk_hidden` raises ValueError otherwise)."""
+    inner = getattr(model, "module", model)
+    weight = next(iter(inner.parameters()))
+    dev, V = weight.device, inner.config.get_text_config().vocab_size
+    a = [(37 * i + 11) % V for i in range(1, 6)]
+    b = [(53 * i + 7) % V for i in range(1, 5)]
+    T = len(a) + len(b)
+    seg = torch.tensor([0] * len(a) + [1] * len(b), device=dev)
+    allowed = (torch.ones(T, T, dtype=torch.bool, device=dev).tril() & (seg[:, None] == seg[None, :]))[None, None]
+    positions = torch.tensor([list(range(len(a))) + list(range(len(b)))], device=dev)
+    module = inner if isinstance(inner, torch.nn.Module) else None  # a view (`models.without_adapters`) has no mode
+    was_training = module is not None and module.training
+    if module is not None:
+        module.eval()
+    try:
+        with torch.no_grad():
+            packed = trunk_hidden(model, torch.tensor([a + b], device=dev), allowed, positions)[0].float()
+            alone = torch.cat([trunk_hidden(model, torch.tensor([s], device=dev),
+                                            torch.ones(1, len(s), dtype=torch.long, device=dev))[0] for s in (a, b)])
+    finally:
+        if module is not None:
+            module.train(was_training)
+    alone = alone.float()
+    err = ((packed - alone).abs().max() / alone.abs().max().clamp(min=1e-12)).item()
+    dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else weight.dtype
+    tol = PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE[torch.bfloat16])
+    if err <= tol:
+        return None
+    impl = getattr(inner.config, "_attn_implementation", None)
+    log.debug("packing probe of %s: hidden states %.3g apart (relative), float noise up to %g", type(inner).__name__,
+              err, tol)
+    return (f"the packing probe found two packed segments attending to each other under attn_implementation={impl} "
+            f"(their hidden states differ from each segment's alone beyond float noise)")
 
 
 class PackedRollout(NamedTuple):

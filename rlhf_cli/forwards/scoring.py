@@ -12,12 +12,13 @@ from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator
 from rlhf_cli.forwards.packing import pack_rollout, use_packing
-from rlhf_cli.models import attention_tokens, rewards_at, sequence_rewards
+from rlhf_cli.models import attention_tokens, last_token_index, rewards_at, sequence_rewards
 
 
 @torch.no_grad()
 def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
-                    precision: str, prompt_len: int | None = None, packing: bool = False) -> torch.Tensor:
+                    precision: str, prompt_len: int | None = None, packing: bool = False,
+                    eos_ids: Sequence[int] = ()) -> torch.Tensor:
     """Reward-model scores (N,) float32 of N sequences, `batch_size` rows per forward, under the run's
     precision; on the inputs' device. See models.sequence_rewards for where each score is read.
 
@@ -27,7 +28,18 @@ def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
 
     Identical sequences (the same real tokens) are scored once and share that score, so they tie exactly in any
     layout: a group whose samples are all the same is flat (`core.group_stats`), not a group with a spread of
-    rounding errors that a group std would blow up."""
+    rounding errors that a group std would blow up.
+
+    `eos_ids`: the run's EOS set (`eos.eos_ids`, the tokenizer's EOS first). A reward model reads its score at the
+    tokenizer's EOS, where train-rm's responses end (`data.Encoder`); a sequence whose last real token is another id
+    of the set (a policy that ended its turn with `<|end|>`) is scored with that token read as the tokenizer's EOS.
+    The caller's tensors are not changed."""
+    if len(eos_ids) > 1:
+        last = last_token_index(attention_mask)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        other = torch.isin(input_ids[rows, last], torch.tensor(eos_ids[1:], device=input_ids.device))
+        input_ids = input_ids.clone()
+        input_ids[rows[other], last[other]] = eos_ids[0]
     keys = [tuple(row[m.bool()].tolist()) for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
     first: dict[tuple[int, ...], int] = {}  # a sequence -> its first row
     for b, k in enumerate(keys):

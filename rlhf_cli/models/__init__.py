@@ -15,9 +15,11 @@ from rlhf_cli.models.loading import (
     configure_training,
     count_parameters,
     load_causal_lm,
+    load_generation_config,
     load_tokenizer,
     resolve_hf_dir,
     torch_dtype_for,
+    with_attention_fallback,
 )
 from rlhf_cli.models.lora import (
     ADAPTER_DIR,
@@ -68,6 +70,7 @@ __all__ = [
     "is_scalar_model_dir",
     "last_token_index",
     "load_causal_lm",
+    "load_generation_config",
     "load_scalar_model",
     "load_tokenizer",
     "new_scalar_head",
@@ -84,5 +87,6 @@ __all__ = [
     "token_values",
     "torch_dtype_for",
     "trunk_hidden",
+    "with_attention_fallback",
     "unwrap",
 ]

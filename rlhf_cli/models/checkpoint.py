@@ -1,7 +1,7 @@
 """Save models as plain HF directories and inspect saved ones.
 
     save_hf(model, tokenizer, out_dir, extra_config=None)   safetensors + config + tokenizer, atomically
-    with_scoring_template(tokenizer)                           a reward model's tokenizer: the chat template ends at EOS
+    with_scoring_template(tokenizer, eos_set)                  a reward model's tokenizer: ends at EOS, pads right
     read_reward_stats(path) -> (mean, std) | None            reward normalisation stored by train-rm
     is_scalar_model_dir(path) -> bool                          reward model / critic, or not
     require_scalar_model_dir(path, what)                       the same, as a one-line error
@@ -18,10 +18,12 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rlhf_cli.commands import by_kind
+from rlhf_cli.eos import eos_ids, eos_texts
 from rlhf_cli.errors import ModelSourceError
 from rlhf_cli.models.loading import atomic_dir, fix_pad_token, looks_like_hub_id, resolve_hf_dir
 from rlhf_cli.runs import save_error
@@ -69,7 +71,7 @@ def save_hf(
     gen = copy.deepcopy(live_gen) if live_gen is not None else None
     if gen is not None:
         gen.pad_token_id = tokenizer.pad_token_id
-        gen.eos_token_id = tokenizer.eos_token_id
+        gen.eos_token_id = list(eos_ids(tokenizer, gen))  # the whole EOS set: generate stops where the run did
 
     out = Path(out_dir)
     try:
@@ -93,32 +95,52 @@ def save_hf(
     return out
 
 
-def with_scoring_template(tokenizer: Any) -> Any:
+def with_scoring_template(tokenizer: Any, eos_set: Sequence[int] = ()) -> Any:
     """A copy of `tokenizer` whose chat template ends a conversation that ends with an assistant message AT its
     EOS (SmolLM2's template writes `<|im_end|>\\n`: the newline goes), for a reward model's `final/`.
+
+    The end is the run's (`eos.eos_ids`, `data.Encoder`): the assistant's content, then the tokenizer's EOS once.
+    A template that closes the turn with other ids of the EOS set `eos_set` (Phi-3: `<|end|>\\n<|endoftext|>`) has
+    that whole tail, the EOS-set texts and the whitespace between them, replaced by the tokenizer's EOS.
 
     A reward model is trained and scored at the EOS closing the response; `AutoModelForSequenceClassification`
     reads the last non-pad token. With this template the standard call,
     `tokenizer.apply_chat_template([user, assistant], return_dict=True, return_tensors="pt")`, ends at that EOS,
-    so it scores as the run did. Prompt rendering (`add_generation_prompt=True`) is unchanged. A tokenizer without
-    a template, or whose template already ends there, is returned as it is.
+    so it scores as the run did. Prompt rendering (`add_generation_prompt=True`) is unchanged. A template that
+    already ends there, or none, is kept as it is.
+
+    The copy pads on the right (`padding_side="right"`, saved in `tokenizer_config.json`), the side the run's scores
+    assume for every family: the run counts positions from each sequence's first token, and so does a plain
+    transformers forward of right-padded rows; left padding shifts every position of an absolute-position family
+    (GPT-2, OPT), and their scores with it.
     """
     template = getattr(tokenizer, "chat_template", None)
     eos = tokenizer.eos_token
+    out = copy.deepcopy(tokenizer)
+    out.padding_side = out.init_kwargs["padding_side"] = "right"  # what save_pretrained writes is `init_kwargs`
     if not isinstance(template, str) or not eos:
-        return tokenizer
-    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        return out
+    answer = "\ue002"  # a private-use character: what the template writes after it is the turn's tail
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
     try:
         rendered = tokenizer.apply_chat_template(probe, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that rejects this conversation: save it as it is
-        return tokenizer
-    if rendered.endswith(eos) or not rendered.rstrip().endswith(eos):
-        return tokenizer
-    out = copy.deepcopy(tokenizer)
+        return out
+    texts = eos_texts(tokenizer, eos_set)
+    tail = rendered[rendered.rfind(answer) + len(answer):] if answer in rendered else ""
+    rest, ends = tail, 0
+    while rest := rest.strip():
+        end = next((t for t in texts if rest.endswith(t)), None)
+        if end is None:
+            return out  # the turn's tail holds other text: leave the template as it is
+        rest, ends = rest[: -len(end)], ends + 1
+    if not ends or tail == eos:  # no EOS at the end, or it already ends at the EOS
+        return out
     out.chat_template = (
         "{%- set rendered -%}" + template + "{%- endset -%}"
         "{%- if not add_generation_prompt and messages and messages[-1]['role'] == 'assistant' "
-        "and rendered.rstrip().endswith(eos_token) -%}{{ rendered.rstrip() }}{%- else -%}{{ rendered }}{%- endif -%}")
+        f"and rendered.endswith({json.dumps(tail)}) -%}}{{{{ rendered[:{-len(tail)}] + eos_token }}}}"
+        "{%- else -%}{{ rendered }}{%- endif -%}")
     return out
 
 

@@ -5,6 +5,8 @@ Model sources (see `ModelConfig`): a hub id or local HF dir, a GGUF file (a path
 
     load_tokenizer(model_cfg)                        tokenizer with pad != eos
     load_causal_lm(model_cfg, precision, seed)       AutoModelForCausalLM from any of the sources
+    load_generation_config(model_cfg)                a model's saved generation config (its EOS ids), or None
+    with_attention_fallback(build, attn, what)       a model built with `attn`, or with one its family supports
     torch_dtype_for(precision)                       weight dtype of a run's `precision`
     count_parameters(model, non_embedding=True)
 
@@ -23,10 +25,11 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError, ModelSourceError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -228,7 +231,8 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
     tokenizer's vocabulary: same seed, same weights); `name_or_path` (hub id, HF dir, run dir or
     `latest_*` pointer file, see `resolve_hf_dir`); `gguf_file` (de-quantised once, then loaded from
     the HF-dir cache). Weights get `torch_dtype_for(precision)`. `gradient_checkpointing` switches
-    checkpointing on (and the KV cache off); `attn_implementation` picks the attention backend.
+    checkpointing on (and the KV cache off); `attn_implementation` picks the attention backend (one the family
+    does not support falls back to one it does, `with_attention_fallback`).
     `config.pad_token_id` (and the generation config's pad/eos) are set from the tokenizer, whose
     pad is distinct from EOS (`fix_pad_token`). Pass `tokenizer` to skip reloading it.
     """
@@ -244,16 +248,20 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
         config = tiny_llama_config(cfg.arch, tok)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+            model = with_attention_fallback(
+                lambda a: AutoModelForCausalLM.from_config(config, attn_implementation=a), attn, cfg.name)
         model = model.to(dtype)
         source = f"random init (seed {seed}, {cfg.arch.num_hidden_layers} layers x {cfg.arch.hidden_size})"
     elif cfg.name_or_path:
         path = resolve_hf_dir(cfg.name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        model = with_attention_fallback(
+            lambda a: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=a), attn, path)
         source = path
     elif cfg.gguf_file:
         mdir, cached = dequantized_gguf_dir(cfg.gguf_file, cfg.cache_dir)
-        model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=dtype, attn_implementation=attn)
+        model = with_attention_fallback(
+            lambda a: AutoModelForCausalLM.from_pretrained(str(mdir), dtype=dtype, attn_implementation=a), attn,
+            cfg.gguf_file)
         source = f"{cfg.gguf_file} ({'cached HF copy' if cached else 'de-quantised now, cached'} at {mdir})"
     else:
         raise ModelSourceError("model config names no weights: "
@@ -264,6 +272,65 @@ def load_causal_lm(model_cfg: Any, precision: str = "fp32", seed: int = 0, token
              str(dtype).removeprefix("torch."), count_parameters(model, non_embedding=False) / 1e6,
              count_parameters(model) / 1e6, time.perf_counter() - t0)
     return model
+
+
+ATTENTION_FALLBACKS = ("sdpa", "eager")
+"""What `with_attention_fallback` tries, in order, when a family does not support `model.attn_implementation`:
+PyTorch's fused attention, then the plain one that every family has."""
+
+
+def with_attention_fallback(build: Callable[[str], Any], attn: str, what: str) -> Any:
+    """`build(attn)`, the model built with the attention implementation `model.attn_implementation` names; when
+    the model's family does not support it (transformers raises ValueError "... does not support an attention
+    implementation through ...": Gemma 2 and sdpa in some versions), `build` of the first of `ATTENTION_FALLBACKS`
+    the family supports, with one warning naming both. Any other error is raised as is; so is the last fallback's.
+    `what` names the model in the warning. Returns what `build` returns."""
+    try:
+        return build(attn)
+    except ValueError as e:
+        if "does not support" not in str(e) or attn == ATTENTION_FALLBACKS[-1]:
+            raise
+        reason = str(e).split(". ")[0]
+    fallbacks = [a for a in ATTENTION_FALLBACKS if a != attn]
+    for fallback in fallbacks[:-1]:
+        try:
+            model = build(fallback)
+            break
+        except ValueError as e:
+            if "does not support" not in str(e):
+                raise
+    else:
+        fallback = fallbacks[-1]
+        model = build(fallback)
+    log.warning("model %s: model.attn_implementation=%s is not supported (%s): using %s instead", what, attn,
+                reason, fallback)
+    return model
+
+
+def load_generation_config(model_cfg: Any) -> Any:
+    """The `GenerationConfig` saved beside a ModelConfig's (or a path's) weights, read without loading them: its
+    `eos_token_id` is the model's part of the EOS set (`eos.eos_ids`). A dir without `generation_config.json` (a
+    reward model's `final/`, whose config.json keeps the set as its `eos_token_id`) gives the one transformers
+    derives from its config.json. None when there is none (a random model, a hub id not in the offline cache)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    cfg = as_model_config(model_cfg)
+    if cfg.init == "random":
+        return None
+    if cfg.name_or_path:
+        path = resolve_hf_dir(cfg.name_or_path)
+    elif cfg.gguf_file:
+        path = str(gguf_cache_dir(cfg.gguf_file, cfg.cache_dir) / "model")
+    else:
+        return None
+    local = Path(path)
+    try:
+        if local.is_dir() and not (local / "generation_config.json").is_file():
+            return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path)) if (
+                local / "config.json").is_file() else None
+        return GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):  # a hub id not in the cache, an unreadable file: no model-side EOS ids
+        return None
 
 
 def tiny_llama_config(arch: Any, tokenizer: Any) -> Any:
@@ -327,12 +394,13 @@ def drop_quantization(model: Any) -> None:
 
 
 def set_special_token_ids(model: Any, tokenizer: Any) -> None:
-    """Copy the tokenizer's pad/bos/eos ids into the model's config and generation config."""
+    """Copy the tokenizer's pad/bos ids into the model's config and generation config; the generation config's
+    `eos_token_id` becomes the whole EOS set (`eos.eos_ids`: the tokenizer's EOS, then the model's own)."""
     model.config.pad_token_id = tokenizer.pad_token_id
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.pad_token_id = tokenizer.pad_token_id
-        gen.eos_token_id = tokenizer.eos_token_id
+        gen.eos_token_id = list(eos_ids(tokenizer, gen))
         if tokenizer.bos_token_id is not None:
             gen.bos_token_id = tokenizer.bos_token_id
 

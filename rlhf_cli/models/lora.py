@@ -41,10 +41,24 @@ def lora_enabled(lora_cfg: Any) -> bool:
     return lora_cfg is not None and int(lora_cfg.r) > 0
 
 
+def linear_layer_types() -> tuple[type, ...]:
+    """The layer types LoRA adapts here: `nn.Linear`, and transformers' `Conv1D` (GPT-2's attention and MLP: a
+    linear layer whose weight is stored transposed, (in, out); peft sets `fan_in_fan_out` for it, and
+    `merged_state_dict` transposes its update)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return torch.nn.Linear, Conv1D
+
+
 def linear_module_names(model: torch.nn.Module) -> list[str]:
-    """The distinct last name parts of `model`'s `nn.Linear` modules (`q_proj`, `down_proj`, `score`, ...): what
-    `model.lora.target_modules` can name."""
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    """The distinct last name parts of `model`'s linear layers (`linear_layer_types`: `q_proj`, `down_proj`, `c_attn`,
+    `score`, ...), LoRA's own layers left out: what `model.lora.target_modules` can name."""
+    names = set()
+    for name, m in model.named_modules():
+        parts = [p for p in name.split(".") if p != "base_layer"]
+        if isinstance(m, linear_layer_types()) and parts and not any(p.startswith("lora_") for p in parts):
+            names.add(parts[-1])
+    return sorted(names)
 
 
 def add_lora(model: torch.nn.Module, lora_cfg: Any, heads: Sequence[str] = (), what: str = "policy") -> torch.nn.Module:
@@ -58,7 +72,7 @@ def add_lora(model: torch.nn.Module, lora_cfg: Any, heads: Sequence[str] = (), w
 
     Raises:
         ConfigError: `target_modules` names no module of `model` (the message lists its linear modules), names
-            a layer that is not `nn.Linear` (the merge into plain weights handles linear layers only), or one
+            a layer that is not linear (`linear_layer_types`: the merge into plain weights handles those only), or one
             outside the trunk (the LM head: a LoRA policy's reference reads it with the adapters off).
     """
     from peft import LoraConfig, inject_adapter_in_model
@@ -74,15 +88,15 @@ def add_lora(model: torch.nn.Module, lora_cfg: Any, heads: Sequence[str] = (), w
         if type(e).__name__ != "NoMatchingPeftModuleError" and "not found" not in str(e):
             raise
         raise ConfigError(f"model.lora.target_modules={targets} matches no module of the {what} "
-                          f"({type(model).__name__}); its linear modules: {', '.join(linear_module_names(model))}"
-                          ) from None
+                          f"({type(model).__name__}); set model.lora.target_modules to some of its linear modules: "
+                          f"{', '.join(linear_module_names(model))}") from None
     adapted = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
     trunk = f"{model.base_model_prefix}."
     for name, m in adapted:
-        if not isinstance(m.base_layer, torch.nn.Linear):
+        if not isinstance(m.base_layer, linear_layer_types()):
             raise ConfigError(f"model.lora.target_modules={targets} takes {name} ({type(m.base_layer).__name__}), "
-                              f"not a linear layer: LoRA here adapts linear layers only "
-                              f"({', '.join(linear_module_names(model))})")
+                              f"not a linear layer: LoRA here adapts linear layers only; set "
+                              f"model.lora.target_modules to some of {', '.join(linear_module_names(model))}")
         if not name.startswith(trunk):
             raise ConfigError(f"model.lora.target_modules={targets} takes {name}, outside the trunk ({trunk}*): "
                               f"adapters go on the trunk's linear layers (the LM head is the reference's too, and "

@@ -54,6 +54,7 @@ from rlhf_cli.models.loading import (
     load_causal_lm,
     resolve_hf_dir,
     torch_dtype_for,
+    with_attention_fallback,
 )
 
 log = logging.getLogger(__name__)
@@ -133,8 +134,8 @@ def load_scalar_model(
         from transformers import AutoModelForSequenceClassification
 
         path = resolve_hf_dir(cfg.name_or_path)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        model = with_attention_fallback(lambda a: AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=dtype, attn_implementation=a), cfg.attn_implementation, path)
         if model.config.num_labels != 1:
             raise ValueError(f"'{path}' has {model.config.num_labels} labels; a reward model or critic has 1")
         model.score = float32_head(model.score)

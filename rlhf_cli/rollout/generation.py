@@ -274,8 +274,8 @@ def make_generator(name: str, settings: EngineSettings) -> Generator:
 
 
 def sample_responses(
-    lm: Any, prompts: list[dict[str, Any]], pad_id: int, eos_id: int, max_new_tokens: int, temperature: float,
-    top_p: float, precision: str, chunk: int = 32, seeds: Sequence[int] | None = None,
+    lm: Any, prompts: list[dict[str, Any]], pad_id: int, eos_ids: int | Sequence[int], max_new_tokens: int,
+    temperature: float, top_p: float, precision: str, chunk: int = 32, seeds: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Sample one response per prompt from `lm` in one call: `HFGenerator` then `rollout_batch`.
 
@@ -283,13 +283,15 @@ def sample_responses(
     response]`, attention_mask (B, P+R) (response part 1 up to and including the first EOS), P, and
     has_eos (B,) bool. R is the longest response (<= max_new_tokens).
 
-    `seeds`: one int per prompt (see `Generator`); without them, they are drawn from torch's global generator.
+    `eos_ids`: the ids that end a response (`eos.eos_ids`; one int is the set of that id alone). `seeds`: one int
+    per prompt (see `Generator`); without them, they are drawn from torch's global generator.
     """
     if seeds is None:
         seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
     generator = HFGenerator(precision, chunk)
     generator.update_weights(lm)
     prompt_ids = [p["prompt_ids"] for p in prompts]
-    sampling = Sampling(eos_ids=(eos_id,), pad_id=pad_id, max_new_tokens=max_new_tokens, temperature=temperature,
+    eos = (eos_ids,) if isinstance(eos_ids, int) else tuple(eos_ids)
+    sampling = Sampling(eos_ids=eos, pad_id=pad_id, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_p=top_p)
     return rollout_batch(prompt_ids, generator.generate(prompt_ids, seeds, sampling), pad_id)

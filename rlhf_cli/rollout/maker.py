@@ -19,6 +19,7 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_penalized_rewards, overlong_penalty
 from rlhf_cli.data import epoch_order
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import (
     Forward,
     PackedRollout,
@@ -58,7 +59,10 @@ class ExperienceMaker:
                  plan: Callable[[int, torch.Tensor], UpdatePlan], workdir: Any = None) -> None:
         self.cfg, self.p = cfg, cfg.ppo
         self.tokenizer, self.prompts = tokenizer, prompts
-        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_ids = eos_ids(tokenizer, lm_of(actor.module).generation_config)
+        """Every id that ends a response (`eos.eos_ids`): sampling stops at the first, the masks and `has_eos` read
+        them all."""
         self.actor, self.reference, self.critic = actor, reference, critic
         self.rewards, self.kl_ctl = rewards, kl_ctl
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
@@ -68,7 +72,7 @@ class ExperienceMaker:
             kv_cache_gb=cfg.rollout.kv_cache_gb, max_model_len=cfg.data.max_prompt_length + self.p.max_new_tokens))
         """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout; the stage
         closes it (`generator.close()`) when the run ends."""
-        self.sampling = Sampling(eos_ids=(self.eos_id,), pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
+        self.sampling = Sampling(eos_ids=self.eos_ids, pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
                                  temperature=self.p.temperature, top_p=self.p.top_p)
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
         self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)

@@ -15,6 +15,7 @@ rank, with its one-line message (`RewardError`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,14 +37,15 @@ class Rewards:
 
     cfg: the run config (`reward.*`, `ppo.normalize_reward`); reward_model: an `engine.FrozenModel` (None when
     no source is `model`); reward_stats: its held-out (mean, std) or None; batch_size: rows per RM forward;
-    score_precision: the RM pass's precision.
+    score_precision: the RM pass's precision; eos_ids: the run's EOS set (`eos.eos_ids`), the tokenizer's first.
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, reward_model: Any, reward_stats: tuple[float, float] | None,
-                 batch_size: int, score_precision: str, normalize: bool = True) -> None:
+                 batch_size: int, score_precision: str, normalize: bool = True, eos_ids: Sequence[int] = ()) -> None:
         self.weights = reward_sources(cfg)
         self.tokenizer, self.reward_model, self.reward_stats = tokenizer, reward_model, reward_stats
         self.batch_size, self.score_precision, self.normalize = batch_size, score_precision, normalize
+        self.eos_ids = tuple(eos_ids)  # the EOS set: a response's closing id is read as the first (`batched_rewards`)
         self.packing = bool(cfg.data.packing)  # the reward model scores packed rows (`batched_rewards`)
         self.functions: dict[str, tuple[str, Any]] = {}
         if "checker" in self.weights:
@@ -74,7 +76,7 @@ class Rewards:
         if "model" in self.weights:
             with self.reward_model.on_device() as rm:
                 r = batched_rewards(rm, input_ids, attention_mask, self.batch_size, self.score_precision,
-                                    prompt_len, self.packing)
+                                    prompt_len, self.packing, self.eos_ids)
             n = r
             if self.normalize and self.reward_stats is not None:
                 mean, std = self.reward_stats

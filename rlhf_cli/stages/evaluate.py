@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,13 @@ from rlhf_cli.core import (
     win_rate,
 )
 from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import batched_rewards, pair_metrics, score_pairs, sequence_kl
 from rlhf_cli.lifecycle import command_line_keys, prepare_run_dir, seed_everything, write_config
 from rlhf_cli.models import (
     is_scalar_model_dir,
     load_causal_lm,
+    load_generation_config,
     load_scalar_model,
     load_tokenizer,
     lora_enabled,
@@ -78,7 +81,8 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
     """Pairwise accuracy (ties not correct), margin and reward distributions on preference data."""
     rm_dir = require_scalar_model_dir(rm_path, "reward model")
     tokenizer = load_tokenizer(_model_cfg(rm_dir, cfg.model))
-    data = load_preference_data(cfg.data, tokenizer)
+    eos = eos_ids(tokenizer, load_generation_config(rm_dir))  # train-rm keeps the set in its config.json
+    data = load_preference_data(cfg.data, tokenizer, eos_ids=eos)
     lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"reward_model": rm_dir}, write=engine.is_main())
     pairs = {"eval": data.eval, "train": data.train, "all": list(data.train) + list(data.eval)}[cfg.eval.split]
     if cfg.eval.num_prompts:
@@ -124,7 +128,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     ref_path = ref_spec.get("name_or_path") or ref_spec.get("gguf_file") or f"{ref_spec.get('name')} (seed {ref_seed})"
     rm_path = cfg.reward_model.path or pconf.get("rlhf_reward_model_path")
     tokenizer = load_tokenizer(_model_cfg(policy_dir, cfg.model))
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id
 
     prompts = load_prompt_data(cfg.data, tokenizer, split="eval")
     parents = {"policy": policy_dir, "reference": ref_spec.get("name_or_path") or ref_spec.get("gguf_file"),
@@ -170,7 +174,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     generator = make_generator(cfg.rollout.engine, EngineSettings(
         precision=cfg.precision, chunk=e.generation_batch_size, workdir=run_dir, kv_cache_gb=cfg.rollout.kv_cache_gb,
         max_model_len=cfg.data.max_prompt_length + e.max_new_tokens))
-    sampling = Sampling(eos_ids=(eos_id,), pad_id=pad_id, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+    eos = eos_ids(tokenizer, policy.generation_config)  # the policy's set ends both sides' responses
+    sampling = Sampling(eos_ids=eos, pad_id=pad_id, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                         top_p=e.top_p)
     prompt_ids = [x["prompt_ids"] for x in mine]
     sampled = {}
@@ -183,7 +188,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     scores = {}
     if reward_model is not None:  # both sides in one pass: a prompt's two samples share its computation
         scores = side_by_side_rewards(reward_model, sampled["policy"][:3], sampled["reference"][:3], pad_id,
-                                      e.batch_size, score_precision, cfg.data.packing)
+                                      e.batch_size, score_precision, cfg.data.packing, eos)
     for who in ("policy", "reference"):
         ids, am, P, has_eos = sampled[who]
         texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
@@ -268,7 +273,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
 
 def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, int],
                          reference: tuple[torch.Tensor, torch.Tensor, int], pad_id: int, batch_size: int,
-                         precision: str, packing: bool) -> dict[str, torch.Tensor]:
+                         precision: str, packing: bool, eos: Sequence[int] = ()) -> dict[str, torch.Tensor]:
     """Reward-model scores {"policy": (N,), "reference": (N,)} float32 on the CPU of both models' samples of the
     same N prompts, a prompt's two samples in the same forward (`batched_rewards` over rows interleaved policy i,
     reference i, `batch_size` // 2 prompts, at least 1, per forward): packed (`data.packing`), a prompt and the
@@ -276,7 +281,8 @@ def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, i
     exact tie).
 
     policy, reference: (input_ids (N, P+R), attention_mask (N, P+R), P) as `rollout_batch` returns them, the
-    same prompts in the same order (R may differ: the narrower side is right-padded)."""
+    same prompts in the same order (R may differ: the narrower side is right-padded). `eos`: the EOS set, a
+    response's closing id read as its first (`batched_rewards`)."""
     (a_ids, a_am, P), (b_ids, b_am, Pb) = policy, reference
     if P != Pb or a_ids.shape[0] != b_ids.shape[0]:
         raise ValueError(f"side_by_side_rewards: prompts differ ({a_ids.shape[0]} rows, P={P} against "
@@ -286,7 +292,7 @@ def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, i
     ids = torch.stack([widen(a_ids, pad_id), widen(b_ids, pad_id)], 1).flatten(0, 1)
     am = torch.stack([widen(a_am, 0), widen(b_am, 0)], 1).flatten(0, 1)
     k = 2 * max(batch_size // 2, 1)  # rows of whole prompts per forward
-    scores = torch.cat([batched_rewards(model, ids[i:i + k], am[i:i + k], k, precision, P, packing).cpu()
+    scores = torch.cat([batched_rewards(model, ids[i:i + k], am[i:i + k], k, precision, P, packing, eos).cpu()
                         for i in range(0, ids.shape[0], k)])
     return {"policy": scores[0::2], "reference": scores[1::2]}
 

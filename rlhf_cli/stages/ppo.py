@@ -37,6 +37,7 @@ from rlhf_cli.commands import by_kind, by_stage
 from rlhf_cli.config import ConfigError, PPOConfig, reward_sources
 from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import FrozenWithoutAdapters
 from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
@@ -200,7 +201,8 @@ class PPOTrainer(PolicyLearner):
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
         rewards = Rewards(cfg, self.tokenizer, self.reward_model, self.reward_stats, p.micro_batch_size,
-                          self.score_precision, normalize=p.normalize_reward)
+                          self.score_precision, normalize=p.normalize_reward,
+                          eos_ids=eos_ids(self.tokenizer, policy.generation_config))
         self.settle_folds(self.reference)  # what the rollout folds into the update, from the engines as built
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
                                      rewards, self.kl_ctl, self.score_precision, plan=self.plan, workdir=self.run_dir)

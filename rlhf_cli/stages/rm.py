@@ -20,12 +20,14 @@ from rlhf_cli import engine, lineage
 from rlhf_cli.commands import by_stage
 from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import epoch_order, example_length, load_preference_data
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import forward_pairs, pair_collator, pair_metrics, score_pairs
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     add_lora,
     count_parameters,
+    load_generation_config,
     load_scalar_model,
     load_tokenizer,
     lora_enabled,
@@ -49,7 +51,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 
     # 1. data
     tokenizer = load_tokenizer(cfg.model)
-    data = load_preference_data(cfg.data, tokenizer)
+    eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends (`eos.eos_ids`)
+    data = load_preference_data(cfg.data, tokenizer, eos_ids=eos)
     train, heldout = data.train, data.eval
     lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
     if len(train) < rmc.batch_size:
@@ -170,8 +173,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():
         stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
-        save_model(eng.module, state_dict, with_scoring_template(tokenizer), final, model_source(cfg.model),
-                   extra_config={**stats, "rlhf_stage": COMMAND.kind,
+        save_model(eng.module, state_dict, with_scoring_template(tokenizer, eos), final, model_source(cfg.model),
+                   extra_config={**stats, "rlhf_stage": COMMAND.kind, "eos_token_id": list(eos),
                                  "rlhf_eval_accuracy": final_stats.get("rm/accuracy")})
         atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,
                                                      "reward_std": reward_std, "steps": step})

@@ -1,6 +1,7 @@
 """Causal LM loading: dtypes, the seeded tiny model, switches, parameter counts, the GGUF cache."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def test_tiny_model_shape_and_special_tokens(tiny_model_cfg, tokenizer, tiny_cau
     assert c.pad_token_id == tokenizer.pad_token_id == 0  # <|endoftext|>, not the EOS
     assert c.eos_token_id == tokenizer.eos_token_id == 2
     assert tiny_causal.generation_config.pad_token_id == 0
-    assert tiny_causal.generation_config.eos_token_id == 2
+    assert tiny_causal.generation_config.eos_token_id == [2]  # the EOS set (`eos.eos_ids`)
     assert c.use_cache is True and not is_checkpointing(tiny_causal)
 
 
@@ -119,3 +120,36 @@ def test_gguf_is_dequantised_once_then_loaded_from_cache(tiny_model_cfg, tokeniz
     assert len(gguf_calls) == 1  # cache hit: no second de-quantisation
     assert _same_weights(first, second) and _same_weights(first, tiny_causal)
     assert first.config.pad_token_id == 0
+
+
+def test_an_attention_implementation_the_family_lacks_falls_back(tmp_path, tokenizer, caplog):
+    """Gemma 2 under transformers 5 supports no sdpa: `model.attn_implementation=sdpa` (the default) loads it with
+    eager attention and says so in one line, for the causal LM and for a reward model saved from it."""
+    from family_helpers import save_tiny
+
+    from rlhf_cli.models import load_causal_lm, load_scalar_model, save_hf
+
+    path = save_tiny("gemma2", tokenizer, tmp_path / "gemma2")
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="does not support"):  # the case this fallback exists for
+        AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa")
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.models.loading"):
+        lm = load_causal_lm(str(path), tokenizer=tokenizer)
+    assert lm.config._attn_implementation == "eager"
+    lines = [r.getMessage() for r in caplog.records if "attn_implementation" in r.getMessage()]
+    assert len(lines) == 1 and "sdpa is not supported" in lines[0] and "using eager" in lines[0]
+    rm = load_scalar_model(str(path), seed=0)
+    save_hf(rm, tokenizer, tmp_path / "rm")
+    assert load_scalar_model(str(tmp_path / "rm")).config._attn_implementation == "eager"
+
+
+def test_other_errors_are_not_taken_for_a_missing_implementation():
+    from rlhf_cli.models import with_attention_fallback
+
+    def build(attn):
+        raise ValueError("the config is broken")
+
+    with pytest.raises(ValueError, match="broken"):
+        with_attention_fallback(build, "sdpa", "m")
+    assert with_attention_fallback(lambda a: a, "sdpa", "m") == "sdpa"

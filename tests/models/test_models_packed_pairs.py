@@ -16,7 +16,7 @@ from stage_helpers import assert_same_gradients, grads
 
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator
-from rlhf_cli.forwards import forward_pairs, pair_collator, score_pairs
+from rlhf_cli.forwards import forward_pairs, packing, pair_collator, score_pairs
 from rlhf_cli.models import sequence_rewards
 
 PAD, EOS = 0, 2
@@ -148,7 +148,7 @@ def test_an_attention_implementation_without_custom_masks_falls_back_once(scalar
         trunk_hidden(scalar, batch["input_ids"], batch["pair_attention"])
 
 
-def test_a_model_with_sliding_window_layers_is_not_packed(caplog):
+def test_a_model_with_sliding_window_layers_is_not_packed(caplog, monkeypatch):
     """A custom 4D mask replaces the model's per-layer sliding-window mask: such a model falls back, once."""
     from transformers import MistralConfig
 
@@ -160,6 +160,7 @@ def test_a_model_with_sliding_window_layers_is_not_packed(caplog):
         assert isinstance(pair_collator(Model(), PAD, packing=True), PairCollator)
     assert any("sliding-window" in r.getMessage() for r in caplog.records)
     Model.config.sliding_window = None
+    monkeypatch.setattr(packing, "packing_probe", lambda model: None)  # a stand-in: no forward to probe
     assert isinstance(pair_collator(Model(), PAD, packing=True), PackedPairCollator)
 
 

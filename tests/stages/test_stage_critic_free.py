@@ -84,7 +84,7 @@ def test_reward_function_gets_the_answers_and_its_values_are_the_scores(tmp_path
     assert completions == tr.tokenizer.batch_decode(exp.input_ids[:, P:], skip_special_tokens=True)
     fn = torch.tensor([len(c) / 10 + 0.5 for c in completions])
     chk = torch.tensor(checker(call["prompts"], completions, answer=call["answer"]), dtype=torch.float32)
-    has_eos = (exp.input_ids[:, P:] == tr.maker.eos_id).any(1).float()
+    has_eos = torch.isin(exp.input_ids[:, P:], torch.tensor(tr.maker.eos_ids)).any(1).float()
     torch.testing.assert_close(exp.scores, 2.0 * fn + 0.5 * chk - 1.0 * (1 - has_eos))
     assert stats["reward/function"] == pytest.approx(fn.mean().item())
     # the scores reach the advantages: GRPO's (score − group mean) / group std, at every response token

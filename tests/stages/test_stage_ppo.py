@@ -72,7 +72,7 @@ def force_eos(monkeypatch, tr, eos_at):
     """Make the policy emit EOS at response position `eos_at[row]` (rows of the rollout)."""
     def edit(responses):
         for row, pos in eos_at.items():
-            responses[row, pos] = tr.maker.eos_id
+            responses[row, pos] = tr.maker.eos_ids[0]
 
     edit_generate(monkeypatch, tr, edit)
 
@@ -272,7 +272,7 @@ def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     seeds = [derive_seed(42, 0, k) for k in range(6)]
 
     def sample(rows, chunk):
-        ids, am, P, _ = rollout.sample_responses(lm, [prompts[i] for i in rows], tr.maker.pad_id, tr.maker.eos_id,
+        ids, am, P, _ = rollout.sample_responses(lm, [prompts[i] for i in rows], tr.maker.pad_id, tr.maker.eos_ids,
                                                  10, 0.7, 1.0, "fp32", chunk=chunk, seeds=[seeds[i] for i in rows])
         return {i: ids[j, P:][am[j, P:].bool()].tolist() for j, i in enumerate(rows)}
 
@@ -280,7 +280,7 @@ def test_a_prompts_sample_depends_on_its_seed_not_on_its_batch(tmp_path):
     assert sample([4, 1, 5], chunk=2) == {i: full[i] for i in (4, 1, 5)}
     assert sample([3], chunk=1) == {3: full[3]}
     assert len({tuple(r) for r in full.values()}) > 1  # different seeds, different samples
-    ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.maker.pad_id, tr.maker.eos_id, 10, 0.7, 1.0, "fp32",
+    ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.maker.pad_id, tr.maker.eos_ids, 10, 0.7, 1.0, "fp32",
                                              chunk=6, seeds=[s + 1 for s in seeds])
     assert {i: ids[i, P:][am[i, P:].bool()].tolist() for i in range(6)} != full  # the seed decides
 
@@ -303,7 +303,7 @@ def test_the_models_own_generation_config_does_not_change_the_samples(tmp_path):
     prompts, seeds = tr.prompts[:4], [derive_seed(1, k) for k in range(4)]
 
     def sample():
-        ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.maker.pad_id, tr.maker.eos_id, 10, 0.7, 1.0, "fp32",
+        ids, am, P, _ = rollout.sample_responses(lm, prompts, tr.maker.pad_id, tr.maker.eos_ids, 10, 0.7, 1.0, "fp32",
                                                  seeds=seeds)
         return ids[:, P:].tolist()
 
@@ -512,7 +512,7 @@ def test_checker_scores_the_decoded_response(tmp_path, monkeypatch):
     tr = build_trainer(tmp_path)
     answers = [x["answer"] for x in tr.maker.prompt_batch(0)[0]]
     texts = {0: f"{answers[0]}", 1: f"{answers[1] + 1}", 2: f"answer: {answers[2]}", 3: f"{answers[3]}"}
-    eos = tr.maker.eos_id
+    eos = tr.maker.eos_ids[0]
     forced = {row: tr.tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for row, t in texts.items()}
     forced[3] = forced[3][:-1]  # right, but cut by max_new_tokens: penalised
     assert all(len(ids) <= 6 for ids in forced.values())
