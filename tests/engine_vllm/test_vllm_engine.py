@@ -23,6 +23,7 @@ from stage_helpers import compose  # noqa: E402
 
 from rlhf_cli import engine  # noqa: E402
 from rlhf_cli.config import ConfigError  # noqa: E402
+from rlhf_cli.eos import eos_ids  # noqa: E402
 from rlhf_cli.forwards import policy_forward  # noqa: E402
 from rlhf_cli.models import load_causal_lm  # noqa: E402
 from rlhf_cli.models.lora import add_lora  # noqa: E402
@@ -164,17 +165,21 @@ def test_a_push_with_a_missing_or_unknown_name_raises(gen, model_cfg, tokenizer,
 
 
 def test_either_of_two_eos_ids_ends_a_response(gen, model_cfg, tokenizer, prompts):
-    """Two ids, each the 4th token some prompt samples without a stop: with both as EOS ids and the same seeds,
-    each response is its unstopped sample cut at the first of either (inclusive)."""
+    """A model whose `generation_config` lists two EOS ids (Qwen3's, Gemma 3's kind), each the 4th token some prompt
+    samples without a stop: the run's EOS set (`eos.eos_ids`) holds both and the engine stops at either: with the same
+    seeds each response is its unstopped sample cut at the first of them (inclusive)."""
     lm = load_causal_lm(model_cfg, seed=4, tokenizer=tokenizer)
     gen.update_weights(lm)
     seeds = list(range(8))
     free = gen.generate(prompts, seeds, sampling(tokenizer, eos_ids=(tokenizer.pad_token_id,)))
     a, b = int(free.responses[0, 3]), int(free.responses[1, 3])
-    cut = gen.generate(prompts, seeds, sampling(tokenizer, eos_ids=(a, b)))
+    lm.generation_config.eos_token_id = [a, b]
+    stops = eos_ids(tokenizer, lm.generation_config)
+    assert stops[0] == tokenizer.eos_token_id and {a, b} <= set(stops)
+    cut = gen.generate(prompts, seeds, sampling(tokenizer, eos_ids=stops))
     for row in range(8):
         resp = free.responses[row].tolist()
-        ends = [t for t, tok in enumerate(resp) if tok in (a, b)]
+        ends = [t for t, tok in enumerate(resp) if tok in stops]
         n = ends[0] + 1 if ends else len(resp)
         assert cut.responses[row, :n].tolist() == resp[:n]
         assert int(cut.mask[row].sum()) == n and bool(cut.has_eos[row]) == bool(ends)
