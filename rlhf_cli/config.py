@@ -791,25 +791,30 @@ def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_n
            f"= {micro} × {world_size} = {micro * world_size}")
 
 
+def _validate_supervised(prefix: str, r: Any, world_size: int) -> None:
+    """The keys a supervised stage's section shares (`rm.*`, `sft.*`): optimizer, schedule, steps, batches."""
+    _check_finite(prefix, r)
+    _check(r.lr > 0, f"{prefix}.lr must be > 0 (got {r.lr})")
+    _check(0 <= r.warmup_ratio < 1, f"{prefix}.warmup_ratio must be in [0, 1) (got {r.warmup_ratio})")
+    _one_of(f"{prefix}.lr_scheduler", r.lr_scheduler, ("cosine", "linear", "constant"))
+    _check(r.epochs >= 1, f"{prefix}.epochs must be >= 1 (got {r.epochs})")
+    _check(r.max_steps is None or r.max_steps >= 1, f"{prefix}.max_steps must be >= 1 or null (got {r.max_steps})")
+    _check(r.max_grad_norm >= 0, f"{prefix}.max_grad_norm must be >= 0 (got {r.max_grad_norm})")
+    _check(r.weight_decay >= 0, f"{prefix}.weight_decay must be >= 0 (got {r.weight_decay})")
+    _check(len(r.betas) == 2 and all(0 <= b < 1 for b in r.betas),
+           f"{prefix}.betas must be two AdamW decay rates in [0, 1) (got {list(r.betas)})")
+    _check(r.eval_every >= 0, f"{prefix}.eval_every must be >= 0 (0 = only at the end; got {r.eval_every})")
+    _check(r.save_every >= 0, f"{prefix}.save_every must be >= 0 (0 = only at the end; got {r.save_every})")
+    _check(r.log_every >= 1, f"{prefix}.log_every must be >= 1 (got {r.log_every})")
+    _check_batches(prefix, r.batch_size, r.micro_batch_size, world_size, "batch_size")
+    _check(r.eval_batch_size > 0, f"{prefix}.eval_batch_size must be > 0 (got {r.eval_batch_size})")
+
+
 def validate_rm(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
     validate_logging(cfg)
     r = cfg.rm
-    _check_finite("rm", r)
-    _check(r.lr > 0, f"rm.lr must be > 0 (got {r.lr})")
-    _check(0 <= r.warmup_ratio < 1, f"rm.warmup_ratio must be in [0, 1) (got {r.warmup_ratio})")
-    _one_of("rm.lr_scheduler", r.lr_scheduler, ("cosine", "linear", "constant"))
-    _check(r.epochs >= 1, f"rm.epochs must be >= 1 (got {r.epochs})")
-    _check(r.max_steps is None or r.max_steps >= 1, f"rm.max_steps must be >= 1 or null (got {r.max_steps})")
-    _check(r.max_grad_norm >= 0, f"rm.max_grad_norm must be >= 0 (got {r.max_grad_norm})")
-    _check(r.weight_decay >= 0, f"rm.weight_decay must be >= 0 (got {r.weight_decay})")
-    _check(len(r.betas) == 2 and all(0 <= b < 1 for b in r.betas),
-           f"rm.betas must be two AdamW decay rates in [0, 1) (got {list(r.betas)})")
-    _check(r.eval_every >= 0, f"rm.eval_every must be >= 0 (0 = only at the end; got {r.eval_every})")
-    _check(r.save_every >= 0, f"rm.save_every must be >= 0 (0 = only at the end; got {r.save_every})")
-    _check(r.log_every >= 1, f"rm.log_every must be >= 1 (got {r.log_every})")
-    _check_batches("rm", r.batch_size, r.micro_batch_size, world_size, "batch_size")
-    _check(r.eval_batch_size > 0, f"rm.eval_batch_size must be > 0 (got {r.eval_batch_size})")
+    _validate_supervised("rm", r, world_size)
     _check(not r.margin or cfg.data.margin_key, "rm.margin=true needs data.margin_key (the column holding the margin)")
     _check(r.center_rewards_coef is None or r.center_rewards_coef >= 0,
            f"rm.center_rewards_coef must be >= 0 or null (got {r.center_rewards_coef})")
@@ -818,22 +823,7 @@ def validate_rm(cfg: Any, world_size: int = 1) -> None:
 def validate_sft(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
     validate_logging(cfg)
-    s = cfg.sft
-    _check_finite("sft", s)
-    _check(s.lr > 0, f"sft.lr must be > 0 (got {s.lr})")
-    _check(0 <= s.warmup_ratio < 1, f"sft.warmup_ratio must be in [0, 1) (got {s.warmup_ratio})")
-    _one_of("sft.lr_scheduler", s.lr_scheduler, ("cosine", "linear", "constant"))
-    _check(s.epochs >= 1, f"sft.epochs must be >= 1 (got {s.epochs})")
-    _check(s.max_steps is None or s.max_steps >= 1, f"sft.max_steps must be >= 1 or null (got {s.max_steps})")
-    _check(s.max_grad_norm >= 0, f"sft.max_grad_norm must be >= 0 (got {s.max_grad_norm})")
-    _check(s.weight_decay >= 0, f"sft.weight_decay must be >= 0 (got {s.weight_decay})")
-    _check(len(s.betas) == 2 and all(0 <= b < 1 for b in s.betas),
-           f"sft.betas must be two AdamW decay rates in [0, 1) (got {list(s.betas)})")
-    _check(s.eval_every >= 0, f"sft.eval_every must be >= 0 (0 = only at the end; got {s.eval_every})")
-    _check(s.save_every >= 0, f"sft.save_every must be >= 0 (0 = only at the end; got {s.save_every})")
-    _check(s.log_every >= 1, f"sft.log_every must be >= 1 (got {s.log_every})")
-    _check_batches("sft", s.batch_size, s.micro_batch_size, world_size, "batch_size")
-    _check(s.eval_batch_size > 0, f"sft.eval_batch_size must be > 0 (got {s.eval_batch_size})")
+    _validate_supervised("sft", cfg.sft, world_size)
 
 
 def validate_ppo(cfg: Any, world_size: int = 1) -> None:

@@ -59,3 +59,14 @@ def trained_parameters(model: Any, lora_cfg: Any) -> str:
     if trained == total:
         return f"all ({total / 1e6:.1f}M)"
     return f"{trained / 1e6:.2f}M of {total / 1e6:.1f}M (LoRA r={lora_cfg.r}, alpha={lora_cfg.alpha:g})"
+
+
+def supervised_engine(model: Any, cfg: Any, section: Any, total_steps: int) -> engine.TrainEngine:
+    """The `engine.TrainEngine` of a supervised stage (train-rm, train-sft) from its section's keys (`rm.*`, `sft.*`):
+    AdamW (lr, betas, weight decay), the warm-up fraction and schedule over `total_steps`, batch and micro-batch,
+    gradient clipping; `deepspeed.*` and `precision` from the run."""
+    return engine.TrainEngine(
+        model, cfg.deepspeed, cfg.precision, lr=section.lr, train_batch_size=section.batch_size,
+        micro_batch_size=section.micro_batch_size, total_steps=total_steps,
+        warmup_steps=int(section.warmup_ratio * total_steps), scheduler=section.lr_scheduler,
+        weight_decay=section.weight_decay, betas=tuple(section.betas), max_grad_norm=section.max_grad_norm)

@@ -35,7 +35,7 @@ from rlhf_cli.models import (
     with_scoring_template,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
-from rlhf_cli.stages.common import model_source, print_table, trained_parameters
+from rlhf_cli.stages.common import model_source, print_table, supervised_engine, trained_parameters
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -85,11 +85,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         return None
 
     # 3. engine
-    eng = engine.TrainEngine(
-        model, cfg.deepspeed, cfg.precision, lr=rmc.lr, train_batch_size=rmc.batch_size,
-        micro_batch_size=rmc.micro_batch_size, total_steps=total_steps,
-        warmup_steps=int(rmc.warmup_ratio * total_steps), scheduler=rmc.lr_scheduler,
-        weight_decay=rmc.weight_decay, betas=tuple(rmc.betas), max_grad_norm=rmc.max_grad_norm)
+    eng = supervised_engine(model, cfg, rmc, total_steps)
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
                             config=OmegaConf.to_container(cfg, resolve=True))
 

@@ -32,7 +32,7 @@ from rlhf_cli.forwards import response_logprobs, sft_collator
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import add_lora, count_parameters, load_causal_lm, load_tokenizer, lora_enabled, save_model
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
-from rlhf_cli.stages.common import model_source, print_table, trained_parameters
+from rlhf_cli.stages.common import model_source, print_table, supervised_engine, trained_parameters
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -98,11 +98,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         return None
 
     # 3. engine
-    eng = engine.TrainEngine(
-        model, cfg.deepspeed, cfg.precision, lr=sc.lr, train_batch_size=sc.batch_size,
-        micro_batch_size=sc.micro_batch_size, total_steps=total_steps,
-        warmup_steps=int(sc.warmup_ratio * total_steps), scheduler=sc.lr_scheduler,
-        weight_decay=sc.weight_decay, betas=tuple(sc.betas), max_grad_norm=sc.max_grad_norm)
+    eng = supervised_engine(model, cfg, sc, total_steps)
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
                             config=OmegaConf.to_container(cfg, resolve=True))
 
