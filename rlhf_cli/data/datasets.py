@@ -650,14 +650,16 @@ class SFTData:
     summary: DataSummary
 
 
-def load_sft_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLITS) -> SFTData:
+def load_sft_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLITS,
+                  eos_ids: Sequence[int] = ()) -> SFTData:
     """Load, validate, split and tokenise demonstrations for train-sft (`data.format` `completion` or `messages`,
     or `auto`); `data.path=null` uses the built-in task's correct worked solutions (the chosen replies of its
     rm_train problems; held out: rm_eval's). Split, shuffle and caps as `load_preference_data`; truncation and
     drops (`prompt_too_long`, `no_response_left`) as `Encoder.fit_demo` says, counted in the summary. Raises
-    DataError for unusable data (one line naming the file, row and field)."""
+    DataError for unusable data (one line naming the file, row and field). `eos_ids`: the model's EOS set
+    (`eos.eos_ids`): a response whose text ends in the text of any of them ends there (`Encoder`)."""
     _check_splits(splits)
-    encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt)
+    encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt, eos_ids)
     if data_cfg.path is None:
         chosen, sources, unused = _builtin_select(data_cfg, "demos", {"train": "rm_train", "eval": "rm_eval"}, splits)
     else:

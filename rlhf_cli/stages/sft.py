@@ -27,10 +27,19 @@ from omegaconf import OmegaConf
 from rlhf_cli import engine, lineage
 from rlhf_cli.commands import by_stage
 from rlhf_cli.data import epoch_order, example_length, load_sft_data
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import response_logprobs, sft_collator
 from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
-from rlhf_cli.models import add_lora, count_parameters, load_causal_lm, load_tokenizer, lora_enabled, save_model
+from rlhf_cli.models import (
+    add_lora,
+    count_parameters,
+    load_causal_lm,
+    load_generation_config,
+    load_tokenizer,
+    lora_enabled,
+    save_model,
+)
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 from rlhf_cli.stages.common import model_source, print_table, supervised_engine, trained_parameters
 
@@ -67,7 +76,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 
     # 1. data
     tokenizer = load_tokenizer(cfg.model)
-    data = load_sft_data(cfg.data, tokenizer)
+    eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends (`eos.eos_ids`)
+    data = load_sft_data(cfg.data, tokenizer, eos_ids=eos)
     train, heldout = data.train, data.eval
     lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
     if len(train) < sc.batch_size:

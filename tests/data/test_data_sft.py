@@ -60,6 +60,20 @@ def test_completion_rows_train_only_the_response_and_its_eos(write, make_cfg, to
             assert prompt.endswith(f"{r['prompt']}<|im_end|>\n<|im_start|>assistant\n")  # the template: context
 
 
+def test_a_completion_ending_in_any_eos_text_of_the_set_ends_there(write, make_cfg, tokenizer):
+    """The EOS rule (`eos.eos_ids`): a completion whose text ends in the text of another id of the model's EOS set
+    (here `<|endoftext|>`, as a model listing two ids in its generation_config) ends there and is trained with the
+    tokenizer's EOS once, as train-rm's responses are."""
+    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    rows = [{"prompt": r["prompt"], "completion": r["completion"] + "<|endoftext|>"} for r in COMPLETION]
+    cfg = make_cfg(path=write("c.jsonl", rows), test_size=1)
+    data = load_sft_data(cfg, tokenizer, eos_ids=(tokenizer.eos_token_id, other))
+    for ex in data.train + data.eval:
+        assert _trained_text(tokenizer, ex) == [COMPLETION[ex["row"] - 1]["completion"] + "<|im_end|>"]
+    kept = load_sft_data(cfg, tokenizer)  # without the set, the text is the user's response
+    assert all(_trained_text(tokenizer, ex)[0].endswith("<|endoftext|><|im_end|>") for ex in kept.train)
+
+
 def test_completion_ids_are_the_prompt_ids_ppo_samples_from_plus_the_response(write, make_cfg, tokenizer):
     """The SFT sequence is exactly the prompt PPO renders (`load_prompt_data`) followed by the response + EOS, so
     the policy is fine-tuned in the format it is later sampled in."""
