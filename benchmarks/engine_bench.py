@@ -131,7 +131,7 @@ def main() -> None:
         what = f"{rows} x 2 sides x {n}" if shape == "eval" else f"{rows} x {n}"
         if shape == "eval":
             table.add(f"{shape}_start", f"{shape} ({what}): engine start, s", mean("vllm", shape, "start"),
-                      mean("hf", shape, "start"))
+                      mean("hf", shape, "start"), ratio=False)
         table.add(f"{shape}_generation", f"{shape} ({what}): generation, s", mean("vllm", shape, "generation"),
                   mean("hf", shape, "generation"))
         table.add(f"{shape}_sync", f"{shape}: sync (push), s", mean("vllm", shape, "sync"), mean("hf", shape, "sync"),

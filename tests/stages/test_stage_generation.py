@@ -332,3 +332,18 @@ def test_engine_weights_are_the_checkpoint_names_with_lora_merged(tiny_causal, t
     ids = torch.tensor([[1, 5, 9, 14, 3]])
     with torch.no_grad():
         torch.testing.assert_close(fresh(input_ids=ids).logits, lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_drift_guard_stops_a_bf16_run_past_3x_its_first_diff_and_never_an_fp32_one():
+    from rlhf_cli.rollout import EngineDriftGuard
+
+    key = "rollout/engine_logprob_diff_mean"
+    guard = EngineDriftGuard("bf16-autocast")
+    guard.check({}, 0)  # an engine without log-probs (hf): nothing to check
+    for it, diff in enumerate([0.029, 0.040, 0.022, 0.085]):  # a pushed run's spread, then 2.9x
+        guard.check({key: diff}, it)
+    with pytest.raises(FloatingPointError, match="aborting at iteration 5: .* 0.102 nats/token .* > 3x the 0.029"):
+        guard.check({key: 0.102}, 4)
+    fp32 = EngineDriftGuard("fp32")
+    for it, diff in enumerate([1e-6, 1.0]):  # fp32: the greedy probe is the check
+        fp32.check({key: diff}, it)
