@@ -311,7 +311,8 @@ def load_generation_config(model_cfg: Any) -> Any:
     """The `GenerationConfig` saved beside a ModelConfig's (or a path's) weights, read without loading them: its
     `eos_token_id` is the model's part of the EOS set (`eos.eos_ids`). A dir without `generation_config.json` (a
     reward model's `final/`, whose config.json keeps the set as its `eos_token_id`) gives the one transformers
-    derives from its config.json. None when there is none (a random model, a hub id not in the offline cache)."""
+    derives from its config.json. None when there is none (a random model, a hub id not in the offline cache). A GGUF
+    file is de-quantised first, once (`dequantized_gguf_dir`), so a run's first load reads its set as later ones do."""
     from transformers import AutoConfig, GenerationConfig
 
     cfg = as_model_config(model_cfg)
@@ -319,8 +320,8 @@ def load_generation_config(model_cfg: Any) -> Any:
         return None
     if cfg.name_or_path:
         path = resolve_hf_dir(cfg.name_or_path)
-    elif cfg.gguf_file:
-        path = str(gguf_cache_dir(cfg.gguf_file, cfg.cache_dir) / "model")
+    elif cfg.gguf_file:  # de-quantised now if not yet (the model's load next reads the cache): the first run of
+        path = str(dequantized_gguf_dir(cfg.gguf_file, cfg.cache_dir)[0])  # a GGUF model gets the set too
     else:
         return None
     local = Path(path)

@@ -52,6 +52,22 @@ def test_loading_keeps_the_model_side_of_the_set(two_eos_dir, tokenizer):
     assert eos_ids(tokenizer, load_generation_config(str(two_eos_dir))) == (EOS, TURN)
 
 
+def test_a_gguf_models_first_run_reads_the_set_too(two_eos_dir, tokenizer, monkeypatch):
+    """A GGUF model not yet de-quantised: its generation config comes from the de-quantised dir, made now (the
+    model's load right after reads the same cache), not None on the first run and the set on later ones."""
+    from omegaconf import OmegaConf
+
+    from rlhf_cli.config import ModelConfig
+    from rlhf_cli.models import loading
+
+    made = []
+    monkeypatch.setattr(loading, "dequantized_gguf_dir", lambda spec, cache_dir=None: (made.append(spec)
+                                                                                      or (two_eos_dir, False)))
+    cfg = OmegaConf.structured(ModelConfig)
+    cfg.gguf_file = "pkg:some-package/model.gguf"
+    assert eos_ids(tokenizer, load_generation_config(cfg)) == (EOS, TURN) and made == [cfg.gguf_file]
+
+
 def rig(lm, plan):
     """Make `lm` emit `plan[row][step]` at generation step `step` (None: any token but an EOS of the set)."""
     calls = {"n": 0}
