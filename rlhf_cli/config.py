@@ -546,8 +546,8 @@ class RolloutConfig:
     transformers' `generate` on the live model with one random stream per prompt; `vllm`, a vLLM engine in this
     process (`make install-vllm`), started from the policy's weights and reloaded with them after every update.
     A prompt's response depends on the weights, the prompt, its seed and the sampling keys, not on the engine's
-    batching. `vllm` runs on one process only, and on the CPU needs an attention head size vLLM serves (32, 64,
-    80, ...)."""
+    batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention head size vLLM
+    serves (32, 64, 80, ...)."""
     kv_cache_gb: int = 2
     """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16; the `hf` engine ignores it."""
@@ -920,12 +920,9 @@ def validate_reward(cfg: Any) -> None:
 
 
 def validate_rollout(cfg: Any, world_size: int = 1) -> None:
-    """`rollout.*`: a known sampling engine; `vllm` on one process (an engine per rank is not built yet)."""
+    """`rollout.*`: a known sampling engine and a KV cache."""
     _one_of("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
-    _check(cfg.rollout.engine != "vllm" or world_size == 1,
-           f"rollout.engine=vllm runs on one process; this run has {world_size}: use rollout.engine=hf with "
-           "several ranks")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:

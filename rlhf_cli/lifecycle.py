@@ -76,6 +76,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _drop_file_handlers(folder: Path) -> None:
+    """Detach and close every logging file handler writing under `folder` (a removed dir). Hydra's handler of a
+    rank's own dir reopens its file on the next record once closed (a library may close it: vLLM's start does)."""
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", [])):
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(folder):
+                logger.removeHandler(handler)
+                handler.close()
+
+
 def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
     """Create the run dir (rank 0), check it is writable, write the resolved config, mark it running.
 
@@ -90,6 +100,7 @@ def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
     run_dir = Path(engine.broadcast_object(str(own)))
     if own != run_dir and own.is_dir() and not (own / "config.yaml").exists():
         shutil.rmtree(own, ignore_errors=True)  # only Hydra's files for this rank were in it
+        _drop_file_handlers(own)  # its log file went with it: a later line of this rank would reopen it and fail
     cfg.precision = engine.resolve_precision(cfg.precision)
     if engine.is_main():
         check_writable(run_dir)
@@ -102,11 +113,9 @@ def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
     engine.barrier()
     return run_dir
 
-
 def write_config(cfg: Any, run_dir: Path) -> None:
     """Rank 0: `run_dir/config.yaml`, the resolved config (again, when a stage resolved more of it since)."""
     atomic_write_text(Path(run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-
 
 # what a resumed run may change from its recorded config: its length, save cadence, checkpoint pruning, logging
 RESUMABLE_KEYS = ("rm.max_steps", "rm.epochs", "ppo.iterations", "rm.save_every", "ppo.save_every",
@@ -114,7 +123,6 @@ RESUMABLE_KEYS = ("rm.max_steps", "rm.epochs", "ppo.iterations", "rm.save_every"
                   "paths.keep_checkpoints", "rm.eval_every", "rm.log_every", "ppo.sample_every", "logger",
                   "tracker.project", "tracker.name", "tracker.group", "tracker.mlflow_tracking_uri", "resume",
                   "dry_run")
-
 
 def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
     """Make `cfg` the recorded config (`run_dir/config.yaml`) of the run `resume=` continues, in place.
@@ -154,7 +162,6 @@ def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
                               f"({type(e).__name__}); start a new run") from None
     return kept
 
-
 def _same(key: str, given: Any, recorded: Any) -> bool:
     """Whether a command line's value is the recorded one, after the resolution the run applied to it."""
     if given == recorded:
@@ -166,10 +173,8 @@ def _same(key: str, given: Any, recorded: Any) -> bool:
         return a == b or a / "final" == b
     return False
 
-
 def _tag_step(path: Path) -> int:
     return int(path.name.split("-")[1])
-
 
 def commit_checkpoint(run_dir: Path, tag: str, keep: int = 2) -> None:
     """After every rank has written `tag`, point `ds/latest` at it atomically and prune old tags, keeping
@@ -195,7 +200,6 @@ def commit_checkpoint(run_dir: Path, tag: str, keep: int = 2) -> None:
                 shutil.rmtree(old, ignore_errors=True)
     engine.barrier()
 
-
 def drop_checkpoints(run_dir: Path, keep: int) -> None:
     """With `paths.keep_checkpoints=0`, delete the run's `ds/` (call after `final/` and the finished status
     are written: the HF model is then the run's only output and the run can no longer be resumed).
@@ -212,7 +216,6 @@ def drop_checkpoints(run_dir: Path, keep: int) -> None:
     shutil.rmtree(ds, ignore_errors=True)
     if ds.exists():
         log.warning("paths.keep_checkpoints=0: could not delete all of %s", ds)
-
 
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[list[int]]:
@@ -238,7 +241,6 @@ def deferred_interrupts() -> Iterator[list[int]]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
 
 class Checkpoints:
     """Resumable checkpoints of a run's engines: `ds/step-<N>/<name>/` per engine (a single engine named ""
@@ -284,7 +286,6 @@ class Checkpoints:
             metrics.truncate_after(step)
         return step, state
 
-
 def mark_failed(run_dir: Path, reason: str) -> None:
     """Rank 0: a run that stopped on an error (a data or size check, a crash in the code) is marked `failed`
     with the one-line `reason`, so `resume=true` never picks it (runs.find_resumable). Only a `running` run
@@ -293,7 +294,6 @@ def mark_failed(run_dir: Path, reason: str) -> None:
     run_dir = Path(run_dir)
     if engine.is_main() and (run_dir / "config.yaml").is_file() and get_status(run_dir).get("state") == "running":
         set_status(run_dir, "failed", reason=reason)
-
 
 def command_line_keys() -> list[str]:
     """The keys this process's Hydra command line set (`data.path`, or a group such as `data`); [] outside a
@@ -304,7 +304,6 @@ def command_line_keys() -> list[str]:
         return []
     return [o.lstrip("+~").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
 
-
 def is_sweep_job(run_dir: Path) -> bool:
     """Whether `run_dir` is one job of a Hydra sweep (`-m`): running under one, or resumed in place from a
     `sweep-<time>/<job>` dir."""
@@ -313,7 +312,6 @@ def is_sweep_job(run_dir: Path) -> bool:
 
     running = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     return running or sweep_name(run_dir) is not None
-
 
 def finish_run(cfg: Any, run_dir: Path, final: Path, kind: str, **status: Any) -> Path | None:
     """The tail of a training run, rank 0 only, after `final/` is written: the resolved config beside the

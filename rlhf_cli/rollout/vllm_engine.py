@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from rlhf_cli import engine
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.rollout.generation import Generation, Sampling, response_mask
 
@@ -113,7 +114,9 @@ class VLLMGenerator:
 
     Weights: the first `update_weights(model)` writes `engine_weights(model)` and the model's config to
     `<workdir>/engine_model/` and starts the engine from it; later calls push the same names through vLLM's
-    `reload_weights` (checkpoint format, the engine's own name mapping and packing). A push must carry exactly
+    `reload_weights` (checkpoint format, the engine's own name mapping and packing). Under torchrun each rank runs
+    its own engine (vLLM's `external_launcher`, one data-parallel replica per rank, as TRL's colocate mode), rank 0
+    writing the model dir once. A push must carry exactly
     the names of that first checkpoint (the engine loaded all of it, strictly) with the same shapes; anything
     else raises. `sync_seconds` is the last push's time, `start_seconds` the engine's start.
     """
@@ -159,16 +162,21 @@ class VLLMGenerator:
             check_head_size(model.config)
         weights = {n: t.contiguous().cpu().clone() for n, t in engine_weights(model, self.dtype)}
         self.names = {n: tuple(t.shape) for n, t in weights.items()}
-        if self.model_dir.exists():
-            shutil.rmtree(self.model_dir)
-        self.model_dir.mkdir(parents=True)
-        save_file(weights, str(self.model_dir / "model.safetensors"), metadata={"format": "pt"})
+        if engine.is_main():  # the run dir is every rank's: one copy, written before any engine reads it
+            if self.model_dir.exists():
+                shutil.rmtree(self.model_dir)
+            self.model_dir.mkdir(parents=True)
+            save_file(weights, str(self.model_dir / "model.safetensors"), metadata={"format": "pt"})
+            model.config.save_pretrained(self.model_dir)
         del weights
-        model.config.save_pretrained(self.model_dir)
+        engine.barrier()
         # in this process (no engine-core subprocess: colocated, and no spawn of the caller's __main__);
         # the CPU backend reads its KV cache size (GiB) from the environment
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict[str, Any] = {}
+        if engine.world_size() > 1:  # an engine per rank, each its own data-parallel replica (TRL's colocate mode)
+            kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                          data_parallel_size=engine.world_size())
         if cpu_backend():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
         else:
@@ -297,4 +305,6 @@ class VLLMGenerator:
                 dist.destroy_process_group = destroy
             self.llm = None
             gc.collect()
-        shutil.rmtree(self.model_dir, ignore_errors=True)
+        engine.barrier()  # every rank's engine is down before its model dir goes
+        if engine.is_main():
+            shutil.rmtree(self.model_dir, ignore_errors=True)

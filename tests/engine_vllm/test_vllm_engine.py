@@ -253,3 +253,40 @@ def test_eval_on_the_engine_gives_both_sides_the_same_noise(run_stage, tmp_path,
     assert rows and all(r["policy"] == r["reference"] for r in rows)
     assert not (eval_dir / "engine_model").exists()
     assert engine.world_size() == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def test_two_ranks_on_the_engine_match_one_rank(tmp_path):
+    """An engine per rank under torchrun (gloo, CPU): the same rollouts and the same training as one process (one
+    minibatch per epoch, so the ranks' shuffles do not matter)."""
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    args = ["train-ppo", "model=tiny", "precision=fp32", *PPO, "ppo.iterations=2", "deepspeed=zero2",
+            "ppo.mini_batch_size=8", "data.packing=false"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for ranks in (1, 2):
+        root = tmp_path / f"r{ranks}"
+        cmd = [sys.executable, "-m", "rlhf_cli"]
+        if ranks > 1:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                   "-m", "rlhf_cli"]
+        out = subprocess.run([*cmd, *args, f"paths.root={root}"], env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (run,) = list((root / "ppo").iterdir())
+        runs[ranks] = run
+    a, b = read_metrics(runs[1]), read_metrics(runs[2])
+    for key in ("objective/scores", "objective/kl", "response/length_mean", "policy/loss",
+                "rollout/engine_logprob_diff_mean"):
+        for ra, rb in zip(a, b):
+            assert rb[key] == pytest.approx(ra[key], abs=1e-4, rel=1e-4), key
+    wa, wb = load_file(runs[1] / "final" / "model.safetensors"), load_file(runs[2] / "final" / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-4)
+    assert not (runs[2] / "engine_model").exists()
