@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
@@ -920,9 +921,13 @@ def validate_reward(cfg: Any) -> None:
 
 
 def validate_rollout(cfg: Any, world_size: int = 1) -> None:
-    """`rollout.*`: a known sampling engine and a KV cache."""
+    """`rollout.*`: a known sampling engine, installed, and a KV cache (`world_size`: any; vllm runs one engine per
+    rank)."""
     _one_of("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
+    _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+           "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "
+           "\"Sampling with vLLM\"), or use rollout.engine=hf")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:

@@ -39,9 +39,9 @@ class Experience:
     """The iteration's update (`PolicyLearner.plan`): its micro-batch order and what the rollout folded into it.
     `plan.on_policy`: `logprobs` are filled in by the update's own forward (zeros until then)."""
     engine_logprobs: torch.Tensor | None = None
-    """(B, R) float32: the sampling engine's own log-probs of the response tokens (after temperature and top-p),
-    0 on padding; None when the engine gives none (`rollout.engine=hf`). `stats.engine_stats` compares them with
-    the trainer's `logprobs`."""
+    """(B, R) float32: the sampling engine's own log-probs of the response tokens (after temperature, and top-p:
+    renormalised over the nucleus, where the trainer's `logprobs` are not), 0 on padding; None when the engine gives
+    none (`rollout.engine=hf`). `stats.engine_stats` compares them with the trainer's `logprobs`."""
 
     def rows(self, idx: torch.Tensor) -> Experience:
         """The rows `idx` as an Experience of their own (a micro-batch); it keeps their packed layout, if known."""

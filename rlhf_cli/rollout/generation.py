@@ -95,8 +95,9 @@ class Generator(Protocol):
     """
 
     sync_seconds: float
-    """Seconds the last `update_weights` spent copying weights into the engine (0 for an engine that samples from
-    the live module)."""
+    """Seconds spent bringing the engine to the current weights since the last `update_weights`: its start or the
+    push, and a check of them (0 for an engine that samples from the live module). train-ppo logs it as
+    `time/engine_sync`, and `time/generation` without it."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:
         ...

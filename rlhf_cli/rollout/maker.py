@@ -266,11 +266,11 @@ class ExperienceMaker:
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": has_eos.float().mean().item(),
             **({"reward/overlong_penalty": overlong.mean().item()} if p.overlong_buffer else {}),
-            "time/generation": t1 - t0,
-            "time/engine_sync": self.generator.sync_seconds,
+            "time/generation": t1 - t0 - self.generator.sync_seconds,
+            "time/engine_sync": self.generator.sync_seconds,  # the engine's start, push and probe (vllm; hf: 0)
             "time/scoring": t2 - t1 - carried_seconds,  # the carried forwards count in time/training
             **{f"time/scoring_{k}": v for k, v in self.pass_seconds.items()},
-            "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+            "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0 - self.generator.sync_seconds, 1e-9),
             **source_means,
             **self.kl_fp32_check(exp),  # the rollout's other KL statistics come after the update (`kl_stats`)
         }

@@ -14,7 +14,8 @@ from token ids with one seed per prompt, and takes each new policy through vLLM'
 
 Exactness (measured on the tiny model and SmolLM2, docs/results.md): in fp32 the engine's log-probs of the sampled
 tokens equal the trainer's to ~1e-6 nats, after any number of pushes. The engine is built with
-`logprobs_mode="processed_logprobs"` (log-probs after temperature and top-p, as the trainer scores them), the
+`logprobs_mode="processed_logprobs"` (log-probs after temperature and top-p: the trainer's at `top_p=1`; below
+1 the engine's are renormalised over the nucleus, the trainer's are not, see `stats.engine_stats`), the
 model's own `generation_config` set aside (`generation_config="vllm"`: no repetition penalty or top-k of the
 checkpoint's), `skip_tokenizer_init` (ids in, ids out: the caller tokenizes), without chunked prefill (a
 prompt's prefill split over two steps discards a sampled token and rewinds its seeded generator, which the CPU
@@ -81,7 +82,7 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> 
     """The weights an inference engine loads for a causal LM, under the names of its HF checkpoint.
 
     model: the trainer's causal LM (`models.lm_of`), with or without LoRA adapters injected by peft
-    (`models.lora.add_lora`). Yields (name, tensor) once per distinct tensor, in `state_dict` order:
+    (`models.lora.add_lora`). Yields (name, tensor) for each name of `state_dict`, in its order:
       - a LoRA layer's weight merged, W + ΔW with ΔW = peft's `get_delta_weight` (B·A·α/r), under the base name
         (`...q_proj.weight`, never `.base_layer.` or `lora_A/B`);
       - a head peft trains in full (`modules_to_save`) under the original name, with the trained copy's values;
@@ -117,8 +118,9 @@ class VLLMGenerator:
     `reload_weights` (checkpoint format, the engine's own name mapping and packing). Under torchrun each rank runs
     its own engine (vLLM's `external_launcher`, one data-parallel replica per rank, as TRL's colocate mode), rank 0
     writing the model dir once. A push must carry exactly
-    the names of that first checkpoint (the engine loaded all of it, strictly) with the same shapes; anything
-    else raises. `sync_seconds` is the last push's time, `start_seconds` the engine's start.
+    the names of that first checkpoint (vLLM's first load requires every weight of the model) with the same shapes;
+    anything else raises. `sync_seconds`: the seconds of the last `update_weights` (the engine's start, or the push)
+    and of the probe after it; `start_seconds` the engine's last start.
     """
 
     def __init__(self, precision: str, chunk: int = 32, workdir: str | Path | None = None, kv_cache_gb: int = 2,
@@ -137,22 +139,26 @@ class VLLMGenerator:
         self.probe_prompts: list[list[int]] = []
         self._probe_due = False
         self._run_group = False
+        self.config_json = ""
 
     # -- weights -------------------------------------------------------------------------------------------
     def update_weights(self, model: Any) -> None:
-        """Sample from `model`'s current weights from now on: start the engine from them (first call) or push
-        them (later calls). Raises ValueError when the weights' names or shapes differ from the engine's."""
+        """Sample from `model`'s current weights from now on: start the engine from them (first call, or a model
+        of another architecture than the engine's: eval's reference may be one) or push them (later calls).
+        Raises ValueError when the weights' names or shapes differ from the engine's checkpoint."""
         self.lm = model
         t0 = time.perf_counter()
+        if self.llm is not None and model.config.to_json_string() != self.config_json:
+            self._shutdown()  # another architecture: its own engine
         if self.llm is None:
             self._start(model)
             self.start_seconds = time.perf_counter() - t0
-            log.info("vLLM engine up from %s (%s) in %.1fs", self.model_dir, str(self.dtype).removeprefix("torch."),
-                     self.start_seconds)
-            self.sync_seconds = 0.0
+            if engine.is_main():
+                log.info("vLLM engine up from %s (%s) in %.1fs", self.model_dir,
+                         str(self.dtype).removeprefix("torch."), self.start_seconds)
         else:
             self._push(model)
-            self.sync_seconds = time.perf_counter() - t0
+        self.sync_seconds = time.perf_counter() - t0  # the probe, run at the next generate, adds to it
         self._probe_due = self.probe_on and self.dtype == torch.float32
 
     def _start(self, model: Any) -> None:
@@ -162,6 +168,7 @@ class VLLMGenerator:
             check_head_size(model.config)
         weights = {n: t.contiguous().cpu().clone() for n, t in engine_weights(model, self.dtype)}
         self.names = {n: tuple(t.shape) for n, t in weights.items()}
+        self.config_json = model.config.to_json_string()
         if engine.is_main():  # the run dir is every rank's: one copy, written before any engine reads it
             if self.model_dir.exists():
                 shutil.rmtree(self.model_dir)
@@ -228,7 +235,9 @@ class VLLMGenerator:
         if not self.probe_prompts:
             self.probe_prompts = [list(map(int, p)) for p in prompt_ids[:PROBE_PROMPTS]]
         if self._probe_due:
+            t0 = time.perf_counter()
             self.probe(sampling)
+            self.sync_seconds += time.perf_counter() - t0
         params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_new_tokens, seed=s % (2**63 - 1), logprobs=0,
                                  stop_token_ids=list(sampling.eos_ids), ignore_eos=False, detokenize=False,
@@ -269,6 +278,7 @@ class VLLMGenerator:
         dev = next(lm.parameters()).device
         was_training = lm.training
         lm.eval()
+        failure = None
         try:
             for k, (prompt, out) in enumerate(zip(self.probe_prompts, outs)):
                 tokens = list(out.outputs[0].token_ids)
@@ -277,22 +287,32 @@ class VLLMGenerator:
                 logp = torch.log_softmax(lm(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1).cpu()
                 mine = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
                 gap = torch.maximum(logp.max(-1).values - mine, (engine_lp - mine).abs())
-                if (gap > PROBE_TOLERANCE).any():
+                if (gap > PROBE_TOLERANCE).any() and failure is None:
                     t = int((gap > PROBE_TOLERANCE).nonzero()[0])
-                    raise ConfigError(
-                        f"rollout.engine=vllm: the engine's weights are not the trainer's: probe prompt {k}, greedy "
-                        f"token {t}: the engine's is {tokens[t]} (log-prob {float(engine_lp[t]):.4f}), the trainer's "
-                        f"{int(logp[t].argmax())} (its log-prob of the engine's: {float(mine[t]):.4f}); the weight "
-                        "push went stale or missed a weight")
+                    failure = (f"probe prompt {k}, greedy token {t}: the engine's is {tokens[t]} (log-prob "
+                               f"{float(engine_lp[t]):.4f}), the trainer's {int(logp[t].argmax())} (its log-prob of "
+                               f"the engine's: {float(mine[t]):.4f})")
         finally:
             lm.train(was_training)
+        # every rank stops together (each probes its own prompts): a rank raising alone would leave the others
+        # waiting in their next collective
+        if engine.all_reduce_sum(torch.tensor([float(failure is not None)])).item() > 0:
+            raise ConfigError(f"rollout.engine=vllm: the engine's weights are not the trainer's: "
+                              f"{failure or 'on another rank'}; the weight push went stale or missed a weight")
 
     def close(self) -> None:
-        """Stop the engine and delete its model dir.
+        """Stop the engine and delete its model dir (rank 0).
 
         vLLM's in-process shutdown destroys the default process group (`cleanup_dist_env_and_memory`), which is the
         run's own when the run made it before the engine started (the stage still saves, reduces and barriers
         after): then the default group is kept through the shutdown, and only vLLM's own groups go."""
+        self._shutdown()
+        # no barrier: close() runs on error paths too, where another rank may never come; the engines read the dir
+        # only at their start
+        if engine.is_main():
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+
+    def _shutdown(self) -> None:
         import torch.distributed as dist
 
         if self.llm is not None:
@@ -305,6 +325,3 @@ class VLLMGenerator:
                 dist.destroy_process_group = destroy
             self.llm = None
             gc.collect()
-        engine.barrier()  # every rank's engine is down before its model dir goes
-        if engine.is_main():
-            shutil.rmtree(self.model_dir, ignore_errors=True)

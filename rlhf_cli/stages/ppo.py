@@ -292,7 +292,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     progress = Progress(p.iterations, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
-    drift = EngineDriftGuard(cfg.precision)
+    drift = EngineDriftGuard(cfg.precision, top_p=p.top_p)
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):

@@ -209,6 +209,19 @@ def test_a_batch_larger_than_one_prefill_step_samples_each_prompt_by_its_seed(ge
     assert batch.responses[100].tolist() == alone.responses[0].tolist()
 
 
+def test_a_model_of_another_architecture_gets_its_own_engine(gen, model_cfg, tokenizer, prompts):
+    """Eval's reference may differ from its policy (another depth here): the engine restarts for it instead of a
+    push, and samples it exactly."""
+    other_cfg = copy.deepcopy(model_cfg)
+    other_cfg.arch.num_hidden_layers = 1
+    other = load_causal_lm(other_cfg, seed=7, tokenizer=tokenizer)
+    gen.update_weights(load_causal_lm(model_cfg, seed=7, tokenizer=tokenizer))
+    gen.update_weights(other)
+    out = gen.generate(prompts, list(range(8)), sampling(tokenizer))
+    gap, tokens = max_gap(other, prompts, out, tokenizer.pad_token_id)
+    assert tokens >= 64 and gap <= 1e-4, gap
+
+
 def test_a_head_size_the_cpu_attention_cannot_serve_is_refused_in_one_line(tiny_model_cfg, tokenizer, tmp_path):
     if not vllm_engine.cpu_backend():
         pytest.skip("the head-size check is the CPU backend's")

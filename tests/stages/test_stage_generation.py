@@ -277,10 +277,17 @@ def test_the_registry_and_the_config_name_the_same_engines():
 
 
 @pytest.mark.parametrize("command", ["train_ppo", "eval"])
-def test_vllm_without_a_kv_cache_is_refused_in_one_line(command):
+def test_vllm_without_a_kv_cache_or_not_installed_is_refused_in_one_line(command, monkeypatch):
+    import importlib.util
+
     validate = {"train_ppo": config.validate_ppo, "eval": config.validate_eval}[command]
     with pytest.raises(ConfigError, match="rollout.kv_cache_gb must be >= 1"):
         validate(compose(command, ["model=tiny", "rollout.engine=vllm", "rollout.kv_cache_gb=0"]))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match="vLLM is not installed in this environment: run `make install-vllm`"):
+        validate(compose(command, ["model=tiny", "rollout.engine=vllm"]))
+    validate(compose(command, ["model=tiny"]))  # hf needs nothing more
 
 
 @pytest.mark.parametrize("command", ["train_ppo", "eval"])
@@ -341,6 +348,9 @@ def test_the_engine_drift_guard_stops_a_bf16_run_past_3x_its_first_diff_and_neve
         guard.check({key: diff}, it)
     with pytest.raises(FloatingPointError, match="aborting at iteration 5: .* 0.102 nats/token .* > 3x the 0.029"):
         guard.check({key: 0.102}, 4)
+    nucleus = EngineDriftGuard("bf16-autocast", top_p=0.9)  # the diff holds the nucleus renormalisation: off
+    for it, diff in enumerate([0.029, 1.0]):
+        nucleus.check({key: diff}, it)
     fp32 = EngineDriftGuard("fp32")
     for it, diff in enumerate([1e-6, 1.0]):  # fp32: the greedy probe is the check
         fp32.check({key: diff}, it)
