@@ -105,6 +105,14 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> 
         yield base, (out.to(dtype) if dtype is not None else out)
 
 
+def architecture(config: Any) -> dict[str, Any]:
+    """What of a model's config the engine is built from: every key but the bookkeeping a run adds or a save
+    rewrites (`_name_or_path` and other `_` keys, `rlhf_*` lineage, `transformers_version`, the dtype), so a policy
+    and its reference of one architecture compare equal and share an engine."""
+    skip = ("transformers_version", "torch_dtype", "dtype")
+    return {k: v for k, v in config.to_dict().items() if not k.startswith(("_", "rlhf_")) and k not in skip}
+
+
 class VLLMGenerator:
     """`rollout.engine=vllm`: a vLLM engine in this process, reloaded with the policy's weights before each rollout.
 
@@ -139,7 +147,7 @@ class VLLMGenerator:
         self.probe_prompts: list[list[int]] = []
         self._probe_due = False
         self._run_group = False
-        self.config_json = ""
+        self.architecture: dict[str, Any] = {}
 
     # -- weights -------------------------------------------------------------------------------------------
     def update_weights(self, model: Any) -> None:
@@ -148,7 +156,7 @@ class VLLMGenerator:
         Raises ValueError when the weights' names or shapes differ from the engine's checkpoint."""
         self.lm = model
         t0 = time.perf_counter()
-        if self.llm is not None and model.config.to_json_string() != self.config_json:
+        if self.llm is not None and architecture(model.config) != self.architecture:
             self._shutdown()  # another architecture: its own engine
         if self.llm is None:
             self._start(model)
@@ -168,7 +176,7 @@ class VLLMGenerator:
             check_head_size(model.config)
         weights = {n: t.contiguous().cpu().clone() for n, t in engine_weights(model, self.dtype)}
         self.names = {n: tuple(t.shape) for n, t in weights.items()}
-        self.config_json = model.config.to_json_string()
+        self.architecture = architecture(model.config)
         if engine.is_main():  # the run dir is every rank's: one copy, written before any engine reads it
             if self.model_dir.exists():
                 shutil.rmtree(self.model_dir)

@@ -354,3 +354,21 @@ def test_the_engine_drift_guard_stops_a_bf16_run_past_3x_its_first_diff_and_neve
     fp32 = EngineDriftGuard("fp32")
     for it, diff in enumerate([1e-6, 1.0]):  # fp32: the greedy probe is the check
         fp32.check({key: diff}, it)
+
+
+def test_a_policy_and_its_reference_of_one_architecture_share_an_engine(tiny_model_cfg, tokenizer):
+    """`vllm_engine.architecture`: a run's bookkeeping (name, `rlhf_*` lineage keys, dtype) does not make a second
+    engine; a different depth does (eval's reference then gets its own)."""
+    import copy
+
+    from rlhf_cli.models import load_causal_lm
+    from rlhf_cli.rollout.vllm_engine import architecture
+
+    policy = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer)
+    reference = load_causal_lm(tiny_model_cfg, seed=1, tokenizer=tokenizer)
+    policy.config._name_or_path, policy.config.rlhf_stage = "/runs/ppo/final", "ppo"
+    assert architecture(policy.config) == architecture(reference.config)
+    shallow = copy.deepcopy(tiny_model_cfg)
+    shallow.arch.num_hidden_layers = 1
+    other = load_causal_lm(shallow, seed=0, tokenizer=tokenizer)
+    assert architecture(other.config) != architecture(reference.config)
