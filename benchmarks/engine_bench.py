@@ -15,6 +15,16 @@ and vllm/hf ratios. The built-in task's prompts, rendered and tokenized by `rlhf
 
     python benchmarks/engine_bench.py                       # bf16-autocast where native, else fp32 (precision=auto)
     python benchmarks/engine_bench.py --precision fp32 --rounds 1 --out results/engine_bench.json
+
+`--parity` answers the other question, whether training on the engine learns as well: for each of `--seeds` it
+trains `rlhf train-ppo experiment=grpo` once per engine (A-B-B-A over the seeds: hf then vllm for the 1st, 3rd,
+... seed, vllm then hf for the others), then `rlhf eval experiment=grpo` samples both final policies on the same
+held-out prompts with the same per-prompt noise (the vllm-trained one as the policy, the hf-trained one as the
+reference, fp32 on the hf sampler). The table gives each seed's accuracies and paired difference, the accuracies
+per prompt averaged over the seeds and their paired difference (vllm − hf) with a t interval over the prompts,
+and each engine's training wall seconds.
+
+    python benchmarks/engine_bench.py --parity --seeds 42,1 [--workdir DIR] [--out results/engine_parity.json]
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,28 +103,108 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path) -> dict[
     return out
 
 
+def parity(args: argparse.Namespace) -> None:
+    """`--parity` (see the module docstring): experiment=grpo trained on each engine, per seed, judged paired."""
+    import torch
+
+    from rlhf_cli.core.paired import mean_ci95
+
+    seeds = [int(x) for x in args.seeds.split(",")]
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="engine_parity_")).resolve()
+    runs: list[dict[str, Any]] = []
+    try:
+        for k, seed in enumerate(seeds):
+            sub, out = work / f"seed_{seed}", {"seed": seed}
+            for name in (("hf", "vllm") if k % 2 == 0 else ("vllm", "hf")):
+                run_dir = sub / name
+                t0 = time.perf_counter()
+                child(["train-ppo", "experiment=grpo", f"rollout.engine={name}", f"seed={seed}",
+                       f"precision={args.precision}", f"paths.root={sub / 'runs'}", f"hydra.run.dir={run_dir}"],
+                      sub / f"{name}.log")
+                out[f"{name}_wall_s"] = time.perf_counter() - t0
+            eval_dir = sub / "eval"
+            child(["eval", "experiment=grpo", f"policy.path={sub / 'vllm' / 'final'}",
+                   f"reference.path={sub / 'hf' / 'final'}", "precision=fp32", f"seed={seed}",
+                   f"paths.root={sub / 'runs'}", f"hydra.run.dir={eval_dir}"], sub / "eval.log")
+            rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
+            out["prompts"] = [r["prompt"] for r in rows]
+            out["vllm"] = [float(r["policy_correct"]) for r in rows]
+            out["hf"] = [float(r["reference_correct"]) for r in rows]
+            out["eval"] = json.loads((eval_dir / "eval.json").read_text())["results"]
+            runs.append(out)
+            print(f"  seed {seed} done", file=sys.stderr)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    if any(r["prompts"] != runs[0]["prompts"] for r in runs[1:]):
+        sys.exit("error: the seeds' evals answered different held-out prompts; cannot pair them by prompt")
+    table = Table(ours="vllm")
+    table.columns = ("metric", "vllm", "hf", "vllm/hf")
+    for r in runs:
+        table.add(f"seed_{r['seed']}_accuracy", f"held-out checker accuracy, seed {r['seed']}",
+                  r["eval"]["policy/accuracy"], r["eval"]["reference/accuracy"], "{:.3f}", ratio=False)
+        table.note(f"  vllm − hf (paired), seed {r['seed']}",
+                   f"{r['eval']['accuracy_gain']:+.3f} ± {r['eval']['accuracy_gain_ci95']:.3f}")
+        table.add(f"seed_{r['seed']}_wall_s", f"training wall s, seed {r['seed']}", r["vllm_wall_s"], r["hf_wall_s"],
+                  "{:.0f}")
+    v, h = torch.tensor([r["vllm"] for r in runs]).mean(0), torch.tensor([r["hf"] for r in runs]).mean(0)
+    (av, cv), (ah, ch) = mean_ci95(v), mean_ci95(h)
+    n = v.numel()
+    table.add("accuracy", f"held-out accuracy, {n} prompts x {len(runs)} seeds", av, ah, "{:.3f}", ratio=False)
+    table.add("accuracy_ci95", f"  ± 95 % (t over the {n} prompts)", cv, ch, "{:.3f}", ratio=False)
+    d, ci = mean_ci95(v - h)
+    table.note(f"accuracy, vllm − hf, by prompt over the {len(runs)} seeds", f"{d:+.3f} ± {ci:.3f} "
+               f"({d - ci:+.3f} to {d + ci:+.3f})")
+    table.data["accuracy_diff_by_prompt"] = {"mean": d, "ci95": ci, "prompts": n, "seeds": len(runs)}
+    info = machine_info()
+    header = ["engine parity: `rlhf train-ppo experiment=grpo` on rollout.engine=vllm vs hf, judged paired by "
+              "`rlhf eval experiment=grpo` (fp32, hf sampler)",
+              f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores; precision {args.precision}; "
+              f"seeds {', '.join(map(str, seeds))} (A-B-B-A)"]
+    print("\n".join(header + table.lines()))
+    write_outputs(args.out, header, table, ["vllm: the policy trained on vLLM's samples; hf: on HF generate's"],
+                  {"seeds": [{k: v for k, v in r.items() if k != "prompts"} for r in runs]})
+
+
+def child(argv: list[str], log: Path) -> None:
+    """`rlhf <argv>` in its own process, output to `log`; exits with the log's tail when it fails."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "rlhf_cli", *argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        sys.exit(f"{tail}\nerror: rlhf {argv[0]} exited with status {proc.returncode} (log: {log})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny (a smoke test of the script)")
     ap.add_argument("--precision", default="auto", help="the run's precision: auto, fp32, bf16-autocast")
     ap.add_argument("--rounds", type=int, default=1, help="A-B-B-A rounds (each runs both engines twice)")
     ap.add_argument("--out", default=None, help="also write the table as JSON and markdown")
+    ap.add_argument("--parity", action="store_true", help="train experiment=grpo on each engine and judge them paired")
+    ap.add_argument("--seeds", default="42,1", help="--parity: the training seeds, comma-separated")
+    ap.add_argument("--workdir", default=None, help="--parity: keep run dirs here (default: a temp dir, removed)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.model, args.precision, Path(args.workdir))))
+        print("RESULT " + json.dumps(worker(args.worker, args.model, args.precision, Path(args.worker_dir))))
         return
     try:
         import vllm  # noqa: F401
     except ImportError:
         sys.exit("error: engine_bench needs vLLM in this venv: run `make install-vllm` first")
+    if args.parity:
+        parity(args)
+        return
     order = ["hf", "vllm", "vllm", "hf"] * args.rounds
     results: dict[str, list[dict[str, Any]]] = {"hf": [], "vllm": []}
     with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
         for i, name in enumerate(order):
             cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--precision", args.precision,
-                   "--workdir", str(Path(tmp) / f"{i}-{name}")]
+                   "--worker-dir", str(Path(tmp) / f"{i}-{name}")]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ})
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not line:

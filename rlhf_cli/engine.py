@@ -547,8 +547,15 @@ class TrainEngine:
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
         """Under ZeRO-3, gather all parameters for the block (e.g. for HF generate); no-op otherwise."""
-        if self.zero_stage == 3:
-            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+        with self.gathered(list(self.module.parameters())):
+            yield
+
+    @contextlib.contextmanager
+    def gathered(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
+        """Under ZeRO-3, gather `params` (whole on every rank, read-only) for the block; no-op otherwise. An
+        engine's weight push gathers one layer at a time with it (`Generator.update_weights`)."""
+        if self.zero_stage == 3 and params:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 yield
         else:
             yield

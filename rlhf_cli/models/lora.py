@@ -116,7 +116,8 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return trained, total
 
 
-def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules peft's LoRA injected into `model` (each holds its base layer and its adapters)."""
     from peft.tuners.lora import LoraLayer
 
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -127,7 +128,7 @@ def _adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     `modules_to_save` (off, such a wrapper runs the original head it keeps)."""
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    return _lora_layers(model) + [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
+    return lora_layers(model) + [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
 
 
 def lora_delta_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -140,23 +141,33 @@ def lora_delta_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model computes with (the merged model an inference engine or `merge_and_unload` would hold). Detached.
     """
     deltas: dict[str, torch.Tensor] = {}
-    layers = set(_lora_layers(model))
+    layers = set(lora_layers(model))
     for name, module in model.named_modules():
-        if module not in layers or module.disable_adapters or module.merged:
-            continue
-        delta = None
-        for adapter in module.active_adapters:
-            if adapter in module.lora_A:
-                d = module.get_delta_weight(adapter).detach()
-                delta = d if delta is None else delta + d
+        delta = lora_delta(module) if module in layers else None
         if delta is not None:
             deltas[f"{name}.weight"] = delta
     return deltas
 
 
+def lora_delta(layer: torch.nn.Module) -> torch.Tensor | None:
+    """One LoRA layer's weight update ΔW, the sum of peft's `get_delta_weight` over its active adapters (see
+    `lora_delta_weights`), detached; None for a layer whose adapters are off or already merged, or any other
+    module."""
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(layer, LoraLayer) or layer.disable_adapters or layer.merged:
+        return None
+    delta = None
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            d = layer.get_delta_weight(adapter).detach()
+            delta = d if delta is None else delta + d
+    return delta
+
+
 def has_lora(model: Any) -> bool:
     """Whether `model` (or the module a DeepSpeed engine wraps) carries LoRA adapters."""
-    return bool(_lora_layers(getattr(model, "module", model)))
+    return bool(lora_layers(getattr(model, "module", model)))
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ implementing `Generator`, one `GENERATORS` entry and one `rollout.engine` value 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -57,6 +58,10 @@ class Sampling:
     reaches top_p can be drawn; 1 = no filter."""
 
 
+Gather = Callable[[list[torch.nn.Parameter]], AbstractContextManager[Any]]
+"""`gather(params)`: a context in which `params` are whole (`TrainEngine.gathered`: ZeRO-3's partitions)."""
+
+
 class Generation(NamedTuple):
     """One response per prompt, as an engine returns them (rows in the order of the prompts).
 
@@ -87,10 +92,14 @@ class Generator(Protocol):
         numbers): `rlhf eval` pairs its policy's and its reference's samples of a prompt on this.
       - A response ends at the first id of `sampling.eos_ids` (kept, mask 1) or at `sampling.max_new_tokens`;
         everything after the first EOS is `sampling.pad_id`, mask 0.
-      - `update_weights(model)`: the engine samples from `model`'s current weights from then on (a causal LM,
-        the live training module; an engine with its own copy of the weights copies them here). train-ppo calls
-        it before each rollout, inside the actor's `gathered_params()` (ZeRO-3's full weights); `rlhf eval` once
-        for the policy, then once for the reference.
+      - `update_weights(model, gather=None)`: the engine samples from `model`'s current weights from then on (a
+        causal LM, the live training module; an engine with its own copy of the weights copies them here).
+        `gather(params)`, a context manager over a list of parameters (`TrainEngine.gathered`), makes ZeRO-3's
+        partitioned parameters whole while it is open; None: the weights are whole as held.
+      - `own_weights`: whether the engine holds its own copy (then train-ppo calls `update_weights` with `gather`,
+        one layer's parameters gathered at a time, and samples without the full weights gathered); else it
+        samples from the live module, and train-ppo calls both inside the actor's `gathered_params()` (ZeRO-3's
+        full weights). `rlhf eval` calls `update_weights` once for the policy, then once for the reference.
       - `close()`: the run is over; the engine frees what it holds (an engine's model dir, its process state).
     """
 
@@ -102,7 +111,10 @@ class Generator(Protocol):
     def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:
         ...
 
-    def update_weights(self, model: Any) -> None:
+    own_weights: bool
+    """The engine samples from its own copy of the weights (see the contract)."""
+
+    def update_weights(self, model: Any, gather: Gather | None = None) -> None:
         ...
 
     def close(self) -> None:
@@ -184,9 +196,10 @@ class HFGenerator:
         self.precision, self.chunk = precision, int(chunk)
         self.lm: Any = None
         self.sync_seconds = 0.0  # nothing is copied
+        self.own_weights = False  # samples from the live module: under ZeRO-3, inside the full weights' gather
 
-    def update_weights(self, model: Any) -> None:
-        """Sample from `model` (a causal LM) from now on: the module itself, nothing is copied."""
+    def update_weights(self, model: Any, gather: Gather | None = None) -> None:
+        """Sample from `model` (a causal LM) from now on: the module itself, nothing is copied (`gather` unused)."""
         self.lm = model
 
     def close(self) -> None:

@@ -113,9 +113,14 @@ class ExperienceMaker:
         (`generation.rollout_batch`), and the engine's log-probs of the response tokens (B, R) float32 on the
         batch's device, or None when the engine gives none (`hf`)."""
         prompt_ids = [x["prompt_ids"] for x in prompts]
-        with self.actor.gathered_params():  # ZeRO-3: the full weights, for the engine to sample from
-            self.generator.update_weights(lm_of(self.actor.module))
+        lm = lm_of(self.actor.module)
+        if self.generator.own_weights:  # ZeRO-3: one layer gathered at a time for the push, none while sampling
+            self.generator.update_weights(lm, gather=self.actor.gathered)
             generation = self.generator.generate(prompt_ids, seeds, self.sampling)
+        else:
+            with self.actor.gathered_params():  # ZeRO-3: the full weights, for the engine to sample from
+                self.generator.update_weights(lm)
+                generation = self.generator.generate(prompt_ids, seeds, self.sampling)
         input_ids, attention_mask, P, has_eos = rollout_batch(prompt_ids, generation, self.pad_id)
         engine_logprobs = None
         if generation.logprobs is not None:

@@ -9,7 +9,8 @@ from token ids with one seed per prompt, and takes each new policy through vLLM'
     VLLMGenerator       the engine behind the `Generator` seam (generation.py): start, `update_weights` (the push),
                         `generate`, the greedy probe, `close`
     engine_weights      the (name, tensor) pairs the engine loads: the checkpoint names of the trainer's causal LM,
-                        LoRA merged under the base names, tied weights once
+                        LoRA merged under the base names, tied weights under each name; under ZeRO-3 one layer
+                        gathered at a time
     check_head_size     the CPU attention's head sizes, checked before the engine starts
 
 Exactness (measured on the tiny model and SmolLM2, docs/results.md): in fp32 the engine's log-probs of the sampled
@@ -25,6 +26,7 @@ backend cannot do: "CPU Generator does not use offset", seen at 128 prompts) and
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -38,7 +40,7 @@ import torch
 
 from rlhf_cli import engine
 from rlhf_cli.errors import ConfigError
-from rlhf_cli.rollout.generation import Generation, Sampling, response_mask
+from rlhf_cli.rollout.generation import Gather, Generation, Sampling, response_mask
 
 log = logging.getLogger(__name__)
 
@@ -78,31 +80,66 @@ def check_head_size(config: Any) -> None:
             f"(e.g. model.arch.num_attention_heads=2 model.arch.num_key_value_heads=2)")
 
 
-def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None,
+                   gather: Gather | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights an inference engine loads for a causal LM, under the names of its HF checkpoint.
 
     model: the trainer's causal LM (`models.lm_of`), with or without LoRA adapters injected by peft
-    (`models.lora.add_lora`). Yields (name, tensor) for each name of `state_dict`, in its order:
+    (`models.lora.add_lora`). Yields (name, tensor) for each name of `state_dict` (`engine_weight_shapes`), layer
+    by layer in its order:
       - a LoRA layer's weight merged, W + ΔW with ΔW = peft's `get_delta_weight` (B·A·α/r), under the base name
         (`...q_proj.weight`, never `.base_layer.` or `lora_A/B`);
       - a head peft trains in full (`modules_to_save`) under the original name, with the trained copy's values;
       - a tied tensor (`lm_head.weight` sharing `embed_tokens.weight`) under each of its names: vLLM's in-place
         reload finishes a layer only when its weight arrives, and a push without `lm_head.weight` left the engine's
         head stale, silently (measured: 0.46 nats max log-prob gap after one perturbed push, 2e-6 with it).
-    Tensors are detached, cast to `dtype` when given (else as held), on their own device. Under ZeRO-3 call this
-    inside the engine's `gathered_params()`.
+    gather: None, the weights are whole as held: tensors are detached views (or casts) on their own device. Else
+    `gather(params)` (`TrainEngine.gathered`: ZeRO-3) is opened over one layer's own parameters at a time (a LoRA
+    layer's with its adapters), and each tensor is a copy made while they are whole, so a push holds one layer
+    gathered, not the model. Tensors are cast to `dtype` when given, else as held.
     """
-    from rlhf_cli.models.lora import lora_delta_weights
+    from rlhf_cli.models.lora import lora_delta, lora_layers
 
-    deltas = lora_delta_weights(model)  # {base weight name: ΔW}, empty without LoRA
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if "lora_" in name or ".original_module." in name:
+    lora = set(lora_layers(model))
+    whole: list[str] = []  # the prefixes of the LoRA layers yielded with their sub-modules
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if any(prefix.startswith(w) for w in whole):
             continue
-        base = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        out = tensor.detach()
-        if base in deltas:
-            out = out + deltas[base].to(out.dtype)
-        yield base, (out.to(dtype) if dtype is not None else out)
+        if module in lora:
+            whole.append(prefix)
+            entries = module.state_dict(prefix=prefix, keep_vars=True)
+        else:  # the module's own parameters and persistent buffers (its sub-modules are units of their own)
+            entries = {k: v for k, v in module.state_dict(prefix=prefix, keep_vars=True).items()
+                       if "." not in k[len(prefix):]}
+        if not entries:
+            continue
+        params = [t for t in entries.values() if isinstance(t, torch.nn.Parameter)]
+        with gather(params) if gather is not None else contextlib.nullcontext():
+            delta = lora_delta(module) if module in lora else None
+            for key, tensor in entries.items():
+                if "lora_" in key or ".original_module." in key:
+                    continue
+                base = _base_name(key)
+                out = tensor.detach()
+                if delta is not None and base == f"{prefix}weight":
+                    out = out + delta.to(out.dtype)
+                elif gather is not None:
+                    out = out.clone()  # the gathered storage is freed when the layer's gather closes
+                yield base, (out.to(dtype) if dtype is not None else out)
+
+
+def engine_weight_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The names and full shapes `engine_weights(model)` yields, without gathering or copying a weight (a ZeRO-3
+    parameter's full shape is its `ds_shape`)."""
+    return {_base_name(k): tuple(getattr(t, "ds_shape", t.shape))
+            for k, t in model.state_dict(keep_vars=True).items()
+            if "lora_" not in k and ".original_module." not in k}
+
+
+def _base_name(key: str) -> str:
+    """A state_dict key under its HF checkpoint name: peft's `.base_layer.` and `.modules_to_save.default.` out."""
+    return key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
 def architecture(config: Any) -> dict[str, Any]:
@@ -148,33 +185,35 @@ class VLLMGenerator:
         self._probe_due = False
         self._run_group = False
         self.architecture: dict[str, Any] = {}
+        self.own_weights = True  # the engine's copy: train-ppo pushes with one layer gathered at a time (ZeRO-3)
 
     # -- weights -------------------------------------------------------------------------------------------
-    def update_weights(self, model: Any) -> None:
+    def update_weights(self, model: Any, gather: Gather | None = None) -> None:
         """Sample from `model`'s current weights from now on: start the engine from them (first call, or a model
         of another architecture than the engine's: eval's reference may be one) or push them (later calls).
-        Raises ValueError when the weights' names or shapes differ from the engine's checkpoint."""
+        `gather`: ZeRO-3's (see `engine_weights`), one layer's parameters whole at a time. Raises ValueError when
+        the weights' names or shapes differ from the engine's checkpoint."""
         self.lm = model
         t0 = time.perf_counter()
         if self.llm is not None and architecture(model.config) != self.architecture:
             self._shutdown()  # another architecture: its own engine
         if self.llm is None:
-            self._start(model)
+            self._start(model, gather)
             self.start_seconds = time.perf_counter() - t0
             if engine.is_main():
                 log.info("vLLM engine up from %s (%s) in %.1fs", self.model_dir,
                          str(self.dtype).removeprefix("torch."), self.start_seconds)
         else:
-            self._push(model)
+            self._push(model, gather)
         self.sync_seconds = time.perf_counter() - t0  # the probe, run at the next generate, adds to it
         self._probe_due = self.probe_on and self.dtype == torch.float32
 
-    def _start(self, model: Any) -> None:
+    def _start(self, model: Any, gather: Gather | None) -> None:
         from safetensors.torch import save_file
 
         if cpu_backend():
             check_head_size(model.config)
-        weights = {n: t.contiguous().cpu().clone() for n, t in engine_weights(model, self.dtype)}
+        weights = {n: t.contiguous().cpu().clone() for n, t in engine_weights(model, self.dtype, gather)}
         self.names = {n: tuple(t.shape) for n, t in weights.items()}
         self.architecture = architecture(model.config)
         if engine.is_main():  # the run dir is every rank's: one copy, written before any engine reads it
@@ -206,9 +245,8 @@ class VLLMGenerator:
                        enable_prefix_caching=False, enable_chunked_prefill=False,
                        max_num_batched_tokens=max(self.max_model_len, 8192), **kwargs)
 
-    def _push(self, model: Any) -> None:
-        pushed = [(n, t) for n, t in engine_weights(model, self.dtype)]
-        got = {n: tuple(t.shape) for n, t in pushed}
+    def _push(self, model: Any, gather: Gather | None) -> None:
+        got = engine_weight_shapes(model)  # checked before any weight moves: a push is never half done
         unknown, missing = sorted(set(got) - set(self.names)), sorted(set(self.names) - set(got))
         wrong = sorted(n for n in set(got) & set(self.names) if got[n] != self.names[n])
         if unknown or missing or wrong:
@@ -219,15 +257,15 @@ class VLLMGenerator:
                 + (f"; shapes differ: {', '.join(wrong[:5])}" if wrong else ""))
         consumed = [0]
 
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            for item in pushed:
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:  # streamed: under ZeRO-3 one layer gathered at a time
+            for item in engine_weights(model, self.dtype, gather):
                 consumed[0] += 1
                 yield item
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(),
                                                           "is_checkpoint_format": True})
-        if consumed[0] != len(pushed):
-            raise ValueError(f"vLLM weight push: the engine read {consumed[0]} of {len(pushed)} weights")
+        if consumed[0] != len(got):
+            raise ValueError(f"vLLM weight push: the engine read {consumed[0]} of {len(got)} weights")
 
     # -- sampling ------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:

@@ -372,3 +372,38 @@ def test_a_policy_and_its_reference_of_one_architecture_share_an_engine(tiny_mod
     shallow.arch.num_hidden_layers = 1
     other = load_causal_lm(shallow, seed=0, tokenizer=tokenizer)
     assert architecture(other.config) != architecture(reference.config)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_under_zero3_the_push_gathers_one_layer_at_a_time_and_carries_the_full_weights(tmp_path, lora):
+    """ZeRO-3 (one rank, in process): `engine_weights(..., gather=actor.gathered)` yields every checkpoint name with
+    its full, merged weight, equal to the weights gathered all at once, while at most one layer's parameters (a
+    LoRA layer's base and adapters: 3) are whole at any yield; `engine_weight_shapes` gives the same names and
+    shapes without gathering; the yielded tensors are copies (they outlive the gather)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from test_stage_ppo import build_trainer
+
+    from rlhf_cli.models import lm_of
+    from rlhf_cli.rollout.vllm_engine import engine_weight_shapes, engine_weights
+
+    tr = build_trainer(tmp_path, ["deepspeed=zero3", "ppo.advantage_estimator=grpo",
+                                  "ppo.n_samples_per_prompt=2", *(["model.lora.r=4"] if lora else [])])
+    lm = lm_of(tr.actor.module)
+    params = list(lm.parameters())
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)  # partitioned
+    with tr.actor.gathered_params():
+        want = dict(engine_weights(lm))
+        want = {k: v.clone() for k, v in want.items()}
+    whole_at_yield = []
+    got = {}
+    for name, tensor in engine_weights(lm, gather=tr.actor.gathered):
+        whole_at_yield.append(sum(p.ds_status == ZeroParamStatus.AVAILABLE for p in params))
+        got[name] = tensor
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)
+    assert set(got) == set(want) and "lm_head.weight" in got
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    assert max(whole_at_yield) <= 3 < len(params)
+    assert engine_weight_shapes(lm) == {k: tuple(v.shape) for k, v in want.items()}
+    if lora:
+        assert not any("lora_" in k or "base_layer" in k for k in got)
