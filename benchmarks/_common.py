@@ -56,13 +56,21 @@ def malloc_env() -> dict[str, str]:
 # environment
 
 
-def require_trl() -> None:
-    """Exit with one line when trl (the comparison) is not installed or is not the pinned version."""
-    try:
-        version = importlib.metadata.version("trl")
-    except importlib.metadata.PackageNotFoundError:
-        sys.exit(f"error: trl is not installed; these benchmarks compare against trl=={TRL_VERSION}: "
-                 f"pip install -e '.[bench]'")
+def require_trl(python: str | None = None) -> None:
+    """Exit with one line when trl (the comparison) is not installed or is not the pinned version, in this
+    interpreter or in `python` (`--trl-python`)."""
+    if python and Path(python).resolve() != Path(sys.executable).resolve():
+        proc = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('trl'))"],
+                              capture_output=True, text=True)
+        version = proc.stdout.strip() if proc.returncode == 0 else None
+    else:
+        try:
+            version = importlib.metadata.version("trl")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+    if version is None:
+        sys.exit(f"error: trl is not installed{f' in {python}' if python else ''}; these benchmarks compare against "
+                 f"trl=={TRL_VERSION}: pip install -e '.[bench]'")
     if version != TRL_VERSION:
         print(f"warning: trl {version} installed, the benchmarks were written against {TRL_VERSION} "
               f"(pip install -e '.[bench]')", file=sys.stderr)
@@ -380,6 +388,51 @@ def emit(args: Any, info: dict[str, Any], header: list[str], table: Table, notes
         "trl_mixed_precision": trl_precision, **payload, **sides}, more)
 
 
+def require_vllm(args: Any) -> None:
+    """`--engine-column` needs vLLM in this venv (`make install-vllm`); exits with that line otherwise."""
+    if getattr(args, "engine_column", False):
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            sys.exit("error: --engine-column needs vLLM in this venv: run `make install-vllm` first")
+
+
+def engine_table(hf: Sequence[dict[str, Any]], vllm: Sequence[dict[str, Any]], unit: str) -> Table:
+    """The engine column: ours on `rollout.engine=vllm` against ours on `hf`, from the steady records of
+    `ppo_bench.ours_iterations` (per step or iteration, `unit`): generation and engine-sync seconds (the push and,
+    in fp32, the greedy probe), their sum, the whole step, generated tokens/s, and vLLM's mean log-prob gap to the
+    trainer."""
+    t = Table("engine column: ours on rollout.engine=vllm vs hf (the same prompts and seeds)")
+    t.columns = ("metric", "vllm", "hf", "vllm/hf")
+    avg = lambda its, key: mean([x[key] for x in its])  # noqa: E731
+    for key, label in (("generation", "generation"), ("engine_sync", "engine sync (push, probe)")):
+        t.add(f"{key}_s", f"{label} s / {unit}", avg(vllm, key), avg(hf, key), ratio=key == "generation")
+    both = lambda its: avg(its, "generation") + avg(its, "engine_sync")  # noqa: E731
+    t.add("sampling_s", f"generation + sync s / {unit}", both(vllm), both(hf))
+    whole = lambda its: sum(avg(its, k) for k in ("generation", "engine_sync", "scoring", "training"))  # noqa: E731
+    t.add("total_s", f"s / {unit} (generation+sync+scoring+training)", whole(vllm), whole(hf))
+    rate = lambda its: sum(x["gen_tokens"] for x in its) / sum(x["generation"] for x in its)  # noqa: E731
+    t.add("gen_tokens_per_s", "generated tokens/s", rate(vllm), rate(hf))
+    t.add("engine_diff", "mean |engine − trainer| log-prob, nats", avg(vllm, "engine_diff"), None, "{:.2e}",
+          ratio=False)
+    return t
+
+
+def engine_overrides(args: Any) -> list[str]:
+    """With `--engine-column` on `--model tiny`, every side's model gets a head size vLLM's CPU attention serves
+    (hidden 64 / 2 heads = 32; the tiny default's 16 is refused); [] otherwise."""
+    if getattr(args, "engine_column", False) and args.model == "tiny":
+        return ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
+    return []
+
+
+def add_engine_args(p: Any) -> None:
+    """`--engine-column` of grpo_bench and ppo_bench (`engine_table`)."""
+    p.add_argument("--engine-column", action="store_true",
+                   help="also run ours on rollout.engine=vllm (needs `make install-vllm`) in every round or seed, "
+                        "A-B-B-A with ours on hf, and print an engine table: generation and sync s, vllm vs hf")
+
+
 def packing_override(args: Any) -> str:
     """Ours' `data.packing=...` override for `--packing`."""
     return f"data.packing={str(args.packing == 'on').lower()}"
@@ -440,6 +493,10 @@ def add_common_args(p: Any) -> None:
                    help="LoRA rank for both tools (0: full fine-tuning, the default): ours model.lora.r, TRL a peft "
                         "LoraConfig with the same r, alpha and target modules (all linear layers of the trunk)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha for both tools (default: 2 x --lora-r)")
+    p.add_argument("--trl-python", default=sys.executable,
+                   help="the interpreter of the TRL process (default: this one); e.g. the README's venv with "
+                        "'.[bench]' when this one is vLLM's (`--engine-column`: vLLM pins an older transformers "
+                        "than TRL 1.12's PPOTrainer takes)")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
 
 
@@ -450,7 +507,7 @@ def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, 
     if args.trl_child:
         trl_child(args.trl_child)
         return
-    require_trl()
+    require_trl(args.trl_python)
     work = Path(args.workdir or tempfile.mkdtemp(prefix=f"{prefix}-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:

@@ -15,6 +15,10 @@ command(s), exit codes, seconds and numbers:
   ppo_iter     SmolLM2-shaped PPO iterations in bf16-autocast, scoring passes in fp32 (the default) and in
                bf16 (`scoring_precision=same`): generation/scoring/training s per iteration, reported KL and,
                for `same`, the fp32 KL of the same rows (the noise floor)
+  engine       the fp32-scoring PPO iterations again on `rollout.engine=vllm`: generation and engine-sync s
+               per iteration beside hf's generation s, and the engine's log-prob gap to the trainer; skipped
+               (with the reason) where `import vllm` fails: the CUDA `vllm` wheel does not travel in the wheel
+               folder (hundreds of MB), so this step runs where the GPU machine has vllm installed
 """
 
 from __future__ import annotations
@@ -158,6 +162,29 @@ def main() -> None:
             **{f"{k}_s": mean([r.get(f"time/{k}") for r in timed]) for k in ("generation", "scoring", "training")},
             "kl_reported": [r.get("objective/kl") for r in its], "kl_fp32": [r.get("objective/kl_fp32") for r in its]}
         save()
+
+    # 5. the same PPO iterations sampled by vLLM (CUDA `vllm`, where this machine has it): generation and sync
+    # seconds beside step 4's hf figures, and the engine's log-prob gap to the trainer
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 (any import failure: a CPU-only wheel, a CUDA mismatch)
+        out["engine"] = {"skipped": f"vllm is not importable here ({type(e).__name__}: {e})"}
+    else:
+        root = work / "ppo_vllm"
+        res = rlhf("train-ppo", [*shape, "rollout.engine=vllm", "reward.type=checker",
+                                 f"ppo.iterations={args.ppo_iterations}", "ppo.rollout_batch_size=16",
+                                 "ppo.mini_batch_size=8", "ppo.micro_batch_size=8", "ppo.max_new_tokens=32",
+                                 "ppo.actor_lr=1e-6", "paths.keep_checkpoints=0"], root, work / "ppo_vllm.log", env)
+        its = records(root, "ppo")
+        timed = its[1:] or its
+        out["engine"] = {
+            **res, "iterations_timed": len(timed),
+            **{f"{k}_s": mean([r.get(f"time/{k}") for r in timed]) for k in ("generation", "engine_sync", "scoring",
+                                                                              "training")},
+            "hf_generation_s": out["ppo_iter"]["fp32"].get("generation_s"),
+            "diff_mean": [r.get("rollout/engine_logprob_diff_mean") for r in its],
+            "diff_max": [r.get("rollout/engine_logprob_diff_max") for r in its]}
+    save()
     print(json.dumps(out, indent=1))
 
 

@@ -165,7 +165,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seeds", default=None, help="comma-separated training seeds, one whole comparison each, "
                    "in alternating order, pooled (instead of --seed)")
     C.add_common_args(p)
+    C.add_engine_args(p)
     args = p.parse_args()
+    C.require_vllm(args)
     if (args.prompts_per_step * args.num_generations) % args.micro_batch_size:
         p.error(f"--prompts-per-step × --num-generations = {args.prompts_per_step * args.num_generations} is not "
                 f"divisible by --micro-batch-size {args.micro_batch_size}")
@@ -203,7 +205,8 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
         "ppo.warmup_steps=0", "ppo.max_grad_norm=0.0", "ppo.aggregation=token-mean", "ppo.truncated=penalize",
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
         f"seed={seed}", f"precision={args.precision}", f"paths.root={work / 'runs'}",
-        C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args)]
+        C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args),
+        *C.engine_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, steps, P, work)
     tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
     bf16 = cfg.precision != "fp32"
@@ -226,11 +229,14 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
         env["ACCELERATE_MIXED_PRECISION"] = "bf16"
     out: dict[str, Any] = {"seed": seed, "order": "ours, TRL" if ours_first else "TRL, ours", "cfg": cfg,
                            "policy": policy, "betas": betas, "prep_s": prep_s}
-    for who in (("ours", "trl") if ours_first else ("trl", "ours")):
+    for who in (("ours", "vllm", "trl") if ours_first else ("trl", "vllm", "ours")):
         if who == "ours":
             out["ours_dir"], out["ours"], out["o_steps"] = train_ours(overrides, work / "ours_grpo")
+        elif who == "vllm":
+            if args.engine_column:  # ours again, sampling on vLLM: hf, vllm for the 1st seed, vllm, hf for the 2nd
+                out["v_steps"] = train_ours([*overrides, "rollout.engine=vllm"], work / "ours_vllm_grpo")[2]
         else:
-            out["trl"] = C.run_child([sys.executable, __file__, "--trl-child", str(work / "trl_grpo_spec.json")],
+            out["trl"] = C.run_child([args.trl_python, __file__, "--trl-child", str(work / "trl_grpo_spec.json")],
                                      work / "trl_grpo.log", env=env)
             C.check_child("TRL GRPOTrainer", out["trl"])
             out["t_res"] = json.loads(Path(spec["result"]).read_text())
@@ -368,9 +374,14 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"benchmark preparation (prompts, policy dir) {sum(r['prep_s'] for r in runs):.0f} s; logs and runs under "
         f"{work}" + (" (a dir per seed, each with its two trained policies)" if multi else ""),
     ]
+    more = []
+    if args.engine_column:
+        more.append(("table_engine", C.engine_table(o_st, [x for r in runs for x in C.steady(r["v_steps"])],
+                                                    "step")))
     C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"],
            (ours, {"steps": first["o_steps"]}),
-           (trl, {"steps": first["t_steps"], "rewards": t_res["rewards"], "kl": t_res["kl"]}), eval=res,
+           (trl, {"steps": first["t_steps"], "rewards": t_res["rewards"], "kl": t_res["kl"]}), more, eval=res,
+           **({"vllm_steps": [r["v_steps"] for r in runs]} if args.engine_column else {}),
            **({"seeds": [{**x, "ours_steps": r["o_steps"], "trl_steps": r["t_steps"], "eval": r["res"]}
                          for x, r in zip(per_seed, runs)]} if multi else {}))
 

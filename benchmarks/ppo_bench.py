@@ -239,14 +239,14 @@ def train_ours(overrides: list[str], run_dir: Path) -> tuple:
     return run_dir, res, ours_iterations(run_dir)
 
 
-def train_trl(spec: dict[str, Any], spec_path: Path, bf16: bool) -> tuple:
+def train_trl(spec: dict[str, Any], spec_path: Path, bf16: bool, python: str = sys.executable) -> tuple:
     """TRL's PPOTrainer as `spec` says, in its own process (log beside `spec["output_dir"]`): (its ChildResult,
     the result JSON the child wrote: per-iteration numbers, scores, KL, precision, optimizer)."""
     spec_path.write_text(json.dumps(spec))
     env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
     if bf16:
         env["ACCELERATE_MIXED_PRECISION"] = "bf16"  # PPOConfig(bf16=True) alone is ignored (its own Accelerator)
-    res = C.run_child([sys.executable, __file__, "--trl-child", str(spec_path)], Path(f"{spec['output_dir']}.log"),
+    res = C.run_child([python, __file__, "--trl-child", str(spec_path)], Path(f"{spec['output_dir']}.log"),
                       env=env)
     C.check_child("TRL PPOTrainer", res)
     return res, json.loads(Path(spec["result"]).read_text())
@@ -344,6 +344,8 @@ def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
             continue
         out.append({"generation": rec["time/generation"], "scoring": rec["time/scoring"],
                     "training": rec["time/training"], "wall": None if prev is None else rec["time"] - prev,
+                    "engine_sync": rec.get("time/engine_sync", 0.0),
+                    "engine_diff": rec.get("rollout/engine_logprob_diff_mean"),
                     "gen_tokens": rec["throughput/gen_tokens_per_s"] * rec["time/generation"],
                     "train_tokens": rec["throughput/train_tokens_per_s"] * rec["time/training"],
                     "score": rec["objective/scores_norm"], "kl": rec["objective/kl"],
@@ -412,7 +414,9 @@ def parse_args() -> argparse.Namespace:
                    help="also run ours with its fastest exact settings in every round (ppo.carried_forwards = "
                         "rollout / micro-batch) and print a second table of those runs against the same TRL runs")
     C.add_common_args(p)
+    C.add_engine_args(p)
     args = p.parse_args()
+    C.require_vllm(args)
     if args.rollout % args.micro_batch_size:
         p.error(f"--rollout {args.rollout} is not divisible by --micro-batch-size {args.micro_batch_size}")
     if args.fastest and args.packing == "off":
@@ -457,7 +461,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         "ppo.whiten_advantages=true", "ppo.truncated=penalize", f"ppo.missing_eos_penalty={args.missing_eos_penalty}",
         "ppo.critic=separate", "ppo.critic_init=reward_model", "ppo.sample_every=1", "ppo.save_every=0",
         f"seed={args.seed}", f"precision={args.precision}", f"paths.root={work / 'runs'}",
-        C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args)]
+        C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args),
+        *C.engine_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, n_it, R, work)
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
@@ -476,9 +481,12 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     for k in range(args.rounds):
         sfx = "" if k == 0 else f"_r{k + 1}"
         sides: dict[str, Any] = {}
-        for who in (("ours", "fastest", "trl") if k % 2 == 0 else ("trl", "fastest", "ours")):
+        for who in (("ours", "fastest", "vllm", "trl") if k % 2 == 0 else ("trl", "vllm", "fastest", "ours")):
             if who == "ours":
                 sides["ours"] = train_ours(overrides, work / f"ours_ppo{sfx}")
+            elif who == "vllm":
+                if args.engine_column:
+                    sides["vllm"] = train_ours([*overrides, "rollout.engine=vllm"], work / f"ours_vllm_ppo{sfx}")
             elif who == "fastest":
                 if args.fastest:
                     sides["fastest"] = train_ours([*overrides, f"ppo.carried_forwards={carried}"],
@@ -488,10 +496,11 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                 sides["trl"] = train_trl({**spec, "output_dir": str(work / f"trl_ppo{sfx}"),
                                           "model_out": str(sides["trl_model"]),
                                           "result": str(work / f"trl_ppo_result{sfx}.json")},
-                                         work / f"trl_ppo_spec{sfx}.json", bf16)
-        rounds.append({"order": ", ".join({"ours": "ours", "fastest": "ours fastest", "trl": "TRL"}[who]
-                                          for who in (("ours", "fastest", "trl") if k % 2 == 0 else
-                                                      ("trl", "fastest", "ours")) if who in sides), **sides})
+                                         work / f"trl_ppo_spec{sfx}.json", bf16, args.trl_python)
+        rounds.append({"order": ", ".join({"ours": "ours", "fastest": "ours fastest", "vllm": "ours vllm",
+                                           "trl": "TRL"}[who]
+                                          for who in (("ours", "fastest", "vllm", "trl") if k % 2 == 0 else
+                                                      ("trl", "vllm", "fastest", "ours")) if who in sides), **sides})
     ours_dir, ours, o_its = rounds[0]["ours"]
     trl, t_res = rounds[0]["trl"]
     t_its = t_res["iterations"]
@@ -586,6 +595,10 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                               "iterations": rounds[0]["fastest"][2], "rounds": fast_rounds}
         notes.insert(-1, "fastest: the exact check compares numbers bit for bit, which holds on the CPU (the grad and "
                          "no-grad forwards run the same kernels); on a GPU they may differ by float rounding")
+    if args.engine_column:
+        more.append(("table_engine", C.engine_table(o_st, [x for r in rounds for x in C.steady(r["vllm"][2])],
+                                                    "iteration")))
+        payload["vllm"] = {"iterations": [r["vllm"][2] for r in rounds]}
     C.emit(args, info, header, table, notes, cfg.precision, t_res["mixed_precision"], (ours, {"iterations": o_its}),
            (trl, {"iterations": t_its, "scores": t_res["scores"], "kl": t_res["kl"]}), more, same_prompts=same_prompts,
            kl_fp32=kl_fp32, **({"rounds": per_round} if per_round else {}), **payload)

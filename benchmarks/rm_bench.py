@@ -271,7 +271,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
             "model_out": str(work / "trl_rm" / "final"), "result": str(work / "trl_rm_result.json"),
             "lora": C.trl_lora_spec(args)}
     (work / "trl_rm_spec.json").write_text(json.dumps(spec))
-    trl = C.run_child([sys.executable, __file__, "--trl-child", str(work / "trl_rm_spec.json")], work / "trl_rm.log")
+    trl = C.run_child([args.trl_python, __file__, "--trl-child", str(work / "trl_rm_spec.json")], work / "trl_rm.log")
     C.check_child("TRL RewardTrainer", trl)
     t_res = json.loads(Path(spec["result"]).read_text())
 

@@ -142,6 +142,19 @@ def _base_name(key: str) -> str:
     return key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
+def gpu_memory_utilization(free: int, total: int, share: float = 0.9) -> float:
+    """vLLM's `gpu_memory_utilization` for an engine colocated with the trainer: `share` of the device memory
+    free when the engine starts (the trainer's weights, optimizer state and activations already hold the rest), as a
+    fraction of the whole device, rounded down to 0.01 (at least 0.01). vLLM refuses to start when the free memory
+    is below utilization × total, and its default (0.9) assumes an empty device; the KV cache itself is sized by
+    `rollout.kv_cache_gb` (`kv_cache_memory_bytes`), which this budget must hold.
+
+    free, total: bytes (`torch.cuda.mem_get_info()`). Raises ValueError when total is not positive."""
+    if total <= 0:
+        raise ValueError(f"gpu_memory_utilization: total device memory {total} bytes")
+    return max(0.01, int(100 * share * max(free, 0) / total) / 100)
+
+
 def architecture(config: Any) -> dict[str, Any]:
     """What of a model's config the engine is built from: every key but the bookkeeping a run adds or a save
     rewrites (`_name_or_path` and other `_` keys, `rlhf_*` lineage, `transformers_version`, the dtype), so a policy
@@ -233,8 +246,9 @@ class VLLMGenerator:
                           data_parallel_size=engine.world_size())
         if cpu_backend():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
-        else:
+        else:  # beside the trainer: the KV cache as asked, and a budget within what the trainer left free
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_gb << 30
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization(*torch.cuda.mem_get_info())
         import torch.distributed as dist
         from vllm import LLM
 

@@ -407,3 +407,17 @@ def test_under_zero3_the_push_gathers_one_layer_at_a_time_and_carries_the_full_w
     assert engine_weight_shapes(lm) == {k: tuple(v.shape) for k, v in want.items()}
     if lora:
         assert not any("lora_" in k or "base_layer" in k for k in got)
+
+
+def test_a_colocated_engine_on_a_gpu_asks_for_a_share_of_the_memory_the_trainer_left_free():
+    """vLLM refuses to start when free memory < gpu_memory_utilization × total (its default 0.9 assumes an empty
+    device): the engine asks for 90 % of what is free when it starts, as a fraction of the whole device."""
+    from rlhf_cli.rollout.vllm_engine import gpu_memory_utilization
+
+    gib = 1 << 30
+    assert gpu_memory_utilization(140 * gib, 140 * gib) == 0.9  # an empty device: vLLM's default
+    assert gpu_memory_utilization(100 * gib, 140 * gib) == 0.64  # 0.9 × 100/140 = 0.643, rounded down
+    assert gpu_memory_utilization(100 * gib, 140 * gib) * 140 * gib <= 100 * gib
+    assert gpu_memory_utilization(0, 140 * gib) == 0.01
+    with pytest.raises(ValueError):
+        gpu_memory_utilization(1, 0)
