@@ -260,8 +260,29 @@ class VLLMGenerator:
                        max_num_batched_tokens=max(self.max_model_len, 8192), **kwargs)
 
     def _push(self, model: Any, gather: Gather | None) -> None:
-        got = engine_weight_shapes(model)  # checked before any weight moves: a push is never half done
-        unknown, missing = sorted(set(got) - set(self.names)), sorted(set(self.names) - set(got))
+        """Stream `engine_weights(model)` into vLLM's reload. Every name and shape is checked against the engine's
+        checkpoint twice: all of them from the model's state_dict before any weight moves, and each pushed tensor
+        as it goes (the stream raises on a name the engine does not load or a wrong shape; a name never pushed
+        raises after it). Under ZeRO-3 one layer is gathered at a time."""
+        self._check_push(engine_weight_shapes(model))
+        pushed: dict[str, tuple[int, ...]] = {}
+
+        def checked() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in engine_weights(model, self.dtype, gather):
+                if self.names.get(name) != tuple(tensor.shape):
+                    self._check_push({**self.names, name: tuple(tensor.shape)}, partial=True)
+                pushed[name] = tuple(tensor.shape)
+                yield name, tensor
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked(),
+                                                          "is_checkpoint_format": True})
+        self._check_push(pushed)
+
+    def _check_push(self, got: dict[str, tuple[int, ...]], partial: bool = False) -> None:
+        """Raise ValueError naming the pushed names the engine does not load, the engine weights not pushed (unless
+        `partial`: a push under way) and the shapes that differ."""
+        unknown = sorted(set(got) - set(self.names))
+        missing = [] if partial else sorted(set(self.names) - set(got))
         wrong = sorted(n for n in set(got) & set(self.names) if got[n] != self.names[n])
         if unknown or missing or wrong:
             raise ValueError(
@@ -269,17 +290,6 @@ class VLLMGenerator:
                 + (f"; names the engine does not load: {', '.join(unknown[:5])}" if unknown else "")
                 + (f"; engine weights not pushed: {', '.join(missing[:5])}" if missing else "")
                 + (f"; shapes differ: {', '.join(wrong[:5])}" if wrong else ""))
-        consumed = [0]
-
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:  # streamed: under ZeRO-3 one layer gathered at a time
-            for item in engine_weights(model, self.dtype, gather):
-                consumed[0] += 1
-                yield item
-
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(),
-                                                          "is_checkpoint_format": True})
-        if consumed[0] != len(got):
-            raise ValueError(f"vLLM weight push: the engine read {consumed[0]} of {len(got)} weights")
 
     # -- sampling ------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling) -> Generation:

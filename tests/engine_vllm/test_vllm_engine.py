@@ -123,7 +123,7 @@ def test_a_stale_engine_fails_the_greedy_probe(gen, model_cfg, tokenizer, prompt
     with torch.no_grad():
         for p in lm.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    monkeypatch.setattr(gen, "_push", lambda model: None)  # a push that reaches nothing
+    monkeypatch.setattr(gen, "_push", lambda model, gather: None)  # a push that reaches nothing
     gen.update_weights(lm)
     with pytest.raises(ConfigError, match="the engine's weights are not the trainer's: probe prompt 0"):
         gen.generate(prompts, list(range(8)), sampling(tokenizer))
@@ -151,8 +151,8 @@ def test_a_push_with_a_missing_or_unknown_name_raises(gen, model_cfg, tokenizer,
     gen.update_weights(lm)  # the engine is up (a push)
     real = vllm_engine.engine_weights
 
-    def faulty(model, dtype=None):
-        items = list(real(model, dtype))
+    def faulty(model, dtype=None, gather=None):  # engine_weights gone wrong; the model itself is right
+        items = list(real(model, dtype, gather))
         if fault == "missing":
             return items[1:]
         if fault == "unknown":
