@@ -242,6 +242,13 @@ class PathsConfig:
     the new one is complete, so the peak is one more. 0 keeps one while training and deletes `ds/` once
     `final/` is written (the final DeepSpeed save still happens first, for crash safety): a finished run
     can then no longer be resumed or extended. Not read back from the run on resume: pass it again."""
+    keep_optimizer: bool = True
+    """Whether the final DeepSpeed checkpoint keeps the optimizer state (AdamW's two fp32 moments per trained
+    parameter, and its fp32 master weights under ZeRO or precision=bf16: 2-3x the fp32 weights). false: the final
+    checkpoint holds the weights and the LR schedule only (periodic and interrupt checkpoints keep it all), and a
+    run resumed from it (to train longer) restarts the optimizer, which it says. No effect under
+    deepspeed.zero_stage=3 (its weights are the optimizer's partitions), said once. The start table shows the
+    expected checkpoint size; a run whose checkpoint and final/ would not fit in the free space is refused."""
 
 
 @dataclass
@@ -640,7 +647,8 @@ class RunConfig:
     e.g. `logger=[jsonl,tensorboard,wandb]`. Each tracker runs through its own library, installed by its extra
     (`pip install -e '.[wandb]'`; `.[trackers]` installs all four), and gets the metric names and values of
     metrics.jsonl and the resolved config as the run's parameters. A tracker that is not installed or does not
-    start is reported in one line and the run goes on without it."""
+    start is reported in one line and the run goes on without it. A resumed run reopens its wandb, mlflow and
+    trackio runs (recorded in `<run dir>/trackers.json`), one line each saying what it did (README: resume)."""
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """The trackers' project, run name and group (`tracker.*`)."""
 

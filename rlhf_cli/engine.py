@@ -512,26 +512,49 @@ class TrainEngine:
     def global_steps(self) -> int:
         return int(self.engine.global_steps)
 
-    def save(self, ckpt_dir: str, tag: str, client_state: dict[str, Any] | None = None) -> None:
+    def save(self, ckpt_dir: str, tag: str, client_state: dict[str, Any] | None = None,
+             optimizer: bool = True) -> None:
         """Collective: every rank writes its shard of model, optimizer and scheduler state under ckpt_dir/tag.
         Frozen parameters (a LoRA model's base weights) are left out: the stage rebuilds them from the model's
-        source before `load`."""
+        source before `load`. `optimizer=False` (`paths.keep_optimizer=false`, ZeRO 0-2 only: ZeRO-3's weights
+        are the optimizer's partitions) leaves out the optimizer state (AdamW's moments and, with ZeRO or
+        precision=bf16, its fp32 master weights): the weights, in the module's dtype, and the LR schedule stay."""
+        if not optimizer and self.zero_stage == 3:
+            raise ValueError("a ZeRO-3 checkpoint cannot leave out the optimizer state: it holds the weights")
         client_state = dict(client_state or {})
         if self._frozen_record is not None:
             client_state[FROZEN_KEY] = self._frozen_record
+        ds, common = self.engine, self.engine._common_checkpoint_state
+        zero_files = ds.save_zero_checkpoint
+        if not optimizer:  # no ZeRO optimizer files; no optimizer state in the module's file
+            ds.save_zero_checkpoint = False
+            ds._common_checkpoint_state = lambda *a, **k: {**common(*a, **k), "optimizer": None}
         try:
-            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False,
-                                        exclude_frozen_parameters=self.has_frozen)
+            ds.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=self.has_frozen)
         except OSError as e:  # disk full, quota...: one line; ds/latest still names the previous checkpoint
             raise save_error(f"the DeepSpeed checkpoint {tag}", os.path.join(ckpt_dir, tag), e) from e
+        finally:
+            ds.save_zero_checkpoint = zero_files
+            if not optimizer:
+                del ds._common_checkpoint_state  # the class's method again
 
-    def load(self, ckpt_dir: str, tag: str) -> dict[str, Any]:
-        """Collective: restore model, optimizer, scheduler; returns the client_state saved with them."""
-        path, client_state = self.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=True,
+    def load(self, ckpt_dir: str, tag: str, optimizer: bool = True) -> dict[str, Any]:
+        """Collective: restore model, optimizer, scheduler; returns the client_state saved with them.
+        `optimizer=False` (a checkpoint saved without it): the weights and the LR schedule; the optimizer
+        restarts (AdamW's moments at zero, fp32 master weights copied from the loaded ones)."""
+        path, client_state = self.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=optimizer,
                                                          load_lr_scheduler_states=True,
                                                          load_module_strict=not self.has_frozen)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {ckpt_dir}")
+        if not optimizer and self.zero_stage == 0 and hasattr(self.optimizer, "refresh_fp32_params"):
+            self.optimizer.refresh_fp32_params()  # precision=bf16's optimizer: fp32 copies of the loaded weights
+        # the next step's LR is this run's schedule at the loaded step: a run extended past its recorded end (more
+        # rm.max_steps) would otherwise take its first step at the LR the shorter schedule left (0 for cosine)
+        sched = self.scheduler
+        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
         client_state = dict(client_state or {})
         saved = client_state.pop(FROZEN_KEY, None)
         if self._frozen_record is not None:

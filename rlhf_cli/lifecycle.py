@@ -24,7 +24,7 @@ import random
 import shutil
 import signal
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +120,8 @@ def write_config(cfg: Any, run_dir: Path) -> None:
 # what a resumed run may change from its recorded config: its length, save cadence, checkpoint pruning, logging
 RESUMABLE_KEYS = ("rm.max_steps", "rm.epochs", "ppo.iterations", "rm.save_every", "ppo.save_every",
                   "sft.max_steps", "sft.epochs", "sft.save_every", "sft.eval_every", "sft.log_every",
-                  "paths.keep_checkpoints", "rm.eval_every", "rm.log_every", "ppo.sample_every", "logger",
-                  "tracker.project", "tracker.name", "tracker.group", "tracker.mlflow_tracking_uri", "resume",
+                  "paths.keep_checkpoints", "paths.keep_optimizer", "rm.eval_every", "rm.log_every", "ppo.sample_every",
+                  "logger", "tracker.project", "tracker.name", "tracker.group", "tracker.mlflow_tracking_uri", "resume",
                   "dry_run")
 
 def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
@@ -242,30 +242,99 @@ def deferred_interrupts() -> Iterator[list[int]]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
+GB = 1e9
+NO_OPTIMIZER = "NO_OPTIMIZER"
+"""A file in `ds/step-<N>/` saved without the optimizer state (`paths.keep_optimizer=false`): what it holds."""
+
+
+def checkpoint_bytes(models: Iterable[torch.nn.Module], zero_stage: int, optimizer: bool = True) -> tuple[int, int]:
+    """Expected size on disk of one DeepSpeed checkpoint of `models` (each trained by one engine), summed over
+    ranks (ZeRO partitions the same state, it does not add to it): (weights, optimizer state) in bytes.
+
+    Only trained parameters are saved (a LoRA model's frozen base is rebuilt from its source). Weights: each
+    trained parameter in its own dtype (fp32, or bf16 under precision=bf16); none under ZeRO-3, whose weights are
+    the optimizer's fp32 partitions. Optimizer (AdamW): two fp32 moments per trained parameter (8 bytes), plus an
+    fp32 master copy (4 bytes) under ZeRO 1-3 or with non-fp32 weights; 0 with `optimizer=False` (ZeRO 0-2).
+    A few kB of schedule, RNG and counters are left out."""
+    weights = opt = 0
+    for model in models:
+        trained = [p for p in model.parameters() if p.requires_grad]
+        n = sum(p.numel() for p in trained)
+        master = zero_stage >= 1 or any(p.dtype != torch.float32 for p in trained)
+        if zero_stage < 3:
+            weights += sum(p.numel() * p.element_size() for p in trained)
+        if optimizer or zero_stage == 3:
+            opt += n * (8 + (4 if master else 0))
+    return weights, opt
+
+
+def hf_model_bytes(models: Iterable[torch.nn.Module]) -> int:
+    """Size of `final/`'s weights: every parameter of `models` (tied ones once) in its dtype."""
+    return sum(p.numel() * p.element_size() for model in models for p in model.parameters())
+
+
+def checkpoint_plan(models: list[torch.nn.Module], keep_optimizer: bool, zero_stage: int, run_dir: Path) -> str:
+    """The start table's `checkpoint size` row, after checking that the run's saves fit on the run dir's file
+    system: the largest checkpoint the run writes (one with the optimizer state: a periodic or interrupt save,
+    or the final one unless `paths.keep_optimizer=false`) plus `final/`.
+
+    Raises:
+        ConfigError: one line (exit status 2) with the sizes and the free space, before training.
+    """
+    weights, opt = checkpoint_bytes(models, zero_stage)
+    slim = zero_stage < 3 and not keep_optimizer
+    final = weights + (0 if slim else opt)
+    hf = hf_model_bytes(models)
+    need = weights + opt + hf
+    free = shutil.disk_usage(run_dir).free
+    if need > free:
+        raise ConfigError(f"not enough disk space in {run_dir}: a checkpoint takes ~{(weights + opt) / GB:.2f} GB "
+                        f"(weights {weights / GB:.2f} + optimizer state {opt / GB:.2f}) and final/ "
+                        f"~{hf / GB:.2f} GB, but only {free / GB:.2f} GB are free (free disk space or move "
+                        "paths.root; paths.keep_optimizer=false makes the final checkpoint weights only)")
+    text = f"~{(weights + opt) / GB:.3g} GB (weights {weights / GB:.3g} + optimizer {opt / GB:.3g})"
+    if slim:
+        text += f"; the final one ~{final / GB:.3g} GB (paths.keep_optimizer=false)"
+    return text + f"; final/ ~{hf / GB:.3g} GB; {free / GB:.0f} GB free"
+
+
 class Checkpoints:
     """Resumable checkpoints of a run's engines: `ds/step-<N>/<name>/` per engine (a single engine named ""
     is written at `ds/step-<N>/` itself: train-rm's layout). The first engine's checkpoint also holds the
     stage's state (counters, controllers) with `step` and the RNG states.
 
     engines: {name: engine.TrainEngine}, in a fixed order (every rank saves and loads collectively);
-    keep: `paths.keep_checkpoints`, the number of complete checkpoints kept.
+    keep: `paths.keep_checkpoints`, the number of complete checkpoints kept; keep_optimizer:
+    `paths.keep_optimizer` (false: the final checkpoint holds the weights and the LR schedule, not the optimizer
+    state; ZeRO-3's cannot, which is said once here).
     """
 
-    def __init__(self, run_dir: Path, engines: Mapping[str, engine.TrainEngine], keep: int) -> None:
+    def __init__(self, run_dir: Path, engines: Mapping[str, engine.TrainEngine], keep: int,
+                 keep_optimizer: bool = True) -> None:
         self.run_dir, self.engines, self.keep = Path(run_dir), dict(engines), keep
+        self.keep_optimizer = keep_optimizer or any(e.zero_stage == 3 for e in self.engines.values())
+        if self.keep_optimizer != keep_optimizer and engine.is_main():
+            log.warning("paths.keep_optimizer=false has no effect under deepspeed.zero_stage=3 (its checkpoint's "
+                        "weights are the optimizer's fp32 partitions): the final checkpoint keeps the optimizer state")
 
     def _where(self, tag: str, name: str) -> tuple[str, str]:
         return (str(ckpt_dir(self.run_dir) / tag), name) if name else (str(ckpt_dir(self.run_dir)), tag)
 
-    def save(self, step: int, state: dict[str, Any] | None = None) -> None:
+    def save(self, step: int, state: dict[str, Any] | None = None, final: bool = False) -> None:
         """Write `ds/step-<step>` (every engine, then `ds/latest` moves: see `commit_checkpoint`). A no-op
-        when `ds/latest` already is that step (nothing changed since: never rewrite the good one)."""
+        when `ds/latest` already is that step (nothing changed since: never rewrite the good one). `final`: the
+        run's last save, without the optimizer state when `paths.keep_optimizer=false` (marked by the file
+        `NO_OPTIMIZER` in it)."""
         tag = f"step-{step}"
         if latest_tag(self.run_dir) == tag:
             return
+        optimizer = self.keep_optimizer or not final
         state = {**(state or {}), "step": step, "rng": rng_state()}
         for i, (name, eng) in enumerate(self.engines.items()):
-            eng.save(*self._where(tag, name), state if i == 0 else {})
+            eng.save(*self._where(tag, name), state if i == 0 else {}, optimizer=optimizer)
+        if not optimizer and engine.is_main():
+            atomic_write_text(ckpt_dir(self.run_dir) / tag / NO_OPTIMIZER,
+                              "paths.keep_optimizer=false: the weights and the LR schedule, no optimizer state\n")
         commit_checkpoint(self.run_dir, tag, self.keep)
 
     def resume(self, resume: Any, metrics: MetricsLogger) -> tuple[int, dict[str, Any]]:
@@ -275,13 +344,17 @@ class Checkpoints:
         step, state = 0, {}
         tag = latest_tag(self.run_dir) if resume else None
         if tag is not None:
+            optimizer = not (ckpt_dir(self.run_dir) / tag / NO_OPTIMIZER).is_file()
             for i, (name, eng) in enumerate(self.engines.items()):
-                loaded = eng.load(*self._where(tag, name))
+                loaded = eng.load(*self._where(tag, name), optimizer=optimizer)
                 state = loaded if i == 0 else state
             # "iteration": the key of PPO checkpoints written by earlier versions
             step = int(state["step"] if "step" in state else state["iteration"])
             set_rng_state(state["rng"])
             log.info("resumed from %s at step %d", tag, step)
+            if not optimizer and engine.is_main():
+                log.warning("%s is a final checkpoint saved with paths.keep_optimizer=false (weights and LR schedule "
+                            "only): the optimizer restarts at step %d (AdamW's moments from zero)", tag, step)
         if resume:
             metrics.truncate_after(step)
         return step, state

@@ -8,6 +8,7 @@ Layout shared by every stage::
         <command>.log                     the log
         metrics.jsonl                     one JSON object per logged step
         tb/, wandb/                       TensorBoard event files, wandb's local files (with those loggers)
+        trackers.json                     the wandb, mlflow and trackio runs it logs to, reopened on resume
         ds/<tag>/                         DeepSpeed checkpoints (every rank writes its shard)
         ds/latest                         tag of the newest complete DeepSpeed checkpoint (atomic)
         final/                            the HF-format model for the next stage
@@ -226,30 +227,84 @@ class TrackerRun:
 
 class Tracker:
     """One tracker of `logger=[...]`, driven through its own library (imported in `start`, so a missing one
-    is found there). `start` opens the tracker's run and raises when it cannot; `log` sends one step's metrics
-    (finite floats, the names of metrics.jsonl); `resume` brings a new start of a resumed run level with
-    metrics.jsonl; `close` finishes the run with its status (`finished`, `failed`, `killed`)."""
+    is found there). `start` opens the tracker's run (or reopens the one an earlier start of the run dir
+    recorded) and raises when it cannot; `log` sends one step's metrics (finite floats, the names of
+    metrics.jsonl); `resume` brings it level with metrics.jsonl after a resume; `close` finishes the run with
+    its status (`finished`, `failed`, `killed`).
 
-    def start(self, run: TrackerRun) -> None:
+    A tracker that can reopen its run returns what it needs from `record` (kept in `<run dir>/trackers.json`)
+    and sets `reopened` when `start` reopened one; it cannot remove a value once logged, so `held` says what the
+    reopened run already holds, and `send` never logs a metric again at a step it holds."""
+
+    reopened = False
+    """Whether `start` reopened the run `record` named (else: a new run)."""
+    reopen_error: str | None = None
+    """Why the recorded run could not be reopened (`start` then opened a new one); None otherwise."""
+    skip: dict[str, int] = {}
+    """After `resume`: the last step at which the reopened run holds each metric (`send` leaves those out)."""
+
+    def start(self, run: TrackerRun, record: dict[str, Any] | None = None) -> None:
         raise NotImplementedError
+
+    def record(self) -> dict[str, Any] | None:
+        """What reopens this tracker's run at a later start of the run dir (JSON); None: a new run every start."""
+        return None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def resume(self, step: int, records: list[dict[str, float]]) -> None:
-        """After a resume from the checkpoint at `step`: this start is a new run in the tracker, so the records
-        metrics.jsonl keeps (steps <= `step`) are replayed into it."""
-        for rec in records:
-            self.log(int(rec["step"]), _scalars(rec))
+    def send(self, step: int, metrics: dict[str, float]) -> None:
+        """`log`, without the metrics the reopened run already holds at `step` (see `resume`)."""
+        metrics = {k: v for k, v in metrics.items() if step > self.skip.get(k, -1)}
+        if metrics:
+            self.log(step, metrics)
+
+    def held(self, logged: list[dict[str, Any]]) -> dict[str, int]:
+        """The last step at which the reopened run holds each metric, read back from the tracker. The default:
+        what metrics.jsonl's records `logged` by the earlier starts say it was sent."""
+        last: dict[str, int] = {}
+        for rec in logged:
+            for k in _scalars(rec):
+                last[k] = max(last.get(k, -1), int(rec["step"]))
+        return last
+
+    def resume(self, step: int, kept: list[dict[str, Any]], logged: list[dict[str, Any]], name: str) -> str:
+        """After a resume from the checkpoint at `step`, bring the tracker level with metrics.jsonl, whose
+        records `kept` (steps <= `step`) stay and whose later ones (the interrupted attempt's: `logged` holds
+        them all) this attempt logs again. Returns the one line that says what the tracker did.
+
+        A reopened run keeps what it holds (`held`): the kept records it lacks are sent, and `send` leaves out
+        the later steps it holds, which keep the interrupted attempt's values (the tracker cannot remove them;
+        a second value would make two rows of one step). A new run gets every kept record."""
+        ident = ", ".join(f"{k} {v}" for k, v in (self.record() or {}).items() if k not in ("project", "tracking_uri"))
+        if self.reopened:
+            self.skip = self.held(logged)
+        for rec in kept:
+            self.send(int(rec["step"]), _scalars(rec))
+        if not self.reopened:
+            why = self.reopen_error or (f"no earlier run of it is recorded in {TRACKER_FILE}" if self.record()
+                                        else "it cannot reopen a run")
+            return (f"logger {name}: {why}: started a new run ({ident or 'no id'}) and replayed steps 1..{step} "
+                    f"of metrics.jsonl into it")
+        last = max(self.skip.values(), default=step)
+        if last <= step:
+            return f"logger {name}: resumed its run ({ident}) at step {step}"
+        return (f"logger {name}: resumed its run ({ident}) at step {step}; it keeps the interrupted attempt's "
+                f"steps {step + 1}..{last} ({self.cannot}) and gets this attempt's steps from {last + 1} "
+                f"(metrics.jsonl holds this attempt's steps {step + 1}..{last})")
+
+    cannot = "it cannot remove a logged value"
+    """Why a reopened run keeps the interrupted attempt's steps after the checkpoint (the resume line)."""
 
     def close(self, status: str = "finished") -> None:
         raise NotImplementedError
 
 
 class TensorBoardTracker(Tracker):
-    """Event files in `<run dir>/tb/` (torch.utils.tensorboard); the config as text under the tag `config`."""
+    """Event files in `<run dir>/tb/` (torch.utils.tensorboard); the config as text under the tag `config`.
+    A resumed run writes into the same dir (nothing to record)."""
 
-    def start(self, run: TrackerRun) -> None:
+    def start(self, run: TrackerRun, record: dict[str, Any] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = str(run.run_dir / "tb")
@@ -262,13 +317,15 @@ class TensorBoardTracker(Tracker):
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
-    def resume(self, step: int, records: list[dict[str, float]]) -> None:
+    def resume(self, step: int, kept: list[dict[str, Any]], logged: list[dict[str, Any]], name: str) -> str:
         """The same `tb/` dir holds the earlier starts' events: TensorBoard's `purge_step` hides those after the
-        checkpoint, so the curves continue from `step` without a second copy."""
+        checkpoint, so the curves continue from `step` without a second copy: the steps after it are replaced."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer.close()
         self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step + 1)
+        self.reopened = True
+        return f"logger {name}: resumed in {self.log_dir} at step {step} (the later steps' events are purged)"
 
     def close(self, status: str = "finished") -> None:
         self.writer.close()
@@ -276,13 +333,29 @@ class TensorBoardTracker(Tracker):
 
 class WandbTracker(Tracker):
     """A wandb run (files under `<run dir>/wandb/`); offline when the user sets WANDB_MODE=offline (`wandb sync`
-    uploads it later). The config is the run's config."""
+    uploads it later). The config is the run's config. A resumed run reopens the recorded run id in the same
+    project (`wandb.init(id=..., resume="allow")`; offline: a new `offline-run-*-<id>` dir that `wandb sync`
+    appends to that run). wandb drops a resumed run's steps at or below its last one, so those keep the
+    interrupted attempt's values; what it was sent is read from metrics.jsonl (an offline run cannot be asked)."""
 
-    def start(self, run: TrackerRun) -> None:
+    cannot = "wandb drops a resumed run's steps at or below its last one"
+
+    def start(self, run: TrackerRun, record: dict[str, Any] | None = None) -> None:
         import wandb
 
+        self.project = run.project
+        again = {}
+        if record and record.get("project") == run.project:
+            again, self.reopened = {"id": record["run_id"], "resume": "allow"}, True
+        elif record:
+            self.reopen_error = f"its recorded run is in project {record.get('project')!r}, not {run.project!r}"
         self.run = wandb.init(project=run.project, name=run.name, group=run.group, config=run.config,
-                              dir=str(run.run_dir))
+                              dir=str(run.run_dir), **again)
+        if again and self.run.id != record["run_id"]:
+            self.reopened, self.reopen_error = False, f"wandb gave run id {self.run.id}, not {record['run_id']}"
+
+    def record(self) -> dict[str, Any] | None:
+        return {"run_id": self.run.id, "project": self.project}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -293,17 +366,46 @@ class WandbTracker(Tracker):
 
 class MlflowTracker(Tracker):
     """An mlflow run in the experiment `tracker.project`, tagged `sweep=<group>`; the config's leaves are its
-    params (dotted keys, values cut to mlflow's length limit)."""
+    params (dotted keys, values cut to mlflow's length limit). A resumed run reopens the recorded run id
+    (`mlflow.start_run(run_id=...)`) when the experiment and tracking URI are the recorded ones; mlflow cannot
+    delete a logged value (a second one at a step makes a second point), so the steps the run holds (its metric
+    histories) are not logged again, and params keep their first values (mlflow cannot change a param)."""
 
-    def start(self, run: TrackerRun) -> None:
+    def start(self, run: TrackerRun, record: dict[str, Any] | None = None) -> None:
         import mlflow
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
         if run.mlflow_tracking_uri:
             mlflow.set_tracking_uri(run.mlflow_tracking_uri)
-        mlflow.set_experiment(run.project)
-        self.run = mlflow.start_run(run_name=run.name, tags={"sweep": run.group} if run.group else None)
-        mlflow.log_params({k: str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in leaves(run.config).items()})
+        self.project, self.uri = run.project, mlflow.get_tracking_uri()
+        experiment = mlflow.set_experiment(run.project)
+        params = {k: str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in leaves(run.config).items()}
+        if record and (record.get("project"), record.get("tracking_uri")) == (run.project, self.uri):
+            try:
+                self.run = mlflow.start_run(run_id=record["run_id"])
+            except Exception as e:  # noqa: BLE001 - deleted, or another store: a new run, said by `resume`
+                self.reopen_error = f"could not reopen run {record['run_id']} ({_reason(e)})"
+            else:
+                self.reopened = True
+                params = {k: v for k, v in params.items() if k not in self.run.data.params}
+        elif record:
+            self.reopen_error = (f"its recorded run is in experiment {record.get('project')!r} at "
+                                 f"{record.get('tracking_uri')}, not {run.project!r} at {self.uri}")
+        if not self.reopened:
+            self.run = mlflow.start_run(run_name=run.name, experiment_id=experiment.experiment_id,
+                                        tags={"sweep": run.group} if run.group else None)
+        mlflow.log_params(params)
+
+    def record(self) -> dict[str, Any] | None:
+        return {"run_id": self.run.info.run_id, "project": self.project, "tracking_uri": self.uri}
+
+    def held(self, logged: list[dict[str, Any]]) -> dict[str, int]:
+        """Each metric's last step in the run's own histories (what it holds, whatever reached it)."""
+        from mlflow import MlflowClient
+
+        client, run_id = MlflowClient(self.uri), self.run.info.run_id
+        return {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1)
+                for key in client.get_run(run_id).data.metrics}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         import mlflow
@@ -318,13 +420,45 @@ class MlflowTracker(Tracker):
 
 class TrackioTracker(Tracker):
     """A trackio run (a local SQLite database under TRACKIO_DIR, by default ~/.cache/huggingface/trackio; no
-    dashboard is started: `trackio show` opens one)."""
+    dashboard is started: `trackio show` opens one). A resumed run reopens the recorded run by its name
+    (`trackio.init(name=..., resume="must")`, trackio's only way) and checks its id; trackio cannot delete a
+    logged value, so the steps the run holds (its stored logs) are not logged again."""
 
-    def start(self, run: TrackerRun) -> None:
+    def start(self, run: TrackerRun, record: dict[str, Any] | None = None) -> None:
         import trackio
 
+        self.project = run.project
         group = {"group": run.group} if run.group else {}  # older trackio has no groups
-        self.run = trackio.init(project=run.project, name=run.name, config=run.config, embed=False, **group)
+        if record and record.get("project") == run.project:
+            try:
+                self.run = trackio.init(project=run.project, name=record["name"], config=run.config, embed=False,
+                                        resume="must", **group)
+            except Exception as e:  # noqa: BLE001 - deleted: a new run, said by `resume`
+                self.reopen_error = f"could not reopen run {record['name']!r} ({_reason(e)})"
+            else:
+                self.reopened = self.run.id == record["run_id"]
+                if not self.reopened:
+                    self.reopen_error = (f"its run named {record['name']!r} is now {self.run.id}, not "
+                                         f"{record['run_id']}")
+                    self.run.finish()
+        elif record:
+            self.reopen_error = f"its recorded run is in project {record.get('project')!r}, not {run.project!r}"
+        if not self.reopened:
+            self.run = trackio.init(project=run.project, name=run.name, config=run.config, embed=False, **group)
+
+    def record(self) -> dict[str, Any] | None:
+        return {"name": self.run.name, "run_id": self.run.id, "project": self.project}
+
+    def held(self, logged: list[dict[str, Any]]) -> dict[str, int]:
+        """Each metric's last step in the run's stored logs (what it holds, whatever reached it)."""
+        from trackio.sqlite_storage import SQLiteStorage
+
+        last: dict[str, int] = {}
+        for row in SQLiteStorage.get_logs(self.project, run_id=self.run.id):
+            for k in row:
+                if k not in ("step", "timestamp"):
+                    last[k] = max(last.get(k, -1), int(row["step"]))
+        return last
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -350,6 +484,9 @@ def _scalars(rec: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in rec.items() if k not in ("step", "time") and isinstance(v, (int, float))
             and not isinstance(v, bool) and math.isfinite(v)}
 
+
+TRACKER_FILE = "trackers.json"
+"""The run dir's record of its trackers' runs ({logger name: `Tracker.record()`}), read by a resumed run's start."""
 
 _OPEN: list[MetricsLogger] = []
 """The loggers whose trackers are open, for `close_open_loggers`."""
@@ -392,10 +529,12 @@ class MetricsLogger:
         run = TrackerRun(run_dir=Path(run_dir), project=tracker.project, name=tracker.name or Path(run_dir).name,
                          group=tracker.group or sweep_name(run_dir), config=config or {},
                          mlflow_tracking_uri=tracker.mlflow_tracking_uri)
+        records_path = Path(run_dir) / TRACKER_FILE
+        recorded = json.loads(records_path.read_text()) if records_path.is_file() else {}
         for name in dict.fromkeys(n for n in loggers if n != "jsonl"):  # in order, once each
             adapter = TRACKERS[name]()
             try:
-                adapter.start(run)
+                adapter.start(run, recorded.get(name))
             except Exception as e:  # noqa: BLE001 - a tracker that does not start never stops the run
                 hint = f"; pip install -e '.[{name}]' adds it" if isinstance(e, ImportError) else ""
                 log.warning("logger %s: %s (%s%s); the run goes on without it", name,
@@ -403,6 +542,9 @@ class MetricsLogger:
                 _release(adapter)
             else:
                 self.trackers[name] = adapter
+        records = {**recorded, **{n: a.record() for n, a in self.trackers.items() if a.record() is not None}}
+        if records != recorded:
+            atomic_write_json(records_path, records)
         if self.trackers:
             _OPEN.append(self)
 
@@ -420,24 +562,28 @@ class MetricsLogger:
         scalars = _scalars(rec)
         for name, adapter in list(self.trackers.items()):
             try:
-                adapter.log(int(step), scalars)
+                adapter.send(int(step), scalars)
             except Exception as e:  # noqa: BLE001 - a tracker that breaks is dropped, the run goes on
                 log.warning("logger %s: failed at step %d (%s); the run goes on without it", name, step, _reason(e))
                 del self.trackers[name]
                 _release(adapter)
 
     def truncate_after(self, step: int) -> None:
-        """After resuming from a checkpoint taken at `step`: drop metrics.jsonl's records past `step`, and bring
-        each tracker level with it (`Tracker.resume`: TensorBoard purges the later events of its `tb/` dir; a
-        resumed run is a new run in wandb, mlflow and trackio, and gets the kept records replayed)."""
-        if not self.enabled or not self.path.is_file():
+        """After resuming from a checkpoint taken at `step`: drop metrics.jsonl's records past `step` (this
+        attempt logs those steps again), and bring each tracker level with it, saying in one line what it did
+        (`Tracker.resume`: TensorBoard purges the later events of its `tb/` dir; wandb, mlflow and trackio reopen
+        the run of `trackers.json` and keep the steps it holds; a tracker without one starts a new run and gets
+        the kept records replayed)."""
+        if not self.enabled:
             return
-        kept = [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
-        kept = [rec for rec in kept if rec.get("step", 0) <= step]
-        atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
+        logged = read_metrics(self.path)
+        kept = [rec for rec in logged if rec.get("step", 0) <= step]
+        if self.path.is_file():
+            atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
         for name, adapter in list(self.trackers.items()):
             try:
-                adapter.resume(step, kept)
+                line = adapter.resume(step, kept, logged, name)
+                (log.info if adapter.reopened else log.warning)(line)
             except Exception as e:  # noqa: BLE001 - as in `log`: the tracker is dropped, the run goes on
                 log.warning("logger %s: failed to resume at step %d (%s); the run goes on without it", name, step,
                             _reason(e))

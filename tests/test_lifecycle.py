@@ -14,16 +14,17 @@ from rlhf_cli.runs import find_resumable, get_status, latest_tag, set_status
 class FakeEngine:
     """Saves its client state as a file at `<dir>/<tag>/state.pt`, as TrainEngine.save lays out DeepSpeed's."""
 
-    def __init__(self):
-        self.loaded = None
+    def __init__(self, zero_stage=0):
+        self.loaded, self.zero_stage, self.saved = None, zero_stage, []
 
-    def save(self, ckpt_dir, tag, client_state):
+    def save(self, ckpt_dir, tag, client_state, optimizer=True):
         path = Path(ckpt_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
         torch.save(client_state, path / "state.pt")
+        self.saved.append((tag, optimizer))
 
-    def load(self, ckpt_dir, tag):
-        self.loaded = (ckpt_dir, tag)
+    def load(self, ckpt_dir, tag, optimizer=True):
+        self.loaded = (ckpt_dir, tag, optimizer)
         return torch.load(Path(ckpt_dir) / tag / "state.pt", weights_only=False)
 
 
@@ -61,7 +62,7 @@ def test_resume_restores_step_state_and_rng_and_truncates_metrics(tmp_path):
     engine, metrics = FakeEngine(), FakeMetrics()
     step, state = Checkpoints(tmp_path, {"actor": engine}, keep=2).resume(str(tmp_path), metrics)
     assert step == 2 and state["bad_steps"] == 1 and metrics.truncated == [2]
-    assert engine.loaded == (str(tmp_path / "ds" / "step-2"), "actor")
+    assert engine.loaded == (str(tmp_path / "ds" / "step-2"), "actor", True)
     got = (torch.rand(3), random.random())
     assert torch.equal(got[0], want[0]) and got[1] == want[1]
 
@@ -201,3 +202,31 @@ def test_a_sweep_job_resumed_in_place_moves_no_pointer(tmp_path):
 
     assert is_sweep_job(tmp_path / "rm" / "sweep-20261201-010101-000001" / "0")
     assert not is_sweep_job(tmp_path / "rm" / "20261201-010101-000001")
+
+
+def test_keep_optimizer_false_leaves_it_out_of_the_final_save_only_and_resume_reads_the_mark(tmp_path, caplog):
+    eng = FakeEngine()
+    ckpts = Checkpoints(tmp_path, {"": eng}, keep=2, keep_optimizer=False)
+    ckpts.save(2)
+    ckpts.save(4, final=True)
+    assert eng.saved == [("step-2", True), ("step-4", False)]
+    assert (tmp_path / "ds" / "step-4" / "NO_OPTIMIZER").is_file()
+    assert not (tmp_path / "ds" / "step-2" / "NO_OPTIMIZER").exists()
+    again = FakeEngine()
+    with caplog.at_level("WARNING", logger="rlhf_cli.lifecycle"):
+        step, _ = Checkpoints(tmp_path, {"": again}, keep=2).resume(str(tmp_path), FakeMetrics())
+    assert step == 4 and again.loaded[2] is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "step-4 is a final checkpoint saved with paths.keep_optimizer=false (weights and LR schedule only): the "
+        "optimizer restarts at step 4 (AdamW's moments from zero)"]
+
+
+def test_keep_optimizer_false_under_zero_3_says_once_that_it_keeps_it(tmp_path, caplog):
+    actor, critic = FakeEngine(zero_stage=3), FakeEngine(zero_stage=3)
+    with caplog.at_level("WARNING", logger="rlhf_cli.lifecycle"):
+        ckpts = Checkpoints(tmp_path, {"actor": actor, "critic": critic}, keep=2, keep_optimizer=False)
+    ckpts.save(4, final=True)
+    assert actor.saved == [("actor", True)] and critic.saved == [("critic", True)]  # the optimizer kept
+    assert [r.getMessage() for r in caplog.records] == [
+        "paths.keep_optimizer=false has no effect under deepspeed.zero_stage=3 (its checkpoint's weights are the "
+        "optimizer's fp32 partitions): the final checkpoint keeps the optimizer state"]

@@ -18,6 +18,7 @@ from stage_helpers import REPO, compose, require, subprocess_env
 
 from rlhf_cli import runs
 from rlhf_cli.config import LOGGERS, TrackerConfig
+from rlhf_cli.report.read import load_records, series
 from rlhf_cli.runs import TRACKERS, MetricsLogger, Tracker, read_metrics
 
 # named like the real records; a NaN (written as null) and a text value reach no tracker
@@ -233,7 +234,7 @@ class Recording(Tracker):
 
     started, fail_at = [], None
 
-    def start(self, run):
+    def start(self, run, record=None):
         Recording.started.append(run)
         self.steps, self.closed = [], False
 
@@ -359,18 +360,23 @@ def test_train_rm_logs_to_tensorboard_from_the_command_line(tmp_path):
     assert '"max_steps": 2' in config_text and os.path.isfile(run_dir / "config.yaml")
 
 
-def test_a_resumed_run_replays_the_kept_records_into_its_new_tracker_run(tmp_path, recording):
+def test_a_tracker_that_cannot_reopen_its_run_says_so_and_replays_the_kept_records(tmp_path, recording, caplog):
     first = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"], config=CONFIG)
     for step, metrics in STEPS:
         first.log(step, metrics)
     # the process dies after step 3; the run resumes from the checkpoint at step 2
     again = MetricsLogger(tmp_path, loggers=["jsonl", "tensorboard"], config=CONFIG)
-    again.truncate_after(2)
+    with caplog.at_level(logging.INFO, logger="rlhf_cli.runs"):
+        again.truncate_after(2)
     again.log(3, {"rm/loss": 0.5})
     adapter = again.trackers["tensorboard"]
     assert [s for s, _ in adapter.steps] == [1, 2, 3]  # level with metrics.jsonl: kept records, then the new step
     assert adapter.steps[0][1] == {"rm/loss": 0.6931, "objective/kl": 0.0, "lr": 1e-5, "grad_norm": 2.5}
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "logger tensorboard: it cannot reopen a run: started a new run (no id) and replayed steps 1..2 "
+                    "of metrics.jsonl into it")]
+    assert not (tmp_path / runs.TRACKER_FILE).exists()  # nothing to reopen, nothing recorded
 
 
 def test_a_resumed_run_continues_tensorboards_curves_without_the_steps_after_the_checkpoint(tmp_path):
@@ -406,3 +412,185 @@ def test_a_run_that_stops_on_an_error_closes_its_trackers_as_failed(tmp_path, re
     (run,) = client.search_runs([client.get_experiment_by_name("rlhf-fail").experiment_id])
     assert run.info.status == "FAILED"
     close_open_loggers("failed")  # nothing left open: a no-op
+
+
+# ----------------------------------------------------------------------------------------------
+# a resumed run continues the same tracker run: one run id, one value per step and metric
+
+def ours(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "rlhf_cli.runs"]
+
+
+def resume_after_kill(run_dir, tracker_name, tracker=None):
+    """The interrupted attempt: a logger over STEPS (1..3), left open as a kill leaves it (the caller ends the
+    tracker's run as the kill would); returns it. The tests then resume from a checkpoint at step 1 or 2."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    first = MetricsLogger(run_dir, loggers=["jsonl", tracker_name], tracker=tracker or TrackerConfig(), config=CONFIG)
+    for step, metrics in STEPS:
+        first.log(step, metrics)
+    runs._OPEN.remove(first)  # a killed process closes nothing; this one finishes the run as a kill would leave it
+    return first
+
+
+@pytest.mark.parametrize("store", ["sqlite", "file"])
+def test_mlflow_resume_reopens_the_run_and_holds_one_value_per_step(tmp_path, mlflow_uri, store, caplog):
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}" if store == "sqlite" else f"file:{tmp_path / 'mlruns'}"
+    cfg = TrackerConfig(project="rlhf-resume", mlflow_tracking_uri=uri)
+    first = resume_after_kill(tmp_path / "run", "mlflow", cfg)
+    run_id = first.trackers["mlflow"].run.info.run_id
+    mlflow.end_run(status="KILLED")  # the active run of this process; a killed process leaves it RUNNING
+    assert json.loads((tmp_path / "run" / runs.TRACKER_FILE).read_text())["mlflow"]["run_id"] == run_id
+
+    again = MetricsLogger(tmp_path / "run", loggers=["jsonl", "mlflow"], tracker=cfg,
+                          config={**CONFIG, "rm": {**CONFIG["rm"], "max_steps": 4}})  # a changed param
+    with caplog.at_level(logging.INFO, logger="rlhf_cli.runs"):
+        again.truncate_after(1)
+    for step in (2, 3, 4):
+        again.log(step, {"rm/loss": 0.1 * step, "lr": 1e-6})
+    again.close()
+    assert ours(caplog) == [
+        f"logger mlflow: resumed its run (run_id {run_id}) at step 1; it keeps the interrupted attempt's steps 2..3 "
+        "(it cannot remove a logged value) and gets this attempt's steps from 4 (metrics.jsonl holds this "
+        "attempt's steps 2..3)"]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("rlhf-resume").experiment_id])
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    history = {k: [(m.step, round(m.value, 6)) for m in sorted(client.get_metric_history(run_id, k),
+                                                               key=lambda m: m.step)] for k in run.data.metrics}
+    assert history["rm/loss"] == [(1, 0.6931), (2, 0.61), (3, 0.55), (4, 0.4)]  # one value per step, no gap
+    assert history["lr"] == [(1, 1e-5), (2, 2e-5), (3, 3e-5), (4, 1e-6)]
+    assert history["grad_norm"] == [(1, 2.5), (3, 1.25)]  # step 2's NaN reached no tracker
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert run.data.params["rm.max_steps"] == "None"  # mlflow keeps a param's first value
+
+
+def test_mlflow_resume_in_another_experiment_is_a_new_run_in_one_line(tmp_path, mlflow_uri, caplog):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    resume_after_kill(tmp_path / "run", "mlflow", TrackerConfig(project="a", mlflow_tracking_uri=uri))
+    mlflow.end_run(status="KILLED")
+    again = MetricsLogger(tmp_path / "run", loggers=["jsonl", "mlflow"], config=CONFIG,
+                          tracker=TrackerConfig(project="b", mlflow_tracking_uri=uri))
+    with caplog.at_level(logging.INFO, logger="rlhf_cli.runs"):
+        again.truncate_after(2)
+    new_id = again.trackers["mlflow"].run.info.run_id
+    again.close()
+    (line,) = ours(caplog)
+    assert line == (f"logger mlflow: its recorded run is in experiment 'a' at {uri}, not 'b' at {uri}: started a new "
+                    f"run (run_id {new_id}) and replayed steps 1..2 of metrics.jsonl into it")
+    assert json.loads((tmp_path / "run" / runs.TRACKER_FILE).read_text())["mlflow"]["project"] == "b"
+
+
+def test_wandb_offline_resume_keeps_the_run_id_and_sends_only_the_steps_it_lacks(tmp_path, monkeypatch, caplog):
+    need("wandb")
+    for var, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_DIR", str(tmp_path)),
+                       ("WANDB_CONFIG_DIR", str(tmp_path / "config")), ("WANDB_CACHE_DIR", str(tmp_path / "cache"))):
+        monkeypatch.setenv(var, value)
+    import wandb
+
+    run_dir = tmp_path / "run"
+    first = resume_after_kill(run_dir, "wandb")
+    run_id = first.trackers["wandb"].run.id
+    first.trackers["wandb"].close("killed")
+    again = MetricsLogger(run_dir, loggers=["jsonl", "wandb"], config=CONFIG)
+    with caplog.at_level(logging.INFO, logger="rlhf_cli.runs"):
+        again.truncate_after(1)
+    for step in (2, 3, 4):
+        again.log(step, {"rm/loss": 0.1 * step})
+    assert again.trackers["wandb"].run.id == run_id
+    again.close()
+    wandb.teardown()  # flushes the records (see test_wandb_offline_run_holds_...)
+    assert ours(caplog) == [
+        f"logger wandb: resumed its run (run_id {run_id}) at step 1; it keeps the interrupted attempt's steps 2..3 "
+        "(wandb drops a resumed run's steps at or below its last one) and gets this attempt's steps from 4 "
+        "(metrics.jsonl holds this attempt's steps 2..3)"]
+    dirs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert [d.name.rsplit("-", 1)[1] for d in dirs] == [run_id, run_id]  # `wandb sync` appends both to one run
+    steps = []
+    for d in dirs:
+        (file,) = d.glob("run-*.wandb")
+        steps.append([r.history.step.num for r in wandb_records(file) if r.WhichOneof("record_type") == "history"])
+    assert steps == [[1, 2, 3], [4]]  # together one row per step; steps 2..3 were not sent twice
+
+
+TRACKIO_RESUME_CHILD = """
+import json, logging, sys
+from pathlib import Path
+from rlhf_cli import runs
+from rlhf_cli.config import TrackerConfig
+from rlhf_cli.runs import MetricsLogger
+from trackio.sqlite_storage import SQLiteStorage
+
+logging.basicConfig(level=logging.INFO)
+run_dir, steps, config = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+first = MetricsLogger(run_dir, loggers=["jsonl", "trackio"], tracker=TrackerConfig(), config=config)
+for step, metrics in steps:
+    first.log(step, metrics)
+first.trackers["trackio"].run.finish()  # flushed, as the database holds it after a kill
+runs._OPEN.remove(first)
+again = MetricsLogger(run_dir, loggers=["jsonl", "trackio"], tracker=TrackerConfig(), config=config)
+again.truncate_after(1)
+for step in (2, 3, 4):
+    again.log(step, {"rm/loss": 0.1 * step})
+ids = [first.trackers["trackio"].run.id, again.trackers["trackio"].run.id]
+again.close()
+rows = SQLiteStorage.get_logs("rlhf_cli", run_id=ids[0])
+Path(sys.argv[4]).write_text(json.dumps({"ids": ids, "rows": rows}, default=str))
+"""
+
+
+def test_trackio_resume_reopens_the_run_by_name_and_holds_one_row_per_step(tmp_path):
+    need("trackio")
+    run_dir = tmp_path / "rm" / "20261201-010101-000001"
+    run_dir.mkdir(parents=True)
+    steps = [(s, {k: v for k, v in m.items() if v == v}) for s, m in STEPS]
+    out = subprocess.run([sys.executable, "-c", TRACKIO_RESUME_CHILD, str(run_dir), json.dumps(steps),
+                          json.dumps(CONFIG), str(tmp_path / "stored.json")],
+                         env=subprocess_env(TRACKIO_DIR=str(tmp_path / "trackio")), cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stored = json.loads((tmp_path / "stored.json").read_text())
+    assert stored["ids"][0] == stored["ids"][1]
+    loss = [(row["step"], round(row["rm/loss"], 6)) for row in stored["rows"] if "rm/loss" in row]
+    assert sorted(loss) == [(1, 0.6931), (2, 0.61), (3, 0.55), (4, 0.4)]
+    assert (f"logger trackio: resumed its run (name 20261201-010101-000001, run_id {stored['ids'][0]}) at step 1; it "
+            "keeps the interrupted attempt's steps 2..3 (it cannot remove a logged value)") in out.stderr
+
+
+@pytest.mark.slow
+def test_train_rm_killed_then_resumed_is_one_mlflow_run_with_one_value_per_step(tmp_path):
+    """`kill -9` at the second checkpoint (test_kill_mid_save's wrapper): the interrupted attempt logged steps 1..4,
+    its checkpoint is step 2; `resume=true` logs 3..6 again. mlflow then holds one run with one value per step of
+    every metric, the steps of metrics.jsonl; the steps 3..4 it kept are the interrupted attempt's, the same numbers
+    as this attempt's (a resume on CPU repeats them), except the wall-clock throughput."""
+    need("mlflow")
+    from mlflow import MlflowClient
+    from test_kill_mid_save import ARGS, rlhf
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [*ARGS, "logger=[jsonl,mlflow]", f"tracker.mlflow_tracking_uri={uri}"]
+    assert rlhf(args, tmp_path, kill_at="ds/step-4/").returncode == 137
+    (run_dir,) = (tmp_path / "rm").iterdir()
+    assert max(r["step"] for r in read_metrics(run_dir)) == 4
+    out = rlhf([*args, "resume=true"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in (run_dir / "train_rm.log").read_text().splitlines() if "logger mlflow: " in ln)
+    assert "resumed its run (run_id " in line and "at step 2; it keeps the interrupted attempt's steps 3..4" in line
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("rlhf_cli").experiment_id])
+    assert json.loads((run_dir / runs.TRACKER_FILE).read_text())["mlflow"]["run_id"] == run.info.run_id
+    expected = jsonl_series(run_dir)
+    assert sorted(run.data.metrics) == sorted(expected) and "rm/loss" in expected
+    for name, points in expected.items():
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+        assert [s for s, _ in history] == [s for s, _ in points], name  # one value per step, no gap
+        if not name.startswith("throughput/"):
+            assert [v for _, v in history] == pytest.approx([v for _, v in points], abs=1e-5), name
+    assert run.info.status == "FINISHED"
+    steps, _ = series(load_records(run_dir), "rm/loss")
+    assert steps == [1, 2, 3, 4, 5, 6]  # the report draws one curve

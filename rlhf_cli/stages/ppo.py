@@ -39,7 +39,14 @@ from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import FrozenWithoutAdapters
-from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts, finish_run, prepare_run_dir, seed_everything
+from rlhf_cli.lifecycle import (
+    Checkpoints,
+    checkpoint_plan,
+    deferred_interrupts,
+    finish_run,
+    prepare_run_dir,
+    seed_everything,
+)
 from rlhf_cli.models import (
     PolicyWithValueHead,
     add_lora,
@@ -276,13 +283,15 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "prompts": len(tr.prompts), "iterations": p.iterations,
         "prompts × samples / mini / micro / world": batches, "sampling engine": cfg.rollout.engine,
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",
-        "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})"})
+        "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
+        "checkpoint size": checkpoint_plan([e.module for e in (tr.actor, tr.critic) if e is not None],
+                                           cfg.paths.keep_optimizer, cfg.deepspeed.zero_stage, run_dir)})
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
                             config=OmegaConf.to_container(cfg, resolve=True))
 
     # 2. resume
     ckpts = Checkpoints(run_dir, {"actor": tr.actor, **({"critic": tr.critic} if tr.critic is not None else {})},
-                        cfg.paths.keep_checkpoints)
+                        cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
     start, state = ckpts.resume(cfg.resume, metrics)
     if state:
         tr.kl_ctl.load_state_dict(state["kl_ctl"])
@@ -341,7 +350,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 
     # 4. save
     # done > ppo.iterations when a longer run is resumed with fewer
-    ckpts.save(done, tr.state())
+    ckpts.save(done, tr.state(), final=True)
     final = run_dir / "final"
     actor_sd = tr.actor.consolidated_state_dict()
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None

@@ -23,7 +23,7 @@ from rlhf_cli.data import epoch_order, example_length, load_preference_data
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import forward_pairs, pair_collator, pair_metrics, score_pairs
-from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
+from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     add_lora,
     count_parameters,
@@ -79,6 +79,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "batch / micro / world": f"{rmc.batch_size} / {rmc.micro_batch_size} / {engine.world_size()}",
         "precision": f"{cfg.precision} (held-out scoring: {score_precision})",
         "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+        "checkpoint size": checkpoint_plan([model], cfg.paths.keep_optimizer, cfg.deepspeed.zero_stage, run_dir),
     })
     if cfg.dry_run:
         set_status(run_dir, "dry_run") if engine.is_main() else None
@@ -90,7 +91,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                             config=OmegaConf.to_container(cfg, resolve=True))
 
     # 4. resume
-    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints)
+    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
     step, _ = ckpts.resume(cfg.resume, metrics)
 
     # 5. loop
@@ -164,7 +165,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
         if engine.is_main():
             atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
-    ckpts.save(step)
+    ckpts.save(step, final=True)
     final = run_dir / "final"
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():

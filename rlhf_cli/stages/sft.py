@@ -30,7 +30,7 @@ from rlhf_cli.data import epoch_order, example_length, load_sft_data
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import response_logprobs, sft_collator
-from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
+from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     add_lora,
     count_parameters,
@@ -102,6 +102,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "train response tokens": response_tokens(train),
         "batch / micro / world": f"{sc.batch_size} / {sc.micro_batch_size} / {engine.world_size()}",
         "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+        "checkpoint size": checkpoint_plan([model], cfg.paths.keep_optimizer, cfg.deepspeed.zero_stage, run_dir),
     })
     if cfg.dry_run:
         set_status(run_dir, "dry_run") if engine.is_main() else None
@@ -113,7 +114,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                             config=OmegaConf.to_container(cfg, resolve=True))
 
     # 4. resume
-    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints)
+    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
     step, _ = ckpts.resume(cfg.resume, metrics)
 
     # 5. loop
@@ -172,7 +173,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         eng.eval()
         final_stats = heldout_loss(eng.module, heldout, collate, sc.eval_batch_size, cfg.precision)
         metrics.log(step, final_stats)
-    ckpts.save(step)
+    ckpts.save(step, final=True)
     final = run_dir / "final"
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():
