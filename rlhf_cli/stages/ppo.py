@@ -306,8 +306,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     try:
         for it in range(start, p.iterations):
             exp, roll_stats, samples = tr.maker.make_experience(it)
-            # a checkpoint mid-update would hold half an iteration's weights: a Ctrl-C/SIGTERM here lets
-            # the update finish (a second one stops at once, without a checkpoint)
+            # a checkpoint mid-iteration would hold its weights under the previous step (or half of them): a
+            # Ctrl-C/SIGTERM from here to `done` lets the update and its bookkeeping (KL controller, metrics row)
+            # finish, then saves step it + 1 (a second one stops at once, without a checkpoint)
             with deferred_interrupts() as pending:
                 updating = True
                 train_stats = tr.train_on(exp, it)
@@ -315,17 +316,17 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                 # inside the block, so that a Ctrl-C between the two leaves no rank behind)
                 roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
                 roll_stats.update(engine_stats(exp))  # {} unless the engine gives its own log-probs
+                check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
+                drift.check(roll_stats, it)
+                tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
+                del exp  # its tensors and packed layouts are not held through the next rollout
+                record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
+                metrics.log(it + 1, record)
+                if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:
+                    append_samples(run_dir, it + 1, samples)
+                progress.update(1, record)
+                done = it + 1
                 updating = False
-            check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
-            drift.check(roll_stats, it)
-            tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
-            del exp  # its tensors and packed layouts are not held through the next rollout
-            record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
-            metrics.log(it + 1, record)
-            if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:
-                append_samples(run_dir, it + 1, samples)
-            progress.update(1, record)
-            done = it + 1
             if p.save_every and done % p.save_every == 0 and done < p.iterations:
                 ckpts.save(done, tr.state())
             if engine.all_reduce_sum(torch.tensor(float(bool(pending)))).item() > 0:  # every rank stops together

@@ -663,11 +663,15 @@ def test_resume_reproduces_the_next_iteration(run_stage):
                                        msg=lambda m, name=name, k=k: f"{name}/{k}: {m}")
 
 
-def test_interrupt_mid_update_finishes_the_iteration_then_resume_matches(run_stage, monkeypatch, tmp_path):
-    """Ctrl-C during iteration 1's update: the update finishes, `ds/step-1` holds exactly iteration 1's
-    weights, and the resumed run's iteration 2 and final weights equal an uninterrupted run's."""
+@pytest.mark.parametrize("when", ["mid-update", "after-update"])
+def test_interrupt_mid_update_finishes_the_iteration_then_resume_matches(run_stage, monkeypatch, tmp_path, when):
+    """Ctrl-C during iteration 1's update, or after it but before its bookkeeping (the KL check, the controller,
+    the metrics row) is done: the iteration finishes, `ds/step-1` holds exactly iteration 1's weights, and the
+    resumed run's iteration 2 and final weights equal an uninterrupted run's."""
     import os
     import signal
+
+    from rlhf_cli.stages import ppo
 
     overrides = [*RUN, "ppo.iterations=2", "ppo.kl_target=1.0", "ppo.kl_horizon=100"]
     _, whole, _ = run_stage("train_ppo", overrides)
@@ -675,11 +679,19 @@ def test_interrupt_mid_update_finishes_the_iteration_then_resume_matches(run_sta
 
     def interrupting(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:  # the second of iteration 1's 4 micro-batches
+        if len(calls) == 2 and when == "mid-update":  # the second of iteration 1's 4 micro-batches
             os.kill(os.getpid(), signal.SIGINT)
         return real(self, *args, **kwargs)
 
+    real_check = ppo.check_max_kl
+
+    def interrupting_check(*args, **kwargs):  # the update is over; the iteration's bookkeeping is not
+        if when == "after-update" and len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_check(*args, **kwargs)
+
     monkeypatch.setattr(PPOTrainer, "losses", interrupting)
+    monkeypatch.setattr(ppo, "check_max_kl", interrupting_check)
     run_dir = tmp_path / "runs" / "ppo" / "interrupted"
     with pytest.raises(KeyboardInterrupt):
         run_stage("train_ppo", overrides, run_dir=run_dir)
