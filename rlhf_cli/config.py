@@ -427,6 +427,23 @@ class PPOConfig:
     """The soft overlong punishment at `ppo.max_new_tokens` (score units, after normalisation), >= 0; read only
     with `ppo.overlong_buffer` > 0. DAPO 1.0; veRL `overlong_buffer.penalty_factor`, OpenRLHF
     `--overlong_penalty_factor`."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, eq. 11): a group whose valid scores are all equal (zero
+    variance, or fewer than 2 valid rows: `groups/zero_var_frac`) gives a group baseline no signal, so it is
+    dropped, and rounds of `ppo.rollout_batch_size` further prompts are sampled until `ppo.rollout_batch_size`
+    groups are kept (the surplus of the last round is dropped too), for at most `ppo.filter_groups_max_rounds`
+    extra rounds. At that bound the update trains on the groups kept (on every rank the fewest any rank kept); if
+    none were, the iteration trains nothing and says so. The scores judged are those the advantages see (after
+    `ppo.truncated`'s penalty and the overlong shaping). Logged: `groups/dropped_frac` (dropped groups over all
+    groups sampled), `groups/extra_rounds` and `groups/kept_frac` (kept groups over `ppo.rollout_batch_size`);
+    the rollout statistics (`objective/scores`, `groups/*`, `response/*`, `reward/*`) stay those of the
+    iteration's first round, the same prompts as without the filter. Critic-free estimators with
+    `ppo.n_samples_per_prompt` >= 2 only (refused otherwise: GAE's critic learns from a group of equal scores).
+    veRL `algorithm.filter_groups.enable`, OpenRLHF `--dynamic_filtering`."""
+    filter_groups_max_rounds: int = 3
+    """The most extra generation rounds `ppo.filter_groups` runs per iteration (each of `ppo.rollout_batch_size`
+    prompts × `ppo.n_samples_per_prompt` samples), >= 0; 0 = drop the zero-variance groups without refilling.
+    veRL `algorithm.filter_groups.max_num_gen_batches` (its 0 means unbounded; here 0 means none)."""
     critic: str = "separate"
     """`separate` (own engine and optimiser) or `shared` (value head on the policy trunk)."""
     critic_init: str = "reward_model"
@@ -882,6 +899,13 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
            f"ppo.overlong_buffer must be in [0, ppo.max_new_tokens={p.max_new_tokens}] (0 = off; got "
            f"{p.overlong_buffer})")
     _check(p.overlong_penalty >= 0, f"ppo.overlong_penalty must be >= 0 (got {p.overlong_penalty})")
+    _check(not p.filter_groups or (p.advantage_estimator != "gae" and p.n_samples_per_prompt >= 2),
+           f"ppo.filter_groups=true with ppo.advantage_estimator={p.advantage_estimator} and "
+           f"ppo.n_samples_per_prompt={p.n_samples_per_prompt}: dynamic sampling drops groups of samples whose scores "
+           "are all equal; it needs a critic-free estimator (grpo, dr_grpo, rloo, reinforce_pp) and "
+           "ppo.n_samples_per_prompt >= 2")
+    _check(p.filter_groups_max_rounds >= 0,
+           f"ppo.filter_groups_max_rounds must be >= 0 (0 = no refill; got {p.filter_groups_max_rounds})")
     _one_of("ppo.critic", p.critic, ("separate", "shared"))
     _one_of("ppo.critic_init", p.critic_init, ("reward_model", "policy"))
     _one_of("ppo.aggregation", p.aggregation, ("token-mean", "seq-mean-token-mean"))

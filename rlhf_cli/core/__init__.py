@@ -33,7 +33,7 @@ from rlhf_cli.core.advantages import (
     overlong_penalty,
 )
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
-from rlhf_cli.core.groups import group_adjusted_scores, group_stats
+from rlhf_cli.core.groups import group_adjusted_scores, group_stats, informative_groups
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
 from rlhf_cli.core.losses import (
     POLICY_LOSSES,
@@ -84,6 +84,7 @@ __all__ = [
     "group_adjusted_scores",
     "gspo_loss",
     "group_stats",
+    "informative_groups",
     "kl_estimate",
     "kl_loss",
     "kl_penalized_rewards",

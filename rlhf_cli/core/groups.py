@@ -98,3 +98,22 @@ def group_adjusted_scores(scores: Tensor, groups: Tensor, valid: Tensor, baselin
     else:
         raise ValueError(f"unknown group baseline {baseline!r} (grpo, dr_grpo, rloo, none)")
     return torch.where(v & (st["flat"] == 0), out, 0.0).float()
+
+
+def informative_groups(scores: Tensor, groups: Tensor, valid: Tensor) -> Tensor:
+    """The rows whose group carries a learning signal: DAPO's dynamic sampling filter (Yu et al. 2025, "DAPO",
+    sec. 3.2, eq. 11: a prompt is trained on only when 0 < |{o_i : o_i correct}| < G, i.e. its outputs' scores are
+    not all equal). A row is kept when its group is not degenerate in `group_stats`'s sense: its valid scores are
+    not all equal (max > min), and it has at least 2 valid rows. All rows of a kept group are kept, invalid ones
+    too (they stay masked out of the loss); all rows of a dropped group are dropped.
+
+    Args:
+        scores, groups, valid: as in `group_stats` (``(B,)``; the scores after every penalty the advantages see).
+
+    Returns:
+        ``(B,)`` bool, True = the row's group is kept.
+
+    Raises:
+        ValueError: bad shapes (see `group_stats`).
+    """
+    return group_stats(scores, groups, valid)["flat"] == 0

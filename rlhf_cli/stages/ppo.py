@@ -300,16 +300,19 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             # a checkpoint mid-update would hold half an iteration's weights: a Ctrl-C/SIGTERM here lets
             # the update finish (a second one stops at once, without a checkpoint)
             with deferred_interrupts() as pending:
-                updating = True
-                train_stats = tr.train_on(exp, it)
-                # the rollout's KL after its update, which fills an on-policy plan's old log-probs (an all-reduce:
-                # inside the block, so that a Ctrl-C between the two leaves no rank behind)
-                roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
-                roll_stats.update(engine_stats(exp))  # {} unless the engine gives its own log-probs
-                updating = False
-            check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
-            drift.check(roll_stats, it)
-            tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
+                train_stats: dict[str, float] = {}
+                if exp is not None:  # None: ppo.filter_groups kept no group (said by the maker); nothing trains
+                    updating = True
+                    train_stats = tr.train_on(exp, it)
+                    # the rollout's KL after its update, which fills an on-policy plan's old log-probs (an
+                    # all-reduce: inside the block, so that a Ctrl-C between the two leaves no rank behind)
+                    roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
+                    roll_stats.update(engine_stats(exp))  # {} unless the engine gives its own log-probs
+                    updating = False
+            if exp is not None:
+                check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
+                drift.check(roll_stats, it)
+                tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
             del exp  # its tensors and packed layouts are not held through the next rollout
             record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
             metrics.log(it + 1, record)
