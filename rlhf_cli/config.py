@@ -43,6 +43,8 @@ SCORING_PRECISIONS = ("fp32", "same")
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
 # the names in core.losses.POLICY_LOSSES (a test keeps the two equal)
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+# the engine corrections `rollout.is_correction` names: core.IS_CORRECTIONS (a test keeps the two equal)
+IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
 REWARD_SOURCES = ("model", "checker", "function")
 # the sampling engines `rollout.engine` names: rollout.generation.GENERATORS (a test keeps the two equal)
@@ -566,6 +568,26 @@ class RolloutConfig:
     A prompt's response depends on the weights, the prompt, its seed and the sampling keys, not on the engine's
     batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention head size vLLM
     serves (32, 64, 80, ...)."""
+    is_correction: str = "none"
+    """train-ppo's engine correction (`core/correction.py`): the sampling engine's log-probs μ of the sampled
+    tokens differ from the trainer's π_old at the same weights (other kernels and precision), and each token's
+    policy loss is multiplied by a constant weight from ρ_t = π_old/μ: `none` (1); `tis`, truncated importance
+    sampling, clamp(ρ_t, `rollout.is_low`, `rollout.is_high`) (Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training"); `icepop`, ρ_t inside the bounds and 0 outside (IcePop, Ling Team
+    2025); `seq_mask`, 1 for a sequence whose geometric-mean ratio exp(mean_t log ρ_t) is inside the bounds and 0
+    for all its tokens otherwise. A masked token still counts in `ppo.aggregation`'s divisor. Needs the engine's
+    log-probs: with `rollout.engine=hf` the trainer samples itself (ρ = 1) and a set correction says once that it
+    does nothing. Logged: `rollout/is_ratio_p1`, `_p50`, `_p99` (of ρ_t; of the sequences' ratio for `seq_mask`)
+    and `rollout/is_masked_frac` (tokens, or sequences for `seq_mask`, that the bounds truncate or mask). Peers:
+    TRL's default (a sequence mask, cap 3) is nearest to `seq_mask` with `rollout.is_high=3` (TRL's ratio is the
+    sequence's product, ours its geometric mean); OpenRLHF's `--enable_vllm_is_correction` (tis, [0.5, 5]) is
+    `tis` with `rollout.is_low=0.5 rollout.is_high=5`; veRL's are opt-in (`algorithm.rollout_correction`)."""
+    is_low: float | None = None
+    """The correction's lower bound on ρ, >= 0 and <= `rollout.is_high`; null = 0 for `tis` (Yao et al.'s one-sided
+    truncation) and 1/`rollout.is_high` for `icepop` and `seq_mask`."""
+    is_high: float = 2.0
+    """The correction's upper bound on ρ, > 0: `tis`'s cap C (Yao et al. 2025 use 2), the top of `icepop`'s and
+    `seq_mask`'s band (IcePop uses [0.5, 5])."""
     kv_cache_gb: int = 2
     """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16; the `hf` engine ignores it."""
@@ -948,6 +970,11 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     """`rollout.*`: a known sampling engine, installed, and a KV cache (`world_size`: any; vllm runs one engine per
     rank)."""
     _one_of("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    r = cfg.rollout
+    _one_of("rollout.is_correction", r.is_correction, IS_CORRECTIONS)
+    _check(r.is_high > 0, f"rollout.is_high must be > 0 (got {r.is_high})")
+    _check(r.is_low is None or 0 <= r.is_low <= r.is_high,
+           f"rollout.is_low must be in [0, rollout.is_high={r.is_high}] or null (got {r.is_low})")
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "

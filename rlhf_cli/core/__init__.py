@@ -32,6 +32,7 @@ from rlhf_cli.core.advantages import (
     kl_penalized_rewards,
     overlong_penalty,
 )
+from rlhf_cli.core.correction import IS_CORRECTIONS, engine_is_weights, is_bounds
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats, informative_groups
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
@@ -69,6 +70,7 @@ from rlhf_cli.core.paired import (
 
 __all__ = [
     "ESTIMATORS",
+    "IS_CORRECTIONS",
     "POLICY_LOSSES",
     "SMALL_SAMPLE",
     "AdaptiveKLController",
@@ -79,12 +81,14 @@ __all__ = [
     "compute_gae",
     "compute_gae_vectorized",
     "discounted_returns",
+    "engine_is_weights",
     "entropy_bonus",
     "entropy_from_logits",
     "group_adjusted_scores",
     "gspo_loss",
     "group_stats",
     "informative_groups",
+    "is_bounds",
     "kl_estimate",
     "kl_loss",
     "kl_penalized_rewards",

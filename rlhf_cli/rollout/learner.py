@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import POLICY_LOSSES, entropy_bonus, kl_loss, value_loss
+from rlhf_cli.core import POLICY_LOSSES, engine_is_weights, entropy_bonus, kl_loss, value_loss
 from rlhf_cli.forwards import training_forward
 from rlhf_cli.models import has_value_head
 from rlhf_cli.rollout.experience import Experience
@@ -122,11 +122,12 @@ class PolicyLearner:
         """The forward (`training_forward`, or the one the rollout ran for one of the update's first micro-batches:
         `b.forward`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): the policy loss
         (`ppo.policy_loss`: PPO's clipped surrogate, GSPO's or CISPO's, with `ppo.clip`, `ppo.clip_high` and
-        `ppo.dual_clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
-        `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
-        separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
-        whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so micro-batch losses sum
-        to the minibatch's."""
+        `ppo.dual_clip`; each token's term weighted by the engine correction, `rollout.is_correction`, when the
+        engine gave its log-probs) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when
+        `ppo.kl_in=loss`, plus `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a
+        shared critic, as the separate critic's objective otherwise, absent for a critic-free estimator. Each is
+        aggregated over the whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so
+        micro-batch losses sum to the minibatch's."""
         p, P = self.p, b.prompt_len
         shared, separate = has_value_head(self.actor.module), self.critic is not None
         if b.forward is not None:  # run by the rollout at these weights (UpdatePlan.carry)
@@ -139,8 +140,12 @@ class PolicyLearner:
                                              p.temperature, p.c2 != 0, packing)
         agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
         old = lp.detach() if b.plan.on_policy else b.logprobs
+        r, weights = self.cfg.rollout, None
+        if r.is_correction != "none" and b.engine_logprobs is not None:  # the engine correction's constant weights
+            weights, _, _ = engine_is_weights(old, b.engine_logprobs, b.mask, r.is_correction, r.is_low, r.is_high)
         pg_loss, pg_stats = POLICY_LOSSES[p.policy_loss](lp, old, b.advantages, b.mask, p.clip, **agg,
-                                                         clip_high=p.clip_high, dual_clip=p.dual_clip)
+                                                         clip_high=p.clip_high, dual_clip=p.dual_clip,
+                                                         weights=weights)
         ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
         actor_loss = pg_loss - p.c2 * ent_bonus
         stats = {**pg_stats, **ent_stats}
