@@ -10,6 +10,7 @@ passes and the reward model in the one `scoring_precision` gives (see config.py,
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -283,10 +284,14 @@ class ExperienceMaker:
         while any rank holds fewer than its share of `ppo.rollout_batch_size` groups, for at most
         `ppo.filter_groups_max_rounds` extra rounds (every rank runs the same rounds: sampling may be collective).
         Every rank then keeps its first k kept groups in round order, k the fewest any rank has (capped at its
-        share), so the ranks' updates have the same shape. Returns (the kept rows as one round, or None when k = 0;
-        every round sampled; `groups/dropped_frac`, `groups/extra_rounds`, `groups/kept_frac`)."""
+        share), rounded down to whole minibatches (`ppo.mini_batch_size` completions over all ranks: the optimizer
+        steps after a fixed number of micro-batches, so a partial minibatch would carry its gradient into the next
+        iteration's step); every rank's update then has the same shape. Returns (the kept rows as one round, or
+        None when k = 0; every round sampled; `groups/dropped_frac`, `groups/extra_rounds`, `groups/kept_frac`)."""
         p, G = self.p, self.p.n_samples_per_prompt
         share = p.rollout_batch_size // engine.world_size()
+        mini_rows = p.mini_batch_size // engine.world_size()
+        unit = mini_rows // math.gcd(G, mini_rows)  # the fewest groups that fill whole minibatches
         rounds, kept = [first], [informative_groups(first.score, first.groups, first.valid)]
         while True:
             n_kept = sum(int(k.sum()) for k in kept) // G  # whole groups are kept or dropped
@@ -296,15 +301,19 @@ class ExperienceMaker:
             prompts, seeds, groups = self.prompt_batch(iteration, len(rounds))
             rounds.append(self.sample(prompts, seeds, groups, push=False))
             kept.append(informative_groups(rounds[-1].score, rounds[-1].groups, rounds[-1].valid))
-        k = min(engine.all_gather_object(min(n_kept, share)))
+        fewest = min(engine.all_gather_object(min(n_kept, share)))
+        k = fewest - fewest % unit
         sampled = len(rounds) * share
         stats = {"groups/dropped_frac": (sampled - n_kept) / sampled, "groups/extra_rounds": float(len(rounds) - 1),
                  "groups/kept_frac": k / share}
         if k == 0:
             if engine.is_main():
-                log.warning("iteration %d trains nothing: every group sampled in %d round(s) has equal scores "
-                            "(ppo.filter_groups=true, ppo.filter_groups_max_rounds=%d)", iteration + 1, len(rounds),
-                            p.filter_groups_max_rounds)
+                log.warning("iteration %d trains nothing: %s in %d round(s) (ppo.filter_groups=true, "
+                            "ppo.filter_groups_max_rounds=%d)", iteration + 1,
+                            "every group sampled has equal scores" if fewest == 0 else
+                            f"{fewest} group(s) with varied scores kept, fewer than the {unit} × "
+                            f"ppo.n_samples_per_prompt={G} completions of a minibatch (ppo.mini_batch_size="
+                            f"{p.mini_batch_size})", len(rounds), p.filter_groups_max_rounds)
             return None, rounds, stats
         rows, left = [], k * G  # the first k kept groups, in round order (a group's rows are adjacent)
         for keep in kept:

@@ -41,7 +41,7 @@ def script_scores(tr, flat_groups_per_round):
     return calls
 
 
-def test_flat_groups_are_dropped_and_refilled_from_a_new_round(tmp_path):
+def test_flat_groups_are_dropped_and_refilled_from_a_new_round(tmp_path, monkeypatch):
     tr = build_trainer(tmp_path, FILTER)
     calls = script_scores(tr, [[0, 1, 2], [1, 2, 3], []])  # round 0 keeps 1 group, round 1 one, round 2 all
     exp, stats, _ = tr.maker.make_experience(0)
@@ -54,26 +54,45 @@ def test_flat_groups_are_dropped_and_refilled_from_a_new_round(tmp_path):
     assert exp.input_ids.shape[0] == R * G
     assert group_stats(exp.scores, exp.groups, exp.mask.sum(1) > 0)["flat"].sum() == 0
     assert (exp.advantages.abs().sum(1) > 0).all()  # every kept row learns
+    steps = optimizer_steps(monkeypatch, tr)
     stats = tr.train_on(exp, 0)
-    assert torch.isfinite(torch.tensor(stats["policy/loss"]))
+    assert torch.isfinite(torch.tensor(stats["policy/loss"])) and steps == [False, True] * 2
 
 
-def test_at_the_bound_the_update_trains_on_what_was_kept(tmp_path):
+def optimizer_steps(monkeypatch, tr):
+    """Record, per micro-step of the actor, whether the optimizer stepped (an accumulation boundary)."""
+    seen, real = [], tr.actor.step
+
+    def step():
+        seen.append(tr.actor.is_boundary())
+        real()
+
+    monkeypatch.setattr(tr.actor, "step", step)
+    return seen
+
+
+def test_at_the_bound_the_update_trains_on_whole_minibatches_of_what_was_kept(tmp_path, monkeypatch):
+    # 3 groups kept; a minibatch is 8 completions = 2 groups: the update trains on the first 2 (one optimizer step)
     tr = build_trainer(tmp_path, [*FILTER, "ppo.filter_groups_max_rounds=1"])
-    script_scores(tr, [[0, 2, 3], [0, 1, 2, 3]])
+    script_scores(tr, [[0], [0, 1, 2, 3]])
     exp, stats, _ = tr.maker.make_experience(0)
-    assert stats["groups/extra_rounds"] == 1 and stats["groups/kept_frac"] == pytest.approx(1 / 4)
-    assert stats["groups/dropped_frac"] == pytest.approx(7 / 8)
-    assert exp.groups.tolist() == [1] * G and exp.input_ids.shape[0] == G
+    assert stats["groups/extra_rounds"] == 1 and stats["groups/kept_frac"] == pytest.approx(2 / 4)
+    assert stats["groups/dropped_frac"] == pytest.approx(5 / 8)
+    assert exp.groups.tolist() == [g for g in (1, 2) for _ in range(G)]
+    steps = optimizer_steps(monkeypatch, tr)
     tr.train_on(exp, 0)
+    assert steps == [False, True]  # 2 micro-batches of 4, the optimizer steps after the second
 
 
-def test_max_rounds_zero_drops_without_refilling(tmp_path):
-    tr = build_trainer(tmp_path, [*FILTER, "ppo.filter_groups_max_rounds=0"])
-    calls = script_scores(tr, [[1]])
-    exp, stats, _ = tr.maker.make_experience(0)
-    assert len(calls) == 1 and stats["groups/extra_rounds"] == 0 and stats["groups/kept_frac"] == 0.75
-    assert sorted(set(exp.groups.tolist())) == [0, 2, 3]
+def test_fewer_groups_than_a_minibatch_train_nothing(tmp_path, caplog):
+    tr = build_trainer(tmp_path, [*FILTER, "ppo.filter_groups_max_rounds=1"])
+    script_scores(tr, [[0, 2, 3], [0, 1, 2, 3]])  # 1 group kept, a minibatch needs 2
+    with caplog.at_level("WARNING"):
+        exp, stats, _ = tr.maker.make_experience(0)
+    assert exp is None and stats["groups/kept_frac"] == 0.0
+    said = [r.getMessage() for r in caplog.records if "trains nothing" in r.getMessage()]
+    assert len(said) == 1 and "1 group(s) with varied scores kept, fewer than the 2 × ppo.n_samples_per_prompt=4" \
+        in said[0]
 
 
 def test_nothing_kept_skips_the_iteration_with_one_warning(tmp_path, caplog):
@@ -83,7 +102,7 @@ def test_nothing_kept_skips_the_iteration_with_one_warning(tmp_path, caplog):
         exp, stats, _ = tr.maker.make_experience(0)
     assert exp is None and stats["groups/dropped_frac"] == 1.0 and stats["groups/kept_frac"] == 0.0
     said = [r.getMessage() for r in caplog.records if "trains nothing" in r.getMessage()]
-    assert said == ["iteration 1 trains nothing: every group sampled in 3 round(s) has equal scores "
+    assert said == ["iteration 1 trains nothing: every group sampled has equal scores in 3 round(s) "
                     "(ppo.filter_groups=true, ppo.filter_groups_max_rounds=2)"]
 
 
