@@ -457,7 +457,9 @@ class PPOConfig:
     """Loss aggregation: `token-mean` or `seq-mean-token-mean`. `token-mean`: every real response token of a
     minibatch weighs the same (the sum over its tokens divided by their count); `seq-mean-token-mean`: each
     response's token mean, averaged over the minibatch's responses. Either divides by the whole minibatch's count
-    (over all ranks), so the update does not depend on `ppo.micro_batch_size` or the world size."""
+    (over all ranks), so the update does not depend on `ppo.micro_batch_size` or the world size. Only what is in
+    the loss counts: a row masked out of it (`ppo.truncated=mask` without EOS) is in neither count; a
+    zero-variance group's rows (advantage 0) are in both and take the KL term (README, "the rules in the loss")."""
     actor_lr: float = 1e-5
     """Policy learning rate (constant). Sized for short CPU runs: on the built-in task four iterations at 1e-5
     raise the RM score by ~0.5 RM std at ~4 nats/seq (docs/results.md); at 1e-6 they move the policy < 0.1 nats.

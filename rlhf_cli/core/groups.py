@@ -10,6 +10,10 @@ Exact semantics, for every baseline here:
     score 0 exactly: no learning signal, and no division by a zero std;
   * a group with fewer than 2 valid rows gives 0 (no baseline can be formed from one sample);
   * invalid rows get 0.
+
+In the update (`rollout.PolicyLearner.micro_batches`), a flat group's rows stay (unless `ppo.filter_groups` drops
+them, `informative_groups`): no policy gradient, but their tokens count in the loss's divisors and take the KL
+term; an invalid row has no token in the loss and counts in no divisor.
 """
 
 from __future__ import annotations

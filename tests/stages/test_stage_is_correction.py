@@ -34,8 +34,8 @@ def policy_losses(tr, exp, mode, engine_shift, high=2.0):
     tr.cfg.rollout.is_correction, tr.cfg.rollout.is_high = mode, high
     exp.engine_logprobs = torch.where(exp.mask.bool(), exp.logprobs - engine_shift, 0.0)
     out = []
-    for b, num_tokens, _ in tr.micro_batches(exp):
-        out.append(tr.losses(b, num_tokens).policy.item())
+    for b, num_tokens, num_seqs, _ in tr.micro_batches(exp):
+        out.append(tr.losses(b, num_tokens, num_seqs).policy.item())
         if len(out) == 2:
             break
     return out
@@ -79,7 +79,7 @@ def test_with_the_hf_engine_a_set_correction_says_once_that_it_does_nothing(tmp_
         tr, exp = rollout(tmp_path, ["rollout.is_correction=tis"])
     said = [r.getMessage() for r in caplog.records if "does nothing with rollout.engine=hf" in r.getMessage()]
     assert len(said) == 1 and exp.engine_logprobs is None
-    b, num_tokens, _ = next(tr.micro_batches(exp))
+    b, num_tokens, _, _ = next(tr.micro_batches(exp))
     assert b.engine_logprobs is None
     corrected = tr.losses(b, num_tokens).policy.item()
     tr.cfg.rollout.is_correction = "none"

@@ -123,7 +123,7 @@ def test_a_micro_batchs_own_token_count_would_break_the_invariance(tmp_path, mon
     for micro, tr in trainers.items():
         real = tr.losses
         with monkeypatch.context() as mp:
-            mp.setattr(tr, "losses", lambda b, num_tokens, real=real: real(b, float(b.mask.sum())))
+            mp.setattr(tr, "losses", lambda b, num_tokens, num_seqs, real=real: real(b, float(b.mask.sum())))
             results[micro], _ = accumulated_gradients(tr, exp, weights, monkeypatch)
     with pytest.raises(AssertionError):
         assert_same_gradients(results[2]["actor"], results[8]["actor"], rel=1e-5)
