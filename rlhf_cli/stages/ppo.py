@@ -290,6 +290,10 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "policy loss": (f"{p.policy_loss}, {p.aggregation}"
                         + (f", ε_high {p.clip_high}" if p.clip_high is not None else "")
                         + (f", dual clip {p.dual_clip}" if p.dual_clip is not None else "")),
+        "dynamic sampling": (f"drops zero-variance groups, <= {p.filter_groups_max_rounds} extra round(s)"
+                             if p.filter_groups else "off"),
+        "engine correction": (f"{cfg.rollout.is_correction}, ρ in [{cfg.rollout.is_low}, {cfg.rollout.is_high}]"
+                              if cfg.rollout.is_correction != "none" else "none"),
         "critic": (f"{p.critic} ({p.critic_init}"
                    + ("; the reward model is this critic with its LoRA adapters off)"
                       if isinstance(tr.reward_model, FrozenWithoutAdapters) else ")")
