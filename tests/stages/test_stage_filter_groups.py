@@ -147,3 +147,22 @@ def test_join_rollout_batches_pads_and_trims():
     ids, am, P = join_rollout_batches([a, b], pad_id=0)
     assert P == 2
     assert ids.tolist() == [[5, 6, 7, 0], [0, 8, 9, 9]] and am.tolist() == [[1, 1, 1, 0], [0, 1, 1, 1]]
+
+
+def test_the_rounds_engine_logprobs_follow_their_rows_into_the_joined_batch(tmp_path, monkeypatch):
+    """An engine's log-probs (vLLM's; synthetic here: a function of each response token) stay with their rows when
+    the rounds are joined (prompt and response widths differ between rounds)."""
+    tr = build_trainer(tmp_path, FILTER)
+    script_scores(tr, [[0, 1, 2], [1, 2, 3], []])
+    real = tr.maker.generate
+
+    def with_engine_logprobs(prompts, seeds, push=True):
+        input_ids, attention_mask, P, has_eos, _ = real(prompts, seeds, push=push)
+        mask = attention_mask[:, P:].float()
+        return input_ids, attention_mask, P, has_eos, -(input_ids[:, P:] % 7 + 1).float() * mask
+
+    monkeypatch.setattr(tr.maker, "generate", with_engine_logprobs)
+    exp, _, _ = tr.maker.make_experience(0)
+    P, mask = exp.prompt_len, exp.attention_mask[:, exp.prompt_len:].float()
+    assert exp.engine_logprobs.shape == mask.shape
+    torch.testing.assert_close(exp.engine_logprobs, -(exp.input_ids[:, P:] % 7 + 1).float() * mask, rtol=0, atol=0)
