@@ -21,6 +21,7 @@ gamma (discount)              ``gamma`` / ``ppo.gamma``   ``gamma``
 beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef`` (TRL GRPO ``beta``)
 G (samples per prompt)        ``ppo.n_samples_per_prompt``  ``num_generations``
 KL target (Ziegler et al.)    ``target`` / ``ppo.kl_target``  ``target_kl``
+C (TIS cap, Yao et al.)       ``high`` / ``rollout.is_high``  TRL ``vllm_importance_sampling_cap``
 ============================  ==========================  ==========================
 """
 
