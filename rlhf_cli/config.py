@@ -436,10 +436,11 @@ class PPOConfig:
     groups are kept (the surplus of the last round is dropped too), for at most `ppo.filter_groups_max_rounds`
     extra rounds. At that bound the update trains on the groups kept (on every rank the fewest any rank kept),
     rounded down to whole minibatches of `ppo.mini_batch_size` completions; if that leaves none, the iteration
-    trains nothing and says so. Each rank refills its own share from its share of each round's prompts, so which
-    groups are kept depends on the world size (the rounds and the number kept are the same on every rank). The
-    scores judged are those the advantages see (after
-    `ppo.truncated`'s penalty and the overlong shaping). Logged: `groups/dropped_frac` (dropped groups over all
+    trains nothing and says so (with one minibatch per rollout, as `experiment=grpo` has, the bound is all or
+    nothing: a smaller `ppo.mini_batch_size` trains on part of a batch). Each rank refills its own share from its
+    share of each round's prompts, so which groups are kept depends on the world size (the rounds and the number
+    kept are the same on every rank). The scores judged are those the advantages see (after `ppo.truncated`'s
+    penalty and the overlong shaping). Logged: `groups/dropped_frac` (dropped groups over all
     groups sampled), `groups/extra_rounds` and `groups/kept_frac` (kept groups over `ppo.rollout_batch_size`);
     the rollout statistics (`objective/scores`, `groups/*`, `response/*`, `reward/*`) stay those of the
     iteration's first round, the same prompts as without the filter. Critic-free estimators with
