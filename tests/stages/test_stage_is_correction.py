@@ -16,8 +16,9 @@ from rlhf_cli.preflight import VALIDATORS
 from rlhf_cli.rollout import is_correction_stats
 
 # 2 prompts × 4 samples, two minibatches: the update is off-policy, the old log-probs come from the rollout's pass
-GROUPS = ["ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=4", "ppo.mini_batch_size=4",
-          "ppo.micro_batch_size=4", "ppo.advantage_estimator=grpo", "reward.type=checker"]
+BATCH = ["ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=4", "ppo.mini_batch_size=4",
+         "ppo.micro_batch_size=4", "reward.type=checker"]
+GROUPS = [*BATCH, "ppo.advantage_estimator=grpo"]
 
 
 def rollout(tmp_path, overrides=()):
@@ -41,8 +42,12 @@ def policy_losses(tr, exp, mode, engine_shift, high=2.0):
     return out
 
 
-def test_tis_truncates_the_ratio_and_icepop_masks_it(tmp_path):
-    tr, exp = rollout(tmp_path)
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "gae"])
+def test_tis_truncates_the_ratio_and_icepop_masks_it(tmp_path, estimator):
+    tr = build_trainer(tmp_path, [*BATCH, f"ppo.advantage_estimator={estimator}"])
+    exp, _, _ = tr.maker.make_experience(0)
+    gen = torch.Generator().manual_seed(0)
+    exp.advantages = torch.where(exp.mask.bool(), torch.randn(exp.mask.shape, generator=gen), 0.0)
     plain = policy_losses(tr, exp, "none", 0.0)
     assert all(x != 0 for x in plain)
     # ρ = π_old/μ = e^shift on every token
