@@ -41,8 +41,10 @@ def script_scores(tr, flat_groups_per_round):
     return calls
 
 
-def test_flat_groups_are_dropped_and_refilled_from_a_new_round(tmp_path, monkeypatch):
-    tr = build_trainer(tmp_path, FILTER)
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_flat_groups_are_dropped_and_refilled_from_a_new_round(tmp_path, monkeypatch, estimator):
+    tr = build_trainer(tmp_path, [o for o in FILTER if "advantage_estimator" not in o]
+                       + [f"ppo.advantage_estimator={estimator}"])
     calls = script_scores(tr, [[0, 1, 2], [1, 2, 3], []])  # round 0 keeps 1 group, round 1 one, round 2 all
     exp, stats, _ = tr.maker.make_experience(0)
     assert calls == [R * G] * 3
