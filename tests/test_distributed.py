@@ -184,6 +184,27 @@ def test_two_ranks_group_advantages_match_one_rank(tmp_path, loss):
     assert_same_weights(final_dir(tmp_path / "one", "ppo"), final_dir(tmp_path / "two", "ppo"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_two_ranks_filter_groups_keep_the_same_shape(tmp_path, zero):
+    """`ppo.filter_groups` on two ranks whose shares drop different numbers of groups: every rank runs the same
+    generation rounds (sampling and scoring are collective) and trains the same number of groups (the fewest any
+    rank kept, in whole minibatches), so the run neither hangs nor fails. Which groups are kept depends on the
+    world size (each rank refills its own share), so this is not compared with one rank. Under ZeRO-3 every
+    round's sampling gathers the partitioned weights on both ranks."""
+    fn = tmp_path / "rewards.py"  # flat for prompts with an even answer, varied by length for the others
+    fn.write_text("def f(prompts, completions, answer, **kw):\n"
+                  "    return [0.0 if (a or 0) % 2 == 0 else len(c) / 10 for c, a in zip(completions, answer)]\n")
+    args = ["train-ppo", *COMMON, "reward.type=function", f"reward.function={fn}:f", "ppo.advantage_estimator=grpo",
+            "ppo.n_samples_per_prompt=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4",
+            "ppo.micro_batch_size=2", "ppo.iterations=3", "ppo.max_new_tokens=8", "ppo.kl_in=loss",
+            "ppo.kl_estimator=k3", "ppo.filter_groups=true", "ppo.filter_groups_max_rounds=1", f"deepspeed={zero}"]
+    launch(args, tmp_path / "two", ranks=2)
+    rows = metrics(tmp_path / "two", "ppo")
+    assert len(rows) == 3 and all(r["groups/extra_rounds"] in (0.0, 1.0) for r in rows)
+    assert any(r["groups/dropped_frac"] > 0 for r in rows) and any("policy/loss" in r for r in rows)
+
+
 SFT_ARGS = ["train-sft", *COMMON, "sft.max_steps=3", "sft.batch_size=8", "sft.micro_batch_size=2"]
 SFT_KEYS = ("sft/loss", "sft/response_tokens", "grad_norm", "eval/sft/loss")
 

@@ -21,6 +21,7 @@ gamma (discount)              ``gamma`` / ``ppo.gamma``   ``gamma``
 beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef`` (TRL GRPO ``beta``)
 G (samples per prompt)        ``ppo.n_samples_per_prompt``  ``num_generations``
 KL target (Ziegler et al.)    ``target`` / ``ppo.kl_target``  ``target_kl``
+C (TIS cap, Yao et al.)       ``high`` / ``rollout.is_high``  TRL ``vllm_importance_sampling_cap``
 ============================  ==========================  ==========================
 """
 
@@ -32,8 +33,9 @@ from rlhf_cli.core.advantages import (
     kl_penalized_rewards,
     overlong_penalty,
 )
+from rlhf_cli.core.correction import IS_CORRECTIONS, engine_is_weights, is_bounds
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
-from rlhf_cli.core.groups import group_adjusted_scores, group_stats
+from rlhf_cli.core.groups import group_adjusted_scores, group_stats, informative_groups
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
 from rlhf_cli.core.losses import (
     POLICY_LOSSES,
@@ -69,6 +71,7 @@ from rlhf_cli.core.paired import (
 
 __all__ = [
     "ESTIMATORS",
+    "IS_CORRECTIONS",
     "POLICY_LOSSES",
     "SMALL_SAMPLE",
     "AdaptiveKLController",
@@ -79,11 +82,14 @@ __all__ = [
     "compute_gae",
     "compute_gae_vectorized",
     "discounted_returns",
+    "engine_is_weights",
     "entropy_bonus",
     "entropy_from_logits",
     "group_adjusted_scores",
     "gspo_loss",
     "group_stats",
+    "informative_groups",
+    "is_bounds",
     "kl_estimate",
     "kl_loss",
     "kl_penalized_rewards",

@@ -10,6 +10,10 @@ Exact semantics, for every baseline here:
     score 0 exactly: no learning signal, and no division by a zero std;
   * a group with fewer than 2 valid rows gives 0 (no baseline can be formed from one sample);
   * invalid rows get 0.
+
+In the update (`rollout.PolicyLearner.micro_batches`), a flat group's rows stay (unless `ppo.filter_groups` drops
+them, `informative_groups`): no policy gradient, but their tokens count in the loss's divisors and take the KL
+term; an invalid row has no token in the loss and counts in no divisor.
 """
 
 from __future__ import annotations
@@ -98,3 +102,22 @@ def group_adjusted_scores(scores: Tensor, groups: Tensor, valid: Tensor, baselin
     else:
         raise ValueError(f"unknown group baseline {baseline!r} (grpo, dr_grpo, rloo, none)")
     return torch.where(v & (st["flat"] == 0), out, 0.0).float()
+
+
+def informative_groups(scores: Tensor, groups: Tensor, valid: Tensor) -> Tensor:
+    """The rows whose group carries a learning signal: DAPO's dynamic sampling filter (Yu et al. 2025, "DAPO",
+    sec. 3.2, eq. 11: a prompt is trained on only when 0 < |{o_i : o_i correct}| < G, i.e. its outputs' scores are
+    not all equal). A row is kept when its group is not degenerate in `group_stats`'s sense: its valid scores are
+    not all equal (max > min), and it has at least 2 valid rows. All rows of a kept group are kept, invalid ones
+    too (they stay masked out of the loss); all rows of a dropped group are dropped.
+
+    Args:
+        scores, groups, valid: as in `group_stats` (``(B,)``; the scores after every penalty the advantages see).
+
+    Returns:
+        ``(B,)`` bool, True = the row's group is kept.
+
+    Raises:
+        ValueError: bad shapes (see `group_stats`).
+    """
+    return group_stats(scores, groups, valid)["flat"] == 0

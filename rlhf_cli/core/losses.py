@@ -2,7 +2,8 @@
 
 The policy losses ``ppo.policy_loss`` selects (:data:`POLICY_LOSSES`) share one signature: :func:`policy_loss`
 (PPO's clipped surrogate, with clip-higher and dual-clip), :func:`gspo_loss` (the sequence ratio) and
-:func:`cispo_loss` (the clipped IS weight on REINFORCE).
+:func:`cispo_loss` (the clipped IS weight on REINFORCE). Each takes optional constant per-token ``weights`` (the
+engine correction, `core.correction`) that multiply its per-token loss before aggregation.
 
 ``loss`` is a 0-dim float32 tensor (float64 for float64 inputs) to minimise. ``stats`` is a
 dict of detached Python floats with namespaced keys: ``*/loss`` is the returned loss value
@@ -78,6 +79,15 @@ def _floats(stats: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(stats.keys(), values))
 
 
+def _weighted(per_token: Tensor, weights: Tensor | None, m: Tensor) -> Tensor:
+    """``per_token`` times constant per-token ``weights`` (detached; `core.correction.engine_is_weights`), exact 0 on
+    padding; ``per_token`` itself when ``weights`` is None."""
+    if weights is None:
+        return per_token
+    _check_shapes(per_token=per_token, weights=weights)
+    return torch.where(m, per_token * masked_fill_zero(weights.detach(), m, per_token.dtype), 0.0)
+
+
 def _check_clips(clip: float, clip_high: float | None, dual_clip: float | None) -> float:
     """The upper clip ε_high (``clip_high``, default ``clip``); raises ValueError on a bad clip range."""
     if clip < 0:
@@ -128,6 +138,7 @@ def policy_loss(
     *,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate (``ppo.policy_loss=ppo``), negated for minimisation, with clip-higher and dual-clip.
 
@@ -153,6 +164,9 @@ def policy_loss(
         num_tokens, aggregation, num_seqs: see the module docstring.
         clip_high: ε_high (``ppo.clip_high``), >= 0; None = ``clip``.
         dual_clip: c (``ppo.dual_clip``), > 1; None = no dual clip.
+        weights: ``(B, T)`` constant per-token weights multiplying ``loss_t`` before aggregation (the engine
+            correction, ``rollout.is_correction``: `core.correction.engine_is_weights`); None = 1. A weight of 0
+            removes the token's term but not its count in the divisor. Stats other than ``policy/loss`` ignore it.
 
     Returns:
         ``(loss, stats)``; stats: ``policy/loss``; ``policy/clipfrac`` (fraction of real tokens where the
@@ -173,7 +187,7 @@ def policy_loss(
     adv = masked_fill_zero(advantages.detach(), m, dtype)
     ratio = torch.exp(log_ratio)
     per_token, flags = _clipped_surrogate(ratio, adv, m, clip, high, dual_clip)
-    loss = masked_aggregate(per_token, m, num_tokens, aggregation, num_seqs)
+    loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
     return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
 
 
@@ -202,6 +216,7 @@ def gspo_loss(
     *,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (``ppo.policy_loss=gspo``): the clipped surrogate of the length-normalised sequence ratio, in its
     token form (GSPO-token), negated for minimisation.
@@ -241,7 +256,7 @@ def gspo_loss(
     # log s_i,t = sg[log s_i] + log pi_t - sg[log pi_t]: value log s_i, gradient that of log pi_t
     ratio = torch.exp(log_seq_ratio.detach() + (lp - lp.detach()))  # (B, T)
     per_token, flags = _clipped_surrogate(ratio, adv, m, clip, high, dual_clip)
-    loss = masked_aggregate(per_token, m, num_tokens, aggregation, num_seqs)
+    loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
     return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
 
 
@@ -257,6 +272,7 @@ def cispo_loss(
     *,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """CISPO (``ppo.policy_loss=cispo``): REINFORCE weighted by the stop-gradient, clipped importance weight.
 
@@ -294,7 +310,7 @@ def cispo_loss(
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio.detach(), max=1.0 + high)
     per_token = torch.where(m, -weight * adv * lp, 0.0)
-    loss = masked_aggregate(per_token, m, num_tokens, aggregation, num_seqs)
+    loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
     capped = ((ratio.detach() > 1.0 + high) & m).to(dtype)
     zero = torch.zeros((), dtype=dtype, device=lp.device)
     flags = {"policy/clipfrac": masked_mean(capped, m), "policy/clipfrac_high": masked_mean(capped, m),

@@ -41,6 +41,7 @@ from rlhf_cli.rollout.stats import (
     EngineDriftGuard,
     engine_stats,
     explained_variance_across_ranks,
+    is_correction_stats,
     kl_stats,
     whiten_across_ranks,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "UpdatePlan",
     "call_on_every_rank",
     "engine_stats",
+    "is_correction_stats",
     "explained_variance_across_ranks",
     "kl_stats",
     "make_generator",

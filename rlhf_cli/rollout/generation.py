@@ -9,6 +9,7 @@
                         EngineSettings)` builds one
     rollout_batch       prompt ids + a `Generation` -> the rollout batch `[left-padded prompt | right-padded
                         response]` the stages score and train on
+    join_rollout_batches  several rollout batches as one (`ppo.filter_groups`' rounds)
     response_mask       the cut at the first EOS (any id of `eos_ids`)
     sample_responses    the one-call form of `HFGenerator` + `rollout_batch` (benchmarks, tests)
 
@@ -152,6 +153,27 @@ def rollout_batch(prompt_ids: Sequence[Sequence[int]], generation: Generation,
     input_ids = torch.cat([prompt_ids_t, generation.responses[:, :R]], dim=1)
     attention_mask = torch.cat([prompt_mask, generation.mask[:, :R].long()], dim=1)
     return input_ids, attention_mask, prompt_ids_t.shape[1], generation.has_eos
+
+
+def join_rollout_batches(parts: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+                         pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rollout batches (`rollout_batch`'s input_ids (B_i, P_i+R_i), attention_mask, P_i) as one: each prompt part
+    left-padded and each response part right-padded to the widest (pad_id, attention 0), rows in order; then the
+    columns no row uses are dropped (prompt columns on the left; response columns on the right, keeping R >= 1).
+    Returns input_ids (ΣB_i, P+R), attention_mask (ΣB_i, P+R) long, P. Raises ValueError when `parts` is empty."""
+    if not parts:
+        raise ValueError("join_rollout_batches: no batch to join")
+    P = max(p for _, _, p in parts)
+    R = max(ids.shape[1] - p for ids, _, p in parts)
+    ids, am = [], []
+    for x, m, p in parts:
+        pad = (P - p, R - (x.shape[1] - p))
+        ids.append(torch.nn.functional.pad(x, pad, value=pad_id))
+        am.append(torch.nn.functional.pad(m, pad, value=0))
+    input_ids, attention_mask = torch.cat(ids), torch.cat(am)
+    used_p = int(attention_mask[:, :P].sum(1).max().item()) if P else 0
+    used_r = max(int(attention_mask[:, P:].sum(1).max().item()), 1)
+    return (input_ids[:, P - used_p:P + used_r], attention_mask[:, P - used_p:P + used_r], used_p)
 
 
 class PerRowSampler(LogitsProcessor):

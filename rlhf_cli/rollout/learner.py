@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import POLICY_LOSSES, entropy_bonus, kl_loss, value_loss
+from rlhf_cli.core import POLICY_LOSSES, engine_is_weights, entropy_bonus, kl_loss, value_loss
 from rlhf_cli.forwards import training_forward
 from rlhf_cli.models import has_value_head
 from rlhf_cli.rollout.experience import Experience
@@ -96,15 +96,21 @@ class PolicyLearner:
         return UpdatePlan(update_order(self.cfg, iteration, groups), packs_rollout_passes(self.cfg), self.on_policy,
                           self.carry)
 
-    def micro_batches(self, exp: Experience) -> Iterator[tuple[Experience, float, torch.Tensor]]:
-        """The plan's order (`exp.plan.order`), micro-batch by micro-batch. Yields (micro-batch, real response
-        tokens of its minibatch over all ranks: the divisor of every micro-batch loss, its rows' indices in `exp`).
-        A training forward the rollout ran for a micro-batch (`exp.forwards`) moves onto it (used once)."""
+    def micro_batches(self, exp: Experience) -> Iterator[tuple[Experience, float, float, torch.Tensor]]:
+        """The plan's order (`exp.plan.order`), micro-batch by micro-batch. Yields (micro-batch, the divisors of
+        every micro-batch loss of its minibatch, over all ranks: its tokens in the loss (`ppo.aggregation=
+        token-mean`) and its rows with at least one token in the loss (`seq-mean-token-mean`), its rows' indices in
+        `exp`). A row the loss masks out (`ppo.truncated=mask` without EOS: no token in `exp.mask`) counts in
+        neither divisor, as `core.masked_aggregate` counts a whole batch, so the micro-batches' losses sum to the
+        loss of the minibatch in one call. A training forward the rollout ran for a micro-batch (`exp.forwards`)
+        moves onto it (used once)."""
         if exp.plan is None:
             raise ValueError("an Experience without its UpdatePlan (PolicyLearner.plan): the update has no order")
         for e, epoch in enumerate(exp.plan.order):
             for m, minibatch in enumerate(epoch):
-                num_tokens = engine.all_reduce_sum(exp.mask[torch.cat(minibatch)].sum()).item()
+                in_loss = exp.mask[torch.cat(minibatch)]
+                num_tokens, num_seqs = engine.all_reduce_sum(
+                    torch.stack([in_loss.sum(), (in_loss.sum(1) > 0).sum().to(in_loss.dtype)])).tolist()
                 for rows in minibatch:
                     b = exp.rows(rows)
                     fwd = exp.forwards.pop(tuple(rows.tolist()), None)
@@ -113,20 +119,22 @@ class PolicyLearner:
                             raise RuntimeError("a training forward of the rollout reached after the update's first "
                                                "optimizer step (Experience.forwards, UpdatePlan.carry)")
                         b.forwards[tuple(range(len(rows)))] = fwd
-                    yield b, num_tokens, rows
+                    yield b, num_tokens, num_seqs, rows
         if exp.forwards:  # else its graph would be held until the rollout is dropped
             raise RuntimeError(f"{len(exp.forwards)} training forward(s) of rows the update's plan does not visit "
                                "(Experience.forwards)")
 
-    def losses(self, b: Experience, num_tokens: float) -> Losses:
+    def losses(self, b: Experience, num_tokens: float, num_seqs: float | None = None) -> Losses:
         """The forward (`training_forward`, or the one the rollout ran for one of the update's first micro-batches:
         `b.forward`) and the losses of one micro-batch (Schulman et al. 2017, eq. 9): the policy loss
         (`ppo.policy_loss`: PPO's clipped surrogate, GSPO's or CISPO's, with `ppo.clip`, `ppo.clip_high` and
-        `ppo.dual_clip`) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when `ppo.kl_in=loss`, plus
-        `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a shared critic, as the
-        separate critic's objective otherwise, absent for a critic-free estimator. Each is aggregated over the
-        whole minibatch (`ppo.aggregation`, `num_tokens` real tokens over all ranks), so micro-batch losses sum
-        to the minibatch's."""
+        `ppo.dual_clip`; each token's term weighted by the engine correction, `rollout.is_correction`, when the
+        engine gave its log-probs) minus `ppo.c2` × entropy bonus, plus β × KL to the reference when
+        `ppo.kl_in=loss`, plus `ppo.c1` × clipped value loss (`ppo.value_clip`): in the actor's objective with a
+        shared critic, as the separate critic's objective otherwise, absent for a critic-free estimator. Each is
+        aggregated over the whole minibatch (`ppo.aggregation`: `num_tokens` tokens in the loss and `num_seqs`
+        rows with one, over all ranks, `micro_batches`; num_seqs None: `b`'s own such rows), so micro-batch losses
+        sum to the minibatch's."""
         p, P = self.p, b.prompt_len
         shared, separate = has_value_head(self.actor.module), self.critic is not None
         if b.forward is not None:  # run by the rollout at these weights (UpdatePlan.carry)
@@ -137,10 +145,16 @@ class PolicyLearner:
                 packing = b.layout
             lp, ent, v, _ = training_forward(self.actor, self.critic, b.input_ids, b.attention_mask, P,
                                              p.temperature, p.c2 != 0, packing)
-        agg = dict(num_tokens=num_tokens, num_seqs=float(p.mini_batch_size), aggregation=p.aggregation)
+        if num_seqs is None:
+            num_seqs = float((b.mask.sum(1) > 0).sum())
+        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, aggregation=p.aggregation)
         old = lp.detach() if b.plan.on_policy else b.logprobs
+        r, weights = self.cfg.rollout, None
+        if r.is_correction != "none" and b.engine_logprobs is not None:  # the engine correction's constant weights
+            weights, _, _ = engine_is_weights(old, b.engine_logprobs, b.mask, r.is_correction, r.is_low, r.is_high)
         pg_loss, pg_stats = POLICY_LOSSES[p.policy_loss](lp, old, b.advantages, b.mask, p.clip, **agg,
-                                                         clip_high=p.clip_high, dual_clip=p.dual_clip)
+                                                         clip_high=p.clip_high, dual_clip=p.dual_clip,
+                                                         weights=weights)
         ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
         actor_loss = pg_loss - p.c2 * ent_bonus
         stats = {**pg_stats, **ent_stats}
@@ -158,10 +172,10 @@ class PolicyLearner:
         return Losses(actor_loss, p.c1 * vf_loss if separate else None, pg_loss.detach(), vf_loss.detach(),
                       lp.detach(), stats)
 
-    def micro_step(self, b: Experience, num_tokens: float, iteration: int) -> Losses:
+    def micro_step(self, b: Experience, num_tokens: float, num_seqs: float, iteration: int) -> Losses:
         """`losses`, then the backward passes; the optimizers step at accumulation boundaries. A non-finite
         loss on any rank is skipped on all of them (`ppo.max_bad_steps`)."""
-        out = self.losses(b, num_tokens)
+        out = self.losses(b, num_tokens, num_seqs)
         actor_loss, critic_loss = out.actor, out.critic
         finite = torch.isfinite(actor_loss.detach())
         if critic_loss is not None:
@@ -194,9 +208,9 @@ class PolicyLearner:
         if self.critic is not None:
             self.critic.train()
         carried_seconds = sum(fwd.seconds for fwd in exp.forwards.values())
-        for b, num_tokens, rows in self.micro_batches(exp):
+        for b, num_tokens, num_seqs, rows in self.micro_batches(exp):
             tokens += float(b.attention_mask.sum())
-            out = self.micro_step(b, num_tokens, iteration)
+            out = self.micro_step(b, num_tokens, num_seqs, iteration)
             if exp.plan.on_policy:
                 exp.logprobs[rows] = out.logprobs.float()
             # per-micro-batch stats: losses summed over micro-batches give the minibatch loss

@@ -10,6 +10,7 @@ passes and the reward model in the one `scoring_precision` gives (see config.py,
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -17,7 +18,14 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import ESTIMATORS, add_at_last_token, group_stats, kl_penalized_rewards, overlong_penalty
+from rlhf_cli.core import (
+    ESTIMATORS,
+    add_at_last_token,
+    group_stats,
+    informative_groups,
+    kl_penalized_rewards,
+    overlong_penalty,
+)
 from rlhf_cli.data import epoch_order
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import (
@@ -32,7 +40,13 @@ from rlhf_cli.forwards import (
 )
 from rlhf_cli.models import attention_tokens, has_value_head, lm_of
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.generation import EngineSettings, Sampling, make_generator, rollout_batch
+from rlhf_cli.rollout.generation import (
+    EngineSettings,
+    Sampling,
+    join_rollout_batches,
+    make_generator,
+    rollout_batch,
+)
 from rlhf_cli.rollout.plan import UpdatePlan
 from rlhf_cli.rollout.rewards import Rewards
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl, whiten_across_ranks
@@ -84,42 +98,61 @@ class ExperienceMaker:
         micro-batches (`UpdatePlan.carry`) are in none of them: they are training's (`time/training`)."""
         self.plan = plan
 
-    def prompt_batch(self, iteration: int) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
-        """This rank's rows of an iteration: their prompts, sampling seeds and group ids.
+    def prompt_batch(self, iteration: int,
+                     round_: int = 0) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
+        """This rank's rows of an iteration's generation round: their prompts, sampling seeds and group ids.
 
-        Prompts: a seeded walk through epochs of shuffled prompts (the same on every rank), `ppo.rollout_batch_size`
-        per iteration, each repeated `ppo.n_samples_per_prompt` (n) times in a row; a rank takes whole groups.
-        Seeds: one per (run seed, iteration, k·n + j) for sample j of the iteration's k-th prompt, so every
-        sample has its own stream and a response is the same whatever the world size. Group id: k.
+        Prompts: round 0 (every iteration's, and the only one without `ppo.filter_groups`) takes a seeded walk
+        through epochs of shuffled prompts (the same on every rank), `ppo.rollout_batch_size` (R) per iteration; an
+        extra round r >= 1 of `ppo.filter_groups` takes R prompts of its own seeded permutation of all prompts,
+        (data.seed, seed, iteration, r), those of round 0 last (so they repeat only when fewer than 2R prompts
+        exist); the walk is not advanced. Each prompt is repeated `ppo.n_samples_per_prompt` (n) times in a row; a
+        rank takes whole groups. The round's k-th prompt is the iteration's (r·R + k)-th: its group id, and the
+        seed of its sample j is one per (run seed, iteration, (r·R + k)·n + j), so every sample has its own stream
+        and a response is the same whatever the world size.
         """
-        n, R, G = len(self.prompts), self.p.rollout_batch_size, self.p.n_samples_per_prompt
+        R, G = self.p.rollout_batch_size, self.p.n_samples_per_prompt
+        idx = self._walk(iteration)
+        if round_ > 0:
+            first = set(idx)
+            perm = epoch_order(len(self.prompts), (self.cfg.data.seed, self.cfg.seed, iteration), round_)
+            idx = ([i for i in perm if i not in first] + [i for i in perm if i in first])[:R]
+        per_rank, offset = R // engine.world_size(), round_ * R
+        ks = range(engine.rank() * per_rank, (engine.rank() + 1) * per_rank)
+        prompts = [self.prompts[idx[k]] for k in ks for _ in range(G)]
+        seeds = [derive_seed(self.cfg.seed, iteration, (offset + k) * G + j) for k in ks for j in range(G)]
+        groups = torch.tensor([offset + k for k in ks for _ in range(G)], dtype=torch.long)
+        return prompts, seeds, groups
+
+    def _walk(self, iteration: int) -> list[int]:
+        """The prompt indices of an iteration's round 0: positions iteration·R ... (iteration + 1)·R − 1 of the
+        walk through epochs of shuffled prompts (`data.epoch_order` seeded by (data.seed, seed, epoch))."""
+        n, R = len(self.prompts), self.p.rollout_batch_size
         idx = []
         for k in range(iteration * R, (iteration + 1) * R):
             epoch, pos = divmod(k, n)
             if epoch != self._order_epoch:
                 self._order, self._order_epoch = epoch_order(n, (self.cfg.data.seed, self.cfg.seed), epoch), epoch
             idx.append(self._order[pos])
-        per_rank = R // engine.world_size()
-        ks = range(engine.rank() * per_rank, (engine.rank() + 1) * per_rank)
-        prompts = [self.prompts[idx[k]] for k in ks for _ in range(G)]
-        seeds = [derive_seed(self.cfg.seed, iteration, k * G + j) for k in ks for j in range(G)]
-        groups = torch.tensor([k for k in ks for _ in range(G)], dtype=torch.long)
-        return prompts, seeds, groups
+        return idx
 
-    def generate(self, prompts: list[dict[str, Any]],
-                 seeds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
+    def generate(self, prompts: list[dict[str, Any]], seeds: Sequence[int], push: bool = True,
+                 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
         """Sample one response per prompt with the current policy, one seed per prompt (`self.generator`).
         Returns the rollout batch: input_ids (B, P+R), attention_mask (B, P+R), P, has_eos (B,)
         (`generation.rollout_batch`), and the engine's log-probs of the response tokens (B, R) float32 on the
-        batch's device, or None when the engine gives none (`hf`)."""
+        batch's device, or None when the engine gives none (`hf`). `push=False`: the engine already holds these
+        weights (a later generation round of one iteration), none are pushed."""
         prompt_ids = [x["prompt_ids"] for x in prompts]
         lm = lm_of(self.actor.module)
         if self.generator.own_weights:  # ZeRO-3: one layer gathered at a time for the push, none while sampling
-            self.generator.update_weights(lm, gather=self.actor.gathered)
+            if push:
+                self.generator.update_weights(lm, gather=self.actor.gathered)
             generation = self.generator.generate(prompt_ids, seeds, self.sampling)
         else:
             with self.actor.gathered_params():  # ZeRO-3: the full weights, for the engine to sample from
-                self.generator.update_weights(lm)
+                if push:
+                    self.generator.update_weights(lm)
                 generation = self.generator.generate(prompt_ids, seeds, self.sampling)
         input_ids, attention_mask, P, has_eos = rollout_batch(prompt_ids, generation, self.pad_id)
         engine_logprobs = None
@@ -230,65 +263,144 @@ class ExperienceMaker:
                                   self.p.temperature, k, "fp32", packing=exp.plan.packed)["k1"]
         return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
 
-    def make_experience(self, iteration: int) -> tuple[Experience, dict[str, float], dict[str, Any]]:
-        """One iteration's rollout on this rank: sample (`generate`), score (`rewards`), the passes by the update's
-        plan (`rollout_passes`), shaping (`shape`). Returns the `Experience` (carrying the plan), the rollout's
-        statistics (means over ranks; its KL statistics come after the update, `stats.kl_stats`) and a few
-        samples (prompts, responses, raw scores) for the log."""
+    def sample(self, prompts: list[dict[str, Any]], seeds: Sequence[int], groups: torch.Tensor,
+               push: bool = True) -> _Round:
+        """One generation round: sample (`generate`; `push=False` in an iteration's later rounds), score
+        (`rewards`), then the score rules that act per row: `ppo.truncated=penalize`'s missing-EOS penalty and the
+        overlong shaping (`core.overlong_penalty`). Which rows count in a group baseline (`valid`): those that
+        ended with EOS under `ppo.truncated=mask`, else all."""
         p = self.p
-        prompts, seeds, groups = self.prompt_batch(iteration)
         t0 = time.perf_counter()
-        input_ids, attention_mask, P, has_eos, engine_logprobs = self.generate(prompts, seeds)
+        input_ids, attention_mask, P, has_eos, engine_logprobs = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
         raw, score, source_means = self.rewards(input_ids, attention_mask, P, prompts)
-        self.pass_seconds = {"reward": _clock(input_ids.device) - t1, "reference": 0.0, "policy": 0.0, "critic": 0.0,
-                             "packing": 0.0}
+        t2 = _clock(input_ids.device)
         mask = attention_mask[:, P:].float()
         if p.truncated == "penalize":
             score = score - p.missing_eos_penalty * (~has_eos).float()
         overlong = overlong_penalty(mask.sum(1), p.max_new_tokens, p.overlong_buffer, p.overlong_penalty)
         score = score + overlong.to(score.dtype)  # DAPO's soft overlong punishment; 0 with ppo.overlong_buffer=0
+        valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
+        return _Round(prompts, groups.to(score.device), input_ids, attention_mask, P, has_eos, engine_logprobs, raw,
+                      score, overlong, valid, source_means, t1 - t0, t2 - t1)
+
+    def filter_groups(self, iteration: int, first: _Round) -> tuple[_Round | None, list[_Round], dict[str, float]]:
+        """DAPO's dynamic sampling (`ppo.filter_groups`; Yu et al. 2025, sec. 3.2): keep the groups of `first`
+        whose scores vary (`core.informative_groups`) and sample further rounds (`prompt_batch(iteration, r)`)
+        while any rank holds fewer than its share of `ppo.rollout_batch_size` groups, for at most
+        `ppo.filter_groups_max_rounds` extra rounds (every rank runs the same rounds: sampling may be collective).
+        Every rank then keeps its first k kept groups in round order, k the fewest any rank has (capped at its
+        share), rounded down to whole minibatches (`ppo.mini_batch_size` completions over all ranks: the optimizer
+        steps after a fixed number of micro-batches, so a partial minibatch would carry its gradient into the next
+        iteration's step); every rank's update then has the same shape. Returns (the kept rows as one round, or
+        None when k = 0; every round sampled; `groups/dropped_frac`, `groups/extra_rounds`, `groups/kept_frac`)."""
+        p, G = self.p, self.p.n_samples_per_prompt
+        share = p.rollout_batch_size // engine.world_size()
+        mini_rows = p.mini_batch_size // engine.world_size()
+        unit = mini_rows // math.gcd(G, mini_rows)  # the fewest groups that fill whole minibatches
+        rounds, kept = [first], [informative_groups(first.score, first.groups, first.valid)]
+        while True:
+            n_kept = sum(int(k.sum()) for k in kept) // G  # whole groups are kept or dropped
+            short = engine.all_reduce_sum(torch.tensor(float(n_kept < share))).item() > 0
+            if not short or len(rounds) > p.filter_groups_max_rounds:
+                break
+            prompts, seeds, groups = self.prompt_batch(iteration, len(rounds))
+            rounds.append(self.sample(prompts, seeds, groups, push=False))
+            kept.append(informative_groups(rounds[-1].score, rounds[-1].groups, rounds[-1].valid))
+        fewest = min(engine.all_gather_object(min(n_kept, share)))
+        k = fewest - fewest % unit
+        sampled = len(rounds) * share
+        stats = {"groups/dropped_frac": (sampled - n_kept) / sampled, "groups/extra_rounds": float(len(rounds) - 1),
+                 "groups/kept_frac": k / share}
+        if k == 0:
+            if engine.is_main():
+                log.warning("iteration %d trains nothing: %s in %d round(s) (ppo.filter_groups=true, "
+                            "ppo.filter_groups_max_rounds=%d)", iteration + 1,
+                            "every group sampled has equal scores" if fewest == 0 else
+                            f"{fewest} group(s) with varied scores kept, fewer than the {unit} × "
+                            f"ppo.n_samples_per_prompt={G} completions of a minibatch (ppo.mini_batch_size="
+                            f"{p.mini_batch_size})", len(rounds), p.filter_groups_max_rounds)
+            return None, rounds, stats
+        rows, left = [], k * G  # the first k kept groups, in round order (a group's rows are adjacent)
+        for keep in kept:
+            idx = keep.nonzero().flatten()[:left]
+            rows.append(idx)
+            left -= len(idx)
+        return join_rounds(rounds, rows, self.pad_id), rounds, stats
+
+    def make_experience(self, iteration: int) -> tuple[Experience | None, dict[str, float], dict[str, Any]]:
+        """One iteration's rollout on this rank: sample and score (`sample`; with `ppo.filter_groups`, more rounds
+        until the batch holds informative groups, `filter_groups`), the passes by the update's plan
+        (`rollout_passes`), shaping (`shape`). Returns the `Experience` (carrying the plan; None when
+        `ppo.filter_groups` kept no group: the iteration trains nothing), the rollout's statistics (means over
+        ranks; its KL statistics come after the update, `stats.kl_stats`) and a few samples (prompts, responses,
+        raw scores) for the log. The statistics of the sampled responses (`objective/scores`, `reward/*`,
+        `response/*`, `groups/score_*`, `groups/zero_var_frac`) are the first round's, the prompts an iteration
+        takes with or without the filter; `advantages/*` and `val/*` are those of the batch trained on."""
+        p = self.p
+        prompts, seeds, groups = self.prompt_batch(iteration)
+        first = self.sample(prompts, seeds, groups)
+        batch, rounds, filter_stats = (self.filter_groups(iteration, first) if p.filter_groups
+                                       else (first, [first], {}))
+        gen_seconds = sum(r.gen_seconds for r in rounds) - self.generator.sync_seconds
+        gen_tokens = float(sum(r.attention_mask[:, r.P:].sum() for r in rounds))
+        lengths = first.attention_mask[:, first.P:].float().sum(1)
+        stats = {
+            "objective/scores": first.raw.mean().item(),
+            "objective/scores_norm": first.score.mean().item(),
+            "objective/kl_beta": self.kl_ctl.value,
+            "response/length_mean": lengths.mean().item(),
+            "response/eos_frac": first.has_eos.float().mean().item(),
+            **({"reward/overlong_penalty": first.overlong.mean().item()} if p.overlong_buffer else {}),
+            "time/generation": gen_seconds,
+            "time/engine_sync": self.generator.sync_seconds,  # the engine's start, push and probe (vllm; hf: 0)
+            "throughput/gen_tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
+            **first.source_means,
+            **filter_stats,
+        }
+        if p.n_samples_per_prompt > 1:
+            stats.update(group_metrics(first.score, first.groups, first.valid))
+        samples = {"prompts": [x.get("prompt_text", "") for x in first.prompts[:3]],
+                   "responses": self.tokenizer.batch_decode(first.input_ids[:3, first.P:], skip_special_tokens=True),
+                   "scores": first.raw[:3].tolist()}
+        reward_seconds = sum(r.reward_seconds for r in rounds)
+        if batch is None:  # ppo.filter_groups kept nothing (said once, in filter_groups)
+            stats["time/scoring"] = reward_seconds
+            return None, engine.reduce_stats(stats), samples
+        exp, exp_stats = self.experience(iteration, batch, reward_seconds)
+        stats.update(exp_stats)
+        return exp, engine.reduce_stats(stats), samples
+
+    def experience(self, iteration: int, batch: _Round, reward_seconds: float) -> tuple[Experience, dict[str, float]]:
+        """The `Experience` of the rows trained on (`batch`): the passes by the update's plan (`rollout_passes`),
+        shaping (`shape`), and their statistics (this rank's; `advantages/*`, `val/*`, `time/scoring*`, the bf16 KL
+        check). reward_seconds: the reward passes' seconds of every round."""
+        input_ids, attention_mask, P, groups = batch.input_ids, batch.attention_mask, batch.P, batch.groups
+        t1 = time.perf_counter()
+        self.pass_seconds = {"reward": reward_seconds, "reference": 0.0, "policy": 0.0, "critic": 0.0,
+                             "packing": 0.0}
+        mask = attention_mask[:, P:].float()
         plan = self.plan(iteration, groups)  # the update's, computed once: the passes run over its micro-batches
         logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(input_ids, attention_mask, P, plan)
         t2 = time.perf_counter()
         carried_seconds = sum(fwd.seconds for fwd in forwards.values())
-        valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
-        loss_mask = mask * valid.float()[:, None]
+        loss_mask = mask * batch.valid.float()[:, None]
         beta = self.kl_ctl.value
-        groups = groups.to(score.device)
-        rewards, advantages, returns = self.shape(score, logprobs, ref_logprobs, values, mask, loss_mask, valid,
-                                                  groups, beta)
+        rewards, advantages, returns = self.shape(batch.score, logprobs, ref_logprobs, values, mask, loss_mask,
+                                                  batch.valid, groups, beta)
         exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
                          values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
-                         score, groups, layouts, forwards, plan, engine_logprobs)
-        lengths = mask.sum(1)
-        gen_tokens = float(lengths.sum())
+                         batch.score, groups, layouts, forwards, plan, batch.engine_logprobs)
         stats = {
-            "objective/scores": raw.mean().item(),
-            "objective/scores_norm": score.mean().item(),
-            "objective/kl_beta": beta,
             **self.advantage_stats(advantages, loss_mask, iteration),
-            "response/length_mean": lengths.mean().item(),
-            "response/eos_frac": has_eos.float().mean().item(),
-            **({"reward/overlong_penalty": overlong.mean().item()} if p.overlong_buffer else {}),
-            "time/generation": t1 - t0 - self.generator.sync_seconds,
-            "time/engine_sync": self.generator.sync_seconds,  # the engine's start, push and probe (vllm; hf: 0)
-            "time/scoring": t2 - t1 - carried_seconds,  # the carried forwards count in time/training
+            "time/scoring": reward_seconds + t2 - t1 - carried_seconds,  # the carried forwards count in time/training
             **{f"time/scoring_{k}": v for k, v in self.pass_seconds.items()},
-            "throughput/gen_tokens_per_s": gen_tokens / max(t1 - t0 - self.generator.sync_seconds, 1e-9),
-            **source_means,
             **self.kl_fp32_check(exp),  # the rollout's other KL statistics come after the update (`kl_stats`)
         }
         if values is not None:
             stats["val/values_mean"] = ((values * mask).sum() / mask.sum().clamp(min=1)).item()
             stats["val/explained_var"] = explained_variance_across_ranks(values, returns, loss_mask)
-        if p.n_samples_per_prompt > 1:
-            stats.update(group_metrics(score, groups, valid))
-        stats = engine.reduce_stats(stats)
-        samples = {"prompts": [x.get("prompt_text", "") for x in prompts[:3]],
-                   "responses": self.tokenizer.batch_decode(input_ids[:3, P:], skip_special_tokens=True),
-                   "scores": raw[:3].tolist()}
-        return exp, stats, samples
+        return exp, stats
 
     def advantage_stats(self, advantages: torch.Tensor, loss_mask: torch.Tensor, iteration: int) -> dict[str, float]:
         """`advantages/mean` and `advantages/abs_mean`: token means over all ranks of the advantages (B, R) the update
@@ -319,6 +431,48 @@ class ExperienceMaker:
         if self.whiten:
             advantages = whiten_across_ranks(advantages, loss_mask)
         return rewards, advantages, returns
+
+
+class _Round(NamedTuple):
+    """One generation round on this rank (`ExperienceMaker.sample`), B rows: prompts (B dicts), groups (B,) long,
+    input_ids / attention_mask (B, P+R), P, has_eos (B,) bool, engine_logprobs (B, R) or None, raw (B,) the raw
+    score, score (B,) the score the advantages see (normalised, penalties, overlong shaping), overlong (B,) its
+    overlong part, valid (B,) bool, source_means (`reward/<source>`), gen_seconds and reward_seconds."""
+
+    prompts: list[dict[str, Any]]
+    groups: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    P: int
+    has_eos: torch.Tensor
+    engine_logprobs: torch.Tensor | None
+    raw: torch.Tensor
+    score: torch.Tensor
+    overlong: torch.Tensor
+    valid: torch.Tensor
+    source_means: dict[str, float]
+    gen_seconds: float
+    reward_seconds: float
+
+
+def join_rounds(rounds: Sequence[_Round], rows: Sequence[torch.Tensor], pad_id: int) -> _Round:
+    """The rows `rows[i]` (long indices) of each round `rounds[i]`, in order, as one round
+    (`generation.join_rollout_batches`: one [left-padded prompt | right-padded response] layout; the engine's
+    log-probs padded with 0 to its response width). Timings are summed; source_means are the first round's."""
+    parts = [(r, i.to(r.input_ids.device)) for r, i in zip(rounds, rows) if len(i)]
+    input_ids, attention_mask, P = join_rollout_batches(
+        [(r.input_ids[i], r.attention_mask[i], r.P) for r, i in parts], pad_id)
+    R = input_ids.shape[1] - P
+    engine_logprobs = None
+    if parts[0][0].engine_logprobs is not None:
+        engine_logprobs = torch.cat([torch.nn.functional.pad(r.engine_logprobs[i], (0, R))[:, :R] for r, i in parts])
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(r, name)[i] for r, i in parts])
+
+    return _Round([r.prompts[j] for r, i in parts for j in i.tolist()], cat("groups"), input_ids, attention_mask, P,
+                  cat("has_eos"), engine_logprobs, cat("raw"), cat("score"), cat("overlong"), cat("valid"),
+                  rounds[0].source_means, sum(r.gen_seconds for r in rounds), sum(r.reward_seconds for r in rounds))
 
 
 class _ChunkPasses(NamedTuple):

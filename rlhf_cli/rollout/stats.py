@@ -10,7 +10,7 @@ import math
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import kl_estimate
+from rlhf_cli.core import engine_is_weights, kl_estimate
 from rlhf_cli.rollout.experience import Experience
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,32 @@ def engine_stats(exp: Experience) -> dict[str, float]:
     top = max(engine.all_gather_object(float(diff.max()) if diff.numel() else 0.0))
     return {"rollout/engine_logprob_diff_mean": (sums[0] / sums[1].clamp(min=1)).item(),
             "rollout/engine_logprob_diff_max": top}
+
+
+def is_correction_stats(exp: Experience, mode: str, low: float | None, high: float) -> dict[str, float]:
+    """The engine correction's statistics over all ranks (`rollout.is_correction`, `core.engine_is_weights`):
+    `rollout/is_ratio_p1`, `rollout/is_ratio_p50`, `rollout/is_ratio_p99` (quantiles of ρ_t = π_old/μ over the
+    loss's tokens; of the sequences' geometric-mean ratio for `seq_mask`) and `rollout/is_masked_frac` (the
+    fraction of those tokens, or sequences, that the bounds truncate or mask). {} with `mode=none` or without the
+    engine's log-probs (`rollout.engine=hf`). Run after the update (an on-policy plan's old log-probs come from
+    it): the weights the update used are these."""
+    if mode == "none" or exp.engine_logprobs is None:
+        return {}
+    _, ratio, hit = engine_is_weights(exp.logprobs, exp.engine_logprobs, exp.mask, mode, low, high)
+    m = exp.mask.bool()
+    if mode == "seq_mask":  # one value per sequence with a token in the loss (each of its tokens holds it)
+        rows = m.any(1)
+        values = ((ratio * m).sum(1) / m.sum(1).clamp(min=1))[rows]
+        hits = hit.any(1)[rows]
+    else:
+        values, hits = ratio[m], hit[m]
+    values = torch.cat(engine.all_gather_object(values.double().cpu()))
+    sums = engine.all_reduce_sum(torch.tensor([float(hits.sum()), float(hits.numel())], dtype=torch.float64))
+    if values.numel() == 0:
+        return {"rollout/is_masked_frac": 0.0}
+    q = torch.quantile(values, torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64)).tolist()
+    return {"rollout/is_ratio_p1": q[0], "rollout/is_ratio_p50": q[1], "rollout/is_ratio_p99": q[2],
+            "rollout/is_masked_frac": (sums[0] / sums[1].clamp(min=1)).item()}
 
 
 class EngineDriftGuard:

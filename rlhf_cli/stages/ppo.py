@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 
 from rlhf_cli import engine, lineage
 from rlhf_cli.commands import by_kind, by_stage
-from rlhf_cli.config import ConfigError, PPOConfig, reward_sources
+from rlhf_cli.config import ConfigError, PPOConfig, RolloutConfig, reward_sources
 from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
 from rlhf_cli.eos import eos_ids
@@ -61,7 +61,15 @@ from rlhf_cli.models import (
     save_policy,
 )
 from rlhf_cli.preflight import resolve_reward_model
-from rlhf_cli.rollout import EngineDriftGuard, ExperienceMaker, PolicyLearner, Rewards, engine_stats, kl_stats
+from rlhf_cli.rollout import (
+    EngineDriftGuard,
+    ExperienceMaker,
+    PolicyLearner,
+    Rewards,
+    engine_stats,
+    is_correction_stats,
+    kl_stats,
+)
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
 from rlhf_cli.stages.common import check_same_tokenizer, model_source, print_table, trained_parameters
 
@@ -122,6 +130,19 @@ class PPOTrainer(PolicyLearner):
             if unused:
                 log.warning("%s: no effect with ppo.advantage_estimator=%s (critic-free: no critic, value loss or "
                             "GAE)", ", ".join(unused), p.advantage_estimator)
+        r, rdefaults = self.cfg.rollout, RolloutConfig()
+        if r.is_correction != "none" and r.engine == "hf":
+            log.warning("rollout.is_correction=%s does nothing with rollout.engine=hf: the trainer samples itself, so "
+                        "there are no engine log-probs and the ratio is 1 (rollout.engine=vllm gives them)",
+                        r.is_correction)
+        elif r.is_correction == "none" and (r.is_low != rdefaults.is_low or r.is_high != rdefaults.is_high):
+            log.warning("rollout.is_low/rollout.is_high have no effect with rollout.is_correction=none")
+        if p.top_p < 1:
+            log.warning("ppo.top_p=%g: the samples come from the nucleus, but the trainer's log-probs are of the whole "
+                        "softmax, not renormalised over the kept tokens, so the PPO ratio and the policy gradient%s "
+                        "are biased by each token's nucleus mass (trl#6789); ppo.top_p=1 keeps them exact", p.top_p,
+                        ", and rollout.is_correction's ρ against the engine's renormalised log-probs,"
+                        if r.is_correction != "none" else "")
         if self.cfg.data.group_by_length:
             log.warning("data.group_by_length=true has no effect in %s: prompts are drawn in a plain shuffled order "
                         "(it groups %s's pairs)", COMMAND.name, by_kind("rm").name)
@@ -276,6 +297,10 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "policy loss": (f"{p.policy_loss}, {p.aggregation}"
                         + (f", ε_high {p.clip_high}" if p.clip_high is not None else "")
                         + (f", dual clip {p.dual_clip}" if p.dual_clip is not None else "")),
+        "dynamic sampling": (f"drops zero-variance groups, <= {p.filter_groups_max_rounds} extra round(s)"
+                             if p.filter_groups else "off"),
+        "engine correction": (f"{cfg.rollout.is_correction}, ρ in [{cfg.rollout.is_low}, {cfg.rollout.is_high}]"
+                              if cfg.rollout.is_correction != "none" else "none"),
         "critic": (f"{p.critic} ({p.critic_init}"
                    + ("; the reward model is this critic with its LoRA adapters off)"
                       if isinstance(tr.reward_model, FrozenWithoutAdapters) else ")")
@@ -311,14 +336,18 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             # finish, then saves step it + 1 (a second one stops at once, without a checkpoint)
             with deferred_interrupts() as pending:
                 updating = True
-                train_stats = tr.train_on(exp, it)
-                # the rollout's KL after its update, which fills an on-policy plan's old log-probs (an all-reduce:
-                # inside the block, so that a Ctrl-C between the two leaves no rank behind)
-                roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
-                roll_stats.update(engine_stats(exp))  # {} unless the engine gives its own log-probs
-                check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
-                drift.check(roll_stats, it)
-                tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
+                train_stats: dict[str, float] = {}
+                if exp is not None:  # None: ppo.filter_groups kept no group (said by the maker); nothing trains
+                    train_stats = tr.train_on(exp, it)
+                    # the rollout's KL after its update, which fills an on-policy plan's old log-probs (an
+                    # all-reduce: inside the block, so that a Ctrl-C between the two leaves no rank behind)
+                    roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
+                    roll_stats.update(engine_stats(exp))  # {} unless the engine gives its own log-probs
+                    roll_stats.update(is_correction_stats(exp, cfg.rollout.is_correction, cfg.rollout.is_low,
+                                                          cfg.rollout.is_high))
+                    check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
+                    drift.check(roll_stats, it)
+                    tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
                 del exp  # its tensors and packed layouts are not held through the next rollout
                 record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
                 metrics.log(it + 1, record)

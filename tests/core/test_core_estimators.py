@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from rlhf_cli import config
-from rlhf_cli.core import ESTIMATORS, compute_gae, group_adjusted_scores, group_stats, kl_penalized_rewards
+from rlhf_cli.core import (
+    ESTIMATORS,
+    compute_gae,
+    group_adjusted_scores,
+    group_stats,
+    informative_groups,
+    kl_penalized_rewards,
+)
 from rlhf_cli.core.estimators import register
 
 CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
@@ -155,6 +162,23 @@ def test_group_stats_are_unbiased_and_flag_flat_and_single_groups():
         group_adjusted_scores(torch.zeros(2), torch.zeros(2), torch.ones(2), "mean")
     with pytest.raises(ValueError, match=r"\(B,\) tensors of one shape"):
         group_stats(torch.zeros(2), torch.zeros(3), torch.ones(2))
+
+
+def test_informative_groups_hand_computed():
+    # DAPO eq. 11: group 0 mixed (kept); group 1 all correct, group 2 all wrong (dropped); group 3 mixed but one
+    # of its rows invalid leaves one valid row (dropped); group 4 mixed with an invalid row among three (kept,
+    # invalid row too); ids need not be adjacent
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 5.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 4, 0])
+    valid = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    kept = informative_groups(scores, groups, valid)
+    assert kept.tolist() == [True, True, False, False, False, False, False, False, True, True, True, True]
+    # kept exactly where a group baseline gives some row a non-zero adjusted score (the loop's rule)
+    adjusted = group_adjusted_scores(scores, groups, valid, "dr_grpo")
+    for g in groups.unique():
+        rows = groups == g
+        assert bool(kept[rows].all()) == bool((adjusted[rows] != 0).any())
+        assert bool(kept[rows].any()) == bool(kept[rows].all())
 
 
 def test_a_registered_estimator_is_called_through_the_one_signature(monkeypatch):

@@ -83,8 +83,8 @@ def spy_losses(monkeypatch, tr):
     calls = []
     real = tr.losses
 
-    def spy(b, num_tokens):
-        out = real(b, num_tokens)
+    def spy(b, num_tokens, num_seqs=None):
+        out = real(b, num_tokens, num_seqs)
         calls.append((out.logprobs.clone(), b.logprobs.clone(), b.mask.clone(), out.stats))
         return out
 

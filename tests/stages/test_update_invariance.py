@@ -123,7 +123,32 @@ def test_a_micro_batchs_own_token_count_would_break_the_invariance(tmp_path, mon
     for micro, tr in trainers.items():
         real = tr.losses
         with monkeypatch.context() as mp:
-            mp.setattr(tr, "losses", lambda b, num_tokens, real=real: real(b, float(b.mask.sum())))
+            mp.setattr(tr, "losses", lambda b, num_tokens, num_seqs, real=real: real(b, float(b.mask.sum())))
             results[micro], _ = accumulated_gradients(tr, exp, weights, monkeypatch)
     with pytest.raises(AssertionError):
         assert_same_gradients(results[2]["actor"], results[8]["actor"], rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask"])
+def test_the_engine_correction_keeps_the_invariance(tmp_path, monkeypatch, mode):
+    """`rollout.is_correction` weights each token by its row's own numbers only: with synthetic engine log-probs
+    (vLLM's, which the tiny CPU run has not) the accumulated gradient is the same for every cut, and differs from
+    the uncorrected one (the weights act)."""
+    cuts = (8, 2, 1)
+    trainers = {micro: build(tmp_path, "grpo", micro) for micro in cuts}
+    exp = fixed_rollout(trainers[8], monkeypatch)
+    mask = exp.mask.bool()
+    gen = torch.Generator().manual_seed(1)
+    exp.engine_logprobs = torch.where(mask, exp.logprobs + 0.8 * torch.randn(mask.shape, generator=gen), 0.0)
+    weights = {"actor": {k: v.clone() for k, v in trainers[8].actor.module.state_dict().items()}}
+    for aggregation in AGGREGATIONS:
+        results = {}
+        for micro, tr in trainers.items():
+            tr.cfg.rollout.is_correction, tr.cfg.rollout.is_high, tr.p.aggregation = mode, 1.5, aggregation
+            results[micro], _ = accumulated_gradients(tr, exp, weights, monkeypatch)
+        for micro in cuts[1:]:
+            assert_same_gradients(results[micro]["actor"], results[8]["actor"], rel=1e-5)
+        trainers[8].cfg.rollout.is_correction = "none"
+        plain, _ = accumulated_gradients(trainers[8], exp, weights, monkeypatch)
+        with pytest.raises(AssertionError):
+            assert_same_gradients(plain["actor"], results[8]["actor"], rel=1e-5)

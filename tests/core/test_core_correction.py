@@ -1,0 +1,165 @@
+"""The engine correction (`core/correction.py`, `rollout.is_correction`): each mode against a hand-computed case,
+a plain-Python loop and a transcription of a peer's formula on random inputs; the weights in the policy losses."""
+
+import math
+
+import pytest
+import torch
+from core_helpers import right_padded_mask, with_garbage
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_core_losses import rand_ppo_batch
+
+from rlhf_cli import config
+from rlhf_cli.core import IS_CORRECTIONS, POLICY_LOSSES, engine_is_weights, is_bounds
+
+PROPERTY = settings(max_examples=25, deadline=None)
+
+
+def test_the_config_offers_exactly_the_corrections():
+    assert list(config.IS_CORRECTIONS) == list(IS_CORRECTIONS)
+    assert config.RolloutConfig().is_correction == "none"
+
+
+def test_hand_computed_every_mode():
+    # row 0: ratios 0.25, 1, 3, 10 (geometric mean (0.25·1·3·10)^(1/4) = 7.5^(1/4) = 1.655); row 1: 0.6, 1 and
+    # padding (geometric mean 0.6^(1/2) = 0.775)
+    rho = torch.tensor([[0.25, 1.0, 3.0, 10.0], [0.6, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    eng = torch.full_like(rho, -2.0)
+    old = with_garbage(eng + rho.log(), mask, float("nan"))
+    eng = with_garbage(eng, mask, 7.0)
+    w, _, hit = engine_is_weights(old, eng, mask, "tis", None, 2.0)  # Yao et al.: min(ρ, 2)
+    torch.testing.assert_close(w, torch.tensor([[0.25, 1.0, 2.0, 2.0], [0.6, 1.0, 0, 0]], dtype=torch.float64))
+    assert hit.tolist() == [[False, False, True, True], [False, False, False, False]]
+    w, _, hit = engine_is_weights(old, eng, mask, "tis", 0.5, 5.0)  # OpenRLHF's [0.5, 5]
+    torch.testing.assert_close(w, torch.tensor([[0.5, 1.0, 3.0, 5.0], [0.6, 1.0, 0, 0]], dtype=torch.float64))
+    w, _, hit = engine_is_weights(old, eng, mask, "icepop", None, 2.0)  # band [0.5, 2]
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.6, 1.0, 0, 0]], dtype=torch.float64))
+    assert hit.tolist() == [[True, False, True, True], [False, False, False, False]]
+    w, ratio, hit = engine_is_weights(old, eng, mask, "seq_mask", None, 1.5)  # band [2/3, 1.5]
+    assert ratio[0, 0].item() == pytest.approx(7.5 ** 0.25) and ratio[1, 1].item() == pytest.approx(0.6 ** 0.5)
+    assert w.tolist() == [[0.0] * 4, [1.0, 1.0, 0.0, 0.0]]
+    w, ratio, hit = engine_is_weights(old, eng, mask, "seq_mask", None, 1.7)  # band [0.588, 1.7]: both rows inside
+    assert w.tolist() == [[1.0] * 4, [1.0, 1.0, 0.0, 0.0]] and not hit.any()
+    w, ratio, hit = engine_is_weights(old, eng, mask, "none", None, 2.0)
+    assert w.tolist() == [[1.0] * 4, [1.0, 1.0, 0.0, 0.0]] and not hit.any()
+    assert torch.isfinite(ratio).all() and ratio[1, 2:].tolist() == [1.0, 1.0]
+
+
+def loop_reference(old, eng, mask, mode, low, high):
+    """The module docstring's equations, one token at a time."""
+    lo, hi = is_bounds(mode, low, high)
+    B, T = old.shape
+    w = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        real = [t for t in range(T) if mask[i, t]]
+        seq = math.exp(sum(float(old[i, t] - eng[i, t]) for t in real) / max(len(real), 1))
+        for t in real:
+            rho = math.exp(float(old[i, t] - eng[i, t]))
+            if mode == "none":
+                w[i][t] = 1.0
+            elif mode == "tis":
+                w[i][t] = min(max(rho, lo), hi)
+            elif mode == "icepop":
+                w[i][t] = rho if lo <= rho <= hi else 0.0
+            else:
+                w[i][t] = 1.0 if lo <= seq <= hi else 0.0
+    return torch.tensor(w, dtype=torch.float64)
+
+
+def rand_pair(seed, B, T, spread=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    eng = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
+    old = eng + torch.randn(B, T, generator=gen, dtype=torch.float64) * spread
+    return old, eng, right_padded_mask(gen, B, T)
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 5), T=st.integers(1, 8),
+       mode=st.sampled_from(IS_CORRECTIONS), low=st.sampled_from([None, 0.2, 0.8]),
+       high=st.sampled_from([1.2, 2.0, 5.0]))
+def test_every_mode_matches_the_loop_reference(seed, B, T, mode, low, high):
+    old, eng, mask = rand_pair(seed, B, T)
+    w, _, hit = engine_is_weights(with_garbage(old, mask, float("inf")), with_garbage(eng, mask, float("nan")),
+                                  mask, mode, low, high)
+    torch.testing.assert_close(w, loop_reference(old, eng, mask, mode, low, high), atol=1e-12, rtol=0)
+    assert not (hit & ~mask).any() and not w.requires_grad
+
+
+# ---------------------------------------------------------------- peers' formulas, transcribed
+
+def trl_token_truncate(old_per_token_logps, sampling_per_token_logps, mask, cap):
+    """TRL GRPOTrainer's vLLM importance sampling, `token_truncate`: exp(old − sampling) clamped at the cap."""
+    ratio = torch.exp(old_per_token_logps - sampling_per_token_logps)
+    return torch.clamp(ratio, max=cap) * mask
+
+
+def verl_geometric_mask(old_log_prob, rollout_log_prob, response_mask, lower, upper):
+    """veRL's rollout rejection sampling at the geometric level: the sequence's mean log-ratio, exponentiated,
+    must lie in [lower, upper], else the sequence's tokens are masked."""
+    log_ratio = (old_log_prob - rollout_log_prob) * response_mask
+    geo = torch.exp(log_ratio.sum(-1) / response_mask.sum(-1).clamp(min=1))
+    keep = (geo >= lower) & (geo <= upper)
+    return keep[:, None].to(old_log_prob.dtype) * response_mask
+
+
+def icepop_mask(log_probs_train, log_probs_infer, mask, alpha, beta):
+    """IcePop's M(k; α, β) = k if α <= k <= β else 0, k = π_train / π_infer per token."""
+    k = torch.exp(log_probs_train - log_probs_infer)
+    return torch.where((k >= alpha) & (k <= beta), k, torch.zeros_like(k)) * mask
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 5), T=st.integers(1, 8))
+def test_every_mode_matches_a_peers_formula(seed, B, T):
+    old, eng, mask = rand_pair(seed, B, T, spread=0.5)
+    m = mask.double()
+    w, _, _ = engine_is_weights(old, eng, mask, "tis", None, 3.0)
+    torch.testing.assert_close(w, trl_token_truncate(old, eng, m, 3.0), atol=1e-12, rtol=0)
+    w, _, _ = engine_is_weights(old, eng, mask, "seq_mask", 0.8, 1.25)
+    torch.testing.assert_close(w, verl_geometric_mask(old, eng, m, 0.8, 1.25), atol=1e-12, rtol=0)
+    w, _, _ = engine_is_weights(old, eng, mask, "icepop", 0.5, 5.0)
+    torch.testing.assert_close(w, icepop_mask(old, eng, m, 0.5, 5.0), atol=1e-12, rtol=0)
+
+
+def test_bounds_defaults_and_errors():
+    assert is_bounds("tis", None, 2.0) == (0.0, 2.0) and is_bounds("icepop", None, 4.0) == (0.25, 4.0)
+    assert is_bounds("seq_mask", 0.9, 1.1) == (0.9, 1.1)
+    with pytest.raises(ValueError, match="unknown engine correction"):
+        is_bounds("ice", None, 2.0)
+    with pytest.raises(ValueError, match="0 <= low <= high"):
+        is_bounds("tis", 3.0, 2.0)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        engine_is_weights(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), "tis", None, 2.0)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_weights_multiply_each_tokens_loss_and_keep_the_divisor(kind, aggregation):
+    """loss(weights=w) = Σ_t w_t · loss_t with the unweighted divisor: each loss_t (and its gradient) is taken
+    from a call whose advantages are zero except at t (every loss here is linear in the advantages)."""
+    d = rand_ppo_batch(3, 3, 5)
+    gen = torch.Generator().manual_seed(1)
+    mask = right_padded_mask(gen, 3, 5)
+    mask[1, :2] = True  # no empty row
+    w = torch.rand(3, 5, generator=gen, dtype=torch.float64) * 2
+    w[0, 1] = 0.0
+    fn = POLICY_LOSSES[kind]
+    kw = dict(aggregation=aggregation, clip_high=0.3, num_tokens=float(mask.sum()), num_seqs=3.0)
+    lp = d["logprobs"].clone().requires_grad_(True)
+    got, _ = fn(lp, d["old_logprobs"], d["advantages"], mask, 0.2, **kw, weights=w)
+    got.backward()
+    want, want_grad = 0.0, torch.zeros_like(lp)
+    for i, t in mask.nonzero().tolist():
+        one = torch.zeros_like(d["advantages"])
+        one[i, t] = d["advantages"][i, t]
+        lp_t = d["logprobs"].clone().requires_grad_(True)
+        part, _ = fn(lp_t, d["old_logprobs"], one, mask, 0.2, **kw)
+        part.backward()
+        want, want_grad = want + w[i, t].item() * part.item(), want_grad + w[i, t] * lp_t.grad
+    assert got.item() == pytest.approx(want, abs=1e-12)
+    torch.testing.assert_close(lp.grad, want_grad, atol=1e-12, rtol=0)
+    ones, _ = fn(d["logprobs"], d["old_logprobs"], d["advantages"], mask, 0.2, **kw, weights=torch.ones_like(w))
+    plain, _ = fn(d["logprobs"], d["old_logprobs"], d["advantages"], mask, 0.2, **kw)
+    assert ones.item() == plain.item()
