@@ -259,6 +259,19 @@ def test_train_ppo_on_the_engine_keeps_its_logprobs_equal_to_the_trainers(run_st
     assert torch.distributed.is_initialized()  # the engine's shutdown kept the run's process group
 
 
+@pytest.mark.parametrize("correction", ["tis", "icepop"])
+def test_the_engine_correction_reads_the_engines_logprobs(run_stage, correction):
+    """`rollout.is_correction` on the real engine (issue 42): in fp32 the engine samples from the trainer's own
+    distribution, so every token's ratio exp(trainer − engine) is 1 within 1e-4 and nothing is masked."""
+    _, run_dir, _ = run_stage("train_ppo", [*PPO, "ppo.iterations=2", f"rollout.is_correction={correction}"])
+    rows = [r for r in read_metrics(run_dir) if "rollout/is_ratio_p50" in r]
+    assert len(rows) == 2
+    for r in rows:
+        for q in ("p1", "p50", "p99"):
+            assert r[f"rollout/is_ratio_{q}"] == pytest.approx(1.0, abs=1e-4), (q, r)
+        assert r["rollout/is_masked_frac"] == 0.0
+
+
 @pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
 def test_train_ppo_on_the_engine_in_bf16_keeps_its_logprobs_near_the_trainers(run_stage, precision):
     """bf16 (the engine's weights in bf16, the trainer's under autocast or in bf16): the diff is bf16's rounding,
