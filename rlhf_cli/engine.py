@@ -61,6 +61,7 @@ with _hidden("mlflow"):
     import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+from deepspeed.runtime.base_optimizer import ZeROOptimizer  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -478,11 +479,35 @@ class TrainEngine:
 
     def backward_mean(self, loss: torch.Tensor) -> None:
         """Backward of a loss averaged over this micro-batch's rows (see the module docstring)."""
-        self.engine.backward(loss / self.grad_accum, scale_wrt_gas=False)
+        self._backward(loss / self.grad_accum)
 
     def backward_global(self, loss: torch.Tensor) -> None:
         """Backward of a loss normalised over the whole global minibatch (see the module docstring)."""
-        self.engine.backward(loss * world_size(), scale_wrt_gas=False)
+        self._backward(loss * world_size())
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward, with the bookkeeping DeepSpeed's own `engine(...)` forward would have done.
+
+        The stages run their forwards on `module` (a trunk, a head, packed rows: not one `engine(...)` call), so
+        DeepSpeed's forward never runs, and with it two things its ZeRO optimizers need before each backward:
+          `clear_backward_seen_flag()`  closes the previous micro-batch. ZeRO-3 counts its micro-batches there
+              (`micro_step_id`), and it copies a micro-batch's reduced gradient partitions into its buffers at
+              count 0 and adds them after: without it each backward overwrote the last, and an optimizer step with
+              gradient accumulation used the last micro-batch's gradient only (2 ranks x 2 micro-batches: grad norm
+              1.09 for 1.45; docs/results.md);
+          `set_gradient_accumulation_boundary(...)`  tells the optimizer, before its gradient hooks fire, whether
+              this backward ends the optimizer step. DeepSpeed set it only after the backward, so a boundary
+              backward's hooks read the previous one's False, and with an offloaded optimizer (ZeRO-2 and ZeRO-3)
+              the gradient buckets reduced during that backward (all but the last, `reduce_bucket_size`) never
+              reached the optimizer's fp32 gradients.
+        Called here, before the backward rather than before the forward, it is also right when the forwards of
+        several micro-batches run first (`ppo.carried_forwards`): it closes exactly one micro-batch per backward.
+        """
+        opt = self.engine.optimizer
+        if isinstance(opt, ZeROOptimizer):  # ZeRO 1-3 and bf16's optimizer; torch's own (ZeRO-0, fp32) keeps none
+            opt.clear_backward_seen_flag()
+            opt.set_gradient_accumulation_boundary(self.engine.is_gradient_accumulation_boundary())
+        self.engine.backward(loss, scale_wrt_gas=False)
 
     def is_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
