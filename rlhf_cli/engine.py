@@ -281,8 +281,8 @@ def ds_config(
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
-    extra = dict(ds_cfg.extra) if ds_cfg.extra else {}
-    return _deep_merge(conf, _to_plain(extra))
+    extra = _to_plain(ds_cfg.extra) if ds_cfg.extra else {}  # nested sections too: a DictConfig is no dict
+    return _deep_merge(conf, dict(extra))
 
 
 def _to_plain(x: Any) -> Any:

@@ -142,12 +142,18 @@ def test_cpu_init_builds_no_shared_memory_op():
 
 
 def test_ds_config_from_groups():
-    ds = SimpleNamespace(zero_stage=3, offload_optimizer=True, offload_param=True,
-                         extra={"zero_optimization": {"overlap_comm": True}})
+    from omegaconf import OmegaConf
+
+    # as Hydra passes it (`+deepspeed.extra.zero_optimization.overlap_comm=true`): a nested section merges into ours
+    # (it replaced the whole `zero_optimization`, stage included, while its values were DictConfigs)
+    extra = OmegaConf.create({"zero_optimization": {"overlap_comm": True}, "communication_data_type": "fp32"})
+    OmegaConf.set_struct(extra, True)
+    ds = SimpleNamespace(zero_stage=3, offload_optimizer=True, offload_param=True, extra=extra)
     conf = engine.ds_config(ds, "bf16", train_batch_size=8, micro_batch_size=2, max_grad_norm=1.0)
     assert conf["bf16"]["enabled"] and conf["gradient_accumulation_steps"] == 8 // (2 * engine.world_size())
     z = conf["zero_optimization"]
     assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and z["overlap_comm"] is True
+    assert type(z) is dict and conf["communication_data_type"] == "fp32"
     with pytest.raises(ValueError, match="not divisible"):
         engine.ds_config(ds, "fp32", train_batch_size=7, micro_batch_size=2)
 
