@@ -525,7 +525,8 @@ class TrainEngine:
         opt = self.engine.optimizer
         if isinstance(opt, ZeROOptimizer):  # ZeRO 1-3 and bf16's optimizer; torch's own (ZeRO-0, fp32) keeps none
             opt.clear_backward_seen_flag()
-            opt.set_gradient_accumulation_boundary(self.engine.is_gradient_accumulation_boundary())
+            if self.zero_stage > 0:  # as DeepSpeed: bf16's ZeRO-0 optimizer reads no boundary
+                opt.set_gradient_accumulation_boundary(self.engine.is_gradient_accumulation_boundary())
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def is_boundary(self) -> bool:
