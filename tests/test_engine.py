@@ -91,6 +91,51 @@ def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
         assert kept.engine.enable_backward_allreduce is True
 
 
+@pytest.mark.parametrize("zero_stage,offload", [(1, False), (2, False), (2, True), (3, False), (3, True)],
+                         ids=["zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"])
+def test_accumulated_micro_batches_on_the_module_match_zero0(zero_stage, offload):
+    """Two micro-batches of other rows per optimizer step, run the way the stages run them: the forward on
+    `eng.module` (not DeepSpeed's `engine(...)`), then `backward_mean` and `step`. Every ZeRO stage gives ZeRO-0's
+    weights: ZeRO-3 once used the last micro-batch's gradient only, and with an offloaded optimizer and several
+    gradient buckets a boundary backward's buckets were lost (see `TrainEngine._backward`). Small buckets: the
+    tiny model's gradients span many."""
+    ds = lambda stage, extra=None: SimpleNamespace(zero_stage=stage, offload_optimizer=offload and stage > 0,  # noqa: E731
+                                                   offload_param=False, extra=extra or {})
+    kw = dict(lr=1e-2, train_batch_size=4, micro_batch_size=2, total_steps=10, max_grad_norm=1.0, weight_decay=0.1)
+    small = {"zero_optimization": {"reduce_bucket_size": 2000, "stage3_prefetch_bucket_size": 2000}}
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 12), generator=g) for _ in range(4)]  # 2 steps of 2 micro-batches
+    weights, norms = [], []
+    for eng in (engine.TrainEngine(_tiny(), ds(0), "fp32", **kw),
+                engine.TrainEngine(_tiny(), ds(zero_stage, small), "fp32", **kw)):
+        assert eng.grad_accum == 2
+        for i, x in enumerate(batches):
+            loss = eng.module(input_ids=x, labels=x).loss
+            eng.backward_mean(loss)
+            eng.step()
+            if i % 2:  # an optimizer step
+                norms.append(eng.grad_norm())
+        weights.append({k: v.detach().clone().float() for k, v in eng.consolidated_state_dict().items()})
+    assert eng.global_steps == 2
+    assert norms[2:] == pytest.approx(norms[:2], rel=1e-5)
+    assert weights[0].keys() == weights[1].keys()
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_l2_norm_is_float64_exact_where_one_float32_pass_drifts():
+    """ZeRO-0's grad norm (`engine.l2_norm`) equals a float64 pass, where DeepSpeed's ZeRO norms accumulate; one float32
+    `vector_norm` over an embedding-sized gradient with a few large rows misses it by ~3e-4 on a CPU."""
+    torch.manual_seed(0)
+    big = torch.randn(49152 * 64) * 1e-3
+    big[:5000] *= 1000
+    tensors = [big.view(49152, 64), torch.randn(7, dtype=torch.bfloat16), torch.randn(4096)]
+    exact = float(torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in tensors])))
+    assert engine.l2_norm(tensors) == pytest.approx(exact, rel=1e-6)
+    assert abs(float(torch.linalg.vector_norm(big)) / float(torch.linalg.vector_norm(big.double())) - 1) > 1e-5
+    assert engine.l2_norm([]) == 0.0 and engine.l2_norm([torch.tensor([3.0, 4.0])]) == 5.0
+
+
 def test_cpu_init_builds_no_shared_memory_op():
     """On the CPU accelerator DeepSpeed's shm all-reduce op (a C++ JIT build, 40-80 s) is neither built nor loaded."""
     import os
@@ -110,12 +155,18 @@ def test_cpu_init_builds_no_shared_memory_op():
 
 
 def test_ds_config_from_groups():
-    ds = SimpleNamespace(zero_stage=3, offload_optimizer=True, offload_param=True,
-                         extra={"zero_optimization": {"overlap_comm": True}})
+    from omegaconf import OmegaConf
+
+    # as Hydra passes it (`+deepspeed.extra.zero_optimization.overlap_comm=true`): a nested section merges into ours
+    # (it replaced the whole `zero_optimization`, stage included, while its values were DictConfigs)
+    extra = OmegaConf.create({"zero_optimization": {"overlap_comm": True}, "communication_data_type": "fp32"})
+    OmegaConf.set_struct(extra, True)
+    ds = SimpleNamespace(zero_stage=3, offload_optimizer=True, offload_param=True, extra=extra)
     conf = engine.ds_config(ds, "bf16", train_batch_size=8, micro_batch_size=2, max_grad_norm=1.0)
     assert conf["bf16"]["enabled"] and conf["gradient_accumulation_steps"] == 8 // (2 * engine.world_size())
     z = conf["zero_optimization"]
     assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and z["overlap_comm"] is True
+    assert type(z) is dict and conf["communication_data_type"] == "fp32"
     with pytest.raises(ValueError, match="not divisible"):
         engine.ds_config(ds, "fp32", train_batch_size=7, micro_batch_size=2)
 
