@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks (rm_bench.py, ppo_bench.py, grpo_bench.py, demo_ab.py).
+"""Helpers shared by the benchmarks (rm_bench.py, sft_bench.py, ppo_bench.py, grpo_bench.py, demo_ab.py).
 
     require_trl()                          exit with the install hint when trl is missing
     header_lines(precision, trl_precision) versions and machine lines printed above every table

@@ -352,10 +352,11 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
               fmt="{:.0f}")
 
     t_pad, t_pf = sides["trl_padded"][1], sides["trl_padding_free"][1]
-    layout = (f"layout: ours data.packing={str(args.packing == 'on').lower()} (--packing {args.packing}: isolated "
-              f"demonstrations packed into rows, a shared first part computed once; false: each its own padded row); "
-              f"TRL padded: each its own padded row (its default); TRL padding-free: a micro-batch flattened into one "
-              f"row, position_ids restarting per demonstration, no attention mask")
+    ours_layout = ("data.packing=true (--packing on): isolated demonstrations packed into rows, a shared first part "
+                   "computed once" if args.packing == "on" else
+                   "data.packing=false (--packing off): each demonstration its own padded row, as TRL's default")
+    layout = (f"layout: ours {ours_layout}; TRL padded: each its own padded row (its default); TRL padding-free: a "
+              f"micro-batch flattened into one row, position_ids restarting per demonstration, no attention mask")
     info = {**info, "layout": layout,
             "precision_note": "ours' loss forward runs in the precision in force, its log-softmax in fp32; TRL's "
                               f"{t_pad['loss_type']} loss computes the LM head and log-softmax in fp32"}
@@ -391,7 +392,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
            "demonstrations MIX under this attention implementation: the padding-free column computes a different "
            "(invalid) loss, compare against TRL padded only"),
         "tokens/s counts real tokens (prompt + response, no padding) for all three; 'positions computed' counts "
-        "what each ran (ours: packed rows' padding tails; TRL padded: every row padded to its micro-batch's longest)",
+        "what each ran (padding included: every row padded to its micro-batch's longest, or packed rows' tails)",
         f"benchmark preparation (initial model, data) {prep_s:.0f} s; logs and runs under {work}",
     ]
     C.emit(args, info, header, table, notes, cfg.precision, t_pad["mixed_precision"], sides["ours"],
