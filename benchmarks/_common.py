@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks (rm_bench.py, ppo_bench.py, grpo_bench.py, demo_ab.py).
+"""Helpers shared by the benchmarks (rm_bench.py, sft_bench.py, ppo_bench.py, grpo_bench.py, demo_ab.py).
 
     require_trl()                          exit with the install hint when trl is missing
     header_lines(precision, trl_precision) versions and machine lines printed above every table
@@ -116,25 +116,28 @@ def machine_info() -> dict[str, Any]:
 
 
 def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision: str | None) -> list[str]:
-    """The lines every benchmark prints first: what ran, pinned versions, machine, precision in force."""
+    """The lines every benchmark prints first: what ran, pinned versions, machine, precision in force. `info` may
+    carry a benchmark's own `precision_note` (what ours runs in fp32, if anything) and `layout` line."""
     v = versions()
     device = info["gpu"] or f"{info['cpu']}, {info['cores']} cores (torch threads {info['torch_threads']})"
     bf16 = "native" if info["bf16_native"] else "emulated (not native)"
     trl_mp = "?" if trl_precision is None else repr(trl_precision)
     packing = info.get("packing", "on")
     scoring = info.get("scoring_precision", "fp32")
-    scoring_line = ("ours scores, and trains the PPO policy, in fp32 under bf16-autocast: scoring_precision=fp32, its "
-                    "default" if scoring == "fp32" else "ours runs every pass in the precision in force, as TRL "
-                    "does: scoring_precision=same (--scoring-precision same)")
+    scoring_line = info.get("precision_note") or (
+        "ours scores, and trains the PPO policy, in fp32 under bf16-autocast: scoring_precision=fp32, its default"
+        if scoring == "fp32" else "ours runs every pass in the precision in force, as TRL does: "
+        "scoring_precision=same (--scoring-precision same)")
     return [
         title,
         " | ".join(f"{k} {v[k]}" for k in PACKAGES),
         f"machine: {device}; bf16 {bf16}",
         f"precision in force: rlhf_cli precision={precision}, TRL accelerator.mixed_precision={trl_mp} "
         f"(bf16 mixed precision for both only where bf16 is native; {scoring_line})",
-        f"layout: ours data.packing={str(packing == 'on').lower()} (--packing {packing}: a "
-        f"shared prompt computed once, sequences packed into rows; false: each sequence its own padded row), TRL "
-        f"each sequence its own padded row",
+        info.get("layout") or (
+            f"layout: ours data.packing={str(packing == 'on').lower()} (--packing {packing}: a shared prompt computed "
+            f"once, sequences packed into rows; false: each sequence its own padded row), TRL each sequence its own "
+            f"padded row"),
         info.get("trained", "trained: every weight (full fine-tuning), both tools"),
         "allocator, both tools: " + ("glibc keeps freed memory for reuse (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_="
                                      "2 GiB, what `rlhf` sets in-process)" if malloc_env() else
@@ -315,7 +318,8 @@ def real_response_tokens(responses: Any, eos_id: int) -> int:
 
 
 class Table:
-    """Rows of (metric, ours, TRL, ratio) printed aligned, and written as markdown and JSON."""
+    """Rows of (metric, ours, TRL, ratio) printed aligned, and written as markdown and JSON (a subclass may set
+    more `columns`: `lines`, `markdown` and `note` follow their count)."""
 
     keys = ("rlhf_cli", "trl")  # the JSON names of the two value columns
 
@@ -340,10 +344,10 @@ class Table:
         self.data[key] = {self.keys[0]: None, self.keys[1]: None, "ratio": ratio}
 
     def note(self, label: str, text: str) -> None:
-        self.rows.append([label, text, "", ""])
+        self.rows.append([label, text] + [""] * (len(self.columns) - 2))
 
     def lines(self) -> list[str]:
-        widths = [max(len(r[i]) for r in [list(self.columns)] + self.rows) for i in range(4)]
+        widths = [max(len(r[i]) for r in [list(self.columns)] + self.rows) for i in range(len(self.columns))]
 
         def fmt(r: list[str]) -> str:
             return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -352,7 +356,7 @@ class Table:
 
     def markdown(self) -> list[str]:
         esc = lambda s: s.replace("|", "\\|")  # noqa: E731
-        return (["| " + " | ".join(self.columns) + " |", "| --- | ---: | ---: | ---: |"]
+        return (["| " + " | ".join(self.columns) + " |", "| --- |" + " ---: |" * (len(self.columns) - 1)]
                 + ["| " + " | ".join(esc(c) for c in r) + " |" for r in self.rows])
 
 
