@@ -59,3 +59,64 @@ def test_the_anchor_check_catches_a_missing_heading(tmp_path):
                    "[ok](#lora-ppo-memory-x1) [bad](#not-a-heading) [top](a.md#top)\n")
     assert anchors(doc) == {"top", "lora-ppo-memory-x1"}
     assert broken_links(doc) == [("a.md", "not-a-heading")]
+
+
+MAX_WORDS = 80
+
+
+def blocks(text):
+    """The README's paragraphs and list items (outside code fences, tables, headings and HTML comments), each as
+    one string: a list item runs until the next item, a blank line or a heading."""
+    out, current, fenced = [], [], False
+
+    def flush():
+        if current:
+            out.append(" ".join(current))
+            current.clear()
+
+    for line in text.splitlines():
+        if line.startswith("```"):
+            flush()
+            fenced = not fenced
+            continue
+        stripped = line.strip()
+        if fenced or not stripped or stripped.startswith(("|", "#", "<!--")):
+            flush()
+            continue
+        if re.match(r"([-*]|\d+\.) ", stripped):
+            flush()
+        current.append(stripped)
+    flush()
+    return out
+
+
+def test_no_readme_paragraph_or_list_item_is_over_80_words():
+    long = [(len(b.split()), b[:70]) for b in blocks((REPO / "README.md").read_text()) if len(b.split()) > MAX_WORDS]
+    assert long == [], f"split these (at most {MAX_WORDS} words each)"
+
+
+def test_the_word_count_sees_paragraphs_and_list_items_not_code_or_tables():
+    text = ("one two\nthree\n\n- a b\n  c\n- d\n```bash\n" + "x " * 100 + "\n```\n| " + "y " * 100 + "|\n"
+            "# " + "z " * 100 + "\n")
+    assert blocks(text) == ["one two three", "- a b c", "- d"]
+
+
+def load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readmes_key_tables_equal_the_schemas_rendering():
+    key_table = load_script("key_table")
+    rendered = key_table.render()
+    assert key_table.readme_block((REPO / "README.md").read_text()) == rendered, (
+        "README.md's key tables are stale: run `python scripts/key_table.py --write`")
+    from rlhf_cli.config import field_docs
+
+    leaves = [k for k in field_docs() if f"| `{k}` |" in rendered]
+    assert "| `ppo.clip` | `0.2` | ε, ratio clip of the surrogate, > 0 |" in rendered
+    assert len(leaves) > 100 and "| `model.arch` |" not in rendered  # every leaf key, no section rows
