@@ -1,6 +1,7 @@
 """The docs' own rules: docs/results.md stays short, and every link into a doc names a heading that exists."""
 
 import re
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +107,7 @@ def load_script(name):
 
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass's annotations resolve through its module
     spec.loader.exec_module(module)
     return module
 
@@ -120,3 +122,82 @@ def test_the_readmes_key_tables_equal_the_schemas_rendering():
     leaves = [k for k in field_docs() if f"| `{k}` |" in rendered]
     assert "| `ppo.clip` | `0.2` | ε, ratio clip of the surrogate, > 0 |" in rendered
     assert len(leaves) > 100 and "| `model.arch` |" not in rendered  # every leaf key, no section rows
+
+
+SAMPLE = '''# T
+
+## How-to recipes
+
+### First
+
+```bash
+rlhf train-rm a=1 \\
+    b=2             # a comment
+# a whole-line comment
+X=1 rlhf eval 'w={a:1,b:2}'   # quoted braces
+cat > hostfile <<'HOSTS'
+node1 slots=8
+HOSTS
+echo "# not a comment"
+```
+
+```python
+# my_rewards.py   rlhf train-ppo ...
+def f(prompts, completions, **kw):
+    return [0.0] * len(completions)
+```
+
+### Second
+
+Text only.
+
+## Reference
+
+### Not a recipe
+
+```bash
+rlhf train-ppo
+```
+'''
+
+
+def test_the_recipe_runner_extracts_each_recipes_commands_and_files():
+    run_recipes = load_script("run_recipes")
+    first, second = run_recipes.extract(SAMPLE)
+    assert (first.title, second.title) == ("First", "Second")
+    assert first.commands == ["rlhf train-rm a=1 b=2", "X=1 rlhf eval 'w={a:1,b:2}'",
+                              "cat > hostfile <<'HOSTS'\nnode1 slots=8\nHOSTS", 'echo "# not a comment"']
+    assert list(first.files) == ["my_rewards.py"] and "def f(" in first.files["my_rewards.py"]
+    assert second.commands == [] and second.files == {}
+
+
+def test_every_readme_recipe_is_run_or_skipped_with_a_reason():
+    run_recipes = load_script("run_recipes")
+    recipes = run_recipes.extract((REPO / "README.md").read_text())
+    assert len(recipes) >= 8
+    ran = 0
+    for recipe in recipes:
+        why, lines = run_recipes.plan(recipe)  # an unclassified recipe raises SystemExit
+        assert why or lines, recipe.title
+        for command, line_why in lines:
+            assert why or line_why or command.split("rlhf ", 1)[1].split()[0] in {"train-sft", "train-rm", "train-ppo",
+                                                                              "eval"}, command
+            ran += not why and not line_why
+    assert ran >= 20  # most recipe lines run on a CPU
+    titles = {r.title for r in recipes}
+    assert set(run_recipes.SKIP_RECIPE) | run_recipes.RUN_RECIPE == titles, "a classified recipe left the README"
+
+
+def test_the_runner_fills_placeholders_and_adds_smoke_settings(tmp_path):
+    run_recipes = load_script("run_recipes")
+    run = tmp_path / "runs" / "ppo" / "20260101-000000-1" / "final"
+    run.mkdir(parents=True)
+    (tmp_path / "runs" / "ppo" / "sweep-20260101").mkdir()
+    assert run_recipes.fill("rlhf eval policy.path=runs/ppo/<run-id>", tmp_path) == (
+        "rlhf eval policy.path=runs/ppo/20260101-000000-1")
+    assert run_recipes.fill("rlhf eval policy.path=runs/ppo/sweep-<time>/<job>", tmp_path) == (
+        "rlhf eval policy.path=runs/ppo/sweep-20260101/0")
+    cmd = run_recipes.smoke("X=1 rlhf train-ppo ppo.clip=0.1", "py", tmp_path / "runs", "/rm/final")
+    assert cmd == f"X=1 py -m rlhf_cli train-ppo ppo.clip=0.1 experiment=smoke paths.root={tmp_path}/runs " \
+                  "reward_model.path=/rm/final"
+    assert "experiment=smoke" not in run_recipes.smoke("rlhf train-rm --cfg job", "py", tmp_path, None)
