@@ -201,3 +201,14 @@ def test_the_runner_fills_placeholders_and_adds_smoke_settings(tmp_path):
     assert cmd == f"X=1 py -m rlhf_cli train-ppo ppo.clip=0.1 experiment=smoke paths.root={tmp_path}/runs " \
                   "reward_model.path=/rm/final"
     assert "experiment=smoke" not in run_recipes.smoke("rlhf train-rm --cfg job", "py", tmp_path, None)
+
+
+def test_each_readme_recipe_is_at_most_20_lines():
+    body = (REPO / "README.md").read_text().split("## How-to recipes", 1)[1].split("\n## ", 1)[0]
+    long = {}
+    for chunk in body.split("\n### ")[1:]:
+        title, rest = chunk.split("\n", 1)
+        lines = [ln for ln in rest.splitlines() if ln.strip()]  # blank lines aside
+        if len(lines) > 20:
+            long[title] = len(lines)
+    assert long == {}, "a recipe is a block and a few lines; details go to the Reference"
