@@ -6,7 +6,8 @@
     python scripts/run_recipes.py --fresh-venv /tmp/rv   # first a clean venv by the README's own install line
 
 Each recipe runs in its own temporary directory (its `paths.root` is `<dir>/runs`), with the files its commands
-name (`my_pairs.jsonl`, `demos.jsonl`, `my_rewards.py` from the README's own block, ...) written there first.
+name (`my_pairs.jsonl`, `demos.jsonl`, and every `# my_rewards.py` block of the README's recipes) written there
+first.
 Every `rlhf <command>` line runs as `python -m rlhf_cli <command> ... experiment=smoke` (the tiny random model, a
 few steps), with `<run-id>`, `sweep-<time>` and `<job>` filled in from the runs already made. A command that needs
 a reward model and whose recipe trains none gets one trained first. Skipped: recipes and lines that need a GPU,
@@ -193,7 +194,7 @@ def smoke(command: str, python: str, root: Path, rm_path: str | None) -> str:
     return f"{env}{shlex.quote(python)} -m rlhf_cli {rest} {' '.join(extra)}"
 
 
-def run_recipe(recipe: Recipe, python: str, log, setup_rm: str | None) -> bool:
+def run_recipe(recipe: Recipe, python: str, log, setup_rm: str | None, files: dict[str, str]) -> bool:
     why, lines = plan(recipe)
     if why:
         log(f"SKIP recipe '{recipe.title}': {why}")
@@ -201,7 +202,7 @@ def run_recipe(recipe: Recipe, python: str, log, setup_rm: str | None) -> bool:
     ok = True
     with tempfile.TemporaryDirectory(prefix="recipe-") as tmp:
         cwd = Path(tmp)
-        fixtures(cwd, recipe.files)
+        fixtures(cwd, {**files, **recipe.files})
         trains_rm = any("train-rm" in c for c, w in lines if w is None) or any(
             "train-rm" in c for c in PREPARE.get(recipe.title, []))
         for command, why in [(c, "prepare") for c in PREPARE.get(recipe.title, [])] + lines:
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", type=Path, help="also write the log to this file")
     args = parser.parse_args(argv)
     recipes = extract(README.read_text())
+    files = {name: text for r in recipes for name, text in r.files.items()}  # a recipe may use another's file
     sink = open(args.log, "w") if args.log else None  # noqa: SIM115 - closed at the end
 
     def log(msg: str) -> None:
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             setup = train_setup_rm(python, Path(tmp) / "runs", log)
         for r in recipes:
             log(f"recipe '{r.title}'")
-            ok = run_recipe(r, python, log, setup) and ok
+            ok = run_recipe(r, python, log, setup, files) and ok
     log("all recipes that ran succeeded" if ok else "some recipes FAILED")
     if sink:
         sink.close()
