@@ -495,10 +495,10 @@ class PPOConfig:
     """Resumable checkpoint every N iterations (0 = only at the end)."""
     offload_reference: bool = False
     """Keep the frozen reference/reward models' weights on CPU between uses (GPU runs). The update's first
-    micro-batches then run their own forwards, instead of lending them to the rollout (README "Packing")."""
+    micro-batches then run their own forwards, instead of lending them to the rollout (docs/internals.md)."""
     carried_forwards: int = 1
     """How many of the update's first micro-batches run their training forward during the rollout, in place of
-    their no-grad policy and critic passes (README "Packing"): the same numbers, one forward of each trained model
+    their no-grad policy and critic passes (docs/internals.md): the same numbers, one forward of each trained model
     fewer per micro-batch and iteration. Each carried micro-batch holds its graph (the activations its backward
     needs, of the policy and a separate critic) from scoring until its backward, so each one beyond the first adds
     about one micro-batch's activation memory to the peak. Only micro-batches of the first minibatch come before
@@ -992,7 +992,7 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "
-           "\"Sampling with vLLM\"), or use rollout.engine=hf")
+           "\"Sample with vLLM\"), or use rollout.engine=hf")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:

@@ -82,7 +82,7 @@ class PolicyLearner:
             log.warning("%s change(s) nothing here: the update is on-policy (one epoch of one minibatch: the ratio is "
                         "exactly 1, no clip acts and every policy loss has the gradient −A·∇log π)", ", ".join(inert))
         before_first_step = micro_batches_per_minibatch(p)  # the first optimizer step follows them
-        if why_not and p.carried_forwards > 1 and engine.is_main():  # the default's cases: README "Packing"
+        if why_not and p.carried_forwards > 1 and engine.is_main():  # the default's cases: docs/internals.md "Packing"
             log.warning("ppo.carried_forwards=%d does nothing here: %s", p.carried_forwards, why_not)
         elif not why_not and p.carried_forwards > before_first_step and engine.is_main():
             log.info("ppo.carried_forwards=%d: only %d micro-batches come before the update's first optimizer step "
