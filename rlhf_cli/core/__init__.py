@@ -1,5 +1,5 @@
-"""Pure-torch RLHF math: per-token ops, KL-shaped rewards, GAE, estimators, PPO/RM losses, KL control, paired
-statistics of evaluations.
+"""Pure-torch RLHF math: per-token ops, KL-shaped rewards, GAE, estimators, PPO/RM losses, direct preference
+(DPO/IPO/SLiC) losses, KL control, paired statistics of evaluations.
 
 Imports only torch. Shapes: ``B`` batch, ``T`` response length (right-padded), ``V``
 vocabulary; ``mask`` ``(B, T)`` is 1 on real response tokens (EOS included), 0 on padding,
@@ -21,6 +21,9 @@ gamma (discount)              ``gamma`` / ``ppo.gamma``   ``gamma``
 beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef`` (TRL GRPO ``beta``)
 G (samples per prompt)        ``ppo.n_samples_per_prompt``  ``num_generations``
 KL target (Ziegler et al.)    ``target`` / ``ppo.kl_target``  ``target_kl``
+beta (DPO), tau (IPO)         ``beta`` / ``dpo.beta``     TRL ``beta``
+epsilon (cDPO label noise)    ``label_smoothing`` / ``dpo.label_smoothing``  TRL ``label_smoothing``
+alpha (RPO's NLL weight)      ``sft_weight`` / ``dpo.sft_weight``  TRL ``rpo_alpha``
 ============================  ==========================  ==========================
 """
 
@@ -32,6 +35,7 @@ from rlhf_cli.core.advantages import (
     kl_penalized_rewards,
     overlong_penalty,
 )
+from rlhf_cli.core.dpo import DPO_LOSSES, dpo_loss, hinge_loss, ipo_loss, sigmoid_loss
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
@@ -68,6 +72,7 @@ from rlhf_cli.core.paired import (
 )
 
 __all__ = [
+    "DPO_LOSSES",
     "ESTIMATORS",
     "POLICY_LOSSES",
     "SMALL_SAMPLE",
@@ -79,11 +84,14 @@ __all__ = [
     "compute_gae",
     "compute_gae_vectorized",
     "discounted_returns",
+    "dpo_loss",
     "entropy_bonus",
     "entropy_from_logits",
     "group_adjusted_scores",
     "gspo_loss",
     "group_stats",
+    "hinge_loss",
+    "ipo_loss",
     "kl_estimate",
     "kl_loss",
     "kl_penalized_rewards",
@@ -101,6 +109,7 @@ __all__ = [
     "proportion_ci95",
     "reward_hacking",
     "sample_std",
+    "sigmoid_loss",
     "small_sample_warning",
     "t_quantile",
     "value_loss",
