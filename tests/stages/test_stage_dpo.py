@@ -262,3 +262,34 @@ def test_bad_dpo_keys_are_refused_in_one_line(override, match):
     with pytest.raises(ConfigError, match="applies to dpo.loss=sigmoid only"):
         validate_dpo(compose("train_dpo", [*SMOKE, "dpo.loss=ipo", "dpo.label_smoothing=0.1"]))
 
+
+
+def test_eval_compares_the_dpo_policy_with_a_ppo_policy_and_names_both_sides(tmp_path, monkeypatch):
+    """The README's recipe on the tiny model: train-rm, train-ppo and train-dpo, then `rlhf eval policy.path=<dpo run>
+    reference.path=<ppo run> reward_model.path=<rm>`: the paired statistics and the hacking line, and a page that
+    names both sides with the command and run each came from."""
+    from rlhf_cli import cli
+
+    root = tmp_path / "runs"
+    monkeypatch.setattr("sys.argv", ["rlhf"])
+    cli.main(["train-rm", *SMOKE, f"paths.root={root}", "rm.max_steps=2"])
+    cli.main(["train-ppo", *SMOKE, f"paths.root={root}", "ppo.iterations=1"])
+    cli.main(["train-dpo", *SMOKE, f"paths.root={root}", "dpo.max_steps=2"])
+    (dpo_dir,), (ppo_dir,), (rm_dir,) = ((root / k).iterdir() for k in ("dpo", "ppo", "rm"))
+    cli.main(["eval", *SMOKE, f"paths.root={root}", f"policy.path={dpo_dir}", f"reference.path={ppo_dir}",
+              f"reward_model.path={root / 'latest_rm'}", "eval.num_prompts=8"])
+    (eval_dir,) = (root / "eval").iterdir()
+    results = json.loads((eval_dir / "eval.json").read_text())["results"]
+    assert results["policy"] == str((dpo_dir / "final").resolve()) and results["reference"] == str(ppo_dir)
+    for key in ("win_rate", "score_gain", "score_gain_ci95", "accuracy_gain", "kl_k3", "reward_hacking", "headline"):
+        assert results.get(key) is not None, key
+    html = (eval_dir / "report" / "report.html").read_text()
+    sides = html[html.index("<h2>policy and reference</h2>"):]
+    sides = sides[:sides.index("</section>")]
+    assert "policy (measured)" in sides and f"rlhf train-dpo: {dpo_dir.resolve()}" in sides
+    assert "reference (compared with)" in sides and f"rlhf train-ppo: {ppo_dir.resolve()}" in sides
+    assert f"rlhf train-rm: {rm_dir.resolve()}" in sides
+    for title in (f"<h2>direct preference optimisation: {dpo_dir.resolve()}</h2>",
+                  f"<h2>PPO training: {ppo_dir.resolve()}</h2>"):
+        assert title in html, title
+    assert (eval_dir / "report" / f"1_dpo_{dpo_dir.name}" / "dpo_loss.png").is_file()
