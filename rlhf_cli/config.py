@@ -327,18 +327,18 @@ class DPOConfig:
     token, each summed over the step's micro-batches and ranks and divided by the step's count."""
 
     loss: str = "sigmoid"
-    """`sigmoid` (DPO: −log σ(β h), Rafailov et al. 2023 eq. 7), `ipo` ((h − 1/(2β))², Azar et al. 2023 eq. 17) or
-    `hinge` (SLiC: max(0, 1 − β h), Zhao et al. 2023), h the chosen-minus-rejected log-ratio to the reference
-    (nats, sums over response tokens)."""
+    """`sigmoid` (DPO: −log σ(β h), Rafailov et al. 2023 eq. 7), `ipo` ((h − 1/(2β))², Azar et al. 2023 eq. 17,
+    h taken per response token as TRL does) or `hinge` (SLiC: max(0, 1 − β h), Zhao et al. 2023), h the
+    chosen-minus-rejected log-ratio to the reference (nats, sums over response tokens)."""
     beta: float = 0.1
     """β > 0: how far the policy may move from the reference (DPO's β, IPO's τ; larger = closer to it). TRL and
     OpenRLHF default 0.1."""
     label_smoothing: float = 0.0
     """ε in [0, 0.5): the assumed chance that a pair's label is flipped (cDPO, Mitchell 2023); `dpo.loss=sigmoid`
-    only. TRL's `label_smoothing`."""
+    only. Earlier TRL releases' `label_smoothing` of the sigmoid loss."""
     sft_weight: float = 0.0
     """α >= 0: weight of the NLL of the chosen responses per chosen token added to the loss (RPO, Pang et al.
-    2024; TRL's `rpo_alpha`); 0 = off."""
+    2024; TRL 1.12's `loss_type=[sigmoid, sft]` with `loss_weights=[1, α]`, earlier TRL's `rpo_alpha`); 0 = off."""
     precompute_reference: bool = False
     """Compute the reference's log-probs of every training and held-out pair once, before the first step (then no
     reference forward runs during training, and without LoRA no second copy of the weights is held); false

@@ -22,8 +22,8 @@ beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef`` (TRL GR
 G (samples per prompt)        ``ppo.n_samples_per_prompt``  ``num_generations``
 KL target (Ziegler et al.)    ``target`` / ``ppo.kl_target``  ``target_kl``
 beta (DPO), tau (IPO)         ``beta`` / ``dpo.beta``     TRL ``beta``
-epsilon (cDPO label noise)    ``label_smoothing`` / ``dpo.label_smoothing``  TRL ``label_smoothing``
-alpha (RPO's NLL weight)      ``sft_weight`` / ``dpo.sft_weight``  TRL ``rpo_alpha``
+epsilon (cDPO label noise)    ``label_smoothing`` / ``dpo.label_smoothing``  ``label_smoothing`` (TRL < 1)
+alpha (RPO's NLL weight)      ``sft_weight`` / ``dpo.sft_weight``  ``rpo_alpha`` (TRL < 1)
 ============================  ==========================  ==========================
 """
 
@@ -35,7 +35,7 @@ from rlhf_cli.core.advantages import (
     kl_penalized_rewards,
     overlong_penalty,
 )
-from rlhf_cli.core.dpo import DPO_LOSSES, dpo_loss, hinge_loss, ipo_loss, sigmoid_loss
+from rlhf_cli.core.dpo import DPO_LOSSES, PER_TOKEN, dpo_loss, hinge_loss, ipo_loss, sigmoid_loss
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
@@ -73,6 +73,7 @@ from rlhf_cli.core.paired import (
 
 __all__ = [
     "DPO_LOSSES",
+    "PER_TOKEN",
     "ESTIMATORS",
     "POLICY_LOSSES",
     "SMALL_SAMPLE",

@@ -29,7 +29,7 @@ def sigmoid_loss(h: Tensor, beta: float, label_smoothing: float = 0.0) -> Tensor
 
     Rafailov et al. 2023, "Direct Preference Optimization", eq. 7; the label smoothing ε
     (``dpo.label_smoothing``) of Mitchell 2023, "A note on DPO with noisy preferences" (cDPO: each label is
-    flipped with probability ε)::
+    flipped with probability ε; earlier TRL releases' ``label_smoothing`` of the sigmoid loss)::
 
         loss = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
 
@@ -48,9 +48,10 @@ def ipo_loss(h: Tensor, beta: float, label_smoothing: float = 0.0) -> Tensor:
 
         loss = (h - 1 / (2 * beta)) ** 2
 
-    ``h`` the sequence log-ratio gap as the paper writes it (TRL divides each log-prob by its response's
-    length first; here it is the sum). ``(B,)`` -> ``(B,)``. ``label_smoothing`` must be 0 (IPO has no labels
-    to smooth; `config.validate_dpo` refuses it).
+    ``(B,)`` -> ``(B,)``. :func:`dpo_loss` passes the gap of the per-token log-ratios (each response's log-ratio
+    divided by its token count, :data:`PER_TOKEN`), the form TRL 1.12 uses and reports as the one the IPO
+    authors confirmed their results with; a sum would make the square grow with the responses' length.
+    ``label_smoothing`` must be 0 (IPO has no labels to smooth; `config.validate_dpo` refuses it).
     """
     if label_smoothing:
         raise ValueError(f"label_smoothing={label_smoothing} is defined for the sigmoid loss only")
@@ -77,6 +78,9 @@ DPO_LOSSES: dict[str, Callable[[Tensor, float, float], Tensor]] = {
     "sigmoid": sigmoid_loss, "ipo": ipo_loss, "hinge": hinge_loss}
 """The per-pair losses by the name ``dpo.loss`` gives; each takes ``(h, beta, label_smoothing)``."""
 
+PER_TOKEN = frozenset({"ipo"})
+"""The losses whose gap ``h`` is taken between per-token log-ratios (each response's log-ratio / its tokens)."""
+
 
 def dpo_loss(
     logprobs_chosen: Tensor,
@@ -91,6 +95,7 @@ def dpo_loss(
     sft_weight: float = 0.0,
     chosen_tokens: Tensor | None = None,
     num_chosen_tokens: float | None = None,
+    rejected_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The preference loss of a batch of pairs, plus RPO's SFT term on the chosen responses.
 
@@ -99,8 +104,12 @@ def dpo_loss(
         loss = sum_i DPO_LOSSES[loss](h_i, beta, eps) / num_pairs
                + sft_weight * sum_i -log pi(y_w,i | x_i) / num_chosen_tokens
 
+    with h_i the log-ratio gap of the module docstring, or for :data:`PER_TOKEN` losses (IPO) the gap of
+    (log pi(y|x) - log pi_ref(y|x)) / |y| of each response.
+
     The second term is the negative log-likelihood of the chosen responses per chosen token (Pang et al. 2024,
-    "Iterative Reasoning Preference Optimization", eq. 3: RPO; TRL's ``rpo_alpha``).
+    "Iterative Reasoning Preference Optimization", eq. 3: RPO; TRL 1.12's ``loss_type=["sigmoid", "sft"]`` with
+    ``loss_weights=[1, sft_weight]``, earlier TRL's ``rpo_alpha``).
 
     Args:
         logprobs_chosen, logprobs_rejected: ``(B,)`` the policy's summed response log-probs (nats, <= 0), with
@@ -113,7 +122,9 @@ def dpo_loss(
             micro-batches (and ranks) passes the step's pair count, so that the summed loss and gradient do not
             depend on the cut.
         sft_weight: ``dpo.sft_weight`` >= 0; 0 leaves the term out (and ``chosen_tokens`` is not read).
-        chosen_tokens: ``(B,)`` each chosen response's token count (needed when ``sft_weight`` > 0).
+        chosen_tokens: ``(B,)`` each chosen response's token count (needed when ``sft_weight`` > 0 and for
+            :data:`PER_TOKEN` losses).
+        rejected_tokens: ``(B,)`` each rejected response's token count (needed for :data:`PER_TOKEN` losses).
         num_chosen_tokens: the divisor of the SFT term; default ``chosen_tokens.sum()`` (pass the step's count
             when cutting a step, as for ``num_pairs``).
 
@@ -128,7 +139,8 @@ def dpo_loss(
 
     Raises:
         ValueError: shape mismatch, an unknown ``loss``, ``beta`` <= 0, ``label_smoothing`` outside [0, 0.5) or
-        set for a loss other than sigmoid, ``sft_weight`` > 0 without ``chosen_tokens``.
+        set for a loss other than sigmoid, ``sft_weight`` > 0 without ``chosen_tokens``, a :data:`PER_TOKEN`
+        loss without both token counts.
     """
     _check_shapes(logprobs_chosen=logprobs_chosen, logprobs_rejected=logprobs_rejected,
                   ref_logprobs_chosen=ref_logprobs_chosen, ref_logprobs_rejected=ref_logprobs_rejected)
@@ -138,8 +150,12 @@ def dpo_loss(
         raise ValueError(f"beta must be > 0, got {beta}")
     if not 0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and loss != "sigmoid":
+        raise ValueError(f"label_smoothing={label_smoothing} is defined for the sigmoid loss only (loss={loss})")
     if sft_weight and chosen_tokens is None:
         raise ValueError("sft_weight > 0 needs chosen_tokens (each chosen response's token count)")
+    if loss in PER_TOKEN and (chosen_tokens is None or rejected_tokens is None):
+        raise ValueError(f"loss={loss} needs chosen_tokens and rejected_tokens (its gap is per token)")
     dtype = _compute_dtype(logprobs_chosen, logprobs_rejected, ref_logprobs_chosen, ref_logprobs_rejected)
     chosen, rejected = logprobs_chosen.to(dtype), logprobs_rejected.to(dtype)
     chosen_ratio = chosen - ref_logprobs_chosen.detach().to(dtype)  # (B,) log pi/pi_ref of y_w
@@ -147,7 +163,11 @@ def dpo_loss(
     h = chosen_ratio - rejected_ratio  # (B,)
     n = torch.as_tensor(float(num_pairs) if num_pairs is not None else float(h.numel()), dtype=dtype,
                         device=h.device).clamp(min=1)
-    pair_loss = DPO_LOSSES[loss](h, beta, label_smoothing).sum() / n
+    gap = h
+    if loss in PER_TOKEN:
+        gap = (chosen_ratio / chosen_tokens.to(h.device, dtype).clamp(min=1)
+               - rejected_ratio / rejected_tokens.to(h.device, dtype).clamp(min=1))
+    pair_loss = DPO_LOSSES[loss](gap, beta, label_smoothing).sum() / n
     total = pair_loss
     stats = {"dpo/pair_loss": pair_loss}
     if sft_weight:

@@ -120,6 +120,12 @@ def chosen_tokens(examples: Sequence[dict[str, Any]]) -> torch.Tensor:
     return torch.tensor([len(ex["chosen_ids"]) for ex in examples], dtype=torch.long)
 
 
+def token_counts(examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """`core.dpo_loss`'s `chosen_tokens` and `rejected_tokens` of a batch of pairs."""
+    return {"chosen_tokens": chosen_tokens(examples),
+            "rejected_tokens": torch.tensor([len(ex["rejected_ids"]) for ex in examples], dtype=torch.long)}
+
+
 def loss_options(dc: Any) -> dict[str, Any]:
     """`core.dpo_loss`'s options from the `dpo` section."""
     return {"beta": dc.beta, "loss": dc.loss, "label_smoothing": dc.label_smoothing, "sft_weight": dc.sft_weight}
@@ -136,8 +142,8 @@ def heldout_stats(policy: Any, reference: Reference, examples: Sequence[dict[str
         exs = examples[i:i + dc.eval_batch_size]
         batch = collate(exs)
         chosen, rejected = pair_logprobs(policy, batch, precision)
-        _, stats = dpo_loss(chosen, rejected, *reference(exs, batch), num_pairs=n_pairs,
-                            chosen_tokens=chosen_tokens(exs), num_chosen_tokens=n_tokens, **loss_options(dc))
+        _, stats = dpo_loss(chosen, rejected, *reference(exs, batch), num_pairs=n_pairs, num_chosen_tokens=n_tokens,
+                            **token_counts(exs), **loss_options(dc))
         for k, v in stats.items():
             total[k] = total.get(k, 0.0) + v
     return {f"eval/{k}": v for k, v in total.items()}
@@ -224,7 +230,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                                     float(batch["attention_mask"].numel())])
             chosen, rejected = pair_logprobs(eng.module, batch, cfg.precision)  # (b,) float32, with the graph
             loss, stats = dpo_loss(chosen, rejected, *reference(exs, batch), num_pairs=dc.batch_size,
-                                   chosen_tokens=chosen_tokens(exs), num_chosen_tokens=n_chosen, **loss_options(dc))
+                                   num_chosen_tokens=n_chosen, **token_counts(exs), **loss_options(dc))
             eng.backward_global(loss)
             eng.step()
             for k, v in stats.items():

@@ -13,17 +13,19 @@ KEYS = {"dpo/loss", "dpo/pair_loss", "dpo/rewards_chosen", "dpo/rewards_rejected
         "dpo/logprobs_chosen", "dpo/logprobs_rejected"}
 
 
-def trl_losses(pi_c, pi_r, ref_c, ref_r, beta, loss_type, label_smoothing=0.0):
-    """TRL's DPOTrainer.dpo_loss as its documentation writes the three losses (a copy of the equations, per pair):
-    logits = (pi_c - pi_r) - (ref_c - ref_r); sigmoid: -logsigmoid(beta logits)(1 - ls) - logsigmoid(-beta
-    logits) ls; hinge: relu(1 - beta logits); ipo: (logits - 1 / (2 beta))^2; rewards = beta (pi - ref)."""
-    logits = (pi_c - pi_r) - (ref_c - ref_r)
+def trl_losses(pi_c, pi_r, ref_c, ref_r, beta, loss_type, label_smoothing, n_c, n_r):
+    """TRL's DPO losses as written in trl 1.12.0's DPOTrainer (a copy of the equations, per pair), with the cDPO
+    smoothing of earlier releases' sigmoid: logits = (pi_c - ref_c) - (pi_r - ref_r); sigmoid: -logsigmoid(beta
+    logits)(1 - ls) - logsigmoid(-beta logits) ls; hinge: relu(1 - beta logits); ipo: the gap of per-token
+    log-ratios (each divided by its response's tokens n_c, n_r), (gap - 1 / (2 beta))^2; rewards beta (pi - ref)."""
+    logits = (pi_c - ref_c) - (pi_r - ref_r)
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * logits)
     else:
-        losses = (logits - 1 / (2 * beta)) ** 2
+        gap = (pi_c - ref_c) / n_c.clamp(min=1.0) - (pi_r - ref_r) / n_r.clamp(min=1.0)
+        losses = (gap - 1 / (2 * beta)) ** 2
     return losses, beta * (pi_c - ref_c), beta * (pi_r - ref_r)
 
 
@@ -49,9 +51,13 @@ def test_hand_computed_sigmoid():
 
 def test_hand_computed_ipo_and_hinge():
     args = [torch.tensor([-1.0, -4.0]), torch.tensor([-3.0, -4.0]), torch.tensor([-2.0, -4.0]),
-            torch.tensor([-2.0, -4.0])]  # h = 2 and 0
-    ipo, _ = dpo_loss(*args, beta=0.25, loss="ipo")  # 1 / (2 beta) = 2: (2 - 2)^2 = 0 and (0 - 2)^2 = 4 -> mean 2
+            torch.tensor([-2.0, -4.0])]  # h = 2 and 0; log-ratios (1, -1) and (0, 0)
+    tokens = {"chosen_tokens": torch.tensor([1, 3]), "rejected_tokens": torch.tensor([1, 5])}
+    ipo, _ = dpo_loss(*args, beta=0.25, loss="ipo", **tokens)  # 1/(2 beta) = 2: (1/1 + 1/1 - 2)^2 = 0, (0 - 2)^2 = 4
     assert ipo.item() == pytest.approx(2.0)
+    per_token = {"chosen_tokens": torch.tensor([2, 1]), "rejected_tokens": torch.tensor([4, 1])}
+    ipo, _ = dpo_loss(*args, beta=0.25, loss="ipo", **per_token)  # gap 1/2 + 1/4 = 0.75: (0.75 - 2)^2 = 1.5625
+    assert ipo.item() == pytest.approx((1.5625 + 4) / 2)
     hinge, stats = dpo_loss(*args, beta=0.25, loss="hinge")  # relu(1 - 0.5) = 0.5 and relu(1 - 0) = 1 -> 0.75
     assert hinge.item() == pytest.approx(0.75)
     assert stats["dpo/accuracy"] == 0.5  # the tie (h = 0) is not correct
@@ -80,17 +86,20 @@ def test_sft_term_is_the_chosen_nll_per_chosen_token():
 @pytest.mark.parametrize("loss_type", list(DPO_LOSSES))
 @pytest.mark.parametrize("seed", range(5))
 def test_equals_a_copy_of_trl_formulas_on_random_inputs(loss_type, seed):
-    """Loss, gradient and rewards against TRL's equations (loss = the mean over pairs + rpo_alpha × the chosen
-    NLL per chosen token), at several β and, for sigmoid, label smoothing."""
+    """Loss, gradient and rewards against TRL's equations (loss = the mean over pairs + α × the chosen NLL per
+    chosen token: TRL 1.12's loss_type=["sigmoid", "sft"], loss_weights=[1, α]), at several β and, for sigmoid,
+    label smoothing."""
     pi_c, pi_r, ref_c, ref_r = rand_logprobs(seed, 8)
     beta = [0.05, 0.1, 0.5, 1.0, 2.0][seed]
     ls = 0.1 * (seed % 3) if loss_type == "sigmoid" else 0.0
-    tokens = torch.arange(1, 9)
+    tokens, rejected_tokens = torch.arange(1, 9), torch.arange(8, 0, -1)
     ours_c, ours_r = pi_c.clone().requires_grad_(), pi_r.clone().requires_grad_()
-    loss, stats = dpo_loss(ours_c, ours_r, ref_c, ref_r, beta, loss_type, ls, sft_weight=0.3, chosen_tokens=tokens)
+    loss, stats = dpo_loss(ours_c, ours_r, ref_c, ref_r, beta, loss_type, ls, sft_weight=0.3, chosen_tokens=tokens,
+                           rejected_tokens=rejected_tokens)
     loss.backward()
     theirs_c, theirs_r = pi_c.clone().requires_grad_(), pi_r.clone().requires_grad_()
-    losses, rc, rr = trl_losses(theirs_c, theirs_r, ref_c, ref_r, beta, loss_type, ls)
+    losses, rc, rr = trl_losses(theirs_c, theirs_r, ref_c, ref_r, beta, loss_type, ls, tokens.double(),
+                                rejected_tokens.double())
     want = losses.mean() + 0.3 * (-theirs_c.sum() / tokens.sum())
     want.backward()
     assert loss.item() == pytest.approx(want.item(), rel=1e-12)
@@ -104,11 +113,12 @@ def test_equals_a_copy_of_trl_formulas_on_random_inputs(loss_type, seed):
 @pytest.mark.parametrize("loss_type", list(DPO_LOSSES))
 def test_micro_batches_with_the_step_divisors_sum_to_the_whole_batch(loss_type):
     pi_c, pi_r, ref_c, ref_r = rand_logprobs(7, 8)
-    tokens = torch.arange(2, 10)
+    tokens, rejected = torch.arange(2, 10), torch.arange(1, 9)
     kw = dict(beta=0.2, loss=loss_type, sft_weight=1.0)
-    whole, whole_stats = dpo_loss(pi_c, pi_r, ref_c, ref_r, chosen_tokens=tokens, **kw)
+    whole, whole_stats = dpo_loss(pi_c, pi_r, ref_c, ref_r, chosen_tokens=tokens, rejected_tokens=rejected, **kw)
     parts = [dpo_loss(pi_c[i:i + 2], pi_r[i:i + 2], ref_c[i:i + 2], ref_r[i:i + 2], num_pairs=8,
-                      chosen_tokens=tokens[i:i + 2], num_chosen_tokens=float(tokens.sum()), **kw) for i in (0, 2, 4, 6)]
+                      chosen_tokens=tokens[i:i + 2], rejected_tokens=rejected[i:i + 2],
+                      num_chosen_tokens=float(tokens.sum()), **kw) for i in (0, 2, 4, 6)]
     assert sum(p[0].item() for p in parts) == pytest.approx(whole.item(), rel=1e-12)
     for key, value in whole_stats.items():
         assert sum(p[1][key] for p in parts) == pytest.approx(value, rel=1e-12, abs=1e-15), key
@@ -137,6 +147,7 @@ def test_empty_batch_is_zero_and_attached():
     ({"loss": "ipo", "label_smoothing": 0.1}, "sigmoid loss only"),
     ({"loss": "hinge", "label_smoothing": 0.1}, "sigmoid loss only"),
     ({"sft_weight": 1.0}, "needs chosen_tokens"),
+    ({"loss": "ipo", "chosen_tokens": torch.ones(2)}, "needs chosen_tokens and rejected_tokens"),
 ])
 def test_errors(kwargs, match):
     x = torch.zeros(2)

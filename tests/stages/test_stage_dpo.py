@@ -19,7 +19,7 @@ from rlhf_cli.core import DPO_LOSSES, dpo_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator, pad_sequences
 from rlhf_cli.forwards import pair_logprobs
 from rlhf_cli.models import disable_dropout, load_causal_lm
-from rlhf_cli.stages.dpo import Reference, chosen_tokens, reference_logprobs
+from rlhf_cli.stages.dpo import Reference, reference_logprobs, token_counts
 
 STEPS = 4
 SMOKE = ["experiment=smoke", "precision=fp32"]
@@ -191,7 +191,7 @@ def plain_pair_logprob(model, prompt, response):
 @pytest.mark.parametrize("packed", [False, True])
 def test_loss_and_gradients_equal_a_plain_torch_loop(tiny_model_cfg, tokenizer, loss_type, packed):
     """The stage's micro-batch (one forward over the pairs, the reference's log-probs, `core.dpo_loss` with RPO's
-    term) against a loop over the pairs through the plain model: -log σ(β h) (or IPO's, SLiC's) averaged, plus
+    term) against a loop over the pairs through the plain model: -log σ(β h) (or IPO's per token, SLiC's) averaged, plus
     α × the chosen NLL per chosen token."""
     policy = disable_dropout(load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer)).train()
     reference = load_causal_lm(tiny_model_cfg, seed=1, tokenizer=tokenizer).eval()  # apart from the policy
@@ -200,7 +200,7 @@ def test_loss_and_gradients_equal_a_plain_torch_loop(tiny_model_cfg, tokenizer, 
     batch = (PackedPairCollator(PAD) if packed else PairCollator(PAD))(pairs)
     chosen, rejected = pair_logprobs(policy, batch, "fp32")
     loss, _ = dpo_loss(chosen, rejected, *Reference(reference, "fp32")(pairs, batch), beta=beta, loss=loss_type,
-                       label_smoothing=ls, sft_weight=alpha, chosen_tokens=chosen_tokens(pairs))
+                       label_smoothing=ls, sft_weight=alpha, **token_counts(pairs))
     loss.backward()
     ours = grads(policy)
     policy.zero_grad()
@@ -213,8 +213,9 @@ def test_loss_and_gradients_equal_a_plain_torch_loop(tiny_model_cfg, tokenizer, 
         h = (pc - rc) - (pr - rr)
         if loss_type == "sigmoid":
             terms.append(-(1 - ls) * F.logsigmoid(beta * h) - ls * F.logsigmoid(-beta * h))
-        elif loss_type == "ipo":
-            terms.append((h - 1 / (2 * beta)) ** 2)
+        elif loss_type == "ipo":  # per-token log-ratios
+            gap = (pc - rc) / len(ex["chosen_ids"]) - (pr - rr) / len(ex["rejected_ids"])
+            terms.append((gap - 1 / (2 * beta)) ** 2)
         else:
             terms.append(torch.relu(1 - beta * h))
         nll, n_tokens = nll - pc, n_tokens + len(ex["chosen_ids"])
