@@ -12,8 +12,9 @@ The reference runs in eval mode with no gradient: a frozen copy of the starting 
 with its adapters off (`forwards.FrozenWithoutAdapters`, no second copy). With `dpo.precompute_reference` its
 log-probs of every training and held-out pair are computed once before the first step (and before a resume loads
 its checkpoint), from the starting policy itself: no reference is held while training. Dropout is off in the
-policy (LoRA's own `model.lora.dropout` aside), so at the first step policy and reference are one function: the
-loss is log 2 (sigmoid) and every margin 0.
+policy (LoRA's own `model.lora.dropout` aside), and policy, reference and held-out passes all run in `precision`
+(`scoring_precision` is not read), so at the first step policy and reference are one function: the loss is log 2
+(sigmoid) and every margin 0.
 
 Steps: load tokenizer and pairs → build the policy (LoRA adapters when `model.lora.r` > 0) and its reference →
 DeepSpeed engine → (precompute the reference) → (resume) → loop over optimizer steps with held-out statistics
@@ -163,6 +164,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
     if len(train) < dc.batch_size:
         raise ConfigError(f"only {len(train)} training pairs, fewer than dpo.batch_size={dc.batch_size}")
+    if cfg.data.margin_key and engine.is_main():
+        log.warning("data.margin_key=%s is not read by %s: the DPO losses have no per-pair margin", cfg.data.margin_key,
+                    COMMAND.invocation)
 
     # 2. policy and reference (dropout off: the first step's policy is the reference)
     model = disable_dropout(load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer))
@@ -190,7 +194,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "reference": what + (", log-probs precomputed" if dc.precompute_reference else ", with each micro-batch"),
         "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
         "batch / micro / world": f"{dc.batch_size} / {dc.micro_batch_size} / {engine.world_size()}",
-        "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+        "precision": f"{cfg.precision} (policy, reference and held-out passes alike; scoring_precision not read)",
+        "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
     })
     if cfg.dry_run:
         set_status(run_dir, "dry_run") if engine.is_main() else None
