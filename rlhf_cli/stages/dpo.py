@@ -71,7 +71,7 @@ PROGRESS_KEYS = ["dpo/loss", "dpo/accuracy", "dpo/margin", "throughput/pairs_per
 @torch.no_grad()
 def reference_logprobs(reference: Any, examples: Sequence[dict[str, Any]], collate: Callable, batch_size: int,
                        precision: str) -> torch.Tensor:
-    """(N, 2) float32 on the CPU: the summed response log-probs (nats) of each example's chosen (column 0) and
+    """(N, 2) float32 on `engine.device()`: the summed response log-probs (nats) of each example's chosen (column 0) and
     rejected (column 1) response under `reference`, `batch_size` pairs per forward (`forwards.pair_logprobs`).
     `reference` is read in eval mode whatever its mode (restored after): a causal LM, a DeepSpeed engine's
     module, or `FrozenWithoutAdapters.module`. Every rank runs every batch (the same forwards on each, as ZeRO-3
@@ -81,12 +81,12 @@ def reference_logprobs(reference: Any, examples: Sequence[dict[str, Any]], colla
     if module is not None:
         module.eval()
     try:
-        out = [torch.stack(pair_logprobs(reference, collate(examples[i:i + batch_size]), precision), -1).cpu()
+        out = [torch.stack(pair_logprobs(reference, collate(examples[i:i + batch_size]), precision), -1)
                for i in range(0, len(examples), batch_size)]
     finally:
         if module is not None:
             module.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0, 2)
+    return torch.cat(out) if out else torch.zeros(0, 2, device=engine.device())
 
 
 class Reference:
@@ -100,7 +100,7 @@ class Reference:
     def precompute(self, examples: Sequence[dict[str, Any]], collate: Callable, batch_size: int) -> None:
         """Compute every example's log-probs once, then let the model go (`model` may be the policy before its
         first step: its weights are the reference's only now)."""
-        lp = reference_logprobs(self.model, examples, collate, batch_size, self.precision)
+        lp = reference_logprobs(self.model, examples, collate, batch_size, self.precision).cpu()  # (N, 2)
         self.table = {id(ex): row for ex, row in zip(examples, lp)}
         self.model = None
 
@@ -112,8 +112,7 @@ class Reference:
         if self.table is not None:
             lp = torch.stack([self.table[id(ex)] for ex in examples]).to(engine.device())
             return lp[:, 0], lp[:, 1]
-        return reference_logprobs(self.model, examples, lambda _: batch, len(examples), self.precision).to(
-            engine.device()).unbind(-1)
+        return reference_logprobs(self.model, examples, lambda _: batch, len(examples), self.precision).unbind(-1)
 
 
 def chosen_tokens(examples: Sequence[dict[str, Any]]) -> torch.Tensor:
