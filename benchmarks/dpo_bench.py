@@ -80,7 +80,7 @@ def trl_child(spec_path: str) -> None:
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset
 
-    tokenizer = AutoTokenizer.from_pretrained(spec["init_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["init_dir"], dtype=torch.float32)
     timer = StepTimer()
     model.register_forward_pre_hook(timer.count_positions, with_kwargs=True)
@@ -193,7 +193,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     base = C.compose("train_dpo", [f"model={args.model}", f"seed={args.seed}"])
     init = C.policy_dir(base.model, args.seed, work)
-    overrides = ["model=hf", f"model.name_or_path={init}", *select_pairs(args, work), f"precision={args.precision}",
+    # ours loads the model config's weights (the GGUF's de-quantised cache, or the seeded random init): those in `init`
+    overrides = [f"model={args.model}", *select_pairs(args, work), f"precision={args.precision}",
                  f"dpo.batch_size={B}", f"dpo.micro_batch_size={m}", f"dpo.max_steps={args.steps}",
                  f"dpo.lr={args.lr}", f"dpo.beta={args.beta}", f"dpo.betas=[{args.betas[0]},{args.betas[1]}]",
                  f"dpo.weight_decay={args.weight_decay}", f"dpo.warmup_ratio={args.warmup_ratio}",
@@ -203,6 +204,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
                  C.packing_override(args)]
     cfg = C.compose("train_dpo", overrides)
     tokenizer = load_tokenizer(cfg.model)
+    tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
     data = load_preference_data(cfg.data, tokenizer)
     assert len(data.train) == args.pairs, len(data.train)
     batches = batch_order(len(data.train), args.steps, B, (cfg.data.seed, cfg.seed))
@@ -222,8 +224,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     o_steps = ours_steps(ours_dir, B)
 
     # 3. TRL in its own process
-    spec = {"init_dir": str(init), "prompt_ids": [ex["prompt_ids"] for ex in order],
-            "chosen_ids": [ex["chosen_ids"] for ex in order], "rejected_ids": [ex["rejected_ids"] for ex in order],
+    spec = {"init_dir": str(init), "tokenizer_dir": str(work / "tokenizer"),
+            **{key: [ex[key] for ex in order] for key in ("prompt_ids", "chosen_ids", "rejected_ids")},
             "steps": args.steps, "micro_batch_size": m, "grad_accum": B // m, "lr": args.lr, "beta": args.beta,
             "betas": args.betas, "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm, "bf16": bf16,
             "lr_multipliers": [schedule(s) for s in range(args.steps)], "seed": args.seed,
@@ -270,7 +272,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     measured = {1: "the single step", 2: "step 2 (step 1 dropped as warm-up)"}.get(
         args.steps, f"steps 2-{args.steps} (step 1 dropped as warm-up)")
     header += [
-        f"model: {C.model_label(base.model)}, {N / 1e6:.1f}M non-embedding params; both start from {init}",
+        f"model: {C.model_label(base.model)}, {N / 1e6:.1f}M non-embedding params; both start from its weights "
+        f"(TRL reads them from {init}) and our tokenizer",
         f"data: {args.pairs} training pairs of {Path(args.data).name}, max length {args.max_length}, chat template, "
         f"prompts cut from the left; same token ids and batch order for both: "
         f"{'checked (real tokens of every step equal)' if same_batches else 'MISMATCH in per-step token counts'}",
