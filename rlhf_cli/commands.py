@@ -113,6 +113,19 @@ _ALL = (
         report=("reward-model training", ("rm_loss", "rm_accuracy", "rm_margin")),
     ),
     Command(
+        name="train-dpo", config_name="train_dpo", stage="rlhf_cli.stages.dpo", kind="dpo", pointer="latest_dpo",
+        help="optimise a policy directly on preference pairs against its frozen starting weights (DPO, IPO, SLiC)",
+        reads=(*_COMMON, "deepspeed", "dpo", "logger", "tracker"), validator=config.validate_dpo,
+        trains=True, section="dpo",
+        meant={"policy.path": "model.name_or_path", "reference.path": "model.name_or_path (the reference is the "
+               "starting policy)", "rm": "dpo", "ppo": "dpo", "ppo.kl_beta": "dpo.beta"},
+        headline=(("eval/dpo/accuracy", "held-out acc", 1), ("eval/dpo/margin", "held-out margin", 1),
+                  ("dpo/loss", "loss", -1)),
+        metric_prefixes=("dpo/", "eval/dpo/"),
+        report=("direct preference optimisation", ("dpo_loss", "dpo_rewards", "dpo_margin", "dpo_accuracy",
+                                                   "dpo_logprobs")),
+    ),
+    Command(
         name="train-ppo", config_name="train_ppo", stage="rlhf_cli.stages.ppo", kind="ppo", pointer="latest_policy",
         help="optimise a policy against a reward with PPO (KL penalty, GAE, clipped surrogate) or a critic-free "
              "estimator (GRPO, RLOO, REINFORCE++)",

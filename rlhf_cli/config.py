@@ -329,6 +329,61 @@ class SFTConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation (train-dpo): the policy trained on preference pairs against a frozen
+    reference (its starting weights), no reward model and no sampling. The loss of an optimizer step is the mean
+    of the per-pair loss over its pairs (`dpo.loss`), plus `dpo.sft_weight` × the chosen responses' NLL per chosen
+    token, each summed over the step's micro-batches and ranks and divided by the step's count."""
+
+    loss: str = "sigmoid"
+    """`sigmoid` (DPO: −log σ(β h), Rafailov et al. 2023 eq. 7), `ipo` ((h − 1/(2β))², Azar et al. 2023 eq. 17,
+    h taken per response token as TRL does) or `hinge` (SLiC: max(0, 1 − β h), Zhao et al. 2023), h the
+    chosen-minus-rejected log-ratio to the reference (nats, sums over response tokens)."""
+    beta: float = 0.1
+    """β > 0: how far the policy may move from the reference (DPO's β, IPO's τ; larger = closer to it). TRL and
+    OpenRLHF default 0.1."""
+    label_smoothing: float = 0.0
+    """ε in [0, 0.5): the assumed chance that a pair's label is flipped (cDPO, Mitchell 2023); `dpo.loss=sigmoid`
+    only. Earlier TRL releases' `label_smoothing` of the sigmoid loss."""
+    sft_weight: float = 0.0
+    """α >= 0: weight of the NLL of the chosen responses per chosen token added to the loss (RPO, Pang et al.
+    2024; TRL 1.12's `loss_type=[sigmoid, sft]` with `loss_weights=[1, α]`, earlier TRL's `rpo_alpha`); 0 = off."""
+    precompute_reference: bool = False
+    """Compute the reference's log-probs of every training and held-out pair once, before the first step (then no
+    reference forward runs during training, and without LoRA no second copy of the weights is held); false
+    computes them with each micro-batch from a frozen copy (the policy with its adapters off under LoRA). The
+    same numbers either way, to float rounding. TRL's `precompute_ref_log_probs`."""
+    lr: float = 5e-7
+    """Peak learning rate (AdamW). TRL DPOTrainer default 1e-6, OpenRLHF 5e-7."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay, >= 0; applied to matrices only (not to biases and norms)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (β1, β2), each in [0, 1)."""
+    lr_scheduler: str = "cosine"
+    """`cosine`, `linear` or `constant` after warm-up."""
+    warmup_ratio: float = 0.1
+    """Fraction of total optimizer steps of linear warm-up, in [0, 1)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (L2 norm); 0 disables."""
+    epochs: int = 1
+    """Passes over the training pairs (each epoch in a new seeded order); ignored when `dpo.max_steps` is set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides `epochs`); null = run `epochs`."""
+    batch_size: int = 16
+    """Pairs per optimizer step across all ranks (global batch)."""
+    micro_batch_size: int = 8
+    """Pairs per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
+    eval_batch_size: int = 16
+    """Pairs per forward pass per rank on the held-out pairs (and when precomputing the reference)."""
+    eval_every: int = 0
+    """Held-out loss, implicit rewards, margin and accuracy every N optimizer steps (0 = only at the end)."""
+    save_every: int = 0
+    """Write a resumable DeepSpeed checkpoint every N optimizer steps (0 = only at the end)."""
+    log_every: int = 1
+    """Write a `metrics.jsonl` record every N optimizer steps (and always at the last step)."""
+
+
+@dataclass
 class PPOConfig:
     """PPO (Schulman et al. 2017) with a KL-shaped reward (Ziegler et al. 2019)."""
 
@@ -645,6 +700,8 @@ class RunConfig:
     """train-sft's optimisation."""
     rm: RMConfig = field(default_factory=RMConfig)
     """train-rm's optimisation."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """train-dpo's loss, reference and optimisation."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """train-ppo's algorithm and optimisation: group `ppo/`."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -846,7 +903,7 @@ def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_n
 
 
 def _validate_supervised(prefix: str, r: Any, world_size: int) -> None:
-    """The keys a supervised stage's section shares (`rm.*`, `sft.*`): optimizer, schedule, steps, batches."""
+    """The keys a supervised stage's section shares (`rm.*`, `sft.*`, `dpo.*`): optimizer, schedule, steps, batches."""
     _check_finite(prefix, r)
     _check(r.lr > 0, f"{prefix}.lr must be > 0 (got {r.lr})")
     _check(0 <= r.warmup_ratio < 1, f"{prefix}.warmup_ratio must be in [0, 1) (got {r.warmup_ratio})")
@@ -878,6 +935,19 @@ def validate_sft(cfg: Any, world_size: int = 1) -> None:
     validate_common(cfg)
     validate_logging(cfg)
     _validate_supervised("sft", cfg.sft, world_size)
+
+
+def validate_dpo(cfg: Any, world_size: int = 1) -> None:
+    validate_common(cfg)
+    validate_logging(cfg)
+    d = cfg.dpo
+    _validate_supervised("dpo", d, world_size)
+    _one_of("dpo.loss", d.loss, ("sigmoid", "ipo", "hinge"))
+    _check(d.beta > 0, f"dpo.beta must be > 0 (got {d.beta})")
+    _check(0 <= d.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5) (got {d.label_smoothing})")
+    _check(d.label_smoothing == 0 or d.loss == "sigmoid",
+           f"dpo.label_smoothing={d.label_smoothing} applies to dpo.loss=sigmoid only (got dpo.loss={d.loss})")
+    _check(d.sft_weight >= 0, f"dpo.sft_weight must be >= 0 (0 = off; got {d.sft_weight})")
 
 
 def validate_ppo(cfg: Any, world_size: int = 1) -> None:

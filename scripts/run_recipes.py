@@ -112,6 +112,7 @@ SKIP_RECIPE = {
 }
 RUN_RECIPE = {
     "Train on your own data", "SFT, then RM, then PPO on your own files", "Train with LoRA",
+    "DPO on your pairs, then against RM → PPO",
     "GRPO or RLOO with your own reward function", "Sweep a setting and compare the runs",
     "Evaluate a policy or a reward model", "Try a setting in seconds", "Log to TensorBoard, wandb, mlflow or trackio",
 }
@@ -167,7 +168,7 @@ def newest(pattern: str, cwd: Path) -> str | None:
 
 def fill(command: str, cwd: Path) -> str:
     """`<run-id>`, `sweep-<time>` and `<job>` filled in from the runs already made under `cwd/runs`."""
-    for stage in ("sft", "rm", "ppo", "eval"):
+    for stage in ("sft", "rm", "dpo", "ppo", "eval"):
         if f"runs/{stage}/sweep-<time>" in command:
             sweep = newest(f"runs/{stage}/sweep-*", cwd)
             command = command.replace(f"runs/{stage}/sweep-<time>", sweep or f"runs/{stage}/sweep-<time>")

@@ -70,9 +70,9 @@ def test_a_preloaded_allocator_keeps_its_own_settings(monkeypatch):
 
 
 def test_unknown_command_exits_2_with_list():
-    out = rlhf("train-dpo")
+    out = rlhf("train-kto")
     assert out.returncode == 2
-    assert "unknown command 'train-dpo'" in out.stderr and "train-ppo" in out.stderr
+    assert "unknown command 'train-kto'" in out.stderr and "train-ppo" in out.stderr
 
 
 def test_strip_local_rank(monkeypatch):

@@ -237,3 +237,25 @@ def test_two_ranks_sft_matches_one_rank(tmp_path, lora):
     assert_same_metrics(one, two, SFT_KEYS, tol=1e-5)
     (a,), (b,) = (list((tmp_path / d).glob("sft/*/final")) for d in ("one", "two"))
     assert_same_weights(a, b)
+
+
+DPO_ARGS = ["train-dpo", *COMMON, "dpo.max_steps=3", "dpo.batch_size=8", "dpo.micro_batch_size=4", "dpo.eval_every=2"]
+DPO_KEYS = ("dpo/loss", "dpo/margin", "dpo/accuracy", "dpo/logprobs_chosen", "grad_norm", "eval/dpo/loss",
+            "eval/dpo/margin")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["frozen copy", "lora, precomputed"])
+def test_two_ranks_dpo_under_zero3_match_one_rank(tmp_path, reference):
+    """train-dpo on two ZeRO-3 ranks, packed, against one rank, padded (two micro-batches): each rank's pair sums are
+    divided by the step's pair count, so the loss and the update are one rank's; the reference (a frozen copy, or the
+    LoRA policy with its adapters off, precomputed from the partitioned weights) is the same. One micro-batch per rank
+    and step under ZeRO-3 (see the train-sft test)."""
+    extra = ["model.lora.r=4", "dpo.lr=1e-2", "dpo.precompute_reference=true"] if reference.startswith("lora") else []
+    launch([*DPO_ARGS, *extra, "deepspeed=zero0", "data.packing=false"], tmp_path / "one")
+    launch([*DPO_ARGS, *extra, "deepspeed=zero3"], tmp_path / "two", ranks=2)
+    one, two = metrics(tmp_path / "one", "dpo"), metrics(tmp_path / "two", "dpo")
+    assert one[0]["dpo/loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
+    assert_same_metrics(one, two, DPO_KEYS)
+    (a,), (b,) = (list((tmp_path / d).glob("dpo/*/final")) for d in ("one", "two"))
+    assert_same_weights(a, b)

@@ -4,6 +4,8 @@ import re
 import sys
 from pathlib import Path
 
+from rlhf_cli.commands import COMMANDS
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_MAX_LINES = 300
 # a Markdown link to a repository doc with an anchor: [text](docs/results.md#the-anchor) or [text](#the-anchor)
@@ -180,8 +182,7 @@ def test_every_readme_recipe_is_run_or_skipped_with_a_reason():
         why, lines = run_recipes.plan(recipe)  # an unclassified recipe raises SystemExit
         assert why or lines, recipe.title
         for command, line_why in lines:
-            assert why or line_why or command.split("rlhf ", 1)[1].split()[0] in {"train-sft", "train-rm", "train-ppo",
-                                                                              "eval"}, command
+            assert why or line_why or command.split("rlhf ", 1)[1].split()[0] in COMMANDS, command
             ran += not why and not line_why
     assert ran >= 20  # most recipe lines run on a CPU
     titles = {r.title for r in recipes}

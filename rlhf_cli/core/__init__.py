@@ -1,5 +1,5 @@
-"""Pure-torch RLHF math: per-token ops, KL-shaped rewards, GAE, estimators, PPO/RM losses, KL control, paired
-statistics of evaluations.
+"""Pure-torch RLHF math: per-token ops, KL-shaped rewards, GAE, estimators, PPO/RM losses, direct preference
+(DPO/IPO/SLiC) losses, KL control, paired statistics of evaluations.
 
 Imports only torch. Shapes: ``B`` batch, ``T`` response length (right-padded), ``V``
 vocabulary; ``mask`` ``(B, T)`` is 1 on real response tokens (EOS included), 0 on padding,
@@ -22,6 +22,9 @@ beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef`` (TRL GR
 G (samples per prompt)        ``ppo.n_samples_per_prompt``  ``num_generations``
 KL target (Ziegler et al.)    ``target`` / ``ppo.kl_target``  ``target_kl``
 C (TIS cap, Yao et al.)       ``high`` / ``rollout.is_high``  TRL ``vllm_importance_sampling_cap``
+beta (DPO), tau (IPO)         ``beta`` / ``dpo.beta``     TRL ``beta``
+epsilon (cDPO label noise)    ``label_smoothing`` / ``dpo.label_smoothing``  ``label_smoothing`` (TRL < 1)
+alpha (RPO's NLL weight)      ``sft_weight`` / ``dpo.sft_weight``  ``rpo_alpha`` (TRL < 1)
 ============================  ==========================  ==========================
 """
 
@@ -34,6 +37,7 @@ from rlhf_cli.core.advantages import (
     overlong_penalty,
 )
 from rlhf_cli.core.correction import IS_CORRECTIONS, engine_is_weights, is_bounds
+from rlhf_cli.core.dpo import DPO_LOSSES, PER_TOKEN, dpo_loss, hinge_loss, ipo_loss, sigmoid_loss
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats, informative_groups
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
@@ -70,6 +74,8 @@ from rlhf_cli.core.paired import (
 )
 
 __all__ = [
+    "DPO_LOSSES",
+    "PER_TOKEN",
     "ESTIMATORS",
     "IS_CORRECTIONS",
     "POLICY_LOSSES",
@@ -83,6 +89,7 @@ __all__ = [
     "compute_gae_vectorized",
     "discounted_returns",
     "engine_is_weights",
+    "dpo_loss",
     "entropy_bonus",
     "entropy_from_logits",
     "group_adjusted_scores",
@@ -90,6 +97,8 @@ __all__ = [
     "group_stats",
     "informative_groups",
     "is_bounds",
+    "hinge_loss",
+    "ipo_loss",
     "kl_estimate",
     "kl_loss",
     "kl_penalized_rewards",
@@ -107,6 +116,7 @@ __all__ = [
     "proportion_ci95",
     "reward_hacking",
     "sample_std",
+    "sigmoid_loss",
     "small_sample_warning",
     "t_quantile",
     "value_loss",

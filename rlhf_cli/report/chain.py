@@ -11,8 +11,10 @@
     lineage.json       the parents it evaluated (see `rlhf_cli.lineage`)
 
 and walks the recorded parents (eval → policy's PPO run → its reward model's RM run) to draw each training run's
-curves. Sections, in order: the headline (3–5 sentences, and a red box when reward hacking is shown); the RM
-training curves (loss, accuracy with held-out accuracy, margin); the PPO curves; the reward distributions; length
+curves. Sections, in order: the headline (3–5 sentences, and a red box when reward hacking is shown); the models
+compared (policy, reference, reward model), each with the command and run that trained it; each training run's
+curves in registry order (SFT, RM: loss, accuracy with held-out accuracy, margin; DPO; PPO); the reward
+distributions; length
 vs reward; side-by-side samples with their scores and the checker's verdict; every number; each stage's resolved
 config, folded.
 """
@@ -234,6 +236,23 @@ def _length_vs_reward(rows: list[dict[str, Any]], out_dir: Path) -> Section:
     return Section(title, text="No per-response reward to plot (no reward model and no reward.function).")
 
 
+def _sides(eval_dir: Path, results: dict[str, Any]) -> Section:
+    """The models a policy eval compared, each with the command and run that trained it (from the eval's
+    `lineage.json`): the policy, its reference (another trained policy, or the starting model) and the judge."""
+    rec = _lineage(eval_dir)
+    parents = rec.get("parents") if isinstance(rec, dict) and isinstance(rec.get("parents"), dict) else {}
+    made_by = {c.kind: c.invocation for c in COMMANDS.values()}
+    rows = []
+    for side, what in (("policy", "policy (measured)"), ("reference", "reference (compared with)"),
+                       ("reward_model", "reward model (judge)")):
+        parent = parents.get(side) if isinstance(parents.get(side), dict) else {}
+        stage = parent.get("stage")
+        run = f"{made_by[stage]}: {parent.get('run_dir')}" if stage in made_by else "not a run of ours"
+        if results.get(side) is not None:
+            rows.append([what, str(results[side]), run])
+    return Section("policy and reference", tables=[Table(["side", "model", "trained by"], rows)])
+
+
 def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
     """(page title, sections) of an eval's page, its PNGs written into `out_dir` (see the module docstring)."""
     results, config = read_eval(eval_dir)
@@ -244,7 +263,7 @@ def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
     else:
         title = f"policy eval: did RLHF help? ({results.get('policy')})"
         sentences, alert = policy_headline(results)
-        sections = [Section("Did RLHF help?", text=" ".join(sentences), alert=alert)]
+        sections = [Section("Did RLHF help?", text=" ".join(sentences), alert=alert), _sides(eval_dir, results)]
     for i, (stage, run) in enumerate(runs):
         name, panels = stage_panels()[stage]
         images = plot_run(run, out_dir / f"{i}_{stage}_{run.name}", panels=panels, rewards=False)

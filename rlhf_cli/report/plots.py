@@ -35,6 +35,13 @@ PANELS: tuple[Panel, ...] = (
     Panel("rm_accuracy", "RM pairwise accuracy", ("rm/accuracy",), "fraction r_c > r_r"),
     Panel("rm_margin", "RM margin", ("rm/margin",), "mean r_c - r_r"),
     Panel("rm_rewards", "RM chosen / rejected reward", ("rm/chosen_mean", "rm/rejected_mean"), "mean reward"),
+    # direct preference optimisation (`rlhf train-dpo`), held-out overlaid
+    Panel("dpo_loss", "DPO loss", ("dpo/loss",), "nats per pair"),
+    Panel("dpo_rewards", "DPO implicit rewards", ("dpo/rewards_chosen", "dpo/rewards_rejected"),
+          "β log π/π_ref"),
+    Panel("dpo_margin", "DPO reward margin", ("dpo/margin",), "chosen - rejected"),
+    Panel("dpo_accuracy", "DPO pairwise accuracy", ("dpo/accuracy",), "fraction margin > 0"),
+    Panel("dpo_logprobs", "policy log-probs", ("dpo/logprobs_chosen", "dpo/logprobs_rejected"), "nats per response"),
     Panel("lr", "learning rate", ("lr",), smooth=False),
     Panel("grad_norm", "gradient norm (before clipping)", ("grad_norm",)),
     Panel("throughput_pairs", "throughput (pairs)", ("throughput/pairs_per_s",), "pairs per second"),

@@ -1,9 +1,10 @@
-"""Small helpers the stages share: console tables and the tokenizer check.
-(A run's directory, checkpoints and resume live in rlhf_cli/lifecycle.py.)"""
+"""Small helpers the stages share: console tables, the tokenizer check, the supervised stages' engine and their
+optimizer-step loop. (A run's directory, checkpoints and resume live in rlhf_cli/lifecycle.py.)"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -11,8 +12,11 @@ from rich.table import Table
 from transformers import AutoTokenizer
 
 from rlhf_cli import engine
+from rlhf_cli.data import epoch_order, example_length
 from rlhf_cli.errors import ConfigError
+from rlhf_cli.lifecycle import Checkpoints
 from rlhf_cli.models import parameter_counts, resolve_hf_dir
+from rlhf_cli.runs import MetricsLogger, Progress
 
 log = logging.getLogger(__name__)
 console = Console(stderr=False)
@@ -62,11 +66,60 @@ def trained_parameters(model: Any, lora_cfg: Any) -> str:
 
 
 def supervised_engine(model: Any, cfg: Any, section: Any, total_steps: int) -> engine.TrainEngine:
-    """The `engine.TrainEngine` of a supervised stage (train-rm, train-sft) from its section's keys (`rm.*`, `sft.*`):
-    AdamW (lr, betas, weight decay), the warm-up fraction and schedule over `total_steps`, batch and micro-batch,
-    gradient clipping; `deepspeed.*` and `precision` from the run."""
+    """The `engine.TrainEngine` of a supervised stage (train-rm, train-sft, train-dpo) from its section's keys
+    (`rm.*`, `sft.*`, `dpo.*`): AdamW (lr, betas, weight decay), the warm-up fraction and schedule over
+    `total_steps`, batch and micro-batch, gradient clipping; `deepspeed.*` and `precision` from the run."""
     return engine.TrainEngine(
         model, cfg.deepspeed, cfg.precision, lr=section.lr, train_batch_size=section.batch_size,
         micro_batch_size=section.micro_batch_size, total_steps=total_steps,
         warmup_steps=int(section.warmup_ratio * total_steps), scheduler=section.lr_scheduler,
         weight_decay=section.weight_decay, betas=tuple(section.betas), max_grad_norm=section.max_grad_norm)
+
+
+def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequence[dict[str, Any]],
+                    step: int, total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, name: str,
+                    progress_keys: Sequence[str], train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
+                    evaluate: Callable[[], dict[str, float]] | None) -> int:
+    """The optimizer-step loop of a supervised stage (train-sft, train-rm, train-dpo), from `step` (0, or the step a
+    resume loaded) to `total_steps`; returns the last step.
+
+    Each step takes the next `section.batch_size` examples of `train` in the epoch's seeded order
+    (`data.epoch_order` with `(data.seed, seed)`, by length groups of `section.micro_batch_size` when
+    `data.group_by_length`; an epoch is `len(train) // batch_size` steps, its last partial batch dropped), gives
+    this rank its contiguous share to `train_step(examples)`, which runs the micro-batches, the backwards and the
+    engine steps and returns the step's record. Every `section.eval_every` steps (not at the last one: the stage
+    evaluates after the loop) `evaluate()`'s figures join the record; the record is logged every
+    `section.log_every` steps and at the last; a checkpoint is written every `section.save_every` steps, and on
+    Ctrl-C before the interrupt goes on. The engine is in train mode for every `train_step`."""
+    steps_per_epoch = len(train) // section.batch_size
+    lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
+    per_rank = section.batch_size // engine.world_size()
+    progress = Progress(total_steps, name, list(progress_keys), enabled=engine.is_main(), start=step)
+    order_epoch, order = -1, []
+    eng.train()
+    try:
+        while step < total_steps:
+            epoch, pos = divmod(step, steps_per_epoch)
+            if epoch != order_epoch:
+                order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, section.micro_batch_size)
+                order_epoch = epoch
+            batch_idx = order[pos * section.batch_size:(pos + 1) * section.batch_size]
+            mine = [train[j] for j in batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]]
+            record = train_step(mine)
+            step += 1
+            record["epoch"] = step / steps_per_epoch
+            if evaluate is not None and section.eval_every and step % section.eval_every == 0 and step < total_steps:
+                record.update(evaluate())
+                eng.train()
+            if step % section.log_every == 0 or step == total_steps:
+                metrics.log(step, record)
+            progress.update(1, record)
+            if section.save_every and step % section.save_every == 0 and step < total_steps:
+                ckpts.save(step)
+    except KeyboardInterrupt:
+        progress.close()
+        log.warning("interrupted at step %d: saving a checkpoint before exit", step)
+        ckpts.save(step)
+        raise
+    progress.close()
+    return step

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rlhf_cli import engine, lineage
 from rlhf_cli.commands import by_stage
 from rlhf_cli.core import pairwise_loss, sample_std
-from rlhf_cli.data import epoch_order, example_length, load_preference_data
+from rlhf_cli.data import load_preference_data
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import forward_pairs, pair_collator, pair_metrics, score_pairs
@@ -34,8 +34,14 @@ from rlhf_cli.models import (
     save_model,
     with_scoring_template,
 )
-from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
-from rlhf_cli.stages.common import model_source, print_table, supervised_engine, trained_parameters
+from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
+from rlhf_cli.stages.common import (
+    model_source,
+    print_table,
+    supervised_engine,
+    supervised_loop,
+    trained_parameters,
+)
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -96,62 +102,42 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 
     # 5. loop
     collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
-    lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
     per_rank = rmc.batch_size // engine.world_size()
-    progress = Progress(total_steps, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=step)
-    order_epoch, order = -1, []
-    eval_stats: dict[str, float] = {}
-    eng.train()
-    try:
-        while step < total_steps:
-            epoch, pos = divmod(step, steps_per_epoch)
-            if epoch != order_epoch:
-                order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, rmc.micro_batch_size)
-                order_epoch = epoch
-            batch_idx = order[pos * rmc.batch_size:(pos + 1) * rmc.batch_size]
-            mine = batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]
-            t0 = time.perf_counter()
-            stats_sum: dict[str, float] = {}
-            tokens = torch.zeros(3)  # pair tokens (chosen + rejected sequences), real tokens computed, positions
-            for m in range(0, per_rank, rmc.micro_batch_size):
-                exs = [train[j] for j in mine[m:m + rmc.micro_batch_size]]
-                batch = collate(exs)
-                tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
-                                        float(batch["attention_mask"].numel())])
-                chosen, rejected = forward_pairs(eng.module, batch, cfg.precision)
-                margin = batch["margin"].to(chosen.device) if rmc.margin and "margin" in batch else None
-                loss, stats = pairwise_loss(chosen, rejected, margin)
-                if rmc.center_rewards_coef:
-                    center = rmc.center_rewards_coef * ((chosen + rejected) ** 2).mean()
-                    loss = loss + center
-                    stats["rm/center_loss"] = float(center)
-                eng.backward_mean(loss)
-                eng.step()
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + v / eng.grad_accum
-            step += 1
-            dt = time.perf_counter() - t0
-            pair_tok, real, positions = engine.all_reduce_sum(tokens).tolist()
-            record = engine.reduce_stats(stats_sum)
-            record.update({"lr": eng.lr(), "grad_norm": eng.grad_norm(), "epoch": step / steps_per_epoch,
-                           "throughput/pairs_per_s": rmc.batch_size / dt, "throughput/tokens_per_s": pair_tok / dt,
-                           "throughput/padding_fraction": 1 - real / positions,
-                           "throughput/positions_per_token": positions / pair_tok})
-            if rmc.eval_every and step % rmc.eval_every == 0 and step < total_steps and heldout:
-                eval_stats = pair_metrics(*score_pairs(eng.module, heldout, tokenizer.pad_token_id,
-                                                       rmc.eval_batch_size, score_precision, cfg.data.packing))
-                record.update({f"eval/{k}": v for k, v in eval_stats.items()})
-            if step % rmc.log_every == 0 or step == total_steps:
-                metrics.log(step, record)
-            progress.update(1, record)
-            if rmc.save_every and step % rmc.save_every == 0 and step < total_steps:
-                ckpts.save(step)
-    except KeyboardInterrupt:
-        progress.close()
-        log.warning("interrupted at step %d: saving a checkpoint before exit", step)
-        ckpts.save(step)
-        raise
-    progress.close()
+
+    def train_step(mine: list[dict[str, Any]]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        stats_sum: dict[str, float] = {}
+        tokens = torch.zeros(3)  # pair tokens (chosen + rejected sequences), real tokens computed, positions
+        for m in range(0, per_rank, rmc.micro_batch_size):
+            batch = collate(mine[m:m + rmc.micro_batch_size])
+            tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
+                                    float(batch["attention_mask"].numel())])
+            chosen, rejected = forward_pairs(eng.module, batch, cfg.precision)
+            margin = batch["margin"].to(chosen.device) if rmc.margin and "margin" in batch else None
+            loss, stats = pairwise_loss(chosen, rejected, margin)
+            if rmc.center_rewards_coef:
+                center = rmc.center_rewards_coef * ((chosen + rejected) ** 2).mean()
+                loss = loss + center
+                stats["rm/center_loss"] = float(center)
+            eng.backward_mean(loss)
+            eng.step()
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + v / eng.grad_accum
+        dt = time.perf_counter() - t0
+        pair_tok, real, positions = engine.all_reduce_sum(tokens).tolist()
+        record = engine.reduce_stats(stats_sum)
+        record.update({"lr": eng.lr(), "grad_norm": eng.grad_norm(), "throughput/pairs_per_s": rmc.batch_size / dt,
+                       "throughput/tokens_per_s": pair_tok / dt, "throughput/padding_fraction": 1 - real / positions,
+                       "throughput/positions_per_token": positions / pair_tok})
+        return record
+
+    def evaluate() -> dict[str, float]:
+        stats = pair_metrics(*score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size,
+                                          score_precision, cfg.data.packing))
+        return {f"eval/{k}": v for k, v in stats.items()}
+
+    step = supervised_loop(eng, cfg, rmc, train, step, total_steps, ckpts, metrics, COMMAND.name, PROGRESS_KEYS,
+                           train_step, evaluate if heldout else None)
 
     # 6. final eval, reward statistics, HF checkpoint, pointer
     final_stats: dict[str, float] = {}

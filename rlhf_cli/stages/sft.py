@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from rlhf_cli import engine, lineage
 from rlhf_cli.commands import by_stage
-from rlhf_cli.data import epoch_order, example_length, load_sft_data
+from rlhf_cli.data import load_sft_data
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import response_logprobs, sft_collator
@@ -40,8 +40,14 @@ from rlhf_cli.models import (
     lora_enabled,
     save_model,
 )
-from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
-from rlhf_cli.stages.common import model_source, print_table, supervised_engine, trained_parameters
+from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
+from rlhf_cli.stages.common import (
+    model_source,
+    print_table,
+    supervised_engine,
+    supervised_loop,
+    trained_parameters,
+)
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -119,59 +125,39 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 
     # 5. loop
     collate = sft_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
-    lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
     per_rank = sc.batch_size // engine.world_size()
-    progress = Progress(total_steps, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=step)
-    order_epoch, order = -1, []
-    eng.train()
-    try:
-        while step < total_steps:
-            epoch, pos = divmod(step, steps_per_epoch)
-            if epoch != order_epoch:
-                order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, sc.micro_batch_size)
-                order_epoch = epoch
-            batch_idx = order[pos * sc.batch_size:(pos + 1) * sc.batch_size]
-            mine = [train[j] for j in batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]]
-            t0 = time.perf_counter()
-            # the step's response tokens over every rank: each micro-batch's NLL sum is divided by it
-            n_step = float(engine.all_reduce_sum(torch.tensor([float(response_tokens(mine))]))[0])
-            sums = torch.zeros(4)  # NLL (nats), tokens, real tokens computed, positions
-            for m in range(0, per_rank, sc.micro_batch_size):
-                batch = collate(mine[m:m + sc.micro_batch_size])
-                lp = response_logprobs(eng.module, batch, cfg.precision)  # (N,) float32
-                eng.backward_global(-lp.sum() / n_step)
-                eng.step()
-                sums += torch.tensor([-float(lp.detach().sum()), float(batch["tokens"]),
-                                      float(batch["attention_mask"].sum()), float(batch["attention_mask"].numel())])
-            step += 1
-            dt = time.perf_counter() - t0
-            nll, tokens, real, positions = engine.all_reduce_sum(sums).tolist()
-            loss = nll / n_step
-            record = {"sft/loss": loss, "sft/perplexity": math.exp(min(loss, 700.0)), "sft/response_tokens": n_step,
-                      "lr": eng.lr(), "grad_norm": eng.grad_norm(), "epoch": step / steps_per_epoch,
-                      "throughput/tokens_per_s": tokens / dt, "throughput/padding_fraction": 1 - real / positions,
-                      "throughput/positions_per_token": positions / tokens}
-            if sc.eval_every and step % sc.eval_every == 0 and step < total_steps and heldout:
-                eng.eval()
-                record.update(heldout_loss(eng.module, heldout, collate, sc.eval_batch_size, cfg.precision))
-                eng.train()
-            if step % sc.log_every == 0 or step == total_steps:
-                metrics.log(step, record)
-            progress.update(1, record)
-            if sc.save_every and step % sc.save_every == 0 and step < total_steps:
-                ckpts.save(step)
-    except KeyboardInterrupt:
-        progress.close()
-        log.warning("interrupted at step %d: saving a checkpoint before exit", step)
-        ckpts.save(step)
-        raise
-    progress.close()
+
+    def train_step(mine: list[dict[str, Any]]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        # the step's response tokens over every rank: each micro-batch's NLL sum is divided by it
+        n_step = float(engine.all_reduce_sum(torch.tensor([float(response_tokens(mine))]))[0])
+        sums = torch.zeros(4)  # NLL (nats), tokens, real tokens computed, positions
+        for m in range(0, per_rank, sc.micro_batch_size):
+            batch = collate(mine[m:m + sc.micro_batch_size])
+            lp = response_logprobs(eng.module, batch, cfg.precision)  # (N,) float32
+            eng.backward_global(-lp.sum() / n_step)
+            eng.step()
+            sums += torch.tensor([-float(lp.detach().sum()), float(batch["tokens"]),
+                                  float(batch["attention_mask"].sum()), float(batch["attention_mask"].numel())])
+        dt = time.perf_counter() - t0
+        nll, tokens, real, positions = engine.all_reduce_sum(sums).tolist()
+        loss = nll / n_step
+        return {"sft/loss": loss, "sft/perplexity": math.exp(min(loss, 700.0)), "sft/response_tokens": n_step,
+                "lr": eng.lr(), "grad_norm": eng.grad_norm(), "throughput/tokens_per_s": tokens / dt,
+                "throughput/padding_fraction": 1 - real / positions,
+                "throughput/positions_per_token": positions / tokens}
+
+    def evaluate() -> dict[str, float]:
+        eng.eval()
+        return heldout_loss(eng.module, heldout, collate, sc.eval_batch_size, cfg.precision)
+
+    step = supervised_loop(eng, cfg, sc, train, step, total_steps, ckpts, metrics, COMMAND.name, PROGRESS_KEYS,
+                           train_step, evaluate if heldout else None)
 
     # 6. final held-out loss, HF checkpoint, pointer
     final_stats: dict[str, float] = {}
     if heldout:
-        eng.eval()
-        final_stats = heldout_loss(eng.module, heldout, collate, sc.eval_batch_size, cfg.precision)
+        final_stats = evaluate()
         metrics.log(step, final_stats)
     ckpts.save(step, final=True)
     final = run_dir / "final"

@@ -1,0 +1,279 @@
+"""`rlhf train-dpo`: direct preference optimisation of a causal LM on preference pairs, on DeepSpeed.
+
+The policy is trained on the pairs train-rm reads (every `data.format`, the same truncation and lineage; with no
+`data.*` keys the built-in task's pairs) against a frozen reference, its own starting weights: the loss of
+`dpo.loss` (`core.DPO_LOSSES`: DPO, IPO, SLiC) of each pair's log-ratio gap, plus RPO's NLL term on the chosen
+responses (`dpo.sft_weight`), averaged over the optimizer step's pairs (each micro-batch's sum is divided by the
+step's pair count and `engine.TrainEngine.backward_global` undoes DeepSpeed's average over ranks, so the update
+does not depend on how the step is cut). A pair's chosen and rejected responses share its prompt, computed once
+in a packed forward (`forwards.pair_logprobs`).
+
+The reference runs in eval mode with no gradient: a frozen copy of the starting model, or under LoRA the policy
+with its adapters off (`forwards.FrozenWithoutAdapters`, no second copy). With `dpo.precompute_reference` its
+log-probs of every training and held-out pair are computed once before the first step (and before a resume loads
+its checkpoint), from the starting policy itself: no reference is held while training. Dropout is off in the
+policy (LoRA's own `model.lora.dropout` aside), and policy, reference and held-out passes all run in `precision`
+(`scoring_precision` is not read), so at the first step policy and reference are one function: the loss is log 2
+(sigmoid) and every margin 0.
+
+Steps: load tokenizer and pairs → build the policy (LoRA adapters when `model.lora.r` > 0) and its reference →
+DeepSpeed engine → (precompute the reference) → (resume) → loop over optimizer steps with held-out statistics
+every `dpo.eval_every` steps and checkpoints → final held-out statistics → `final/` a plain causal LM in HF format
+(LoRA merged, its adapter in `final/adapter/`; `rlhf_reference_model` records the starting model, for
+`rlhf eval`) → `latest_dpo` pointer.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from rlhf_cli import engine, lineage
+from rlhf_cli.commands import by_stage
+from rlhf_cli.core import dpo_loss
+from rlhf_cli.data import load_preference_data
+from rlhf_cli.eos import eos_ids
+from rlhf_cli.errors import ConfigError
+from rlhf_cli.forwards import FrozenWithoutAdapters, pair_collator, pair_logprobs
+from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
+from rlhf_cli.models import (
+    add_lora,
+    count_parameters,
+    disable_dropout,
+    load_causal_lm,
+    load_generation_config,
+    load_tokenizer,
+    lora_enabled,
+    save_model,
+)
+from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
+from rlhf_cli.stages.common import (
+    model_source,
+    print_table,
+    supervised_engine,
+    supervised_loop,
+    trained_parameters,
+)
+
+log = logging.getLogger(__name__)
+COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
+
+PROGRESS_KEYS = ["dpo/loss", "dpo/accuracy", "dpo/margin", "throughput/pairs_per_s"]
+
+
+@torch.no_grad()
+def reference_logprobs(reference: Any, examples: Sequence[dict[str, Any]], collate: Callable, batch_size: int,
+                       precision: str) -> torch.Tensor:
+    """(N, 2) float32 on `engine.device()`: the summed response log-probs (nats) of each example's chosen (column 0) and
+    rejected (column 1) response under `reference`, `batch_size` pairs per forward (`forwards.pair_logprobs`).
+    `reference` is read in eval mode whatever its mode (restored after): a causal LM, a DeepSpeed engine's
+    module, or `FrozenWithoutAdapters.module`. Every rank runs every batch (the same forwards on each, as ZeRO-3
+    needs)."""
+    module = reference if isinstance(reference, torch.nn.Module) else None  # the LoRA view has no mode
+    was_training = module is not None and module.training
+    if module is not None:
+        module.eval()
+    try:
+        out = [torch.stack(pair_logprobs(reference, collate(examples[i:i + batch_size]), precision), -1)
+               for i in range(0, len(examples), batch_size)]
+    finally:
+        if module is not None:
+            module.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 2, device=engine.device())
+
+
+class Reference:
+    """The frozen reference of a run: its log-probs of a batch of pairs, from `model` with each micro-batch, or
+    looked up from those precomputed once (`precompute`)."""
+
+    def __init__(self, model: Any, precision: str) -> None:
+        self.model, self.precision = model, precision
+        self.table: dict[int, torch.Tensor] | None = None  # id(example) -> (2,) when precomputed
+
+    def precompute(self, examples: Sequence[dict[str, Any]], collate: Callable, batch_size: int) -> None:
+        """Compute every example's log-probs once, then let the model go (`model` may be the policy before its
+        first step: its weights are the reference's only now)."""
+        lp = reference_logprobs(self.model, examples, collate, batch_size, self.precision).cpu()  # (N, 2)
+        self.table = {id(ex): row for ex, row in zip(examples, lp)}
+        self.model = None
+
+    @torch.no_grad()
+    def __call__(self, examples: Sequence[dict[str, Any]], batch: dict[str, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) float32 each on `engine.device()`: the reference's chosen and rejected log-probs of `examples`,
+        `batch` their collated batch."""
+        if self.table is not None:
+            lp = torch.stack([self.table[id(ex)] for ex in examples]).to(engine.device())
+            return lp[:, 0], lp[:, 1]
+        return reference_logprobs(self.model, examples, lambda _: batch, len(examples), self.precision).unbind(-1)
+
+
+def chosen_tokens(examples: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """(B,) long: each pair's chosen response tokens (RPO's NLL is per chosen token)."""
+    return torch.tensor([len(ex["chosen_ids"]) for ex in examples], dtype=torch.long)
+
+
+def token_counts(examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """`core.dpo_loss`'s `chosen_tokens` and `rejected_tokens` of a batch of pairs."""
+    return {"chosen_tokens": chosen_tokens(examples),
+            "rejected_tokens": torch.tensor([len(ex["rejected_ids"]) for ex in examples], dtype=torch.long)}
+
+
+def loss_options(dc: Any) -> dict[str, Any]:
+    """`core.dpo_loss`'s options from the `dpo` section."""
+    return {"beta": dc.beta, "loss": dc.loss, "label_smoothing": dc.label_smoothing, "sft_weight": dc.sft_weight}
+
+
+@torch.no_grad()
+def heldout_stats(policy: Any, reference: Reference, examples: Sequence[dict[str, Any]], collate: Callable,
+                  dc: Any, precision: str) -> dict[str, float]:
+    """`eval/dpo/*`: `core.dpo_loss`'s statistics over the held-out pairs (the policy in eval mode against the
+    reference), `dpo.eval_batch_size` pairs per forward; every rank runs every batch."""
+    n_pairs, n_tokens = len(examples), float(chosen_tokens(examples).sum())
+    total: dict[str, float] = {}
+    for i in range(0, n_pairs, dc.eval_batch_size):
+        exs = examples[i:i + dc.eval_batch_size]
+        batch = collate(exs)
+        chosen, rejected = pair_logprobs(policy, batch, precision)
+        _, stats = dpo_loss(chosen, rejected, *reference(exs, batch), num_pairs=n_pairs, num_chosen_tokens=n_tokens,
+                            **token_counts(exs), **loss_options(dc))
+        for k, v in stats.items():
+            total[k] = total.get(k, 0.0) + v
+    return {f"eval/{k}": v for k, v in total.items()}
+
+
+def run(cfg: Any, run_dir: Path) -> float | None:
+    engine.init_distributed()
+    run_dir = prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
+    dc = cfg.dpo
+
+    # 1. data
+    tokenizer = load_tokenizer(cfg.model)
+    eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends (`eos.eos_ids`)
+    data = load_preference_data(cfg.data, tokenizer, eos_ids=eos)
+    train, heldout = data.train, data.eval
+    lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
+    if len(train) < dc.batch_size:
+        raise ConfigError(f"only {len(train)} training pairs, fewer than dpo.batch_size={dc.batch_size}")
+    if cfg.data.margin_key and engine.is_main():
+        log.warning("data.margin_key=%s is not read by %s: the DPO losses have no per-pair margin", cfg.data.margin_key,
+                    COMMAND.invocation)
+
+    # 2. policy and reference (dropout off: the first step's policy is the reference)
+    model = disable_dropout(load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer))
+    n_params = count_parameters(model)
+    if lora_enabled(cfg.model.lora):
+        add_lora(model, cfg.model.lora, what="policy")
+        reference_model: Any = FrozenWithoutAdapters(model, cfg.precision).module
+        what = "the policy with its LoRA adapters off"
+    elif not dc.precompute_reference:  # a second copy only when neither LoRA nor precomputing spares it
+        reference_model = engine.FrozenModel(copy.deepcopy(model), cfg.precision).module
+        what = "a frozen copy of the starting weights"
+    else:
+        reference_model, what = None, "the starting weights"  # the policy itself, before its first step
+    steps_per_epoch = len(train) // dc.batch_size
+    total_steps = dc.max_steps or steps_per_epoch * dc.epochs
+    dropped = len(train) - steps_per_epoch * dc.batch_size  # each epoch's last partial batch (reshuffled each epoch)
+    if dropped and engine.is_main():
+        log.warning("each epoch trains on %d of %d pairs: the last partial batch of %d is dropped (dpo.batch_size=%d; "
+                    "each epoch reshuffles, so different pairs sit out)", len(train) - dropped, len(train), dropped,
+                    dc.batch_size)
+    print_table(f"{COMMAND.name}: {run_dir}", {
+        "model": cfg.model.name, "params (non-embedding)": n_params,
+        "trained params": trained_parameters(model, cfg.model.lora),
+        "loss": f"{dc.loss} (beta={dc.beta:g}, label_smoothing={dc.label_smoothing:g}, sft_weight={dc.sft_weight:g})",
+        "reference": what + (", log-probs precomputed" if dc.precompute_reference else ", with each micro-batch"),
+        "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
+        "batch / micro / world": f"{dc.batch_size} / {dc.micro_batch_size} / {engine.world_size()}",
+        "precision": f"{cfg.precision} (policy, reference and held-out passes alike; scoring_precision not read)",
+        "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+    })
+    if cfg.dry_run:
+        set_status(run_dir, "dry_run") if engine.is_main() else None
+        return None
+
+    # 3. engine
+    eng = supervised_engine(model, cfg, dc, total_steps)
+    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
+                            config=OmegaConf.to_container(cfg, resolve=True))
+    collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
+    reference = Reference(reference_model if reference_model is not None else eng.module, cfg.precision)
+
+    # 4. the reference's log-probs once, from the starting weights (before a resume loads trained ones)
+    if dc.precompute_reference:
+        t0 = time.perf_counter()
+        reference.precompute(list(train) + list(heldout), collate, dc.eval_batch_size)
+        log.info("reference log-probs of %d pairs precomputed in %.1f s", len(train) + len(heldout),
+                 time.perf_counter() - t0)
+
+    # 5. resume
+    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints)
+    step, _ = ckpts.resume(cfg.resume, metrics)
+
+    # 6. loop
+    per_rank = dc.batch_size // engine.world_size()
+
+    def train_step(mine: list[dict[str, Any]]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        # the step's chosen tokens over every rank: RPO's NLL sum of each micro-batch is divided by it
+        n_chosen = float(engine.all_reduce_sum(chosen_tokens(mine).sum().double().reshape(1))[0])
+        stats_sum: dict[str, float] = {}
+        tokens = torch.zeros(3)  # pair tokens (chosen + rejected sequences), real tokens computed, positions
+        for m in range(0, per_rank, dc.micro_batch_size):
+            exs = mine[m:m + dc.micro_batch_size]
+            batch = collate(exs)
+            tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
+                                    float(batch["attention_mask"].numel())])
+            chosen, rejected = pair_logprobs(eng.module, batch, cfg.precision)  # (b,) float32, with the graph
+            loss, stats = dpo_loss(chosen, rejected, *reference(exs, batch), num_pairs=dc.batch_size,
+                                   num_chosen_tokens=n_chosen, **token_counts(exs), **loss_options(dc))
+            eng.backward_global(loss)
+            eng.step()
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + v
+        dt = time.perf_counter() - t0
+        keys = sorted(stats_sum)  # every stat is a sum over the step's pairs / its pair count: summed over ranks
+        summed = engine.all_reduce_sum(torch.tensor([stats_sum[k] for k in keys] + tokens.tolist(),
+                                                    dtype=torch.float64)).tolist()
+        record = dict(zip(keys, summed))
+        pair_tok, real, positions = summed[len(keys):]
+        record.update({"lr": eng.lr(), "grad_norm": eng.grad_norm(), "throughput/pairs_per_s": dc.batch_size / dt,
+                       "throughput/tokens_per_s": pair_tok / dt, "throughput/padding_fraction": 1 - real / positions,
+                       "throughput/positions_per_token": positions / pair_tok})
+        return record
+
+    def evaluate() -> dict[str, float]:
+        eng.eval()
+        return heldout_stats(eng.module, reference, heldout, collate, dc, cfg.precision)
+
+    step = supervised_loop(eng, cfg, dc, train, step, total_steps, ckpts, metrics, COMMAND.name, PROGRESS_KEYS,
+                           train_step, evaluate if heldout else None)
+
+    # 7. final held-out statistics, HF checkpoint, pointer
+    final_stats: dict[str, float] = {}
+    if heldout:
+        final_stats = evaluate()
+        metrics.log(step, final_stats)
+    ckpts.save(step)
+    final = run_dir / "final"
+    state_dict = eng.consolidated_state_dict()
+    if engine.is_main():
+        # the reference eval compares against: the starting model, as train-ppo records its own
+        reference_spec = {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
+        save_model(eng.module, state_dict, tokenizer, final, model_source(cfg.model),
+                   extra_config={"rlhf_stage": COMMAND.kind, "rlhf_reference_model": reference_spec})
+        atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "steps": step})
+        pointer = finish_run(cfg, run_dir, final, COMMAND.kind, steps=step)
+        print_table(f"{COMMAND.name} finished", {**final_stats, "checkpoint": str(final),
+                                                 "pointer": str(pointer or "not moved (a sweep job)")})
+    engine.barrier()
+    metrics.close()
+    return final_stats.get("eval/dpo/accuracy")
