@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
@@ -14,7 +15,7 @@ from transformers import AutoTokenizer
 from rlhf_cli import engine
 from rlhf_cli.data import epoch_order, example_length
 from rlhf_cli.errors import ConfigError
-from rlhf_cli.lifecycle import Checkpoints
+from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts
 from rlhf_cli.models import parameter_counts, resolve_hf_dir
 from rlhf_cli.runs import MetricsLogger, Progress
 
@@ -90,13 +91,16 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
     engine steps and returns the step's record. Every `section.eval_every` steps (not at the last one: the stage
     evaluates after the loop) `evaluate()`'s figures join the record; the record is logged every
     `section.log_every` steps and at the last; a checkpoint is written every `section.save_every` steps, and on
-    Ctrl-C before the interrupt goes on. The engine is in train mode for every `train_step`."""
+    Ctrl-C (or SIGTERM) before the interrupt goes on: one that arrives during a step lets the step and its record
+    finish first (`lifecycle.deferred_interrupts`), on every rank. The engine is in train mode for every
+    `train_step`."""
     steps_per_epoch = len(train) // section.batch_size
     lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
     per_rank = section.batch_size // engine.world_size()
     progress = Progress(total_steps, name, list(progress_keys), enabled=engine.is_main(), start=step)
     order_epoch, order = -1, []
     eng.train()
+    stepping = False
     try:
         while step < total_steps:
             epoch, pos = divmod(step, steps_per_epoch)
@@ -105,19 +109,32 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
                 order_epoch = epoch
             batch_idx = order[pos * section.batch_size:(pos + 1) * section.batch_size]
             mine = [train[j] for j in batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]]
-            record = train_step(mine)
-            step += 1
-            record["epoch"] = step / steps_per_epoch
-            if evaluate is not None and section.eval_every and step % section.eval_every == 0 and step < total_steps:
-                record.update(evaluate())
-                eng.train()
-            if step % section.log_every == 0 or step == total_steps:
-                metrics.log(step, record)
-            progress.update(1, record)
+            # a checkpoint mid-step would hold the step's weights under the previous step (or none of its row): a
+            # Ctrl-C/SIGTERM here lets the step and its record finish, then saves it (a second one stops at once,
+            # without a checkpoint)
+            with deferred_interrupts() as pending:
+                stepping = True
+                record = train_step(mine)
+                step += 1
+                record["epoch"] = step / steps_per_epoch
+                if (evaluate is not None and section.eval_every and step % section.eval_every == 0
+                        and step < total_steps):
+                    record.update(evaluate())
+                    eng.train()
+                if step % section.log_every == 0 or step == total_steps:
+                    metrics.log(step, record)
+                progress.update(1, record)
+                stepping = False
             if section.save_every and step % section.save_every == 0 and step < total_steps:
                 ckpts.save(step)
+            if engine.all_reduce_sum(torch.tensor(float(bool(pending)))).item() > 0:  # every rank stops together
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         progress.close()
+        if stepping:
+            log.warning("stopped in the middle of step %d: no checkpoint of it (resume=true continues from the last "
+                        "one)", step + 1)
+            raise
         log.warning("interrupted at step %d: saving a checkpoint before exit", step)
         ckpts.save(step)
         raise

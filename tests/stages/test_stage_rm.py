@@ -330,3 +330,47 @@ def test_packed_and_plain_runs_train_the_same_model(toy_run, run_stage, toy_over
     wa, wb = (load_file(d / "final" / "model.safetensors") for d in (packed_dir, plain_dir))
     for key in wa:
         torch.testing.assert_close(wa[key], wb[key], rtol=0, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("command", ["train_rm", "train_sft", "train_dpo"])
+def test_a_ctrl_c_mid_step_finishes_the_step_and_saves_it_then_resume_matches(run_stage, monkeypatch, tmp_path,
+                                                                            command):
+    """Ctrl-C (SIGINT) during step 2's optimizer step (after its update, before its record) in the supervised loop of
+    train-rm, train-sft and train-dpo: the step and its metrics row finish, `ds/step-2` holds exactly step 2's
+    weights, and the resumed run's later steps and final weights equal an uninterrupted run's."""
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    from rlhf_cli.stages import common
+
+    section = command.removeprefix("train_")
+    overrides = ["experiment=smoke", f"{section}.max_steps=4", f"{section}.batch_size=4",
+                 f"{section}.micro_batch_size=2", f"{section}.eval_every=0", f"{section}.log_every=1"]
+    _, whole, _ = run_stage(command, overrides, run_dir=tmp_path / "whole")
+    real_log = common.MetricsLogger.log
+
+    def interrupting_log(self, step, record):  # step 2's update is done, its record not yet written
+        if step == 2 and not getattr(self, "_interrupted", False):
+            self._interrupted = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_log(self, step, record)
+
+    monkeypatch.setattr(common.MetricsLogger, "log", interrupting_log)
+    run_dir = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(command, overrides, run_dir=run_dir)
+    monkeypatch.undo()
+    assert (run_dir / "ds" / "latest").read_text().strip() == "step-2"
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    run_stage(command, [*overrides, f"resume={run_dir}"], run_dir=run_dir)
+    a, b = read_metrics(whole), read_metrics(run_dir)
+    assert [r["step"] for r in b] == [r["step"] for r in a]
+    key = f"{section}/loss"
+    for ra, rb in zip(a, b):
+        if key in ra:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), ra["step"]
+    want, got = load_file(whole / "final" / "model.safetensors"), load_file(run_dir / "final" / "model.safetensors")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5)
