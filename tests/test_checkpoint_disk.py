@@ -102,3 +102,15 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_training(run_stage, t
         run_stage("train_rm", TINY_RM)
     assert "\n" not in str(err.value)
     assert not list((tmp_path / "runs" / "rm").glob("*/ds"))  # nothing was trained or saved
+
+
+@pytest.mark.parametrize("command", ["train_sft", "train_dpo"])
+def test_every_supervised_command_reads_keep_optimizer_and_shows_the_checkpoint_size(run_stage, tmp_path, command):
+    """train-sft and train-dpo, like train-rm: `paths.keep_optimizer=false` leaves the optimizer state out of the
+    final checkpoint (marked `NO_OPTIMIZER`), and the start table's checkpoint size is checked against the disk."""
+    section = command.removeprefix("train_")
+    _, run, _ = run_stage(command, ["experiment=smoke", f"{section}.max_steps=2", "paths.keep_optimizer=false"],
+                          run_dir=tmp_path / "run")
+    assert (run / "ds" / "step-2" / NO_OPTIMIZER).is_file()
+    state = torch.load(run / "ds" / "step-2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert state["optimizer"] is None

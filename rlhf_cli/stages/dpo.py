@@ -42,7 +42,7 @@ from rlhf_cli.data import load_preference_data
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import FrozenWithoutAdapters, pair_collator, pair_logprobs
-from rlhf_cli.lifecycle import Checkpoints, finish_run, prepare_run_dir, seed_everything
+from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     add_lora,
     count_parameters,
@@ -195,6 +195,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "batch / micro / world": f"{dc.batch_size} / {dc.micro_batch_size} / {engine.world_size()}",
         "precision": f"{cfg.precision} (policy, reference and held-out passes alike; scoring_precision not read)",
         "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+        "checkpoint size": checkpoint_plan([model], cfg.paths.keep_optimizer, cfg.deepspeed.zero_stage, run_dir),
     })
     if cfg.dry_run:
         set_status(run_dir, "dry_run") if engine.is_main() else None
@@ -215,7 +216,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                  time.perf_counter() - t0)
 
     # 5. resume
-    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints)
+    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
     step, _ = ckpts.resume(cfg.resume, metrics)
 
     # 6. loop
@@ -262,7 +263,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if heldout:
         final_stats = evaluate()
         metrics.log(step, final_stats)
-    ckpts.save(step)
+    ckpts.save(step, final=True)  # without the optimizer state when paths.keep_optimizer=false
     final = run_dir / "final"
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():

@@ -164,8 +164,10 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     state_dict = eng.consolidated_state_dict()
     if engine.is_main():
         # the held-out loss goes to rlhf_eval.json only: a config key would be carried into the next stage's model
+        # the reference eval compares against: the starting model, as train-ppo and train-dpo record theirs
+        reference_spec = {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
         save_model(eng.module, state_dict, tokenizer, final, model_source(cfg.model),
-                   extra_config={"rlhf_stage": COMMAND.kind})
+                   extra_config={"rlhf_stage": COMMAND.kind, "rlhf_reference_model": reference_spec})
         atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "steps": step})
         pointer = finish_run(cfg, run_dir, final, COMMAND.kind, steps=step)
         print_table(f"{COMMAND.name} finished", {**{k: v for k, v in final_stats.items()},

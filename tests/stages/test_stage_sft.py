@@ -75,6 +75,12 @@ def test_cli_run_writes_a_causal_lm_and_latest_sft_that_train_rm_starts_from(tmp
     assert sections == ["ppo", "rm", "sft"]
     assert (eval_dir / "report" / f"0_sft_{run_dir.name}" / "sft_loss.png").is_file()
 
+    # the SFT policy against its starting model, which its final/ records (no reference.path)
+    assert model.config.rlhf_reference_model["name"] == "tiny"
+    cli.main(["eval", *SMOKE, f"paths.root={root}", f"policy.path={run_dir}", "reward.type=checker",
+              "eval.num_prompts=4", "hydra.run.dir=" + str(tmp_path / "sft_eval")])
+    assert json.loads((tmp_path / "sft_eval" / "eval.json").read_text())["results"]["prompts"] == 4
+
 
 def test_loss_and_update_do_not_depend_on_how_the_step_is_cut_or_packed(run_stage):
     """One optimizer step of 8 demonstrations as one micro-batch of 8 or four of 2, packed or padded: the same
