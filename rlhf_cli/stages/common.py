@@ -12,11 +12,12 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
-from rlhf_cli import engine
+from rlhf_cli import engine, lineage
 from rlhf_cli.data import epoch_order, example_length
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts
-from rlhf_cli.models import parameter_counts, resolve_hf_dir
+from rlhf_cli.models import load_generation_config, load_tokenizer, parameter_counts, resolve_hf_dir
 from rlhf_cli.runs import MetricsLogger, Progress
 
 log = logging.getLogger(__name__)
@@ -140,3 +141,21 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
         raise
     progress.close()
     return step
+
+
+def supervised_data(cfg: Any, run_dir: Any, kind: str, loader: Callable[..., Any], batch_size: int, key: str,
+                    rows: str) -> tuple[Any, tuple[int, ...], Any]:
+    """The data step of a supervised stage (train-sft, train-rm, train-dpo): the tokenizer of `cfg.model`, the
+    run's EOS set (`eos.eos_ids`), `loader(cfg.data, tokenizer, eos_ids=...)`'s split (`data.load_sft_data` or
+    `load_preference_data`) and its lineage record (run-dir `kind`). Returns (tokenizer, the EOS ids, data).
+
+    Raises:
+        ConfigError: fewer training `rows` than one batch (`key`=`batch_size`), in one line.
+    """
+    tokenizer = load_tokenizer(cfg.model)
+    eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends
+    data = loader(cfg.data, tokenizer, eos_ids=eos)
+    lineage.record(run_dir, cfg, kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
+    if len(data.train) < batch_size:
+        raise ConfigError(f"only {len(data.train)} training {rows}, fewer than {key}={batch_size}")
+    return tokenizer, eos, data

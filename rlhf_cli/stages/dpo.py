@@ -35,12 +35,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_cli import engine, lineage
+from rlhf_cli import engine
 from rlhf_cli.commands import by_stage
 from rlhf_cli.core import dpo_loss
 from rlhf_cli.data import load_preference_data
-from rlhf_cli.eos import eos_ids
-from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import FrozenWithoutAdapters, pair_collator, pair_logprobs
 from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
@@ -48,8 +46,6 @@ from rlhf_cli.models import (
     count_parameters,
     disable_dropout,
     load_causal_lm,
-    load_generation_config,
-    load_tokenizer,
     lora_enabled,
     save_model,
 )
@@ -57,6 +53,7 @@ from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
 from rlhf_cli.stages.common import (
     model_source,
     print_table,
+    supervised_data,
     supervised_engine,
     supervised_loop,
     trained_parameters,
@@ -156,13 +153,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     dc = cfg.dpo
 
     # 1. data
-    tokenizer = load_tokenizer(cfg.model)
-    eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends (`eos.eos_ids`)
-    data = load_preference_data(cfg.data, tokenizer, eos_ids=eos)
+    tokenizer, eos, data = supervised_data(cfg, run_dir, COMMAND.kind, load_preference_data, dc.batch_size,
+                                           "dpo.batch_size", "pairs")
     train, heldout = data.train, data.eval
-    lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
-    if len(train) < dc.batch_size:
-        raise ConfigError(f"only {len(train)} training pairs, fewer than dpo.batch_size={dc.batch_size}")
     if cfg.data.margin_key and engine.is_main():
         log.warning("data.margin_key=%s is not read by %s: the DPO losses have no per-pair margin", cfg.data.margin_key,
                     COMMAND.invocation)

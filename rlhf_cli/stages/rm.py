@@ -16,20 +16,16 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_cli import engine, lineage
+from rlhf_cli import engine
 from rlhf_cli.commands import by_stage
 from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import load_preference_data
-from rlhf_cli.eos import eos_ids
-from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import forward_pairs, pair_collator, pair_metrics, score_pairs
 from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     add_lora,
     count_parameters,
-    load_generation_config,
     load_scalar_model,
-    load_tokenizer,
     lora_enabled,
     save_model,
     with_scoring_template,
@@ -38,6 +34,7 @@ from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
 from rlhf_cli.stages.common import (
     model_source,
     print_table,
+    supervised_data,
     supervised_engine,
     supervised_loop,
     trained_parameters,
@@ -56,13 +53,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     rmc = cfg.rm
 
     # 1. data
-    tokenizer = load_tokenizer(cfg.model)
-    eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends (`eos.eos_ids`)
-    data = load_preference_data(cfg.data, tokenizer, eos_ids=eos)
+    tokenizer, eos, data = supervised_data(cfg, run_dir, COMMAND.kind, load_preference_data, rmc.batch_size,
+                                           "rm.batch_size", "pairs")
     train, heldout = data.train, data.eval
-    lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
-    if len(train) < rmc.batch_size:
-        raise ConfigError(f"only {len(train)} training pairs, fewer than rm.batch_size={rmc.batch_size}")
 
     # 2. model; held-out pairs are scored in `scoring_precision` (fp32 under bf16-autocast by default)
     model = load_scalar_model(cfg.model, cfg.precision, cfg.seed)

@@ -24,19 +24,15 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from rlhf_cli import engine, lineage
+from rlhf_cli import engine
 from rlhf_cli.commands import by_stage
 from rlhf_cli.data import load_sft_data
-from rlhf_cli.eos import eos_ids
-from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import response_logprobs, sft_collator
 from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
 from rlhf_cli.models import (
     add_lora,
     count_parameters,
     load_causal_lm,
-    load_generation_config,
-    load_tokenizer,
     lora_enabled,
     save_model,
 )
@@ -44,6 +40,7 @@ from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
 from rlhf_cli.stages.common import (
     model_source,
     print_table,
+    supervised_data,
     supervised_engine,
     supervised_loop,
     trained_parameters,
@@ -81,13 +78,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     sc = cfg.sft
 
     # 1. data
-    tokenizer = load_tokenizer(cfg.model)
-    eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends (`eos.eos_ids`)
-    data = load_sft_data(cfg.data, tokenizer, eos_ids=eos)
+    tokenizer, eos, data = supervised_data(cfg, run_dir, COMMAND.kind, load_sft_data, sc.batch_size,
+                                           "sft.batch_size", "demonstrations")
     train, heldout = data.train, data.eval
-    lineage.record(run_dir, cfg, COMMAND.kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
-    if len(train) < sc.batch_size:
-        raise ConfigError(f"only {len(train)} training demonstrations, fewer than sft.batch_size={sc.batch_size}")
 
     # 2. model
     model = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer)
