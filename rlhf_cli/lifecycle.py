@@ -39,6 +39,7 @@ from rlhf_cli.errors import ConfigError
 from rlhf_cli.lineage import FILE as LINEAGE_FILE
 from rlhf_cli.lineage import MODEL_FILE as MODEL_LINEAGE_FILE
 from rlhf_cli.runs import (
+    TRACKER_FILE,
     MetricsLogger,
     atomic_write_text,
     check_writable,
@@ -107,6 +108,8 @@ def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
         cfg_path = run_dir / "config.yaml"
         if cfg_path.exists() and cfg.get("resume"):
             shutil.copyfile(cfg_path, run_dir / "config.prev.yaml")
+        elif not cfg.get("resume"):  # a fresh run in a used dir: its trackers start new runs, not the old ones
+            (run_dir / TRACKER_FILE).unlink(missing_ok=True)
         write_config(cfg, run_dir)
         if get_status(run_dir).get("state") != "finished":
             set_status(run_dir, "running")
@@ -333,9 +336,11 @@ class Checkpoints:
         state = {**(state or {}), "step": step, "rng": rng_state()}
         for i, (name, eng) in enumerate(self.engines.items()):
             eng.save(*self._where(tag, name), state if i == 0 else {}, optimizer=optimizer)
-        if not optimizer and engine.is_main():
+        if engine.is_main() and not optimizer:
             atomic_write_text(ckpt_dir(self.run_dir) / tag / NO_OPTIMIZER,
                               "paths.keep_optimizer=false: the weights and the LR schedule, no optimizer state\n")
+        elif engine.is_main():  # a step dir saved again with its optimizer state: no stale mark
+            (ckpt_dir(self.run_dir) / tag / NO_OPTIMIZER).unlink(missing_ok=True)
         commit_checkpoint(self.run_dir, tag, self.keep)
 
     def resume(self, resume: Any, metrics: MetricsLogger) -> tuple[int, dict[str, Any]]:

@@ -230,3 +230,22 @@ def test_keep_optimizer_false_under_zero_3_says_once_that_it_keeps_it(tmp_path, 
     assert [r.getMessage() for r in caplog.records] == [
         "paths.keep_optimizer=false has no effect under deepspeed.zero_stage=3 (its checkpoint's weights are the "
         "optimizer's fp32 partitions): the final checkpoint keeps the optimizer state"]
+
+
+def test_a_fresh_run_in_a_used_dir_does_not_reopen_its_tracker_runs(tmp_path):
+    """trackers.json names the tracker runs a resume reopens; a run started afresh in the same dir (no resume)
+    starts new ones, so it is dropped."""
+    from omegaconf import OmegaConf
+
+    from rlhf_cli.lifecycle import prepare_run_dir
+    from rlhf_cli.runs import TRACKER_FILE
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / TRACKER_FILE).write_text('{"mlflow": {"run_id": "abc"}}')
+    cfg = OmegaConf.create({"precision": "fp32", "resume": None})
+    prepare_run_dir(cfg, run_dir)
+    assert not (run_dir / TRACKER_FILE).exists()
+    (run_dir / TRACKER_FILE).write_text('{"mlflow": {"run_id": "abc"}}')
+    prepare_run_dir(OmegaConf.create({"precision": "fp32", "resume": str(run_dir)}), run_dir)
+    assert (run_dir / TRACKER_FILE).exists()

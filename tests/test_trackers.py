@@ -509,7 +509,8 @@ def test_wandb_offline_resume_keeps_the_run_id_and_sends_only_the_steps_it_lacks
         "(wandb drops a resumed run's steps at or below its last one) and gets this attempt's steps from 4 "
         "(metrics.jsonl holds this attempt's steps 2..3)"]
     dirs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert [d.name.rsplit("-", 1)[1] for d in dirs] == [run_id, run_id]  # `wandb sync` appends both to one run
+    # offline-run-<time>-<id>, and wandb adds "-1" to the second when both attempts start in the same second
+    assert [d.name.split("-")[3] for d in dirs] == [run_id, run_id]  # `wandb sync` appends both to one run
     steps = []
     for d in dirs:
         (file,) = d.glob("run-*.wandb")

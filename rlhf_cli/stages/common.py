@@ -91,10 +91,10 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
     this rank its contiguous share to `train_step(examples)`, which runs the micro-batches, the backwards and the
     engine steps and returns the step's record. Every `section.eval_every` steps (not at the last one: the stage
     evaluates after the loop) `evaluate()`'s figures join the record; the record is logged every
-    `section.log_every` steps and at the last; a checkpoint is written every `section.save_every` steps, and on
-    Ctrl-C (or SIGTERM) before the interrupt goes on: one that arrives during a step lets the step and its record
-    finish first (`lifecycle.deferred_interrupts`), on every rank. The engine is in train mode for every
-    `train_step`."""
+    `section.log_every` steps, at the last, and with held-out figures; a checkpoint is written every
+    `section.save_every` steps, and on Ctrl-C (or SIGTERM) before the interrupt goes on: one that arrives during a
+    step lets the step and its record finish first (`lifecycle.deferred_interrupts`), on every rank. The engine is
+    in train mode for every `train_step`."""
     steps_per_epoch = len(train) // section.batch_size
     lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
     per_rank = section.batch_size // engine.world_size()
@@ -118,11 +118,12 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
                 record = train_step(mine)
                 step += 1
                 record["epoch"] = step / steps_per_epoch
-                if (evaluate is not None and section.eval_every and step % section.eval_every == 0
-                        and step < total_steps):
+                evaluated = (evaluate is not None and section.eval_every and step % section.eval_every == 0
+                             and step < total_steps)
+                if evaluated:
                     record.update(evaluate())
                     eng.train()
-                if step % section.log_every == 0 or step == total_steps:
+                if step % section.log_every == 0 or step == total_steps or evaluated:  # held-out figures always
                     metrics.log(step, record)
                 progress.update(1, record)
                 stepping = False
