@@ -160,3 +160,16 @@ def supervised_data(cfg: Any, run_dir: Any, kind: str, loader: Callable[..., Any
     if len(data.train) < batch_size:
         raise ConfigError(f"only {len(data.train)} training {rows}, fewer than {key}={batch_size}")
     return tokenizer, eos, data
+
+
+def supervised_steps(section: Any, key: str, n_train: int, rows: str) -> tuple[int, int]:
+    """A supervised stage's length: (optimizer steps, rows left out of each epoch). An epoch is
+    `n_train // section.batch_size` steps, its last partial batch dropped (each epoch reshuffles, so other rows sit
+    out; said once, naming `key`); `section.max_steps` overrides `section.epochs` epochs."""
+    steps_per_epoch = n_train // section.batch_size
+    dropped = n_train - steps_per_epoch * section.batch_size
+    if dropped and engine.is_main():
+        log.warning("each epoch trains on %d of %d %s: the last partial batch of %d is dropped (%s=%d; each epoch "
+                    "reshuffles, so different %s sit out)", n_train - dropped, n_train, rows, dropped, key,
+                    section.batch_size, rows)
+    return section.max_steps or steps_per_epoch * section.epochs, dropped

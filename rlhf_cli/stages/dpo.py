@@ -56,6 +56,7 @@ from rlhf_cli.stages.common import (
     supervised_data,
     supervised_engine,
     supervised_loop,
+    supervised_steps,
     trained_parameters,
 )
 
@@ -172,13 +173,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         what = "a frozen copy of the starting weights"
     else:
         reference_model, what = None, "the starting weights"  # the policy itself, before its first step
-    steps_per_epoch = len(train) // dc.batch_size
-    total_steps = dc.max_steps or steps_per_epoch * dc.epochs
-    dropped = len(train) - steps_per_epoch * dc.batch_size  # each epoch's last partial batch (reshuffled each epoch)
-    if dropped and engine.is_main():
-        log.warning("each epoch trains on %d of %d pairs: the last partial batch of %d is dropped (dpo.batch_size=%d; "
-                    "each epoch reshuffles, so different pairs sit out)", len(train) - dropped, len(train), dropped,
-                    dc.batch_size)
+    total_steps, _ = supervised_steps(dc, "dpo.batch_size", len(train), "pairs")
     print_table(f"{COMMAND.name}: {run_dir}", {
         "model": cfg.model.name, "params (non-embedding)": n_params,
         "trained params": trained_parameters(model, cfg.model.lora),

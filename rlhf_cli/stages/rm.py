@@ -37,6 +37,7 @@ from rlhf_cli.stages.common import (
     supervised_data,
     supervised_engine,
     supervised_loop,
+    supervised_steps,
     trained_parameters,
 )
 
@@ -63,13 +64,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if lora_enabled(cfg.model.lora):  # adapters on the trunk, the head `score` trained in full
         add_lora(model, cfg.model.lora, heads=("score",), what="reward model")
     score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
-    steps_per_epoch = len(train) // rmc.batch_size
-    total_steps = rmc.max_steps or steps_per_epoch * rmc.epochs
-    dropped = len(train) - steps_per_epoch * rmc.batch_size  # each epoch's last partial batch (reshuffled each epoch)
-    if dropped and engine.is_main():
-        log.warning("each epoch trains on %d of %d pairs: the last partial batch of %d is dropped (rm.batch_size=%d; "
-                    "each epoch reshuffles, so different pairs sit out)", len(train) - dropped, len(train), dropped,
-                    rmc.batch_size)
+    total_steps, dropped = supervised_steps(rmc, "rm.batch_size", len(train), "pairs")
     print_table(f"{COMMAND.name}: {run_dir}", {
         "model": cfg.model.name, "params (non-embedding)": n_params,
         "trained params": trained_parameters(model, cfg.model.lora),

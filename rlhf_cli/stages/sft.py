@@ -43,6 +43,7 @@ from rlhf_cli.stages.common import (
     supervised_data,
     supervised_engine,
     supervised_loop,
+    supervised_steps,
     trained_parameters,
 )
 
@@ -87,13 +88,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     n_params = count_parameters(model)
     if lora_enabled(cfg.model.lora):
         add_lora(model, cfg.model.lora, what="policy")
-    steps_per_epoch = len(train) // sc.batch_size
-    total_steps = sc.max_steps or steps_per_epoch * sc.epochs
-    dropped = len(train) - steps_per_epoch * sc.batch_size  # each epoch's last partial batch (reshuffled each epoch)
-    if dropped and engine.is_main():
-        log.warning("each epoch trains on %d of %d demonstrations: the last partial batch of %d is dropped "
-                    "(sft.batch_size=%d; each epoch reshuffles, so different rows sit out)", len(train) - dropped,
-                    len(train), dropped, sc.batch_size)
+    total_steps, _ = supervised_steps(sc, "sft.batch_size", len(train), "demonstrations")
     print_table(f"{COMMAND.name}: {run_dir}", {
         "model": cfg.model.name, "params (non-embedding)": n_params,
         "trained params": trained_parameters(model, cfg.model.lora),
