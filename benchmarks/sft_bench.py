@@ -81,7 +81,7 @@ def trl_child(spec_path: str) -> None:
             self.steps.append({"seconds": seconds, "tokens": total - self.tokens_seen, "positions": self.positions})
             self.tokens_seen = total
 
-    tokenizer = AutoTokenizer.from_pretrained(spec["init_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["init_dir"], dtype=torch.float32)
     timer = StepTimer()
     model.register_forward_pre_hook(timer.count_positions, with_kwargs=True)
@@ -210,8 +210,9 @@ def run_sides(args: argparse.Namespace, work: Path, tag: str, overrides: list[st
     rows = [train[j] for b in batches[:steps] for j in b]
     for side, padding_free in (("trl_padded", False), ("trl_padding_free", True)):
         name = f"trl_{'padding_free' if padding_free else 'padded'}{tag}"
-        spec = {"init_dir": str(init_dir), "input_ids": [ex["input_ids"] for ex in rows],
-                "completion_mask": [ex["loss_mask"] for ex in rows], "steps": steps, "micro_batch_size": m,
+        spec = {"init_dir": str(init_dir), "tokenizer_dir": str(work / "tokenizer"),
+                "input_ids": [ex["input_ids"] for ex in rows], "completion_mask": [ex["loss_mask"] for ex in rows],
+                "steps": steps, "micro_batch_size": m,
                 "grad_accum": B // m, "lr": args.lr, "betas": args.betas, "weight_decay": args.weight_decay,
                 "max_grad_norm": args.max_grad_norm, "bf16": precision != "fp32",
                 "lr_multipliers": [schedule(s) for s in range(steps)], "seed": args.seed, "padding_free": padding_free,
@@ -298,7 +299,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     base = C.compose("train_sft", [f"model={args.model}", f"seed={args.seed}"])
     init_dir = C.policy_dir(base.model, args.seed, work)
-    overrides = ["model=hf", f"model.name_or_path={init_dir}",
+    # the GGUF's de-quantised cache holds weights only: both tools read the one tokenizer saved here
+    load_tokenizer(base.model).save_pretrained(work / "tokenizer")
+    overrides = ["model=hf", f"model.name_or_path={init_dir}", f"model.tokenizer={work / 'tokenizer'}",
                  f"sft.batch_size={B}", f"sft.micro_batch_size={m}", f"sft.lr={args.lr}",
                  f"sft.betas=[{args.betas[0]},{args.betas[1]}]", f"sft.weight_decay={args.weight_decay}",
                  f"sft.warmup_ratio={args.warmup_ratio}", f"sft.lr_scheduler={args.lr_scheduler}",
