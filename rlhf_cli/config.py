@@ -48,7 +48,7 @@ IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
 REWARD_SOURCES = ("model", "checker", "function")
 # the sampling engines `rollout.engine` names: rollout.generation.GENERATORS (a test keeps the two equal)
-ROLLOUT_ENGINES = ("hf", "vllm")
+ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.generation.resolve_engine
 # the names `logger` takes: `jsonl` and the trackers of runs.TRACKERS (a test keeps the two equal)
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 

@@ -6,7 +6,7 @@
                         `update_weights(model)`
     HFGenerator         `rollout.engine=hf`: HF `generate` with one random stream per prompt (`PerRowSampler`)
     GENERATORS          {`rollout.engine` value: engine builder, imported on use}; `make_generator(name,
-                        EngineSettings)` builds one
+                        EngineSettings)` builds one; `resolve_engine` turns `auto` into one of them
     rollout_batch       prompt ids + a `Generation` -> the rollout batch `[left-padded prompt | right-padded
                         response]` the stages score and train on
     join_rollout_batches  several rollout batches as one (`ppo.filter_groups`' rounds)
@@ -300,6 +300,33 @@ GENERATORS: dict[str, Callable[[EngineSettings], Generator]] = {"hf": _hf, "vllm
 """{`rollout.engine` value: the function building that engine from `EngineSettings`} (an engine's module, and its
 optional dependency, is imported only when chosen); `config.ROLLOUT_ENGINES` lists the same names (a test keeps
 the two equal)."""
+
+
+def resolve_engine(name: str, config: Any) -> tuple[str, str]:
+    """The sampling engine a run uses for `rollout.engine=<name>`, and why, in words.
+
+    name: `hf` or `vllm` (returned as named) or `auto`: `vllm` where vLLM is installed and can sample this model
+    (`vllm_engine.unservable`: its architecture, and on the CPU its attention head size), else `hf`. vLLM is the
+    default where it runs because it was measured faster at every shape on both CPU precisions (docs/results.md,
+    "vLLM: generation time against HF": 0.43-0.57x HF's time in bf16-autocast, 0.54-0.89x in fp32) and learned as
+    well (the same section's parity table). config: the policy's `PretrainedConfig`.
+    """
+    if name != "auto":
+        return name, "as set"
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "hf", "auto: vLLM is not installed (`make install-vllm`)"
+    from rlhf_cli.rollout.vllm_engine import unservable
+
+    why = unservable(config)
+    return ("hf", f"auto: {why}") if why else ("vllm", "auto: vLLM is installed and serves this model")
+
+
+def describe_engine(name: str, config: Any) -> str:
+    """`rollout.engine=<name>` as a start table shows it: the engine, and for `auto` why (`resolve_engine`)."""
+    used, why = resolve_engine(name, config)
+    return used if why == "as set" else f"{used} ({why})"
 
 
 def make_generator(name: str, settings: EngineSettings) -> Generator:

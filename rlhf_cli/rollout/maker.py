@@ -45,6 +45,7 @@ from rlhf_cli.rollout.generation import (
     Sampling,
     join_rollout_batches,
     make_generator,
+    resolve_engine,
     rollout_batch,
 )
 from rlhf_cli.rollout.plan import UpdatePlan
@@ -81,7 +82,15 @@ class ExperienceMaker:
         self.rewards, self.kl_ctl = rewards, kl_ctl
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
-        self.generator = make_generator(cfg.rollout.engine, EngineSettings(
+        self.engine_name, why = resolve_engine(cfg.rollout.engine, lm_of(actor.module).config)
+        """The sampling engine this run uses (`rollout.engine`, `auto` resolved: `generation.resolve_engine`)."""
+        if why != "as set" and engine.is_main():
+            log.info("rollout.engine=%s samples with %s (%s)", cfg.rollout.engine, self.engine_name, why)
+        if cfg.rollout.is_correction != "none" and self.engine_name == "hf" and engine.is_main():
+            log.warning("rollout.is_correction=%s does nothing with rollout.engine=hf: the trainer samples itself, so "
+                        "there are no engine log-probs and the ratio is 1 (rollout.engine=vllm gives them)",
+                        cfg.rollout.is_correction)
+        self.generator = make_generator(self.engine_name, EngineSettings(
             precision=cfg.precision, chunk=self.p.micro_batch_size * 4, workdir=workdir,
             kv_cache_gb=cfg.rollout.kv_cache_gb, max_model_len=cfg.data.max_prompt_length + self.p.max_new_tokens))
         """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout; the stage

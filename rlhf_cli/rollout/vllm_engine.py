@@ -12,6 +12,7 @@ from token ids with one seed per prompt, and takes each new policy through vLLM'
                         LoRA merged under the base names, tied weights under each name; under ZeRO-3 one layer
                         gathered at a time
     check_head_size     the CPU attention's head sizes, checked before the engine starts
+    unservable          why this vLLM cannot sample a model (`rollout.engine=auto` then samples with `hf`)
 
 Exactness (measured on the tiny model and SmolLM2, docs/results.md): in fp32 the engine's log-probs of the sampled
 tokens equal the trainer's to ~1e-6 nats, after any number of pushes. The engine is built with
@@ -61,23 +62,45 @@ def cpu_backend() -> bool:
     return not torch.cuda.is_available()
 
 
-def check_head_size(config: Any) -> None:
-    """Refuse, in one line, a model whose attention head size vLLM's CPU attention cannot serve.
+def unserved_head_size(config: Any) -> str | None:
+    """Why vLLM's CPU attention cannot serve this model, in words, or None when it can.
 
-    config: the causal LM's `PretrainedConfig`. The sizes come from vLLM's CPU attention backend (32, 64, 80, ...,
-    512 in vLLM 0.32). Raises ConfigError naming the keys that set the head size.
+    config: the causal LM's `PretrainedConfig`. The head sizes come from vLLM's CPU attention backend (32, 64, 80,
+    ..., 512 in vLLM 0.32); a config without a head count passes (the engine decides).
     """
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     supported = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim is not None and head_dim not in supported:
+    if head_dim is None or head_dim in supported:
+        return None
+    return (f"vLLM's CPU attention serves head sizes {', '.join(map(str, supported))}, and this model's is {head_dim} "
+            f"(hidden size {config.hidden_size} / {heads} heads)")
+
+
+def check_head_size(config: Any) -> None:
+    """Refuse, in one line, a model whose attention head size vLLM's CPU attention cannot serve
+    (`unserved_head_size`). Raises ConfigError naming the keys that set the head size."""
+    why = unserved_head_size(config)
+    if why is not None:
         raise ConfigError(
-            f"rollout.engine=vllm: vLLM's CPU attention serves head sizes {', '.join(map(str, supported))}, and this "
-            f"model's is {head_dim} (hidden size {config.hidden_size} / {heads} heads): use rollout.engine=hf, or "
-            f"for model=tiny set model.arch.num_attention_heads so that model.arch.hidden_size / heads is one of them "
-            f"(e.g. model.arch.num_attention_heads=2 model.arch.num_key_value_heads=2)")
+            f"rollout.engine=vllm: {why}: use rollout.engine=hf, or for model=tiny set model.arch.num_attention_heads "
+            f"so that model.arch.hidden_size / heads is one of them (e.g. model.arch.num_attention_heads=2 "
+            f"model.arch.num_key_value_heads=2)")
+
+
+def unservable(config: Any) -> str | None:
+    """Why this vLLM cannot sample this model, in words, or None when it can: an architecture vLLM's model registry
+    does not hold, or (on the CPU backend) an attention head size its CPU attention does not serve. `rollout.engine=
+    auto` reads it to fall back to `hf`; config: the causal LM's `PretrainedConfig`."""
+    from vllm import ModelRegistry
+
+    archs = list(getattr(config, "architectures", None) or [])
+    supported = set(ModelRegistry.get_supported_archs())
+    if archs and not any(a in supported for a in archs):
+        return f"vLLM has no implementation of {', '.join(archs)}"
+    return unserved_head_size(config) if cpu_backend() else None
 
 
 def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None,

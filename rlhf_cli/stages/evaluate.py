@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from transformers import AutoConfig
 
 from rlhf_cli import engine, lineage
 from rlhf_cli.commands import by_kind, by_stage
@@ -57,7 +58,15 @@ from rlhf_cli.report import (
     summary_table,
 )
 from rlhf_cli.rewards import load_reward_function
-from rlhf_cli.rollout import EngineSettings, Sampling, call_on_every_rank, make_generator, rollout_batch
+from rlhf_cli.rollout import (
+    EngineSettings,
+    Sampling,
+    call_on_every_rank,
+    describe_engine,
+    make_generator,
+    resolve_engine,
+    rollout_batch,
+)
 from rlhf_cli.runs import atomic_write_json, atomic_write_text, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
@@ -171,6 +180,9 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     # one noise stream per prompt, shared by policy and reference (common random numbers): the same
     # samples whatever the world size, and identical responses wherever the two models agree
     seeds = [derive_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
+    cfg.rollout.engine, why = resolve_engine(cfg.rollout.engine, policy.config)  # eval.json records the one used
+    if why != "as set" and engine.is_main():
+        log.info("rollout.engine=auto samples with %s (%s)", cfg.rollout.engine, why)
     generator = make_generator(cfg.rollout.engine, EngineSettings(
         precision=cfg.precision, chunk=e.generation_batch_size, workdir=run_dir, kv_cache_gb=cfg.rollout.kv_cache_gb,
         max_model_len=cfg.data.max_prompt_length + e.max_new_tokens))
@@ -372,7 +384,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         write_config(cfg, run_dir)  # the data this eval reads, as run
         console.print(data_note, soft_wrap=True, highlight=False)
     if cfg.dry_run:
-        sampler = {"sampling engine": cfg.rollout.engine} if policy_path is not None else {}
+        sampler = {} if policy_path is None else {"sampling engine": describe_engine(
+            cfg.rollout.engine, AutoConfig.from_pretrained(resolve_hf_dir(str(policy_path))))}
         print_table(f"{COMMAND.name} (dry run): {run_dir}",
                     {"policy": policy_path, "reward_model": rm_path, "data": data_note, **sampler})
         set_status(run_dir, "dry_run") if engine.is_main() else None

@@ -66,6 +66,7 @@ from rlhf_cli.rollout import (
     ExperienceMaker,
     PolicyLearner,
     Rewards,
+    describe_engine,
     engine_stats,
     is_correction_stats,
     kl_stats,
@@ -131,11 +132,7 @@ class PPOTrainer(PolicyLearner):
                 log.warning("%s: no effect with ppo.advantage_estimator=%s (critic-free: no critic, value loss or "
                             "GAE)", ", ".join(unused), p.advantage_estimator)
         r, rdefaults = self.cfg.rollout, RolloutConfig()
-        if r.is_correction != "none" and r.engine == "hf":
-            log.warning("rollout.is_correction=%s does nothing with rollout.engine=hf: the trainer samples itself, so "
-                        "there are no engine log-probs and the ratio is 1 (rollout.engine=vllm gives them)",
-                        r.is_correction)
-        elif r.is_correction == "none" and (r.is_low != rdefaults.is_low or r.is_high != rdefaults.is_high):
+        if r.is_correction == "none" and (r.is_low != rdefaults.is_low or r.is_high != rdefaults.is_high):
             log.warning("rollout.is_low/rollout.is_high have no effect with rollout.is_correction=none")
         if p.top_p < 1:
             log.warning("ppo.top_p=%g: the samples come from the nucleus, but the trainer's log-probs are of the whole "
@@ -280,7 +277,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             "trained policy params": trained_parameters(policy, cfg.model.lora),
             "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,
             "prompts × samples / mini / micro / world": batches, "advantage estimator": p.advantage_estimator,
-            "sampling engine": cfg.rollout.engine,
+            "sampling engine": describe_engine(cfg.rollout.engine, policy.config),
             "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
             "zero stage": cfg.deepspeed.zero_stage})
         if engine.is_main():
@@ -306,7 +303,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                       if isinstance(tr.reward_model, FrozenWithoutAdapters) else ")")
                    if tr.estimator.needs_critic else "none (critic-free)"),
         "prompts": len(tr.prompts), "iterations": p.iterations,
-        "prompts × samples / mini / micro / world": batches, "sampling engine": cfg.rollout.engine,
+        "prompts × samples / mini / micro / world": batches, "sampling engine": tr.maker.engine_name,
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",
         "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
         "checkpoint size": checkpoint_plan([e.module for e in (tr.actor, tr.critic) if e is not None],

@@ -31,6 +31,7 @@ from rlhf_cli.rollout import (  # noqa: E402
     EngineSettings,
     Sampling,
     make_generator,
+    resolve_engine,
     rollout_batch,
     vllm_engine,  # noqa: E402
 )
@@ -233,6 +234,19 @@ def test_a_head_size_the_cpu_attention_cannot_serve_is_refused_in_one_line(tiny_
     with pytest.raises(ConfigError, match="vLLM's CPU attention serves head sizes 32, 64.*this model's is 16"):
         g.update_weights(lm)
     g.close()
+
+
+def test_auto_samples_with_vllm_where_it_serves_the_model_and_with_hf_elsewhere(tiny_model_cfg, model_cfg,
+                                                                                  tokenizer):
+    served = load_causal_lm(model_cfg, seed=0, tokenizer=tokenizer).config  # head size 32
+    assert resolve_engine("auto", served) == ("vllm", "auto: vLLM is installed and serves this model")
+    unknown = copy.deepcopy(served)
+    unknown.architectures = ["NoSuchForCausalLM"]
+    assert resolve_engine("auto", unknown) == ("hf", "auto: vLLM has no implementation of NoSuchForCausalLM")
+    if vllm_engine.cpu_backend():
+        small = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer).config  # head size 16
+        used, why = resolve_engine("auto", small)
+        assert used == "hf" and why.startswith("auto: vLLM's CPU attention serves head sizes 32, 64") and "16" in why
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,9 @@ from rlhf_cli.rollout import (
     HFGenerator,
     PerRowSampler,
     Sampling,
+    describe_engine,
     make_generator,
+    resolve_engine,
     response_mask,
     rollout_batch,
     sample_responses,
@@ -269,7 +271,7 @@ def test_generate_ends_a_response_at_whichever_eos_id_comes_first(lm, prompts, m
 
 
 def test_the_registry_and_the_config_name_the_same_engines():
-    assert tuple(GENERATORS) == config.ROLLOUT_ENGINES
+    assert ("auto", *GENERATORS) == config.ROLLOUT_ENGINES  # auto resolves to one of them
     settings = EngineSettings(precision="fp32", chunk=4)
     assert isinstance(make_generator("hf", settings), HFGenerator)
     with pytest.raises(ValueError, match="rollout.engine='bogus' is not one of hf, vllm"):
@@ -290,12 +292,33 @@ def test_vllm_without_a_kv_cache_or_not_installed_is_refused_in_one_line(command
     validate(compose(command, ["model=tiny"]))  # hf needs nothing more
 
 
+def test_auto_samples_with_hf_where_vllm_is_not_installed_or_cannot_serve_the_model(tiny_causal, monkeypatch):
+    import importlib.util
+    import sys
+    import types
+
+    cfg = tiny_causal.config
+    assert resolve_engine("hf", cfg) == ("hf", "as set") and resolve_engine("vllm", cfg) == ("vllm", "as set")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    assert resolve_engine("auto", cfg) == ("hf", "auto: vLLM is not installed (`make install-vllm`)")
+    assert describe_engine("auto", cfg) == "hf (auto: vLLM is not installed (`make install-vllm`))"
+    # vLLM "installed": what it can serve decides (`vllm_engine.unservable`, tested on the real engine too)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    fake = types.ModuleType("rlhf_cli.rollout.vllm_engine")
+    fake.unservable = lambda config: None if config is cfg else "head size 16"
+    monkeypatch.setitem(sys.modules, "rlhf_cli.rollout.vllm_engine", fake)
+    assert resolve_engine("auto", cfg) == ("vllm", "auto: vLLM is installed and serves this model")
+    assert resolve_engine("auto", type(cfg)()) == ("hf", "auto: head size 16")
+
+
 @pytest.mark.parametrize("command", ["train_ppo", "eval"])
 def test_an_unknown_engine_is_refused_in_one_line(command):
     cfg = compose(command, ["model=tiny", "rollout.engine=bogus"])
     with pytest.raises(ConfigError) as e:
         by_config(command).validator(cfg)
-    assert str(e.value) == "rollout.engine='bogus' is not one of hf, vllm"
+    assert str(e.value) == "rollout.engine='bogus' is not one of auto, hf, vllm"
 
 
 def test_only_the_commands_that_sample_read_the_engine():
