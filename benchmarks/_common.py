@@ -437,6 +437,12 @@ def add_engine_args(p: Any) -> None:
                         "A-B-B-A with ours on hf, and print an engine table: generation and sync s, vllm vs hf")
 
 
+def on_engine(overrides: list[str], name: str) -> list[str]:
+    """Ours' `overrides` with `rollout.engine=<name>` (replacing any engine they set): the TRL comparisons pin
+    ours' sampler, as `rollout.engine=auto` picks vLLM wherever it is installed."""
+    return [*(o for o in overrides if not o.startswith("rollout.engine=")), f"rollout.engine={name}"]
+
+
 def packing_override(args: Any) -> str:
     """Ours' `data.packing=...` override for `--packing`."""
     return f"data.packing={str(args.packing == 'on').lower()}"

@@ -150,7 +150,7 @@ def main() -> None:
     out["ppo_iter"] = {}
     for lp in ("fp32", "same"):
         root = work / f"ppo_{lp}"
-        res = rlhf("train-ppo", [*shape, f"scoring_precision={lp}", "reward.type=checker",
+        res = rlhf("train-ppo", [*shape, f"scoring_precision={lp}", "rollout.engine=hf", "reward.type=checker",
                                  f"ppo.iterations={args.ppo_iterations}", "ppo.rollout_batch_size=16",
                                  "ppo.mini_batch_size=8", "ppo.micro_batch_size=8", "ppo.max_new_tokens=32",
                                  "ppo.actor_lr=1e-6", "ppo.kl_check_rows=16", "paths.keep_checkpoints=0"],

@@ -270,10 +270,10 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
                            "policy": policy, "betas": betas, "prep_s": prep_s}
     for who in (("ours", "vllm", "trl") if ours_first else ("trl", "vllm", "ours")):
         if who == "ours":
-            out["ours_dir"], out["ours"], out["o_steps"] = train_ours(overrides, work / "ours_grpo")
+            out["ours_dir"], out["ours"], out["o_steps"] = train_ours(C.on_engine(overrides, "hf"), work / "ours_grpo")
         elif who == "vllm":
             if args.engine_column:  # ours again, sampling on vLLM: hf, vllm for the 1st seed, vllm, hf for the 2nd
-                out["v_steps"] = train_ours([*overrides, "rollout.engine=vllm"], work / "ours_vllm_grpo")[2]
+                out["v_steps"] = train_ours(C.on_engine(overrides, "vllm"), work / "ours_vllm_grpo")[2]
         else:
             out["trl"] = C.run_child([args.trl_python, __file__, "--trl-child", str(work / "trl_grpo_spec.json")],
                                      work / "trl_grpo.log", env=env)

@@ -483,13 +483,13 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         sides: dict[str, Any] = {}
         for who in (("ours", "fastest", "vllm", "trl") if k % 2 == 0 else ("trl", "vllm", "fastest", "ours")):
             if who == "ours":
-                sides["ours"] = train_ours(overrides, work / f"ours_ppo{sfx}")
+                sides["ours"] = train_ours(C.on_engine(overrides, "hf"), work / f"ours_ppo{sfx}")
             elif who == "vllm":
                 if args.engine_column:
-                    sides["vllm"] = train_ours([*overrides, "rollout.engine=vllm"], work / f"ours_vllm_ppo{sfx}")
+                    sides["vllm"] = train_ours(C.on_engine(overrides, "vllm"), work / f"ours_vllm_ppo{sfx}")
             elif who == "fastest":
                 if args.fastest:
-                    sides["fastest"] = train_ours([*overrides, f"ppo.carried_forwards={carried}"],
+                    sides["fastest"] = train_ours(C.on_engine([*overrides, f"ppo.carried_forwards={carried}"], "hf"),
                                                   work / f"ours_fastest_ppo{sfx}")
             else:
                 sides["trl_model"] = work / f"trl_ppo{sfx}" / "final"
