@@ -265,6 +265,18 @@ def test_eval_page_over_the_chain_has_the_headline_and_every_section(tmp_path):
     assert samples.count("✓") == 3 and samples.count("✗") == 3
 
 
+def test_an_eval_against_another_trained_policy_asks_which_is_better_not_whether_rlhf_helped(tmp_path):
+    ev = write_chain(tmp_path, policy_results())
+    rec = json.loads((ev / "lineage.json").read_text())
+    rec["parents"]["reference"] = {"path": "/runs/dpo/x/final", "stage": "dpo", "run_dir": "/runs/dpo/x"}
+    (ev / "lineage.json").write_text(json.dumps(rec))
+    text = build_report(ev).read_text()
+    titles = section_titles(text)
+    assert "Does the policy beat the rlhf train-dpo policy?" in titles and "Did RLHF help?" not in titles
+    assert "<title>policy eval: /x/ppo/a/final against the rlhf train-dpo policy ref</title>" in text
+    assert "rlhf train-dpo: /runs/dpo/x" in text  # the sides table names the run that trained the reference
+
+
 @pytest.mark.parametrize("gains, verdict", [
     ((0.5, 0.1, -0.08, 0.05), "warning"),  # RM up beyond its interval, checker down beyond its interval
     ((0.53, 0.11, -0.04, 0.07), "possible"),  # run B4 of docs/results.md: the checker's interval contains 0

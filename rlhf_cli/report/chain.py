@@ -239,18 +239,35 @@ def _length_vs_reward(rows: list[dict[str, Any]], out_dir: Path) -> Section:
 def _sides(eval_dir: Path, results: dict[str, Any]) -> Section:
     """The models a policy eval compared, each with the command and run that trained it (from the eval's
     `lineage.json`): the policy, its reference (another trained policy, or the starting model) and the judge."""
-    rec = _lineage(eval_dir)
-    parents = rec.get("parents") if isinstance(rec, dict) and isinstance(rec.get("parents"), dict) else {}
-    made_by = {c.kind: c.invocation for c in COMMANDS.values()}
+    parents = _parents(eval_dir)
     rows = []
     for side, what in (("policy", "policy (measured)"), ("reference", "reference (compared with)"),
                        ("reward_model", "reward model (judge)")):
-        parent = parents.get(side) if isinstance(parents.get(side), dict) else {}
-        stage = parent.get("stage")
-        run = f"{made_by[stage]}: {parent.get('run_dir')}" if stage in made_by else "not a run of ours"
+        parent = parents.get(side, {})
+        cmd = _made_by(parent)
+        run = f"{cmd}: {parent.get('run_dir')}" if cmd else "not a run of ours"
         if results.get(side) is not None:
             rows.append([what, str(results[side]), run])
     return Section("policy and reference", tables=[Table(["side", "model", "trained by"], rows)])
+
+
+def _parents(eval_dir: Path) -> dict[str, dict[str, Any]]:
+    """{side: its lineage record} of the models an eval compared (`policy`, `reference`, `reward_model`), from the
+    eval's `lineage.json`; a side without a readable record is absent."""
+    rec = _lineage(eval_dir)
+    parents = rec.get("parents") if isinstance(rec, dict) and isinstance(rec.get("parents"), dict) else {}
+    return {side: p for side, p in parents.items() if isinstance(p, dict)}
+
+
+def _made_by(parent: dict[str, Any]) -> str | None:
+    """The command that trained a parent model (`rlhf train-ppo`, ...), or None when it is not a run of ours."""
+    return {c.kind: c.invocation for c in COMMANDS.values()}.get(parent.get("stage"))
+
+
+def _trained_reference(eval_dir: Path) -> str | None:
+    """The command that trained a policy eval's reference when its lineage records one of our runs, else None
+    (the reference is the starting model, or not a run of ours)."""
+    return _made_by(_parents(eval_dir).get("reference", {}))
 
 
 def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
@@ -261,9 +278,14 @@ def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
         title = f"reward model eval: {results.get('reward_model')}"
         sections = [Section("Is the reward model any good?", text=" ".join(rm_headline(results)))]
     else:
-        title = f"policy eval: did RLHF help? ({results.get('policy')})"
         sentences, alert = policy_headline(results)
-        sections = [Section("Did RLHF help?", text=" ".join(sentences), alert=alert), _sides(eval_dir, results)]
+        trained = _trained_reference(eval_dir)
+        if trained is None:
+            title, question = f"policy eval: did RLHF help? ({results.get('policy')})", "Did RLHF help?"
+        else:  # two trained policies: the question is which is better, not whether training helped
+            title = f"policy eval: {results.get('policy')} against the {trained} policy {results.get('reference')}"
+            question = f"Does the policy beat the {trained} policy?"
+        sections = [Section(question, text=" ".join(sentences), alert=alert), _sides(eval_dir, results)]
     for i, (stage, run) in enumerate(runs):
         name, panels = stage_panels()[stage]
         images = plot_run(run, out_dir / f"{i}_{stage}_{run.name}", panels=panels, rewards=False)
