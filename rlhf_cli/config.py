@@ -461,7 +461,9 @@ class PPOConfig:
     temperature: float = 0.7
     """Sampling temperature (> 0); logprobs are computed from logits / temperature."""
     top_p: float = 1.0
-    """Nucleus sampling; keep 1.0 for on-policy logprobs."""
+    """Nucleus sampling, in (0, 1]; below 1 the policy's log-probs (the ratio's old and new, the engine
+    correction's) and entropy are renormalised over the nucleus, as vLLM's are (trl#6789). A sampled token the
+    update pushed out of it stays in; the reference's log-probs are its whole softmax (`core.nucleus_logits`)."""
     kl_check_rows: int = 4
     """When the scoring passes are not fp32 (`scoring_precision=same` under bf16-autocast): each
     iteration, the KL of this many rollout rows per rank is also computed in fp32 and logged as

@@ -137,12 +137,6 @@ class PPOTrainer(PolicyLearner):
                         r.is_correction)
         elif r.is_correction == "none" and (r.is_low != rdefaults.is_low or r.is_high != rdefaults.is_high):
             log.warning("rollout.is_low/rollout.is_high have no effect with rollout.is_correction=none")
-        if p.top_p < 1:
-            log.warning("ppo.top_p=%g: the samples come from the nucleus, but the trainer's log-probs are of the whole "
-                        "softmax, not renormalised over the kept tokens, so the PPO ratio and the policy gradient%s "
-                        "are biased by each token's nucleus mass (trl#6789); ppo.top_p=1 keeps them exact", p.top_p,
-                        ", and rollout.is_correction's ρ against the engine's renormalised log-probs,"
-                        if r.is_correction != "none" else "")
         if self.cfg.data.group_by_length:
             log.warning("data.group_by_length=true has no effect in %s: prompts are drawn in a plain shuffled order "
                         "(it groups %s's pairs)", COMMAND.name, by_kind("rm").name)
@@ -326,7 +320,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     progress = Progress(p.iterations, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
-    drift = EngineDriftGuard(cfg.precision, top_p=p.top_p)
+    drift = EngineDriftGuard(cfg.precision)
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):
