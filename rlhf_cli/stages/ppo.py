@@ -187,6 +187,7 @@ class PPOTrainer(PolicyLearner):
                           if reference is not None else FrozenWithoutAdapters(policy, self.score_precision))
 
         completions = p.rollout_batch_size * p.n_samples_per_prompt
+        # an upper bound (ppo.filter_groups may take fewer steps); the constant schedule reads no horizon
         total = p.iterations * p.epochs * (completions // p.mini_batch_size)
         common = dict(train_batch_size=p.mini_batch_size, micro_batch_size=p.micro_batch_size, total_steps=total,
                       warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
@@ -341,7 +342,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                                                           cfg.rollout.is_high))
                     check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
                     drift.check(roll_stats, it)
-                    tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
+                    # the episodes trained on: fewer than the rollout's when ppo.filter_groups kept fewer (every
+                    # rank keeps as many rows)
+                    tr.kl_ctl.update(roll_stats["objective/kl"], exp.input_ids.shape[0] * engine.world_size())
                 del exp  # its tensors and packed layouts are not held through the next rollout
                 record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
                 metrics.log(it + 1, record)
