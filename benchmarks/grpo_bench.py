@@ -351,7 +351,8 @@ def add_seed_accuracy_rows(table: C.Table, runs: list[dict[str, Any]], per_seed:
 
 
 def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
-    P, G, m, steps = args.prompts_per_step, args.num_generations, args.micro_batch_size, args.steps
+    P, G, m, steps, K = (args.prompts_per_step, args.num_generations, args.micro_batch_size, args.steps,
+                         args.mini_batches)
     multi = len(args.seeds) > 1
     runs = []
     for k, seed in enumerate(args.seeds):  # one seed: the plain layout of `work`; several: a dir per seed
@@ -399,15 +400,19 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"policy/reference: {C.model_label(cfg.model)} ({policy}); reward: built-in checker − "
         f"{args.missing_eos_penalty} for no EOS",
         f"GRPO: {steps} steps × {P} prompts × {G} completions, {args.max_new_tokens} new tokens, "
-        f"T={args.temperature}, one optimizer step per rollout (micro {m} × {P * G // m}), β {args.beta} (k3, in "
+        f"T={args.temperature}, {K} optimizer step(s) per rollout (micro {m} × {P * G // (m * K)}), β {args.beta} "
+        f"(k3, in "
         f"the loss), lr {args.lr:g} betas {tuple(betas)}, no grad clipping, {seeds}",
         f"timing: {'the single step' if steps == 1 else f'steps 2-{steps} (step 1 dropped as warm-up)'}"
         + (f"; {len(runs)} seeds, pooled; ours first for the 1st, 3rd, ... seed, TRL first for the others"
            + ("" if len(runs) % 2 else " (A-B-B-A)") if multi else ""),
     ]
     notes = [
-        "scoring: checker + reference log-probs + advantages for both; on-policy (one optimizer step per rollout) "
-        "both take the old log-probs from the training forward (ours: `UpdatePlan.on_policy`)",
+        "scoring: checker + reference log-probs + advantages for both; "
+        + ("on-policy (one optimizer step per rollout) both take the old log-probs from the training forward "
+           "(ours: `UpdatePlan.on_policy`)" if K == 1 else
+           f"{K} optimizer steps per rollout: ours computes the old log-probs in a pass before the update, and the "
+           "ratio leaves 1 after the first step"),
         "eval: `rlhf eval` with ours as policy and TRL's final policy as reference (same prompts, same per-prompt "
         "noise, fp32); its KL row is between the two trained policies and is not shown",
         f"benchmark preparation (prompts, policy dir) {sum(r['prep_s'] for r in runs):.0f} s; logs and runs under "

@@ -453,7 +453,8 @@ class PPOConfig:
     """null = fixed β; else adaptive β (Ziegler et al. 2019) steering KL towards this value
     (nats per sequence: the sum over a response's tokens, averaged over sequences)."""
     kl_horizon: int = 10000
-    """Adaptive-KL horizon (episodes)."""
+    """Adaptive-KL horizon (episodes): each iteration moves β by the episodes it trained on (fewer when
+    `ppo.filter_groups` kept fewer; none when it skipped the iteration)."""
     kl_estimator: str = "k1"
     """Per-token KL estimator of the penalty: `k1`, `k2` or `k3` (Schulman's note)."""
     max_new_tokens: int = 32
@@ -461,7 +462,9 @@ class PPOConfig:
     temperature: float = 0.7
     """Sampling temperature (> 0); logprobs are computed from logits / temperature."""
     top_p: float = 1.0
-    """Nucleus sampling; keep 1.0 for on-policy logprobs."""
+    """Nucleus sampling, in (0, 1]; below 1 the policy's log-probs (the ratio's old and new, the engine
+    correction's) and entropy are renormalised over the nucleus, as vLLM's are (trl#6789). A sampled token the
+    update pushed out of it stays in; the reference's log-probs are its whole softmax (`core.nucleus_logits`)."""
     kl_check_rows: int = 4
     """When the scoring passes are not fp32 (`scoring_precision=same` under bf16-autocast): each
     iteration, the KL of this many rollout rows per rank is also computed in fp32 and logged as
@@ -535,7 +538,9 @@ class PPOConfig:
     weight_decay: float = 0.0
     """AdamW decoupled weight decay of the policy and critic, >= 0; matrices only."""
     warmup_steps: int = 0
-    """Optimizer steps of linear learning-rate warm-up, then constant."""
+    """Optimizer steps of linear learning-rate warm-up, then constant. It counts the steps taken (TRL's schedule
+    steps with the optimizer, veRL's with each update run): an iteration `ppo.filter_groups` skips, or trains on
+    fewer minibatches, moves it less."""
     max_grad_norm: float = 1.0
     """Gradient clipping (L2 norm) of each engine's step; 0 disables."""
     max_bad_steps: int = 3

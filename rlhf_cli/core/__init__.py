@@ -22,6 +22,7 @@ beta (KL penalty)             ``kl_beta`` / ``ppo.kl_beta``  ``kl_coef`` (TRL GR
 G (samples per prompt)        ``ppo.n_samples_per_prompt``  ``num_generations``
 KL target (Ziegler et al.)    ``target`` / ``ppo.kl_target``  ``target_kl``
 C (TIS cap, Yao et al.)       ``high`` / ``rollout.is_high``  TRL ``vllm_importance_sampling_cap``
+p (nucleus, Holtzman et al.)  ``top_p`` / ``ppo.top_p``   ``top_p``
 beta (DPO), tau (IPO)         ``beta`` / ``dpo.beta``     TRL ``beta``
 epsilon (cDPO label noise)    ``label_smoothing`` / ``dpo.label_smoothing``  ``label_smoothing`` (TRL < 1)
 alpha (RPO's NLL weight)      ``sft_weight`` / ``dpo.sft_weight``  ``rpo_alpha`` (TRL < 1)
@@ -60,6 +61,7 @@ from rlhf_cli.core.ops import (
     masked_mean,
     masked_var,
     masked_whiten,
+    nucleus_logits,
 )
 from rlhf_cli.core.paired import (
     SMALL_SAMPLE,
@@ -107,6 +109,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "nucleus_logits",
     "mean_ci95",
     "outcome_advantages",
     "overlong_penalty",

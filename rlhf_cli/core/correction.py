@@ -21,6 +21,15 @@ into a constant weight w_t (no gradient) that multiplies token t's policy loss (
 
 A masked token contributes 0 to the loss and still counts in its aggregation's divisor (`ppo.aggregation`), so
 the weights never change how a minibatch's loss is normalised, nor make it depend on the micro-batching.
+
+An undefined ratio: where both log-probs are -inf (0/0: neither side gives the token any probability, e.g. a
+token the engine appended past its own support, or a trainer's nucleus that left it out) or either is NaN,
+log rho_t is not a number. Such a token is masked (w_t = 0, counted as hit) under ``tis``, ``icepop`` and
+``seq_mask`` (which masks its whole sequence): no weight can say how far off-policy it is, and its own policy
+loss is not finite either (pi_old = 0), so it must not reach the loss with a weight that passes NaN on. Its
+``ratio`` reads 1 (no measurable mismatch), and ``seq_mask``'s geometric mean runs over the row's other tokens;
+the statistics stay finite. One side alone -inf is defined: rho_t = 0 (trainer) or +inf (engine), which every
+mode's bounds truncate or mask.
 """
 
 from __future__ import annotations
@@ -62,10 +71,10 @@ def engine_is_weights(old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tenso
 
     Returns:
         ``(weights, ratio, hit)``, each ``(B, T)``: ``weights`` float32 (float64 for float64 inputs), detached,
-        0 on padding, 1 on real tokens under ``none``; ``ratio`` the ratio each mode judges, rho_t (``tis``,
-        ``icepop``, ``none``) or the row's rho_i on each of its real tokens (``seq_mask``), 1 on padding; ``hit``
-        bool, the real tokens whose weight the bounds set: truncated (``tis``) or masked (``icepop``,
-        ``seq_mask``).
+        finite, 0 on padding, 1 on real tokens under ``none``; ``ratio`` the ratio each mode judges, rho_t
+        (``tis``, ``icepop``, ``none``) or the row's rho_i on each of its real tokens (``seq_mask``), 1 on padding
+        and on undefined tokens (module docstring), never NaN; ``hit`` bool, the real tokens whose weight the
+        bounds set: truncated (``tis``) or masked (``icepop``, ``seq_mask``, and the undefined tokens).
 
     Raises:
         ValueError: shape mismatch, or bad mode/bounds (`is_bounds`).
@@ -74,15 +83,20 @@ def engine_is_weights(old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tenso
     lo, hi = is_bounds(mode, low, high)
     m = _bool_mask(mask)
     log_rho = masked_fill_zero(old_logprobs.detach(), m) - masked_fill_zero(engine_logprobs.detach(), m)
+    undefined = torch.isnan(log_rho)  # 0/0 or a NaN input, on real tokens only (padding is 0 - 0)
+    log_rho = torch.where(undefined, 0.0, log_rho)
     if mode == "seq_mask":
-        lengths = m.sum(dim=1, keepdim=True).clamp(min=1)
-        log_rho = torch.where(m, log_rho.sum(dim=1, keepdim=True) / lengths, 0.0)  # log rho_i on its tokens
-    ratio = torch.exp(log_rho)  # 1 on padding
-    inside = (ratio >= lo) & (ratio <= hi)
+        defined = m & ~undefined
+        lengths = defined.sum(dim=1, keepdim=True).clamp(min=1)
+        row = log_rho.sum(dim=1, keepdim=True) / lengths  # NaN for a row holding both +inf and -inf
+        undefined = m & (undefined.any(dim=1, keepdim=True) | torch.isnan(row))  # the whole row
+        log_rho = torch.where(m & ~torch.isnan(row), row, 0.0)  # log rho_i on its tokens
+    ratio = torch.exp(log_rho)  # 1 on padding and on undefined tokens
+    inside = (ratio >= lo) & (ratio <= hi) & ~undefined
     if mode == "none":
         weights, hit = torch.ones_like(ratio), torch.zeros_like(m)
     elif mode == "tis":
-        weights, hit = ratio.clamp(min=lo, max=hi), ~inside
+        weights, hit = torch.where(undefined, 0.0, ratio.clamp(min=lo, max=hi)), ~inside
     elif mode == "icepop":
         weights, hit = torch.where(inside, ratio, 0.0), ~inside
     else:  # seq_mask

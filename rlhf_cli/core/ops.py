@@ -90,6 +90,64 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     return _rowwise(_logprobs, logits, labels)
 
 
+def nucleus_logits(logits: Tensor, labels: Tensor, top_p: float) -> Tensor:
+    """``logits`` with every entry outside the top-p nucleus set to ``-inf``, the label kept: the logits of the
+    distribution nucleus sampling draws from (Holtzman et al. 2020, "The Curious Case of Neural Text
+    Degeneration", eq. 3), so that `logprobs_from_logits` and `entropy_from_logits` of the result are
+    renormalised over the kept tokens:
+
+        log pi_p(a) = z_a - logsumexp_{v in S} z_v,   S = V^(p) u {a}
+
+    V^(p), the nucleus, is the smallest set of most probable tokens whose probability reaches ``top_p``: a
+    token is dropped when the tokens less probable than it, itself included, hold at most ``1 - top_p`` (the
+    ascending cumulative sum of HF's ``TopPLogitsWarper`` and vLLM's top-p sampler, the samplers of
+    ``rollout.engine``; the most probable token is always kept). vLLM's
+    ``logprobs_mode="processed_logprobs"`` are these log-probs at the engine's own logits (trl#6789: a trainer's
+    full-softmax log-probs differ from them by log of the nucleus mass).
+
+    The label is always in S: a sampled token lies in the sampler's nucleus, so at the sampler's weights S is
+    V^(p); a policy the update moved may push it out of its own nucleus, where pi_p(a) = 0 would make the PPO
+    ratio 0 (no gradient under the clip) and CISPO's log-prob and the k3 KL infinite. Keeping it makes the
+    log-prob finite and continuous as it leaves, as support replay has it by construction (the sampler's recorded
+    kept set, which holds the sampled token, scores every policy: twinkle PR #254, SkyRL PR #2239), without
+    storing a (B, T, V) set; it equals replay while the policy's nucleus is the sampler's.
+
+    The set is chosen without gradient (it is piecewise constant in the logits); the gradient flows to the
+    kept logits only. Naive equivalent, one position ``z`` ``(V,)`` with label ``a``: sort the probabilities
+    descending, keep each token while the mass before it is < ``top_p``, add ``a``, set the rest to -inf.
+
+    Args:
+        logits: ``(B, T, V)`` float (already divided by the temperature); ``top_p`` acts on their softmax.
+        labels: ``(B, T)`` integer token ids in ``[0, V)``; padding may hold any valid id (mask the log-probs).
+        top_p: in (0, 1]; 1 returns ``logits`` itself (nothing dropped, no copy).
+
+    Returns:
+        ``(B, T, V)``, ``logits``' dtype, in its autograd graph: ``logits`` where kept, ``-inf`` elsewhere.
+
+    Raises:
+        ValueError: ``top_p`` outside (0, 1], or ``labels.shape != logits.shape[:-1]``.
+    """
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits shape without the vocabulary dim "
+                         f"{tuple(logits.shape[:-1])}")
+    if top_p == 1:
+        return logits
+    dtype = _compute_dtype(logits)
+
+    def _keep(z: Tensor, ids: Tensor) -> Tensor:
+        ascending, order = torch.sort(z.to(dtype), dim=-1)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False  # the most probable token
+        drop = drop.scatter(-1, order, drop)  # back to vocabulary order
+        return ~drop.scatter(-1, ids.long().unsqueeze(-1), False)  # the label stays
+
+    with torch.no_grad():
+        keep = _rowwise(_keep, logits.detach(), labels)
+    return torch.where(keep, logits, float("-inf"))
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy ``H = -sum_v p_v log p_v`` of the softmax over the last dim, in nats.
 

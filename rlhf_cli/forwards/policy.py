@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits
+from rlhf_cli.core import entropy_from_logits, kl_estimate, logprobs_from_logits, nucleus_logits
 from rlhf_cli.forwards.packing import PackedRollout, pack_rollout, use_packing
 from rlhf_cli.models import attention_tokens, lm_of, response_values, trunk_hidden, unwrap, without_adapters
 
@@ -64,9 +64,11 @@ def _zero_outside(x: torch.Tensor | None, computed: torch.Tensor | None) -> torc
 def policy_forward(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
     with_entropy: bool = False, with_values: bool = False, packing: bool | PackedRollout = False,
-    entropy_grad: bool = True,
+    entropy_grad: bool = True, top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Log-probs of the response tokens under the policy at `temperature`.
+    """Log-probs of the response tokens under the policy at `temperature`, renormalised over the top-p nucleus
+    when `top_p` < 1 (`ppo.top_p`: `core.nucleus_logits`, the response token always kept; the entropy is then
+    that of the renormalised distribution too); `top_p=1` is the whole softmax.
 
     input_ids, attention_mask: (B, P+R). Returns logprobs (B, R) float32, entropy (B, R) float32 nats
     (None unless `with_entropy`), and, for a shared critic, values (B, R) float32 or None. Only the R response
@@ -81,6 +83,8 @@ def policy_forward(
     hidden, computed = response_hidden(lm, input_ids, attention_mask, prompt_len, packing)  # (B, R, H)
     logits = lm.lm_head(hidden).float() / temperature  # (B, R, V)
     labels = input_ids[:, prompt_len:]
+    if top_p < 1:
+        logits = nucleus_logits(logits, labels, top_p)
     logprobs = logprobs_from_logits(logits, labels)
     entropy = None
     if with_entropy:
@@ -95,9 +99,12 @@ def policy_forward(
 @torch.no_grad()
 def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                 temperature: float, batch_size: int, precision: str,
-                estimators: Sequence[str] = ("k1",), packing: bool = False) -> dict[str, torch.Tensor]:
+                estimators: Sequence[str] = ("k1",), packing: bool = False,
+                top_p: float = 1.0) -> dict[str, torch.Tensor]:
     """KL(policy ‖ reference) per sequence, nats: {estimator: (B,) float32}, the per-token estimate (`core.
-    kl_estimate`) summed over each response's real tokens, on tokens the policy sampled at `temperature`.
+    kl_estimate`) summed over each response's real tokens, on tokens the policy sampled at `temperature`. With
+    `top_p` < 1 the policy's log-probs are its nucleus-renormalised ones (`policy_forward`), the reference's its
+    whole softmax: KL(π_p ‖ π_ref), as train-ppo's penalty reads it.
 
     input_ids, attention_mask: (B, P+R) laid out as `policy_forward` reads them; both models run `batch_size`
     rows at a time under `engine.autocast(precision)`, packed or not as `packing` says.
@@ -106,7 +113,7 @@ def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_
     for i in range(0, input_ids.shape[0], batch_size):
         ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
         with engine.autocast(precision):
-            lp, _, _ = policy_forward(policy, ids, am, prompt_len, temperature, packing=packing)
+            lp, _, _ = policy_forward(policy, ids, am, prompt_len, temperature, packing=packing, top_p=top_p)
             ref_lp, _, _ = policy_forward(reference, ids, am, prompt_len, temperature, packing=packing)
         mask = am[:, prompt_len:].float()
         for k in estimators:

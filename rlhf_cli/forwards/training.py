@@ -26,16 +26,17 @@ class Forward(NamedTuple):
 
 def training_forward(actor: engine.TrainEngine, critic: engine.TrainEngine | None, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor, prompt_len: int, temperature: float, entropy_grad: bool,
-                     packing: Any) -> Forward:
+                     packing: Any, top_p: float = 1.0) -> Forward:
     """The forward every loss of a micro-batch reads: the policy's response logprobs at `temperature`
     (`ppo.temperature`) with their entropies (and the shared head's values) under the actor's autocast, and a
     separate critic's values under its own. input_ids, attention_mask: (B, P+R); `packing`: as `policy_forward`
     takes it; `entropy_grad`: whether the entropy is in the graph (`ppo.c2` != 0; else a statistic, with no
-    gradient through its (B, R, V) softmax)."""
+    gradient through its (B, R, V) softmax); `top_p`: `ppo.top_p`, the log-probs and entropies renormalised over
+    the nucleus when < 1 (`policy_forward`)."""
     with actor.autocast():
         lp, ent, v = policy_forward(actor.module, input_ids, attention_mask, prompt_len, temperature,
                                     with_entropy=True, with_values=has_value_head(actor.module), packing=packing,
-                                    entropy_grad=entropy_grad)
+                                    entropy_grad=entropy_grad, top_p=top_p)
     if critic is not None:
         with critic.autocast():
             v = critic_values(critic.module, input_ids, attention_mask, prompt_len, packing=packing)

@@ -40,7 +40,7 @@ class Experience:
     `plan.on_policy`: `logprobs` are filled in by the update's own forward (zeros until then)."""
     engine_logprobs: torch.Tensor | None = None
     """(B, R) float32: the sampling engine's own log-probs of the response tokens (after temperature, and top-p:
-    renormalised over the nucleus, where the trainer's `logprobs` are not), 0 on padding; None when the engine gives
+    renormalised over the nucleus, as the trainer's `logprobs` are), 0 on padding; None when the engine gives
     none (`rollout.engine=hf`). `stats.engine_stats` compares them with the trainer's `logprobs`."""
 
     def rows(self, idx: torch.Tensor) -> Experience:

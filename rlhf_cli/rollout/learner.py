@@ -144,7 +144,7 @@ class PolicyLearner:
             if packing and b.layout is not None:  # the layout the maker built for these rows
                 packing = b.layout
             lp, ent, v, _ = training_forward(self.actor, self.critic, b.input_ids, b.attention_mask, P,
-                                             p.temperature, p.c2 != 0, packing)
+                                             p.temperature, p.c2 != 0, packing, top_p=p.top_p)
         if num_seqs is None:
             num_seqs = float((b.mask.sum(1) > 0).sum())
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, aggregation=p.aggregation)

@@ -227,7 +227,7 @@ class ExperienceMaker:
         `on_policy`) and a separate critic's."""
         clock, dev, temperature = self.pass_seconds, ids.device, self.p.temperature
         t0 = _clock(dev)
-        with torch.no_grad(), self.reference.autocast():
+        with torch.no_grad(), self.reference.autocast():  # its whole softmax at any ppo.top_p (it samples nothing)
             ref_lp, _, _ = policy_forward(reference, ids, am, P, temperature, packing=packing)
         t1 = _clock(dev)
         clock["reference"] += t1 - t0
@@ -236,7 +236,8 @@ class ExperienceMaker:
             if self.critic is not None:
                 self.critic.train()
             with torch.enable_grad():
-                fwd = training_forward(self.actor, self.critic, ids, am, P, temperature, self.p.c2 != 0, packing)
+                fwd = training_forward(self.actor, self.critic, ids, am, P, temperature, self.p.c2 != 0, packing,
+                                       top_p=self.p.top_p)
             fwd = fwd._replace(seconds=_clock(dev) - t1)
             values = None if fwd.values is None else fwd.values.detach()
             return _ChunkPasses(ref_lp, fwd.logprobs.detach(), values, fwd)
@@ -245,7 +246,8 @@ class ExperienceMaker:
             if not on_policy:  # else the update fills the old log-probs in
                 with self.actor.autocast():
                     lp, _, v = policy_forward(self.actor.module, ids, am, P, temperature,
-                                              with_values=has_value_head(self.actor.module), packing=packing)
+                                              with_values=has_value_head(self.actor.module), packing=packing,
+                                              top_p=self.p.top_p)
             t2 = _clock(dev)
             clock["policy"] += t2 - t1
             if self.critic is not None:
@@ -269,7 +271,7 @@ class ExperienceMaker:
         # the KL by float rounding (~1e-6 nats), far below the bf16 noise this check measures
         with self.reference.on_device() as reference:  # the weights are fp32 under bf16-autocast
             kl_fp32 = sequence_kl(self.actor.module, reference, input_ids[:k], attention_mask[:k], P,
-                                  self.p.temperature, k, "fp32", packing=exp.plan.packed)["k1"]
+                                  self.p.temperature, k, "fp32", packing=exp.plan.packed, top_p=self.p.top_p)["k1"]
         return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
 
     def sample(self, prompts: list[dict[str, Any]], seeds: Sequence[int], groups: torch.Tensor,

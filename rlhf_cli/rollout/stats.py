@@ -4,7 +4,6 @@ explained variance, and the rollout's KL statistics (after its update). On one r
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -12,8 +11,6 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import engine_is_weights, kl_estimate
 from rlhf_cli.rollout.experience import Experience
-
-log = logging.getLogger(__name__)
 
 
 def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
@@ -135,24 +132,17 @@ class EngineDriftGuard:
     whose pushes were skipped went 0.029 -> 0.070 -> 0.102 -> 0.136 (2.4x, 3.5x, 4.7x): 3x stops a stale engine
     by its third iteration with twice the margin of the pushed runs' largest ratio.
 
-    With `top_p` < 1 the engine's log-probs are renormalised over the nucleus and the trainer's are not, so the
-    diff carries −log(nucleus mass), which moves with the policy's entropy: the guard is off, and says so once.
+    With `ppo.top_p` < 1 both sides' log-probs are renormalised over the nucleus (the engine's by the sampler, the
+    trainer's by `core.nucleus_logits`), so the diff is the same float noise as at `top_p=1`.
     """
 
-    def __init__(self, precision: str, factor: float = 3.0, top_p: float = 1.0) -> None:
-        self.active, self.factor, self.top_p = precision != "fp32", factor, top_p
+    def __init__(self, precision: str, factor: float = 3.0) -> None:
+        self.active, self.factor = precision != "fp32", factor
         self.baseline: float | None = None
 
     def check(self, stats: dict[str, float], iteration: int) -> None:
         diff = stats.get("rollout/engine_logprob_diff_mean")
         if not self.active or diff is None:
-            return
-        if self.top_p < 1:
-            if engine.is_main():
-                log.warning("ppo.top_p=%g: the sampling engine's log-probs are renormalised over the nucleus and the "
-                            "trainer's are not, so rollout/engine_logprob_diff_* include that offset and the bf16 "
-                            "drift check is off (the fp32 probe still runs)", self.top_p)
-            self.active = False
             return
         if self.baseline is None:
             self.baseline = diff

@@ -16,13 +16,13 @@ from token ids with one seed per prompt, and takes each new policy through vLLM'
 
 Exactness (measured on the tiny model and SmolLM2, docs/results.md): in fp32 the engine's log-probs of the sampled
 tokens equal the trainer's to ~1e-6 nats, after any number of pushes. The engine is built with
-`logprobs_mode="processed_logprobs"` (log-probs after temperature and top-p: the trainer's at `top_p=1`; below
-1 the engine's are renormalised over the nucleus, the trainer's are not, see `stats.engine_stats`), the
-model's own `generation_config` set aside (`generation_config="vllm"`: no repetition penalty or top-k of the
-checkpoint's), `skip_tokenizer_init` (ids in, ids out: the caller tokenizes), without chunked prefill (a
-prompt's prefill split over two steps discards a sampled token and rewinds its seeded generator, which the CPU
-backend cannot do: "CPU Generator does not use offset", seen at 128 prompts) and, on the CPU, `enforce_eager`
-(compilation costs minutes and gains nothing at these sizes).
+`logprobs_mode="processed_logprobs"` (log-probs after temperature and top-p, renormalised over the nucleus below
+`top_p=1` as the trainer's are: `core.nucleus_logits`), the model's own `generation_config` set aside
+(`generation_config="vllm"`: no repetition penalty or top-k of the checkpoint's), `skip_tokenizer_init` (ids in,
+ids out: the caller tokenizes), without chunked prefill (a prompt's prefill split over two steps discards a
+sampled token and rewinds its seeded generator, which the CPU backend cannot do: "CPU Generator does not use
+offset", seen at 128 prompts) and, on the CPU, `enforce_eager` (compilation costs minutes and gains nothing at
+these sizes).
 """
 
 from __future__ import annotations

@@ -134,12 +134,6 @@ class PPOTrainer(PolicyLearner):
         r, rdefaults = self.cfg.rollout, RolloutConfig()
         if r.is_correction == "none" and (r.is_low != rdefaults.is_low or r.is_high != rdefaults.is_high):
             log.warning("rollout.is_low/rollout.is_high have no effect with rollout.is_correction=none")
-        if p.top_p < 1:
-            log.warning("ppo.top_p=%g: the samples come from the nucleus, but the trainer's log-probs are of the whole "
-                        "softmax, not renormalised over the kept tokens, so the PPO ratio and the policy gradient%s "
-                        "are biased by each token's nucleus mass (trl#6789); ppo.top_p=1 keeps them exact", p.top_p,
-                        ", and rollout.is_correction's ρ against the engine's renormalised log-probs,"
-                        if r.is_correction != "none" else "")
         if self.cfg.data.group_by_length:
             log.warning("data.group_by_length=true has no effect in %s: prompts are drawn in a plain shuffled order "
                         "(it groups %s's pairs)", COMMAND.name, by_kind("rm").name)
@@ -190,6 +184,7 @@ class PPOTrainer(PolicyLearner):
                           if reference is not None else FrozenWithoutAdapters(policy, self.score_precision))
 
         completions = p.rollout_batch_size * p.n_samples_per_prompt
+        # an upper bound (ppo.filter_groups may take fewer steps); the constant schedule reads no horizon
         total = p.iterations * p.epochs * (completions // p.mini_batch_size)
         common = dict(train_batch_size=p.mini_batch_size, micro_batch_size=p.micro_batch_size, total_steps=total,
                       warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
@@ -323,7 +318,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     progress = Progress(p.iterations, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
-    drift = EngineDriftGuard(cfg.precision, top_p=p.top_p)
+    drift = EngineDriftGuard(cfg.precision)
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):
@@ -344,7 +339,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                                                           cfg.rollout.is_high))
                     check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
                     drift.check(roll_stats, it)
-                    tr.kl_ctl.update(roll_stats["objective/kl"], p.rollout_batch_size * p.n_samples_per_prompt)
+                    # the episodes trained on: fewer than the rollout's when ppo.filter_groups kept fewer (every
+                    # rank keeps as many rows)
+                    tr.kl_ctl.update(roll_stats["objective/kl"], exp.input_ids.shape[0] * engine.world_size())
                 del exp  # its tensors and packed layouts are not held through the next rollout
                 record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
                 metrics.log(it + 1, record)

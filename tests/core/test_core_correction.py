@@ -163,3 +163,42 @@ def test_weights_multiply_each_tokens_loss_and_keep_the_divisor(kind, aggregatio
     ones, _ = fn(d["logprobs"], d["old_logprobs"], d["advantages"], mask, 0.2, **kw, weights=torch.ones_like(w))
     plain, _ = fn(d["logprobs"], d["old_logprobs"], d["advantages"], mask, 0.2, **kw)
     assert ones.item() == plain.item()
+
+
+@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask"])
+def test_a_token_both_sides_give_no_probability_is_masked_never_nan(mode):
+    # row 0: ρ = 1.5, then a token both log-probs put at -inf (0/0), then ρ = 1; row 1: an ordinary row; row 2: only
+    # the trainer at -inf (ρ = 0) and only the engine at -inf (ρ = +inf): both defined, so the bounds act on them
+    inf = float("inf")
+    old = torch.tensor([[math.log(1.5) - 1, -inf, -1.0], [-1.0, -1.0, -1.0], [-inf, -1.0, -1.0]])
+    eng = torch.tensor([[-1.0, -inf, -1.0], [-1.0, -1.0, -1.0], [-1.0, -inf, -1.0]])
+    mask = torch.ones_like(old, dtype=torch.bool)
+    w, ratio, hit = engine_is_weights(old, eng, mask, mode, None, 2.0)
+    assert torch.isfinite(w).all() and not torch.isnan(ratio).any()
+    if mode == "seq_mask":  # row 0 masked whole; its ratio is the geometric mean of its other tokens, √1.5
+        assert w[0].tolist() == [0.0] * 3 and hit[0].all()
+        assert ratio[0].tolist() == pytest.approx([1.5 ** 0.5] * 3)
+        assert w[1].tolist() == [1.0] * 3 and not hit[1].any()
+        assert w[2].tolist() == [0.0] * 3 and hit[2].all()  # a row with +inf and -inf tokens: undefined too
+        assert ratio[2].tolist() == [1.0] * 3
+    else:
+        assert w[0, 1].item() == 0.0 and hit[0, 1] and ratio[0, 1].item() == 1.0
+        assert w[0, 0].item() == pytest.approx(1.5) and w[0, 2].item() == 1.0 and not hit[0, [0, 2]].any()
+        assert w[1].tolist() == [1.0] * 3
+        assert ratio[2, :2].tolist() == [0.0, inf]
+        if mode == "tis":  # clamped to [0, 2]: 0 is inside
+            assert w[2, :2].tolist() == [0.0, 2.0] and hit[2, :2].tolist() == [False, True]
+        else:
+            assert w[2, :2].tolist() == [0.0, 0.0] and hit[2, :2].all()
+    # under none the log-probs are not read: the weights stay 1 on real tokens
+    w, _, hit = engine_is_weights(old, eng, mask, "none", None, 2.0)
+    assert w.tolist() == [[1.0] * 3] * 3 and not hit.any()
+
+
+def test_a_nan_log_prob_is_masked_and_padding_still_holds_anything():
+    old = torch.tensor([[float("nan"), -1.0, float("nan")]])
+    eng = torch.tensor([[-1.0, -1.0, float("-inf")]])
+    mask = torch.tensor([[1, 1, 0]])
+    w, ratio, hit = engine_is_weights(old, eng, mask, "tis", None, 2.0)
+    assert w.tolist() == [[0.0, 1.0, 0.0]] and ratio.tolist() == [[1.0, 1.0, 1.0]]
+    assert hit.tolist() == [[True, False, False]]

@@ -168,3 +168,47 @@ def test_the_rounds_engine_logprobs_follow_their_rows_into_the_joined_batch(tmp_
     P, mask = exp.prompt_len, exp.attention_mask[:, exp.prompt_len:].float()
     assert exp.engine_logprobs.shape == mask.shape
     torch.testing.assert_close(exp.engine_logprobs, -(exp.input_ids[:, P:] % 7 + 1).float() * mask, rtol=0, atol=0)
+
+
+def test_the_kl_controller_and_the_lr_schedule_count_what_was_trained(run_stage, monkeypatch):
+    """Iteration 1 keeps all 4 groups (16 completions, 2 minibatches), 2 and 4 none (skipped), 3 two groups (8
+    completions, 1 minibatch). The adaptive controller moves β by the episodes trained on (16, then 8: Ziegler et
+    al.'s n_steps), not the rollout's 16; the warm-up counts the optimizer steps taken (2, then 1)."""
+    import json
+
+    import rlhf_cli.stages.ppo as ppo_stage
+
+    flat = [[], [0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
+
+    class Scripted:
+        def __init__(self, *args, **kwargs):
+            self.calls = 0
+
+        def __call__(self, input_ids, attention_mask, P, prompts):
+            score = torch.arange(input_ids.shape[0], dtype=torch.float32) % G
+            for g in flat[self.calls]:
+                score[g * G:(g + 1) * G] = 0.0
+            self.calls += 1
+            return score.clone(), score, {}
+
+    monkeypatch.setattr(ppo_stage, "Rewards", Scripted)
+    horizon, warmup, lr = 16, 10, 1e-4
+    _, run_dir, cfg = run_stage("train_ppo", [*FILTER, "ppo.iterations=4", "ppo.filter_groups_max_rounds=0",
+                                              "ppo.kl_target=1e-6", f"ppo.kl_horizon={horizon}",
+                                              f"ppo.warmup_steps={warmup}", f"ppo.actor_lr={lr}", "ppo.epochs=1"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "objective/kl_beta" in r]
+    assert [r["groups/kept_frac"] for r in rows] == [1.0, 0.0, 0.5, 0.0]
+    beta = [r["objective/kl_beta"] for r in rows]  # β each rollout was shaped with
+
+    def moved(b, kl, n):
+        return b * (1 + max(-0.2, min(0.2, kl / 1e-6 - 1)) * n / horizon)
+
+    assert beta[1] == pytest.approx(moved(beta[0], rows[0]["objective/kl"], 16), rel=1e-9)
+    assert beta[2] == beta[1]  # the skipped iteration moves nothing
+    assert beta[3] == pytest.approx(moved(beta[2], rows[2]["objective/kl"], 8), rel=1e-9)
+    assert beta[3] != pytest.approx(moved(beta[2], rows[2]["objective/kl"], 16), rel=1e-9)
+    # the LR after k optimizer steps is lr·(k + 1)/warmup: 2 steps, then 3
+    assert rows[0]["lr/actor"] == pytest.approx(lr * 3 / warmup)
+    assert "lr/actor" not in rows[1] and "lr/actor" not in rows[3]
+    assert rows[2]["lr/actor"] == pytest.approx(lr * 4 / warmup)

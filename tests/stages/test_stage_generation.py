@@ -371,9 +371,6 @@ def test_the_engine_drift_guard_stops_a_bf16_run_past_3x_its_first_diff_and_neve
         guard.check({key: diff}, it)
     with pytest.raises(FloatingPointError, match="aborting at iteration 5: .* 0.102 nats/token .* > 3x the 0.029"):
         guard.check({key: 0.102}, 4)
-    nucleus = EngineDriftGuard("bf16-autocast", top_p=0.9)  # the diff holds the nucleus renormalisation: off
-    for it, diff in enumerate([0.029, 1.0]):
-        nucleus.check({key: diff}, it)
     fp32 = EngineDriftGuard("fp32")
     for it, diff in enumerate([1e-6, 1.0]):  # fp32: the greedy probe is the check
         fp32.check({key: diff}, it)

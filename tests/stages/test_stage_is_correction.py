@@ -91,13 +91,6 @@ def test_with_the_hf_engine_a_set_correction_says_once_that_it_does_nothing(tmp_
     assert corrected == tr.losses(b, num_tokens).policy.item() != 0  # no engine log-probs: no weights
 
 
-def test_top_p_below_one_warns_once_that_the_ratio_is_not_renormalised(tmp_path, caplog):
-    with caplog.at_level("WARNING"):
-        build_trainer(tmp_path, [*GROUPS, "ppo.top_p=0.9"])
-    said = [r.getMessage() for r in caplog.records if "not renormalised over the kept tokens" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("ppo.top_p=0.9")
-
-
 @pytest.mark.parametrize("extra,needle", [
     (["rollout.is_correction=ice"], "rollout.is_correction"),
     (["rollout.is_high=0"], "rollout.is_high must be > 0"),
@@ -106,3 +99,48 @@ def test_bad_bounds_are_refused(extra, needle):
     cfg = compose("train_ppo", [*GROUPS, *extra])
     with pytest.raises(ConfigError, match=needle):
         VALIDATORS["train_ppo"](cfg)
+
+
+def plain_logprobs(tr, exp, top_p):
+    """The policy's log-probs of `exp`'s response tokens in plain torch: the model's logits / temperature,
+    transformers' `TopPLogitsWarper` (the hf engine's filter) when top_p < 1, a log-softmax, the sampled token."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from rlhf_cli.models import lm_of
+
+    ids, am, P = exp.input_ids, exp.attention_mask, exp.prompt_len
+    with torch.no_grad():
+        logits = lm_of(tr.actor.module)(input_ids=ids, attention_mask=am,
+                                        position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+    logits = logits[:, P - 1:-1].float() / tr.p.temperature  # (B, R, V)
+    if top_p < 1:
+        B, R, V = logits.shape
+        logits = TopPLogitsWarper(top_p)(None, logits.reshape(B * R, V)).reshape(B, R, V)
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    return torch.where(am[:, P:].bool(), lp, 0.0)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_below_top_p_1_the_trainers_log_probs_are_renormalised_over_the_nucleus(tmp_path, top_p):
+    """ppo.top_p < 1: the rollout's old log-probs and the update's new ones are the sampler's nucleus
+    renormalised (what vLLM's processed_logprobs hold), so an engine correction against them finds ρ = 1; at
+    top_p = 1 the whole softmax, as before."""
+    tr, exp = rollout(tmp_path, [f"ppo.top_p={top_p}", "ppo.temperature=1.5", "ppo.max_new_tokens=8"])
+    mask = exp.attention_mask[:, exp.prompt_len:].bool()
+    want = plain_logprobs(tr, exp, top_p)
+    assert torch.isfinite(want).all()  # every sampled token lies in the sampler's nucleus
+    torch.testing.assert_close(exp.logprobs, want, rtol=1e-5, atol=1e-5)
+    full = plain_logprobs(tr, exp, 1.0)
+    gap = (exp.logprobs - full)[mask]  # -log(kept mass) >= 0 per token; 0 at top_p = 1
+    assert (gap > 1e-3).float().mean() > 0.5 if top_p < 1 else gap.abs().max() < 1e-5
+    # the update's own forwards (the one the rollout ran for the first micro-batch, the learner's for the rest),
+    # with no step taken: the same numbers
+    for b, num_tokens, num_seqs, rows in tr.micro_batches(exp):
+        new = tr.losses(b, num_tokens, num_seqs).logprobs
+        torch.testing.assert_close(new, want[rows], rtol=1e-5, atol=1e-5)
+    # the engine correction against the engine's processed log-probs: nothing off-policy
+    exp.engine_logprobs = want
+    stats = is_correction_stats(exp, "icepop", None, 1.01)
+    assert stats["rollout/is_masked_frac"] == 0.0
+    assert stats["rollout/is_ratio_p1"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["rollout/is_ratio_p99"] == pytest.approx(1.0, abs=1e-4)
