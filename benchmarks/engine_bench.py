@@ -25,6 +25,9 @@ per prompt averaged over the seeds and their paired difference (vllm − hf) wit
 and each engine's training wall seconds.
 
     python benchmarks/engine_bench.py --parity --seeds 42,1 [--workdir DIR] [--out results/engine_parity.json]
+
+With `--workdir`, each finished seed is kept in `seed_<s>/parity_seed.json`, and a later call reads it instead of
+training that seed again (a run stopped midway, or more seeds added to the pool).
 """
 
 from __future__ import annotations
@@ -115,6 +118,11 @@ def parity(args: argparse.Namespace) -> None:
     try:
         for k, seed in enumerate(seeds):
             sub, out = work / f"seed_{seed}", {"seed": seed}
+            done = sub / "parity_seed.json"
+            if done.is_file():  # a seed finished by an earlier call with this --workdir: read, not re-run
+                runs.append(json.loads(done.read_text()))
+                print(f"  seed {seed}: read from {done}", file=sys.stderr)
+                continue
             for name in (("hf", "vllm") if k % 2 == 0 else ("vllm", "hf")):
                 run_dir = sub / name
                 t0 = time.perf_counter()
@@ -131,6 +139,7 @@ def parity(args: argparse.Namespace) -> None:
             out["vllm"] = [float(r["policy_correct"]) for r in rows]
             out["hf"] = [float(r["reference_correct"]) for r in rows]
             out["eval"] = json.loads((eval_dir / "eval.json").read_text())["results"]
+            done.write_text(json.dumps(out))
             runs.append(out)
             print(f"  seed {seed} done", file=sys.stderr)
     finally:

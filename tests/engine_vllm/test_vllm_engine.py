@@ -295,7 +295,7 @@ def test_train_ppo_on_the_engine_in_bf16_keeps_its_logprobs_near_the_trainers(ru
     rows = read_metrics(run_dir)
     means = [r["rollout/engine_logprob_diff_mean"] for r in rows if "rollout/engine_logprob_diff_mean" in r]
     assert len(means) == 4 and 0 < max(means) < BF16_DIFF_MEAN, means
-    assert max(means) <= 3 * means[0]  # the guard's rule held: no drift
+    assert max(means) <= 3 * means[0]  # not one iteration at 3x its first: no drift (the guard asks less)
     assert (run_dir / "final" / "config.json").exists()
 
 
