@@ -369,11 +369,19 @@ FROZEN_KEY = "rlhf_frozen"  # a checkpoint's record of the frozen weights it was
 def _frozen_record(model: torch.nn.Module) -> dict[str, Any]:
     """What a checkpoint that leaves the frozen weights out must match on resume: the names of the trained
     parameters, and the float64 sum and absolute sum of the frozen ones (a different base model, or the same
-    path now holding other weights, changes them)."""
+    path now holding other weights, changes them).
+
+    Summed in float64 chunks of 1M elements (8 MB): a whole float64 copy of each weight (2 x 226 MB for SmolLM2's
+    embedding) was freed before training but stayed in the heap (`cli.reuse_freed_memory`) as holes the first
+    forwards did not fill: +0.36 GiB of a LoRA reward model's RSS from its engine setup on (docs/results.md)."""
     frozen = [p for p in model.parameters() if not p.requires_grad]
+    total = absolute = 0.0
     with torch.no_grad():
-        total = sum(float(p.detach().double().sum()) for p in frozen)
-        absolute = sum(float(p.detach().double().abs().sum()) for p in frozen)
+        for p in frozen:
+            for chunk in p.detach().reshape(-1).split(1 << 20):
+                chunk = chunk.double()
+                total += float(chunk.sum())
+                absolute += float(chunk.abs().sum())
     return {"trained": sorted(n for n, p in model.named_parameters() if p.requires_grad),
             "frozen_sum": total, "frozen_abs_sum": absolute, "frozen_numel": sum(p.numel() for p in frozen)}
 

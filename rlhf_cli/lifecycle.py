@@ -277,29 +277,60 @@ def hf_model_bytes(models: Iterable[torch.nn.Module]) -> int:
     return sum(p.numel() * p.element_size() for model in models for p in model.parameters())
 
 
-def checkpoint_plan(models: list[torch.nn.Module], keep_optimizer: bool, zero_stage: int, run_dir: Path) -> str:
+def planned_saves(total: int, save_every: int) -> int:
+    """How many DeepSpeed checkpoints a run of `total` optimizer steps (or PPO iterations) writes: one every
+    `save_every` (`rm.save_every`, `ppo.save_every`, ...; 0 = none) before the last step, then the final one. An
+    interrupt's save takes the place of the later ones, so it adds none."""
+    return (max(total - 1, 0) // save_every if save_every > 0 else 0) + 1
+
+
+def disk_peak(checkpoint: int, final: int, hf: int, keep: int, saves: int) -> tuple[int, int]:
+    """(most bytes the run's checkpoints and `final/` hold on disk at once, the most checkpoints at once).
+
+    checkpoint: bytes of a checkpoint with the optimizer state (every save but the last); final: the last
+    save's bytes (the same, or the weights only under `paths.keep_optimizer=false`); hf: `final/`'s bytes;
+    keep: `paths.keep_checkpoints`; saves: `planned_saves`. As `commit_checkpoint` rotates them, a new
+    checkpoint is complete before the oldest goes, so up to max(1, keep) + 1 of them coexist while one is
+    written; `final/` is written after the last save, beside the max(1, keep) then kept (with keep=0, `ds/` goes
+    after `final/` is complete)."""
+    kept = max(1, keep)
+    sizes = [checkpoint] * (saves - 1) + [final]
+    windows = [sizes[max(0, i - kept):i + 1] for i in range(len(sizes))]
+    return max(max(map(sum, windows)), sum(sizes[-kept:]) + hf), max(map(len, windows))
+
+
+def checkpoint_plan(models: list[torch.nn.Module], paths: Any, zero_stage: int, run_dir: Path, total: int,
+                    save_every: int) -> str:
     """The start table's `checkpoint size` row, after checking that the run's saves fit on the run dir's file
-    system: the largest checkpoint the run writes (one with the optimizer state: a periodic or interrupt save,
-    or the final one unless `paths.keep_optimizer=false`) plus `final/`.
+    system: `disk_peak` of its checkpoints (`paths.keep_checkpoints` of them kept, one more while a new one is
+    written; the final one without the optimizer state under `paths.keep_optimizer=false`) and `final/`.
+
+    paths: the `paths` section; total, save_every: the run's optimizer steps (or PPO iterations) and its
+    `*.save_every`, which give the checkpoints it writes (`planned_saves`; a resumed run writes fewer, and the
+    ones it finds on disk are already counted as used).
 
     Raises:
         ConfigError: one line (exit status 2) with the sizes and the free space, before training.
     """
     weights, opt = checkpoint_bytes(models, zero_stage)
-    slim = zero_stage < 3 and not keep_optimizer
+    slim = zero_stage < 3 and not paths.keep_optimizer
     final = weights + (0 if slim else opt)
     hf = hf_model_bytes(models)
-    need = weights + opt + hf
+    need, at_once = disk_peak(weights + opt, final, hf, paths.keep_checkpoints, planned_saves(total, save_every))
     free = shutil.disk_usage(run_dir).free
     if need > free:
-        raise ConfigError(f"not enough disk space in {run_dir}: a checkpoint takes ~{(weights + opt) / GB:.2f} GB "
-                        f"(weights {weights / GB:.2f} + optimizer state {opt / GB:.2f}) and final/ "
-                        f"~{hf / GB:.2f} GB, but only {free / GB:.2f} GB are free (free disk space or move "
-                        "paths.root; paths.keep_optimizer=false makes the final checkpoint weights only)")
+        raise ConfigError(f"not enough disk space in {run_dir}: the run needs ~{need / GB:.2f} GB at its peak "
+                          f"(up to {at_once} checkpoint(s) at once: paths.keep_checkpoints={paths.keep_checkpoints} "
+                          f"kept while the next is written, each ~{(weights + opt) / GB:.2f} GB, weights "
+                          f"{weights / GB:.2f} + optimizer state {opt / GB:.2f}; final/ ~{hf / GB:.2f} GB), but only "
+                          f"{free / GB:.2f} GB "
+                          "are free (free disk space or move paths.root; fewer paths.keep_checkpoints or saves; "
+                          "paths.keep_optimizer=false makes the final checkpoint weights only)")
     text = f"~{(weights + opt) / GB:.3g} GB (weights {weights / GB:.3g} + optimizer {opt / GB:.3g})"
     if slim:
         text += f"; the final one ~{final / GB:.3g} GB (paths.keep_optimizer=false)"
-    return text + f"; final/ ~{hf / GB:.3g} GB; {free / GB:.0f} GB free"
+    return (text + f"; final/ ~{hf / GB:.3g} GB; peak ~{need / GB:.3g} GB ({at_once} checkpoint(s) at once); "
+            f"{free / GB:.0f} GB free")
 
 
 class Checkpoints:

@@ -250,3 +250,31 @@ def test_importing_the_engine_leaves_mlflow_as_installed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", installed.stdout.strip()]
+
+
+def test_the_frozen_weights_fingerprint_makes_no_whole_float64_copy():
+    """`_frozen_record` (a LoRA engine's fingerprint of its frozen base) sums in float64 chunks of 1M elements: a
+    whole float64 copy of each weight (of SmolLM2's embedding: 2 x 226 MB) stayed in the heap as free holes that the
+    training's tensors did not fill, part of a LoRA reward model's extra peak RSS (docs/results.md). The sums are the
+    float64 sums of the whole weights, to summation order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(3000, 700), torch.nn.Linear(700, 4))  # 2.1M embedding weights
+    model[0].requires_grad_(False)
+    largest = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            largest.extend(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(out)
+                           if isinstance(t, torch.Tensor) and t.dtype == torch.float64)  # the copies made
+            return out
+
+    with Allocations():
+        record = engine._frozen_record(model)
+    whole = model[0].weight.detach().double()
+    assert max(largest) <= (1 << 20) * 8 < whole.numel() * 8
+    assert record["frozen_sum"] == pytest.approx(float(whole.sum()), rel=1e-12, abs=1e-9)
+    assert record["frozen_abs_sum"] == pytest.approx(float(whole.abs().sum()), rel=1e-12)
+    assert record["frozen_numel"] == 2_100_000 and record["trained"] == ["1.bias", "1.weight"]

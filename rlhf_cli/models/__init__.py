@@ -32,7 +32,14 @@ from rlhf_cli.models.lora import (
     save_adapter,
     without_adapters,
 )
-from rlhf_cli.models.policy import PolicyWithValueHead, disable_dropout, has_value_head, lm_of, unwrap
+from rlhf_cli.models.policy import (
+    PolicyWithValueHead,
+    disable_dropout,
+    has_value_head,
+    lm_of,
+    planned_trained_models,
+    unwrap,
+)
 from rlhf_cli.models.scalar import (
     Float32Head,
     attention_tokens,
@@ -43,6 +50,7 @@ from rlhf_cli.models.scalar import (
     response_values,
     rewards_at,
     scalar_from_causal_lm,
+    scalar_skeleton,
     sequence_rewards,
     token_values,
     trunk_hidden,
@@ -66,6 +74,7 @@ __all__ = [
     "disable_dropout",
     "has_value_head",
     "lm_of",
+    "planned_trained_models",
     "attention_tokens", "custom_mask_support",
     "is_scalar_model_dir",
     "last_token_index",
@@ -83,6 +92,7 @@ __all__ = [
     "save_model",
     "save_policy",
     "scalar_from_causal_lm",
+    "scalar_skeleton",
     "sequence_rewards",
     "token_values",
     "torch_dtype_for",

@@ -5,6 +5,7 @@ exactly transformers' `*ForSequenceClassification` layout with `num_labels=1`, s
 model loads with plain `AutoModelForSequenceClassification.from_pretrained(dir)`.
 
     load_scalar_model(source, precision, seed, init_from=None)   build or load one
+    scalar_skeleton(like, precision)                             its shapes only (meta device), for size estimates
     new_scalar_head(hidden, seed, like)                           a seeded float32-computing head `score`
     token_values(model, input_ids, attention_mask)                head output at every position (B, T)
     sequence_rewards(model, input_ids, attention_mask)            head output at the last real token (B,)
@@ -143,6 +144,27 @@ def load_scalar_model(
         log.info("scalar model: loaded %s", path)
         return model
     return scalar_from_causal_lm(load_causal_lm(cfg, precision, seed), seed)
+
+
+def scalar_skeleton(like: Any, precision: str = "fp32") -> Any:
+    """A scalar model's shapes without its weights: the `*ForSequenceClassification` model of `like`'s
+    architecture (an in-memory causal LM or scalar model, or a local dir or hub id of either, read from its
+    config.json) with `num_labels=1`, every tensor on the meta device in `torch_dtype_for(precision)` and
+    trainable. Nothing is allocated or loaded: for counting what a model to be built will train and save
+    (`rlhf train-ppo --dry-run`'s critic). Raises ValueError for an architecture without such a class."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    config = copy.deepcopy(like.config) if hasattr(like, "config") else AutoConfig.from_pretrained(
+        resolve_hf_dir(str(like)))
+    cls = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
+    if cls is None:
+        raise ValueError(f"{type(config).__name__} has no AutoModelForSequenceClassification class")
+    config.num_labels = 1
+    with torch.device("meta"):
+        model = cls(config).to(torch_dtype_for(precision))
+    model.score = float32_head(model.score)
+    return model.requires_grad_(True)
 
 
 def scalar_from_causal_lm(causal: Any, seed: int = 0) -> Any:

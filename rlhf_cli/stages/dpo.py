@@ -183,7 +183,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "batch / micro / world": f"{dc.batch_size} / {dc.micro_batch_size} / {engine.world_size()}",
         "precision": f"{cfg.precision} (policy, reference and held-out passes alike; scoring_precision not read)",
         "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
-        "checkpoint size": checkpoint_plan([model], cfg.paths.keep_optimizer, cfg.deepspeed.zero_stage, run_dir),
+        "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, run_dir, total_steps,
+                                   dc.save_every),
     })
     if cfg.dry_run:
         set_status(run_dir, "dry_run") if engine.is_main() else None

@@ -57,6 +57,7 @@ from rlhf_cli.models import (
     load_scalar_model,
     load_tokenizer,
     lora_enabled,
+    planned_trained_models,
     read_reward_stats,
     save_policy,
 )
@@ -267,6 +268,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         n_params = count_parameters(policy)
         if lora_enabled(cfg.model.lora):  # its target modules are checked here too
             add_lora(policy, cfg.model.lora, what="policy")
+        trained = planned_trained_models(cfg, policy, tr.estimator.needs_critic, tr.rm_path)
         print_table(f"{COMMAND.name} (dry run): {run_dir}", {
             "policy": cfg.model.name, "params (non-embedding)": n_params,
             "trained policy params": trained_parameters(policy, cfg.model.lora),
@@ -274,7 +276,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             "prompts × samples / mini / micro / world": batches, "advantage estimator": p.advantage_estimator,
             "sampling engine": describe_engine(cfg.rollout.engine, policy.config),
             "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
-            "zero stage": cfg.deepspeed.zero_stage})
+            "zero stage": cfg.deepspeed.zero_stage,
+            "checkpoint size": checkpoint_plan(trained, cfg.paths, cfg.deepspeed.zero_stage, run_dir, p.iterations,
+                                               p.save_every)})
         if engine.is_main():
             set_status(run_dir, "dry_run")
         return None
@@ -302,7 +306,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",
         "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
         "checkpoint size": checkpoint_plan([e.module for e in (tr.actor, tr.critic) if e is not None],
-                                           cfg.paths.keep_optimizer, cfg.deepspeed.zero_stage, run_dir)})
+                                           cfg.paths, cfg.deepspeed.zero_stage, run_dir, p.iterations, p.save_every)})
     metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
                             config=OmegaConf.to_container(cfg, resolve=True))
 

@@ -73,7 +73,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "batch / micro / world": f"{rmc.batch_size} / {rmc.micro_batch_size} / {engine.world_size()}",
         "precision": f"{cfg.precision} (held-out scoring: {score_precision})",
         "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
-        "checkpoint size": checkpoint_plan([model], cfg.paths.keep_optimizer, cfg.deepspeed.zero_stage, run_dir),
+        "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, run_dir, total_steps,
+                                   rmc.save_every),
     })
     if cfg.dry_run:
         set_status(run_dir, "dry_run") if engine.is_main() else None

@@ -96,7 +96,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         "train response tokens": response_tokens(train),
         "batch / micro / world": f"{sc.batch_size} / {sc.micro_batch_size} / {engine.world_size()}",
         "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
-        "checkpoint size": checkpoint_plan([model], cfg.paths.keep_optimizer, cfg.deepspeed.zero_stage, run_dir),
+        "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, run_dir, total_steps,
+                                   sc.save_every),
     })
     if cfg.dry_run:
         set_status(run_dir, "dry_run") if engine.is_main() else None
