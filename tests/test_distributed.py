@@ -245,13 +245,16 @@ DPO_KEYS = ("dpo/loss", "dpo/margin", "dpo/accuracy", "dpo/logprobs_chosen", "gr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reference", ["frozen copy", "lora, precomputed"])
+@pytest.mark.parametrize("reference", ["frozen copy", "lora, precomputed", "lora, each micro-batch"])
 def test_two_ranks_dpo_under_zero3_match_one_rank(tmp_path, reference):
     """train-dpo on two ZeRO-3 ranks, packed, against one rank, padded (two micro-batches): each rank's pair sums are
     divided by the step's pair count, so the loss and the update are one rank's; the reference (a frozen copy, or the
-    LoRA policy with its adapters off, precomputed from the partitioned weights) is the same. One micro-batch per rank
-    and step under ZeRO-3 (see the train-sft test)."""
-    extra = ["model.lora.r=4", "dpo.lr=1e-2", "dpo.precompute_reference=true"] if reference.startswith("lora") else []
+    LoRA policy with its adapters off, precomputed from the partitioned weights or run with each micro-batch) is the
+    same. One micro-batch per rank and step, except the LoRA reference run with each micro-batch: two per rank and
+    step, so the adapters-off forward of the partitioned module runs between one micro-batch's backward and the
+    next one's policy forward under gradient accumulation."""
+    extra = {"frozen copy": [], "lora, precomputed": ["model.lora.r=4", "dpo.lr=1e-2", "dpo.precompute_reference=true"],
+             "lora, each micro-batch": ["model.lora.r=4", "dpo.lr=1e-2", "dpo.micro_batch_size=2"]}[reference]
     launch([*DPO_ARGS, *extra, "deepspeed=zero0", "data.packing=false"], tmp_path / "one")
     launch([*DPO_ARGS, *extra, "deepspeed=zero3"], tmp_path / "two", ranks=2)
     one, two = metrics(tmp_path / "one", "dpo"), metrics(tmp_path / "two", "dpo")

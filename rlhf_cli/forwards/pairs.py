@@ -13,6 +13,10 @@ from rlhf_cli import engine
 from rlhf_cli.core import logprobs_from_logits
 from rlhf_cli.models import lm_of, trunk_hidden
 
+HEAD_CHUNK = 256
+"""Response positions per float32 log-softmax in `pair_logprobs` (bounds its (HEAD_CHUNK, V) working set: 50 MB
+for a 49k vocabulary)."""
+
 
 def pair_logprobs(model: Any, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed response log-probs of chosen and of rejected, (B,) float32 each, in nats (<= 0): for pair i,
@@ -29,8 +33,9 @@ def pair_logprobs(model: Any, batch: dict[str, torch.Tensor], precision: str) ->
         attends to, in column order; its response tokens are those at position >= prompt_lengths[i] (tokens that
         chosen and rejected share, the prompt and any common first response tokens, are computed once).
     Each response token's logits are read at the position of the token before it in its own sequence (the
-    prompt's last token for the first one), and only those positions go through the LM head: (2B, R, V) logits, R
-    the longest response. The trunk runs under `engine.autocast(precision)` on `engine.device()`; the log-softmax
+    prompt's last token for the first one), and only those positions go through the LM head: (N, V) logits, N the
+    pairs' response tokens (no padding to the longest response), their float32 log-softmax `HEAD_CHUNK` positions
+    at a time. The trunk runs under `engine.autocast(precision)` on `engine.device()`; the log-softmax
     is float32 whatever the trunk's precision (`core.logprobs_from_logits`). Differentiable. A response with no
     token sums to 0. The packed and padded layouts give the same sums to float rounding.
 
@@ -59,11 +64,15 @@ def pair_logprobs(model: Any, batch: dict[str, torch.Tensor], precision: str) ->
         rows = torch.arange(ids.shape[0], device=dev)
         member = mask.bool()
     target, source, real = _response_columns(member, prompt.repeat(2))  # (2B, R) each
+    seq = torch.arange(real.shape[0], device=dev)[:, None].expand_as(real)[real]  # (N,) each response token's sequence
+    row = rows[seq]
     with engine.autocast(precision):
         hidden = trunk_hidden(lm, ids, mask, position_ids)  # (W, L, H)
-        logits = lm.lm_head(hidden[rows[:, None], source])  # (2B, R, V)
-    logprobs = logprobs_from_logits(logits, ids[rows[:, None], target])  # (2B, R) float32
-    sums = torch.where(real, logprobs, torch.zeros_like(logprobs)).sum(-1).float()
+        logits = lm.lm_head(hidden[row, source[real]])  # (N, V): the response tokens' positions only
+    labels = ids[row, target[real]]  # (N,)
+    logprobs = torch.cat([logprobs_from_logits(z[None], y[None])[0]  # (N,) float32, HEAD_CHUNK positions at a time
+                          for z, y in zip(logits.split(HEAD_CHUNK), labels.split(HEAD_CHUNK))])
+    sums = torch.zeros(real.shape[0], dtype=logprobs.dtype, device=dev).index_add(0, seq, logprobs).float()
     b = sums.shape[0] // 2
     return sums[:b], sums[b:]
 

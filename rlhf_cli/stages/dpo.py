@@ -222,8 +222,11 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             batch = collate(exs)
             tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
                                     float(batch["attention_mask"].numel())])
+            # the reference first: under LoRA it is the policy's own (ZeRO-3-partitioned) module with its adapters
+            # off, not run between the policy's forward and its backward
+            ref_chosen, ref_rejected = reference(exs, batch)
             chosen, rejected = pair_logprobs(eng.module, batch, cfg.precision)  # (b,) float32, with the graph
-            loss, stats = dpo_loss(chosen, rejected, *reference(exs, batch), num_pairs=dc.batch_size,
+            loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, num_pairs=dc.batch_size,
                                    num_chosen_tokens=n_chosen, **token_counts(exs), **loss_options(dc))
             eng.backward_global(loss)
             eng.step()
