@@ -306,10 +306,8 @@ def resolve_engine(name: str, config: Any) -> tuple[str, str]:
     """The sampling engine a run uses for `rollout.engine=<name>`, and why, in words.
 
     name: `hf` or `vllm` (returned as named) or `auto`: `vllm` where vLLM is installed and can sample this model
-    (`vllm_engine.unservable`: its architecture, and on the CPU its attention head size), else `hf`. vLLM is the
-    default where it runs because it was measured faster at every shape on both CPU precisions (docs/results.md,
-    "vLLM: generation time against HF": 0.43-0.57x HF's time in bf16-autocast, 0.54-0.89x in fp32) and learned as
-    well (the same section's parity table). config: the policy's `PretrainedConfig`.
+    (`vllm_engine.unservable`: its architecture, and on the CPU its attention head size), else `hf`, so one command
+    line runs in a venv with or without the engine. config: the policy's `PretrainedConfig`.
     """
     if name != "auto":
         return name, "as set"
