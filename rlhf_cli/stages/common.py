@@ -17,6 +17,7 @@ from rich.table import Table
 from transformers import AutoTokenizer
 
 from rlhf_cli import engine, lineage
+from rlhf_cli.commands import Command
 from rlhf_cli.data import epoch_order, example_length
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
@@ -112,7 +113,7 @@ def supervised_engine(model: Any, cfg: Any, section: Any, total_steps: int) -> e
 
 
 def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequence[dict[str, Any]],
-                    step: int, total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, name: str,
+                    step: int, total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, command: Command,
                     progress_keys: Sequence[str], train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
                     evaluate: Callable[[], dict[str, float]] | None) -> int:
     """The optimizer-step loop of a supervised stage (train-sft, train-rm, train-dpo), from `step` (0, or the step a
@@ -122,7 +123,8 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
     (`data.epoch_order` with `(data.seed, seed)`, by length groups of `section.micro_batch_size` when
     `data.group_by_length`; an epoch is `len(train) // batch_size` steps, its last partial batch dropped), gives
     this rank its contiguous share to `train_step(examples)`, which runs the micro-batches, the backwards and the
-    engine steps and returns the step's record. Every `section.eval_every` steps (not at the last one: the stage
+    engine steps and returns the step's record, to which the loop adds `<section>/epoch` (epochs done, the
+    `command`'s section: `rm/epoch`). Every `section.eval_every` steps (not at the last one: the stage
     evaluates after the loop) `evaluate()`'s figures join the record; the record is logged every
     `section.log_every` steps, at the last, and with held-out figures; a checkpoint is written every
     `section.save_every` steps, and on Ctrl-C (or SIGTERM) before the interrupt goes on: one that arrives during a
@@ -130,7 +132,7 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
     in train mode for every `train_step`."""
     steps_per_epoch = len(train) // section.batch_size
     lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
-    progress = Progress(total_steps, name, list(progress_keys), enabled=engine.is_main(), start=step)
+    progress = Progress(total_steps, command.name, list(progress_keys), enabled=engine.is_main(), start=step)
     order_epoch, order = -1, []
     eng.train()
     stepping = False
@@ -148,7 +150,7 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
                 stepping = True
                 record = train_step(mine)
                 step += 1
-                record["epoch"] = step / steps_per_epoch
+                record[f"{command.section}/epoch"] = step / steps_per_epoch
                 evaluated = (evaluate is not None and section.eval_every and step % section.eval_every == 0
                              and step < total_steps)
                 if evaluated:
@@ -248,9 +250,10 @@ def supervised_start(model: Any, cfg: Any, section: Any, total_steps: int, run_d
     return eng, metrics, ckpts
 
 
-def optimizer_stats(eng: engine.TrainEngine) -> dict[str, float]:
-    """The optimizer step's learning rate and gradient norm (before clipping) of a supervised stage's record."""
-    return {"lr": eng.lr(), "grad_norm": eng.grad_norm()}
+def optimizer_stats(eng: engine.TrainEngine, command: Command) -> dict[str, float]:
+    """The optimizer step's learning rate and gradient norm (before clipping) of a supervised stage's record, in
+    its command's namespace (`rm/lr`, `rm/grad_norm`; runs written before were bare: `Command.renamed_metrics`)."""
+    return {f"{command.section}/lr": eng.lr(), f"{command.section}/grad_norm": eng.grad_norm()}
 
 
 def throughput_stats(dt: float, tokens: float, real: float, positions: float) -> dict[str, float]:
@@ -268,12 +271,12 @@ def reference_spec(cfg: Any) -> dict[str, Any]:
 
 
 def supervised_train(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequence[dict[str, Any]], step: int,
-                     total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, name: str,
+                     total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, command: Command,
                      progress_keys: Sequence[str], train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
                      evaluate: Callable[[], dict[str, float]] | None) -> tuple[int, dict[str, float]]:
     """`supervised_loop`, then `evaluate()` once more after the last step, its figures logged at that step.
     Returns (the last step, the final held-out figures; {} when `evaluate` is None: no held-out examples)."""
-    step = supervised_loop(eng, cfg, section, train, step, total_steps, ckpts, metrics, name, progress_keys,
+    step = supervised_loop(eng, cfg, section, train, step, total_steps, ckpts, metrics, command, progress_keys,
                            train_step, evaluate)
     final_stats = evaluate() if evaluate is not None else {}
     if final_stats:
@@ -281,7 +284,7 @@ def supervised_train(eng: engine.TrainEngine, cfg: Any, section: Any, train: Seq
     return step, final_stats
 
 
-def save_policy_run(cfg: Any, run_dir: Path, command: Any, eng: engine.TrainEngine, ckpts: Checkpoints,
+def save_policy_run(cfg: Any, run_dir: Path, command: Command, eng: engine.TrainEngine, ckpts: Checkpoints,
                     metrics: MetricsLogger, step: int, tokenizer: Any, final_stats: dict[str, float]) -> None:
     """`supervised_save` of a stage that trains a policy (train-sft, train-dpo): its `final/` records the starting
     model (`reference_spec`) that `rlhf eval` compares against; the held-out figures go to `rlhf_eval.json`
@@ -291,7 +294,7 @@ def save_policy_run(cfg: Any, run_dir: Path, command: Any, eng: engine.TrainEngi
                     {"eval": final_stats, "steps": step}, final_stats)
 
 
-def supervised_save(cfg: Any, run_dir: Path, command: Any, eng: engine.TrainEngine, ckpts: Checkpoints,
+def supervised_save(cfg: Any, run_dir: Path, command: Command, eng: engine.TrainEngine, ckpts: Checkpoints,
                     metrics: MetricsLogger, step: int, tokenizer: Any, extra_config: dict[str, Any],
                     eval_record: dict[str, Any], rows: dict[str, Any]) -> None:
     """A supervised stage's end: the last checkpoint (`final=True`; without the optimizer state when

@@ -168,7 +168,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     evaluate = partial(heldout_eval, eng, reference, data.eval, collate, cfg) if data.eval else None
     step_fn = partial(train_step, eng, reference, collate, cfg)
     step, final_stats = supervised_train(eng, cfg, cfg.dpo, data.train, step, total_steps, ckpts, metrics,
-                                         COMMAND.name, PROGRESS_KEYS, step_fn, evaluate)
+                                         COMMAND, PROGRESS_KEYS, step_fn, evaluate)
     save_policy_run(cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer, final_stats)
     return final_stats.get("eval/dpo/accuracy")
 
@@ -244,7 +244,7 @@ def train_step(eng: engine.TrainEngine, reference: Reference, collate: Callable,
                                                 dtype=torch.float64)).tolist()
     record = dict(zip(keys, summed))
     pair_tok, real, positions = summed[len(keys):]
-    record.update({**optimizer_stats(eng), "throughput/pairs_per_s": dc.batch_size / dt,
+    record.update({**optimizer_stats(eng, COMMAND), "throughput/pairs_per_s": dc.batch_size / dt,
                    **throughput_stats(dt, pair_tok, real, positions)})
     return record
 

@@ -63,7 +63,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     step, _ = ckpts.resume(cfg.resume, metrics)
     collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
     evaluate = partial(heldout_metrics, eng, data.eval, tokenizer.pad_token_id, cfg) if data.eval else None
-    step = supervised_loop(eng, cfg, cfg.rm, data.train, step, total_steps, ckpts, metrics, COMMAND.name,
+    step = supervised_loop(eng, cfg, cfg.rm, data.train, step, total_steps, ckpts, metrics, COMMAND,
                            PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
     final_stats, reward_stats = final_eval(eng, data.eval, tokenizer.pad_token_id, cfg, run_dir, metrics, step)
     save(cfg, run_dir, eng, ckpts, metrics, step, with_scoring_template(tokenizer, eos), eos, final_stats,
@@ -121,7 +121,7 @@ def train_step(eng: engine.TrainEngine, collate: Any, cfg: Any, mine: list[dict[
     dt = time.perf_counter() - t0
     pair_tok, real, positions = engine.all_reduce_sum(tokens).tolist()
     record = engine.reduce_stats(stats_sum)
-    record.update({**optimizer_stats(eng), "throughput/pairs_per_s": rmc.batch_size / dt,
+    record.update({**optimizer_stats(eng, COMMAND), "throughput/pairs_per_s": rmc.batch_size / dt,
                    **throughput_stats(dt, pair_tok, real, positions)})
     return record
 

@@ -89,7 +89,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     collate = sft_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
     evaluate = partial(heldout_eval, eng, data.eval, collate, cfg) if data.eval else None
     step, final_stats = supervised_train(eng, cfg, cfg.sft, data.train, step, total_steps, ckpts, metrics,
-                                         COMMAND.name, PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
+                                         COMMAND, PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
     save_policy_run(cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer, final_stats)
     return final_stats.get("eval/sft/loss")
 
@@ -133,7 +133,7 @@ def train_step(eng: engine.TrainEngine, collate: Callable, cfg: Any, mine: list[
     nll, tokens, real, positions = engine.all_reduce_sum(sums).tolist()
     loss = nll / n_step
     return {"sft/loss": loss, "sft/perplexity": math.exp(min(loss, 700.0)), "sft/response_tokens": n_step,
-            **optimizer_stats(eng), **throughput_stats(dt, tokens, real, positions)}
+            **optimizer_stats(eng, COMMAND), **throughput_stats(dt, tokens, real, positions)}
 
 
 def heldout_eval(eng: engine.TrainEngine, heldout: Sequence[dict[str, Any]], collate: Callable, cfg: Any
