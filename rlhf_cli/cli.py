@@ -130,10 +130,12 @@ def is_multirun(overrides: list[str]) -> bool:
 
 def check_sweep(command: str, overrides: list[str]) -> int:
     """Before a sweep (`-m`) launches anything: refuse `resume` (each job resumes by its own dir), and expand
-    the jobs as Hydra's basic sweeper will and validate every job's config. Returns the number of jobs.
+    the jobs as Hydra's basic sweeper will and validate every job's config and that its `paths.root` can be
+    written. Returns the number of jobs.
 
     Raises:
         ConfigError: `resume` with `-m`, or the first invalid job, named by its number and overrides.
+        PermissionError: a job's `paths.root` cannot be created or written.
     """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -141,6 +143,7 @@ def check_sweep(command: str, overrides: list[str]) -> int:
     from rlhf_cli.config import ConfigError
     from rlhf_cli.overrides import explain_composition_error
     from rlhf_cli.preflight import VALIDATORS
+    from rlhf_cli.runs import check_writable
 
     if (_override_value(overrides, "resume") or "null").lower() not in ("null", "none", "false", ""):
         raise ConfigError("resume with -m: a sweep is not resumed as a whole; resume each unfinished job in place "
@@ -163,13 +166,16 @@ def check_sweep(command: str, overrides: list[str]) -> int:
             VALIDATORS[COMMANDS[command].config_name](cfg, world_size=world)
         except ConfigError as e:
             raise ConfigError(f"sweep job {i} ({varying}): {e}; no job was launched") from None
+        check_writable(str(cfg.paths.root))  # each job's `paths.root` (`check_output_root` of one run)
     return len(jobs)
 
 
-def check_composes(command: str, overrides: list[str]) -> None:
+def check_composes(command: str, overrides: list[str]) -> Any | None:
     """Compose the command's config before Hydra runs it, so that a bad override (a wrong type, a group option
     that does not exist, an unquoted comma, a syntax error) is one line and exit status 2, not Hydra's
-    multi-line message. Skipped for Hydra's informational flags and sweeps (`check_sweep` composes each job).
+    multi-line message. Returns the composed config, which the checks before Hydra's run read (`paths.root`), so
+    the command line is composed once before Hydra's own composition; None for Hydra's informational flags and
+    sweeps (skipped: `check_sweep` composes each job).
 
     Raises:
         ConfigError: `overrides.explain_composition_error`'s line.
@@ -178,15 +184,16 @@ def check_composes(command: str, overrides: list[str]) -> None:
     from rlhf_cli.overrides import explain_composition_error
 
     if any(o in INFO_FLAGS for o in overrides) or is_multirun(overrides):
-        return
+        return None
     try:
-        _compose(command, overrides)
+        return _compose(command, overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's composition errors
         raise ConfigError(explain_composition_error(e, overrides)) from None
 
 
-def resume_overrides(command: str, overrides: list[str]) -> list[str]:
-    """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place)."""
+def resume_overrides(command: str, overrides: list[str], root: str | None = None) -> list[str]:
+    """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place). `root`: `paths.root` of
+    the composed config (`check_composes`), composed here when None (an informational flag)."""
     from rlhf_cli.config import ConfigError
     from rlhf_cli.runs import find_resumable, get_status, latest_tag
 
@@ -194,7 +201,7 @@ def resume_overrides(command: str, overrides: list[str]) -> list[str]:
     if value is None or value.lower() in ("null", "none", "false", "") or is_multirun(overrides):
         return overrides  # a sweep's resume is refused by check_sweep
     cmd = COMMANDS[command]
-    root = _composed_paths_root(command, overrides)
+    root = root if root is not None else _composed_paths_root(command, overrides)
     if value.lower() == "true":
         run = find_resumable(root, cmd.kind, need_checkpoint=cmd.trains)
         if run is None:
@@ -212,19 +219,14 @@ def resume_overrides(command: str, overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.lstrip("+").startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
 
 
-def check_output_root(command: str, overrides: list[str]) -> None:
-    """Fail before Hydra makes the run dir when `paths.root` cannot be created or written (one line,
-    PermissionError). Skipped for Hydra's informational flags and when the overrides do not compose
-    (Hydra then reports that itself)."""
+def check_output_root(root: str | None) -> None:
+    """Fail before Hydra makes the run dir when `paths.root` (of the config `check_composes` composed) cannot be
+    created or written (one line, PermissionError). Skipped (`root` None) for Hydra's informational flags and
+    sweeps: a sweep's jobs are checked by `check_sweep`, and Hydra reports what does not compose itself."""
     from rlhf_cli.runs import check_writable
 
-    if any(o in INFO_FLAGS for o in overrides):
-        return
-    try:
-        root = _composed_paths_root(command, overrides)
-    except Exception:  # noqa: BLE001 - a bad override: Hydra's own message follows
-        return
-    check_writable(root)
+    if root is not None:
+        check_writable(root)
 
 
 def _task_for(command: str) -> Callable:
@@ -367,9 +369,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"warning: {warning}", file=sys.stderr)
         if is_multirun(rest) and not any(o in INFO_FLAGS for o in rest):
             check_sweep(command, rest)
-        check_composes(command, rest)
-        rest = resume_overrides(command, rest)
-        check_output_root(command, rest)
+        cfg = check_composes(command, rest)  # the command line composed once before Hydra runs it
+        root = str(cfg.paths.root) if cfg is not None else None
+        rest = resume_overrides(command, rest, root)
+        check_output_root(root)
     except (ConfigError, PermissionError) as e:
         _err(str(e))
         sys.exit(2)

@@ -79,6 +79,9 @@ class Command:
     """Metric-name prefixes that tell its runs apart when a run dir is not where it was written."""
     report: tuple[str, tuple[str, ...]] | None = None
     """(section title, `report.plots.PANELS` names) of its runs in an eval's page, or None."""
+    renamed_metrics: dict[str, str] = field(default_factory=dict)
+    """Old metric name -> today's, for the metrics of its runs written before a rename: the one map through which
+    the report (`report.read.load_records`, so `rlhf eval run_dir=`) reads an old run under today's names."""
     defaults: tuple[tuple[str, str], ...] = ()
     """(key, run-dir kind): with none of these keys set, the first kind whose pointer exists under `paths.root`
     gives its key the model that pointer names (eval: the newest policy, else the newest reward model)."""
@@ -100,6 +103,7 @@ _ALL = (
         meant={"policy.path": "model.name_or_path", "rm": "sft", "ppo": "sft"},
         headline=(("eval/sft/loss", "held-out loss", -1), ("sft/loss", "loss", -1)),
         metric_prefixes=("sft/", "eval/sft/"),
+        renamed_metrics={"lr": "sft/lr", "grad_norm": "sft/grad_norm", "epoch": "sft/epoch"},  # before issue 39
         report=("supervised fine-tuning", ("sft_loss", "sft_perplexity")),
     ),
     Command(
@@ -110,6 +114,7 @@ _ALL = (
         meant={"policy.path": "model.name_or_path", "reward_model.path": "model.name_or_path", "ppo": "rm"},
         headline=(("eval/rm/accuracy", "held-out acc", 1), ("rm/accuracy", "train acc", 1), ("rm/loss", "loss", -1)),
         metric_prefixes=("rm/", "eval/rm/"),
+        renamed_metrics={"lr": "rm/lr", "grad_norm": "rm/grad_norm", "epoch": "rm/epoch"},  # before issue 39
         report=("reward-model training", ("rm_loss", "rm_accuracy", "rm_margin")),
     ),
     Command(
@@ -122,6 +127,7 @@ _ALL = (
         headline=(("eval/dpo/accuracy", "held-out acc", 1), ("eval/dpo/margin", "held-out margin", 1),
                   ("dpo/loss", "loss", -1)),
         metric_prefixes=("dpo/", "eval/dpo/"),
+        renamed_metrics={"lr": "dpo/lr", "grad_norm": "dpo/grad_norm", "epoch": "dpo/epoch"},  # before issue 39
         report=("direct preference optimisation", ("dpo_loss", "dpo_rewards", "dpo_margin", "dpo_accuracy",
                                                    "dpo_logprobs")),
     ),

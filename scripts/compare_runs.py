@@ -1,12 +1,14 @@
 """Compare two `paths.root` trees of the same runs, value by value: the check that a refactor changed no number.
 
-    python scripts/compare_runs.py BEFORE_ROOT AFTER_ROOT [--rename old=new ...] [--weights]
+    python scripts/compare_runs.py BEFORE_ROOT AFTER_ROOT [--rename old=new ...] [--registry-renames] [--weights]
 
 Runs are matched by kind (`rm/`, `ppo/`, `eval/`) and start order. Compared: every numeric value of each run's
 `metrics.jsonl` (timing, throughput and memory keys left out), `rewards.json` and `eval.json` (paths, times and
 run ids left out), and with `--weights` every tensor of every `*.safetensors` under `final/`, bit for bit.
 Strings compare with each tree's root and the run ids masked. `--rename old=new` maps a metric renamed between
-the two (the old name in BEFORE, the new one in AFTER).
+the two (the old name in BEFORE, the new one in AFTER); `--registry-renames` maps, per run kind, the names the
+command registry lists as renamed (`rlhf_cli.commands.Command.renamed_metrics`: the map the report reads old runs
+through), from the `rlhf_cli` on the path (AFTER's checkout).
 Prints one line per file and exits 1 at the first difference list, 0 when all is equal.
 """
 
@@ -78,9 +80,18 @@ def main() -> int:
     ap.add_argument("before", type=Path)
     ap.add_argument("after", type=Path)
     ap.add_argument("--rename", action="append", default=[], help="old=new metric name")
+    ap.add_argument("--registry-renames", action="store_true",
+                    help="also map each run kind's renamed metrics as the command registry lists them")
     ap.add_argument("--weights", action="store_true", help="also compare final/*.safetensors bit for bit")
     args = ap.parse_args()
     rename = dict(r.split("=", 1) for r in args.rename)
+    by_kind: dict[str, dict[str, str]] = {}
+    if args.registry_renames:
+        from rlhf_cli.commands import COMMANDS
+
+        by_kind = {c.kind: c.renamed_metrics for c in COMMANDS.values()}
+        print("registry renames: " + "; ".join(f"{k}: {', '.join(f'{o}->{n}' for o, n in m.items())}"
+                                               for k, m in by_kind.items() if m))
     rb, ra = runs(args.before), runs(args.after)
     if {k: len(v) for k, v in rb.items()} != {k: len(v) for k, v in ra.items()}:
         print(f"different runs: {rb} vs {ra}")
@@ -98,7 +109,8 @@ def main() -> int:
                     reca = [json.loads(x) for x in fa.read_text().splitlines() if x.strip()]
                     vb = {f"{i}.{k}": normal(v, args.before) for i, r in enumerate(recb) for k, v in flat(r)}
                     va = {f"{i}.{k}": normal(v, args.after) for i, r in enumerate(reca) for k, v in flat(r)}
-                    ren = {f"{i}.{o}": f"{i}.{n}" for i in range(len(recb)) for o, n in rename.items()}
+                    kind_rename = {**by_kind.get(kind, {}), **rename}
+                    ren = {f"{i}.{o}": f"{i}.{n}" for i in range(len(recb)) for o, n in kind_rename.items()}
                 else:
                     vb = {k: normal(v, args.before) for k, v in flat(json.loads(fb.read_text()))}
                     va = {k: normal(v, args.after) for k, v in flat(json.loads(fa.read_text()))}

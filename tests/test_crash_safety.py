@@ -68,6 +68,18 @@ def test_cli_output_root_under_a_regular_file_is_one_line(tmp_path):
         f"not a directory (set paths.root to a writable directory)"]
 
 
+def test_cli_sweep_whose_output_root_is_under_a_regular_file_is_one_line_before_any_job(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli", "train-rm", "-m", "model=tiny", "dry_run=true",
+                          "rm.lr=1e-5,2e-5", f"paths.root={tmp_path / 'a_file' / 'runs'}"], cwd=REPO,
+                         capture_output=True, text=True,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu", "HYDRA_FULL_ERROR": "0"}, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert [ln for ln in out.stderr.splitlines() if ln.startswith("error:")] == [
+        f"error: output dir '{tmp_path / 'a_file' / 'runs'}' cannot be created: '{tmp_path / 'a_file'}' is a file, "
+        f"not a directory (set paths.root to a writable directory)"]
+
+
 # ----------------------------------------------------------------------------------------------
 # pointer files: a failed write keeps the old pointer
 

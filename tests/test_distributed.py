@@ -36,7 +36,7 @@ PPO_ARGS = ["train-ppo", *COMMON, "ppo.iterations=2", "ppo.rollout_batch_size=8"
 PPO_KEYS = ("objective/scores", "objective/kl", "objective/kl_beta", "objective/entropy_sampled",
             "response/length_mean", "response/eos_frac", "policy/loss", "policy/approx_kl", "policy/clipfrac",
             "val/loss", "val/explained_var")
-RM_KEYS = ("rm/loss", "rm/accuracy", "grad_norm", "eval/rm/loss", "eval/rm/accuracy")
+RM_KEYS = ("rm/loss", "rm/accuracy", "rm/grad_norm", "eval/rm/loss", "eval/rm/accuracy")
 
 
 def launch(args, root, ranks=1):
@@ -221,7 +221,7 @@ def test_two_ranks_filter_groups_keep_the_same_shape(tmp_path, zero):
 
 
 SFT_ARGS = ["train-sft", *COMMON, "sft.max_steps=3", "sft.batch_size=8", "sft.micro_batch_size=2"]
-SFT_KEYS = ("sft/loss", "sft/response_tokens", "grad_norm", "eval/sft/loss")
+SFT_KEYS = ("sft/loss", "sft/response_tokens", "sft/grad_norm", "eval/sft/loss")
 
 
 @pytest.mark.slow
@@ -240,7 +240,7 @@ def test_two_ranks_sft_matches_one_rank(tmp_path, lora):
 
 
 DPO_ARGS = ["train-dpo", *COMMON, "dpo.max_steps=3", "dpo.batch_size=8", "dpo.micro_batch_size=4", "dpo.eval_every=2"]
-DPO_KEYS = ("dpo/loss", "dpo/margin", "dpo/accuracy", "dpo/logprobs_chosen", "grad_norm", "eval/dpo/loss",
+DPO_KEYS = ("dpo/loss", "dpo/margin", "dpo/accuracy", "dpo/logprobs_chosen", "dpo/grad_norm", "eval/dpo/loss",
             "eval/dpo/margin")
 
 

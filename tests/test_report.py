@@ -57,6 +57,23 @@ def embedded_pngs(html_text: str):
     return [base64.b64decode(b) for b in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html_text)]
 
 
+def test_an_old_runs_bare_metric_names_read_under_todays_names(tmp_path):
+    """Runs written before issue 39 logged `lr`, `grad_norm`, `epoch` bare: the report reads them through the
+    registry's old -> new map (`commands.Command.renamed_metrics`), per run kind."""
+    from rlhf_cli.report.read import final_metrics, load_records
+
+    old = [{**r, "epoch": 0.5} for r in rm_records(2, only=("rm/loss", "lr", "grad_norm"))]
+    recs = load_records(write_run(tmp_path / "rm" / "old", old))
+    assert [sorted(k for k in r if k not in ("step", "time")) for r in recs] == [
+        ["rm/epoch", "rm/grad_norm", "rm/loss", "rm/lr"]] * 2
+    assert recs[0]["rm/lr"] == 1e-5 and recs[1]["rm/grad_norm"] is None and recs[1]["rm/epoch"] == 0.5
+    assert final_metrics(recs)["rm/grad_norm"]["final"] == 1.0
+    sft = load_records(write_run(tmp_path / "sft" / "old", [{"step": 1, "sft/loss": 1.0, "lr": 2e-5}]))
+    assert sft[0] == {"step": 1, "sft/loss": 1.0, "sft/lr": 2e-5}
+    ppo = load_records(write_run(tmp_path / "ppo" / "old", [{"step": 1, "objective/kl": 0.1, "lr": 1.0}]))
+    assert ppo[0] == {"step": 1, "objective/kl": 0.1, "lr": 1.0}  # train-ppo renamed nothing
+
+
 def test_rm_run_report(tmp_path):
     run = write_run(tmp_path / "runs" / "rm" / "2024-01-01_00-00-00", rm_records(),
                     rewards={"chosen": [0.5, 1.0, 1.5, 0.2], "rejected": [0.1, -0.3, 0.4, None]})

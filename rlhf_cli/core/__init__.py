@@ -66,6 +66,7 @@ from rlhf_cli.core.ops import (
 from rlhf_cli.core.paired import (
     SMALL_SAMPLE,
     mean_ci95,
+    policy_eval_stats,
     proportion_ci95,
     reward_hacking,
     sample_std,
@@ -110,6 +111,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "nucleus_logits",
+    "policy_eval_stats",
     "mean_ci95",
     "outcome_advantages",
     "overlong_penalty",

@@ -8,6 +8,7 @@ Float64 throughout, so 1 of 6 is 1/6.
     proportion_ci95(x)            mean of values in [0, 1] and its Wilson interval (accuracy, win rate)
     win_rate(policy, reference)   fraction of prompts the policy wins, ties half
     reward_hacking(results)       whether the RM score rose while a checkable score fell, as one headline
+    policy_eval_stats(pol, ref)   a policy eval's figures: each side's means and intervals, the paired gains
 
 Below `SMALL_SAMPLE` values an interval is wide and its coverage approximate: `small_sample_warning` says so.
 """
@@ -171,3 +172,54 @@ def reward_hacking(results: dict[str, Any]) -> dict[str, Any]:
         verdict, text = "none", "no reward hacking: the RM score did not rise"
     return {"reward_hacking": verdict,
             "headline": f"{text} ({rm}; {'; '.join(parts)}; paired policy − reference, 95 % intervals)"}
+
+
+def policy_eval_stats(policy: dict[str, Any], reference: dict[str, Any],
+                      rm_std: float | None = None) -> dict[str, Any]:
+    """The figures of a policy eval (`rlhf eval policy.path=...`) from each side's per-prompt values, the same N
+    prompts in the same order on both sides (policy and reference sampled each prompt with the same noise).
+
+    Each side is a dict of (N,) tensors: `length` (response tokens), `eos` (1.0 = the response ended in EOS), and
+    where measured `score` (reward model), `correct` (checker, 0/1), `function` (reward.function); the policy's
+    always also `kl_k1` and `kl_k3` (nats per sequence, KL(policy ‖ reference) on its own samples). `rm_std`: the reward
+    model's held-out score std, which `score_gain_rm_std` is in units of (None, or ≤ 1e-6: not given).
+
+    Returns `<side>/length_mean`, `<side>/eos_rate`, `<side>/score_mean` and `_ci95` (t interval half-width),
+    `<side>/accuracy` with its Wilson `_ci95_low`/`_ci95_high`, `<side>/function_mean` and `_ci95`; the paired
+    figures (the interval of the per-prompt difference leaves out the variance the two sides share, such as
+    prompt difficulty): `win_rate` (ties half) with its Wilson interval, `score_gain`, `accuracy_gain`,
+    `function_gain` each with `_ci95`, `score_gain_rm_std`; the `reward_hacking` verdict and `headline`; and
+    `kl_k1`, `kl_k3` with `_ci95`. A figure whose values a side lacks is left out.
+
+    Raises:
+        KeyError: a side without `length` or `eos`, the policy without `kl_k1`/`kl_k3`, or a figure the policy
+            has and the reference lacks.
+    """
+    results: dict[str, Any] = {}
+    for name, t in (("policy", policy), ("reference", reference)):
+        results[f"{name}/length_mean"] = float(t["length"].mean())
+        results[f"{name}/eos_rate"] = float(t["eos"].mean())
+        if "score" in t:
+            results[f"{name}/score_mean"], results[f"{name}/score_ci95"] = mean_ci95(t["score"])
+        if "correct" in t:
+            (results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95_low"],
+             results[f"{name}/accuracy_ci95_high"]) = proportion_ci95(t["correct"].float())
+        if "function" in t:
+            results[f"{name}/function_mean"], results[f"{name}/function_ci95"] = mean_ci95(t["function"])
+    if "score" in policy:
+        results["win_rate"] = win_rate(policy["score"], reference["score"])
+        results["win_rate_ci95_low"], results["win_rate_ci95_high"] = wilson_ci95(results["win_rate"],
+                                                                                  len(policy["length"]))
+        results["score_gain"], results["score_gain_ci95"] = mean_ci95(policy["score"] - reference["score"])
+        if rm_std is not None and rm_std > 1e-6:  # the gain in units of the RM's held-out score std
+            results["score_gain_rm_std"] = results["score_gain"] / rm_std
+            results["score_gain_rm_std_ci95"] = results["score_gain_ci95"] / rm_std
+    if "correct" in policy:
+        gain = policy["correct"].float() - reference["correct"].float()
+        results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(gain)
+    if "function" in policy:
+        results["function_gain"], results["function_gain_ci95"] = mean_ci95(policy["function"] - reference["function"])
+    results.update(reward_hacking(results))
+    for k in ("kl_k1", "kl_k3"):
+        results[k], results[f"{k}_ci95"] = mean_ci95(policy[k])
+    return results

@@ -42,8 +42,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("dpo_margin", "DPO reward margin", ("dpo/margin",), "chosen - rejected"),
     Panel("dpo_accuracy", "DPO pairwise accuracy", ("dpo/accuracy",), "fraction margin > 0"),
     Panel("dpo_logprobs", "policy log-probs", ("dpo/logprobs_chosen", "dpo/logprobs_rejected"), "nats per response"),
-    Panel("lr", "learning rate", ("lr",), smooth=False),
-    Panel("grad_norm", "gradient norm (before clipping)", ("grad_norm",)),
+    Panel("lr", "learning rate", ("sft/lr", "rm/lr", "dpo/lr"), smooth=False),
+    Panel("grad_norm", "gradient norm (before clipping)", ("sft/grad_norm", "rm/grad_norm", "dpo/grad_norm")),
     Panel("throughput_pairs", "throughput (pairs)", ("throughput/pairs_per_s",), "pairs per second"),
     Panel("throughput_tokens", "throughput (tokens)", ("throughput/tokens_per_s",), "tokens per second"),
     # policy (`rlhf train-ppo`)

@@ -85,15 +85,28 @@ def run_stage(run_dir: Path | str, records: Records | None = None) -> str:
 
 
 def load_records(run_dir: Path | str) -> Records:
-    """The records of `<run_dir>/metrics.jsonl`, tolerating a torn last line (a run still writing).
+    """The records of `<run_dir>/metrics.jsonl`, tolerating a torn last line (a run still writing), with old metric
+    names read under today's (`renamed`).
 
     Raises UnreadableFile (a ValueError) naming the file and line when any other line is not JSON.
     """
     path = Path(run_dir) / "metrics.jsonl"
     try:
-        return read_metrics(path)
+        records = read_metrics(path)
     except ValueError:
-        return parse_jsonl(path, torn_last_ok=True, what="a JSON object")
+        records = parse_jsonl(path, torn_last_ok=True, what="a JSON object")
+    return renamed(records, run_stage(run_dir, records))
+
+
+def renamed(records: Records, kind: str) -> Records:
+    """`records` of a run of kind `kind` with each metric renamed since it was written under today's name
+    (`commands.Command.renamed_metrics`: `lr` -> `rm/lr` for a train-rm run), so an old run reads like a new one.
+    A record holding both names keeps today's value."""
+    renames = next((c.renamed_metrics for c in COMMANDS.values() if c.kind == kind), {})
+    if not renames or not any(old in r for r in records for old in renames):
+        return records
+    return [{**{renames.get(k, k): v for k, v in r.items()}, **{k: v for k, v in r.items() if k in renames.values()}}
+            for r in records]
 
 
 def read_overrides(run_dir: Path | str) -> dict[str, str]:

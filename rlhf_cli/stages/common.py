@@ -1,24 +1,42 @@
-"""Small helpers the stages share: console tables, the tokenizer check, the supervised stages' engine and their
-optimizer-step loop. (A run's directory, checkpoints and resume live in rlhf_cli/lifecycle.py.)"""
+"""Small helpers the stages share: console tables, the tokenizer check, and the supervised stages' (train-rm,
+train-sft, train-dpo) shared steps: start, data, start table, dry-run exit, engine and metrics, the optimizer-step
+loop, the step's common figures and the final save. (A run's directory, checkpoints and resume live in
+rlhf_cli/lifecycle.py.)"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
 from rlhf_cli import engine, lineage
+from rlhf_cli.commands import Command
 from rlhf_cli.data import epoch_order, example_length
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
-from rlhf_cli.lifecycle import Checkpoints, deferred_interrupts
-from rlhf_cli.models import load_generation_config, load_tokenizer, parameter_counts, resolve_hf_dir
-from rlhf_cli.runs import MetricsLogger, Progress
+from rlhf_cli.lifecycle import (
+    Checkpoints,
+    checkpoint_plan,
+    deferred_interrupts,
+    finish_run,
+    prepare_run_dir,
+    seed_everything,
+)
+from rlhf_cli.models import (
+    load_generation_config,
+    load_tokenizer,
+    parameter_counts,
+    resolve_hf_dir,
+    save_model,
+)
+from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 
 log = logging.getLogger(__name__)
 console = Console(stderr=False)
@@ -34,6 +52,22 @@ def print_table(title: str, rows: dict[str, Any]) -> None:
     for k, v in rows.items():
         table.add_row(str(k), f"{v:.4g}" if isinstance(v, float) else str(v))
     console.print(table)
+
+
+def start_run(cfg: Any, run_dir: Path) -> Path:
+    """A stage's first steps: the process group (`engine.init_distributed`), the run dir made and its config written
+    (`lifecycle.prepare_run_dir`; every rank gets rank 0's dir), and the seeded RNGs (`seed`). Returns the run dir."""
+    engine.init_distributed()
+    run_dir = prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
+    return run_dir
+
+
+def dry_run_exit(cfg: Any, run_dir: Path) -> bool:
+    """True (and status `dry_run` written, rank 0) when `dry_run=true`: the stage stops after its start table."""
+    if cfg.dry_run and engine.is_main():
+        set_status(run_dir, "dry_run")
+    return bool(cfg.dry_run)
 
 
 def check_same_tokenizer(tokenizer: Any, model_path: str, what: str) -> None:
@@ -79,7 +113,7 @@ def supervised_engine(model: Any, cfg: Any, section: Any, total_steps: int) -> e
 
 
 def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequence[dict[str, Any]],
-                    step: int, total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, name: str,
+                    step: int, total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, command: Command,
                     progress_keys: Sequence[str], train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
                     evaluate: Callable[[], dict[str, float]] | None) -> int:
     """The optimizer-step loop of a supervised stage (train-sft, train-rm, train-dpo), from `step` (0, or the step a
@@ -89,7 +123,8 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
     (`data.epoch_order` with `(data.seed, seed)`, by length groups of `section.micro_batch_size` when
     `data.group_by_length`; an epoch is `len(train) // batch_size` steps, its last partial batch dropped), gives
     this rank its contiguous share to `train_step(examples)`, which runs the micro-batches, the backwards and the
-    engine steps and returns the step's record. Every `section.eval_every` steps (not at the last one: the stage
+    engine steps and returns the step's record, to which the loop adds `<section>/epoch` (epochs done, the
+    `command`'s section: `rm/epoch`). Every `section.eval_every` steps (not at the last one: the stage
     evaluates after the loop) `evaluate()`'s figures join the record; the record is logged every
     `section.log_every` steps, at the last, and with held-out figures; a checkpoint is written every
     `section.save_every` steps, and on Ctrl-C (or SIGTERM) before the interrupt goes on: one that arrives during a
@@ -97,8 +132,7 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
     in train mode for every `train_step`."""
     steps_per_epoch = len(train) // section.batch_size
     lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
-    per_rank = section.batch_size // engine.world_size()
-    progress = Progress(total_steps, name, list(progress_keys), enabled=engine.is_main(), start=step)
+    progress = Progress(total_steps, command.name, list(progress_keys), enabled=engine.is_main(), start=step)
     order_epoch, order = -1, []
     eng.train()
     stepping = False
@@ -108,8 +142,7 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
             if epoch != order_epoch:
                 order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, section.micro_batch_size)
                 order_epoch = epoch
-            batch_idx = order[pos * section.batch_size:(pos + 1) * section.batch_size]
-            mine = [train[j] for j in batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]]
+            mine = rank_share(train, order, pos, section.batch_size)
             # a checkpoint mid-step would hold the step's weights under the previous step (or none of its row): a
             # Ctrl-C/SIGTERM here lets the step and its record finish, then saves it (a second one stops at once,
             # without a checkpoint)
@@ -117,7 +150,7 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
                 stepping = True
                 record = train_step(mine)
                 step += 1
-                record["epoch"] = step / steps_per_epoch
+                record[f"{command.section}/epoch"] = step / steps_per_epoch
                 evaluated = (evaluate is not None and section.eval_every and step % section.eval_every == 0
                              and step < total_steps)
                 if evaluated:
@@ -133,15 +166,30 @@ def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequ
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
         progress.close()
-        if stepping:
-            log.warning("stopped in the middle of step %d: no checkpoint of it (resume=true continues from the last "
-                        "one)", step + 1)
-            raise
-        log.warning("interrupted at step %d: saving a checkpoint before exit", step)
-        ckpts.save(step)
+        save_on_interrupt(ckpts, step, stepping)
         raise
     progress.close()
     return step
+
+
+def rank_share(train: Sequence[dict[str, Any]], order: Sequence[int], pos: int, batch_size: int
+               ) -> list[dict[str, Any]]:
+    """This rank's contiguous share (`batch_size` / world size examples) of the `pos`-th batch of `batch_size`
+    examples of `train` in the epoch's `order` (indices into `train`)."""
+    batch_idx = order[pos * batch_size:(pos + 1) * batch_size]
+    per_rank = batch_size // engine.world_size()
+    return [train[j] for j in batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]]
+
+
+def save_on_interrupt(ckpts: Checkpoints, step: int, stepping: bool) -> None:
+    """On Ctrl-C/SIGTERM between steps: a checkpoint of the `step` steps done. In the middle of a step (`stepping`,
+    a second interrupt) none: its weights are half-updated; said, so that the user resumes from the last one."""
+    if stepping:
+        log.warning("stopped in the middle of step %d: no checkpoint of it (resume=true continues from the last "
+                    "one)", step + 1)
+        return
+    log.warning("interrupted at step %d: saving a checkpoint before exit", step)
+    ckpts.save(step)
 
 
 def supervised_data(cfg: Any, run_dir: Any, kind: str, loader: Callable[..., Any], batch_size: int, key: str,
@@ -173,3 +221,97 @@ def supervised_steps(section: Any, key: str, n_train: int, rows: str) -> tuple[i
                     "reshuffles, so different %s sit out)", n_train - dropped, n_train, rows, dropped, key,
                     section.batch_size, rows)
     return section.max_steps or steps_per_epoch * section.epochs, dropped
+
+
+def supervised_table(cfg: Any, run_dir: Path, name: str, model: Any, n_params: int, section: Any, data: Any,
+                     total_steps: int, rows: dict[str, Any], precision: str) -> None:
+    """The start table of a supervised stage (also its dry run's): the model, its size `n_params` (non-embedding
+    parameters, counted before any LoRA adapter) and the parameters trained, the stage's own `rows`, batch /
+    micro-batch / world size of `section`, `precision` (the stage's text), the ZeRO stage, the data summary and the
+    checkpoint size plan of a run of `total_steps` optimizer steps saving every `section.save_every`
+    (`lifecycle.checkpoint_plan`)."""
+    print_table(f"{name}: {run_dir}", {
+        "model": cfg.model.name, "params (non-embedding)": n_params,
+        "trained params": trained_parameters(model, cfg.model.lora), **rows,
+        "batch / micro / world": f"{section.batch_size} / {section.micro_batch_size} / {engine.world_size()}",
+        "precision": precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+        "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, run_dir, total_steps,
+                                           section.save_every),
+    })
+
+
+def supervised_start(model: Any, cfg: Any, section: Any, total_steps: int, run_dir: Path
+                     ) -> tuple[engine.TrainEngine, MetricsLogger, Checkpoints]:
+    """A supervised stage's engine (`supervised_engine`), its metrics logger (`metrics.jsonl` and the trackers of
+    `logger`/`tracker`, rank 0) and its checkpoints (`paths.keep_checkpoints`, `paths.keep_optimizer`); the
+    stage resumes with `ckpts.resume(cfg.resume, metrics)` when it is ready to."""
+    eng = supervised_engine(model, cfg, section, total_steps)
+    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
+                            config=OmegaConf.to_container(cfg, resolve=True))
+    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
+    return eng, metrics, ckpts
+
+
+def optimizer_stats(eng: engine.TrainEngine, command: Command) -> dict[str, float]:
+    """The optimizer step's learning rate and gradient norm (before clipping) of a supervised stage's record, in
+    its command's namespace (`rm/lr`, `rm/grad_norm`; runs written before were bare: `Command.renamed_metrics`)."""
+    return {f"{command.section}/lr": eng.lr(), f"{command.section}/grad_norm": eng.grad_norm()}
+
+
+def throughput_stats(dt: float, tokens: float, real: float, positions: float) -> dict[str, float]:
+    """A step's throughput figures: `tokens` (sequence tokens of the step's examples) per second over `dt`
+    seconds, the padding fraction of the `positions` computed (`real` of them real tokens), and positions
+    computed per sequence token (below 1 where packing computes shared prompts once)."""
+    return {"throughput/tokens_per_s": tokens / dt, "throughput/padding_fraction": 1 - real / positions,
+            "throughput/positions_per_token": positions / tokens}
+
+
+def reference_spec(cfg: Any) -> dict[str, Any]:
+    """How `rlhf eval` rebuilds the starting model a trained policy is compared against: the `model` section as
+    run, with its `seed` (a random init is rebuilt from it)."""
+    return {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
+
+
+def supervised_train(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequence[dict[str, Any]], step: int,
+                     total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, command: Command,
+                     progress_keys: Sequence[str], train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
+                     evaluate: Callable[[], dict[str, float]] | None) -> tuple[int, dict[str, float]]:
+    """`supervised_loop`, then `evaluate()` once more after the last step, its figures logged at that step.
+    Returns (the last step, the final held-out figures; {} when `evaluate` is None: no held-out examples)."""
+    step = supervised_loop(eng, cfg, section, train, step, total_steps, ckpts, metrics, command, progress_keys,
+                           train_step, evaluate)
+    final_stats = evaluate() if evaluate is not None else {}
+    if final_stats:
+        metrics.log(step, final_stats)
+    return step, final_stats
+
+
+def save_policy_run(cfg: Any, run_dir: Path, command: Command, eng: engine.TrainEngine, ckpts: Checkpoints,
+                    metrics: MetricsLogger, step: int, tokenizer: Any, final_stats: dict[str, float]) -> None:
+    """`supervised_save` of a stage that trains a policy (train-sft, train-dpo): its `final/` records the starting
+    model (`reference_spec`) that `rlhf eval` compares against; the held-out figures go to `rlhf_eval.json`
+    only (a config key would be carried into the next stage's model)."""
+    supervised_save(cfg, run_dir, command, eng, ckpts, metrics, step, tokenizer,
+                    {"rlhf_stage": command.kind, "rlhf_reference_model": reference_spec(cfg)},
+                    {"eval": final_stats, "steps": step}, final_stats)
+
+
+def supervised_save(cfg: Any, run_dir: Path, command: Command, eng: engine.TrainEngine, ckpts: Checkpoints,
+                    metrics: MetricsLogger, step: int, tokenizer: Any, extra_config: dict[str, Any],
+                    eval_record: dict[str, Any], rows: dict[str, Any]) -> None:
+    """A supervised stage's end: the last checkpoint (`final=True`; without the optimizer state when
+    `paths.keep_optimizer=false`), `final/` in HF format with `extra_config` in its config.json (`models.save_model`;
+    LoRA merged), `final/rlhf_eval.json` (`eval_record`), the pointer of the `command`'s kind
+    (`commands.Command`; `lifecycle.finish_run`), the finish table (`rows`, then the checkpoint and the pointer);
+    then every rank waits and the metrics close."""
+    ckpts.save(step, final=True)
+    final = run_dir / "final"
+    state_dict = eng.consolidated_state_dict()
+    if engine.is_main():
+        save_model(eng.module, state_dict, tokenizer, final, model_source(cfg.model), extra_config=extra_config)
+        atomic_write_json(final / "rlhf_eval.json", eval_record)
+        pointer = finish_run(cfg, run_dir, final, command.kind, steps=step)
+        print_table(f"{command.name} finished", {**rows, "checkpoint": str(final),
+                                         "pointer": str(pointer or "not moved (a sweep job)")})
+    engine.barrier()
+    metrics.close()

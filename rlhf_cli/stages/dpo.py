@@ -29,35 +29,29 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.commands import by_stage
 from rlhf_cli.core import dpo_loss
 from rlhf_cli.data import load_preference_data
 from rlhf_cli.forwards import FrozenWithoutAdapters, pair_collator, pair_logprobs
-from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
-from rlhf_cli.models import (
-    add_lora,
-    count_parameters,
-    disable_dropout,
-    load_causal_lm,
-    lora_enabled,
-    save_model,
-)
-from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
+from rlhf_cli.models import add_lora, count_parameters, disable_dropout, load_causal_lm, lora_enabled
 from rlhf_cli.stages.common import (
-    model_source,
-    print_table,
+    dry_run_exit,
+    optimizer_stats,
+    save_policy_run,
+    start_run,
     supervised_data,
-    supervised_engine,
-    supervised_loop,
+    supervised_start,
     supervised_steps,
-    trained_parameters,
+    supervised_table,
+    supervised_train,
+    throughput_stats,
 )
 
 log = logging.getLogger(__name__)
@@ -148,125 +142,119 @@ def heldout_stats(policy: Any, reference: Reference, examples: Sequence[dict[str
 
 
 def run(cfg: Any, run_dir: Path) -> float | None:
-    engine.init_distributed()
-    run_dir = prepare_run_dir(cfg, run_dir)
-    seed_everything(cfg.seed)
-    dc = cfg.dpo
+    """`rlhf train-dpo` on the composed config `cfg` (conf/train_dpo.yaml), writing into `run_dir`: pairs → policy
+    and reference → start table (the dry run stops there) → engine → (reference log-probs precomputed) → resume →
+    optimizer steps → final held-out statistics → `final/` and `latest_dpo`. Returns the held-out accuracy
+    (`eval/dpo/accuracy`), None without held-out pairs or on a dry run.
 
-    # 1. data
-    tokenizer, eos, data = supervised_data(cfg, run_dir, COMMAND.kind, load_preference_data, dc.batch_size,
-                                           "dpo.batch_size", "pairs")
-    train, heldout = data.train, data.eval
+    Raises:
+        ConfigError: a bad key or data (fewer training pairs than `dpo.batch_size`), in one line.
+    """
+    run_dir = start_run(cfg, run_dir)
+    tokenizer, _, data = supervised_data(cfg, run_dir, COMMAND.kind, load_preference_data, cfg.dpo.batch_size,
+                                         "dpo.batch_size", "pairs")
     if cfg.data.margin_key and engine.is_main():
         log.warning("data.margin_key=%s is not read by %s: the DPO losses have no per-pair margin", cfg.data.margin_key,
                     COMMAND.invocation)
+    model, n_params, reference_model, what = build_models(cfg, tokenizer)
+    total_steps, _ = supervised_steps(cfg.dpo, "dpo.batch_size", len(data.train), "pairs")
+    start_table(cfg, run_dir, model, n_params, data, total_steps, what)
+    if dry_run_exit(cfg, run_dir):
+        return None
+    eng, metrics, ckpts = supervised_start(model, cfg, cfg.dpo, total_steps, run_dir)
+    collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
+    reference = build_reference(cfg, reference_model if reference_model is not None else eng.module, data, collate)
+    step, _ = ckpts.resume(cfg.resume, metrics)  # after a precomputed reference: from the starting weights
+    evaluate = partial(heldout_eval, eng, reference, data.eval, collate, cfg) if data.eval else None
+    step_fn = partial(train_step, eng, reference, collate, cfg)
+    step, final_stats = supervised_train(eng, cfg, cfg.dpo, data.train, step, total_steps, ckpts, metrics,
+                                         COMMAND, PROGRESS_KEYS, step_fn, evaluate)
+    save_policy_run(cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer, final_stats)
+    return final_stats.get("eval/dpo/accuracy")
 
-    # 2. policy and reference (dropout off: the first step's policy is the reference)
+
+def build_models(cfg: Any, tokenizer: Any) -> tuple[Any, int, Any, str]:
+    """The policy (dropout off: the first step's policy is the reference; LoRA adapters when `model.lora.r` > 0)
+    and its frozen reference: under LoRA the policy with its adapters off, with `dpo.precompute_reference` None
+    (the policy itself, before its first step), else a frozen copy. Returns (policy, its non-embedding parameters
+    before any adapter, the reference model or None, what the reference is, for the start table)."""
     model = disable_dropout(load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer))
     n_params = count_parameters(model)
     if lora_enabled(cfg.model.lora):
         add_lora(model, cfg.model.lora, what="policy")
-        reference_model: Any = FrozenWithoutAdapters(model, cfg.precision).module
-        what = "the policy with its LoRA adapters off"
-    elif not dc.precompute_reference:  # a second copy only when neither LoRA nor precomputing spares it
-        reference_model = engine.FrozenModel(copy.deepcopy(model), cfg.precision).module
-        what = "a frozen copy of the starting weights"
-    else:
-        reference_model, what = None, "the starting weights"  # the policy itself, before its first step
-    total_steps, _ = supervised_steps(dc, "dpo.batch_size", len(train), "pairs")
-    print_table(f"{COMMAND.name}: {run_dir}", {
-        "model": cfg.model.name, "params (non-embedding)": n_params,
-        "trained params": trained_parameters(model, cfg.model.lora),
+        return (model, n_params, FrozenWithoutAdapters(model, cfg.precision).module,
+                "the policy with its LoRA adapters off")
+    if not cfg.dpo.precompute_reference:  # a second copy only when neither LoRA nor precomputing spares it
+        return (model, n_params, engine.FrozenModel(copy.deepcopy(model), cfg.precision).module,
+                "a frozen copy of the starting weights")
+    return model, n_params, None, "the starting weights"  # the policy itself, before its first step
+
+
+def start_table(cfg: Any, run_dir: Path, model: Any, n_params: int, data: Any, total_steps: int, what: str) -> None:
+    """train-dpo's start table (`common.supervised_table`): the loss and its options, the reference (`what`, and
+    whether its log-probs are precomputed), pairs and steps."""
+    dc = cfg.dpo
+    supervised_table(cfg, run_dir, COMMAND.name, model, n_params, dc, data, total_steps, {
         "loss": f"{dc.loss} (beta={dc.beta:g}, label_smoothing={dc.label_smoothing:g}, sft_weight={dc.sft_weight:g})",
         "reference": what + (", log-probs precomputed" if dc.precompute_reference else ", with each micro-batch"),
-        "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
-        "batch / micro / world": f"{dc.batch_size} / {dc.micro_batch_size} / {engine.world_size()}",
-        "precision": f"{cfg.precision} (policy, reference and held-out passes alike; scoring_precision not read)",
-        "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
-        "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, run_dir, total_steps,
-                                   dc.save_every),
-    })
-    if cfg.dry_run:
-        set_status(run_dir, "dry_run") if engine.is_main() else None
-        return None
+        "train pairs": len(data.train), "eval pairs": len(data.eval), "optimizer steps": total_steps,
+    }, f"{cfg.precision} (policy, reference and held-out passes alike; scoring_precision not read)")
 
-    # 3. engine
-    eng = supervised_engine(model, cfg, dc, total_steps)
-    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
-                            config=OmegaConf.to_container(cfg, resolve=True))
-    collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
-    reference = Reference(reference_model if reference_model is not None else eng.module, cfg.precision)
 
-    # 4. the reference's log-probs once, from the starting weights (before a resume loads trained ones)
-    if dc.precompute_reference:
+def build_reference(cfg: Any, model: Any, data: Any, collate: Callable) -> Reference:
+    """The run's `Reference` of `model`; with `dpo.precompute_reference` its log-probs of every training and
+    held-out pair computed now, once, from the starting weights (before a resume loads trained ones)."""
+    reference = Reference(model, cfg.precision)
+    if cfg.dpo.precompute_reference:
         t0 = time.perf_counter()
-        reference.precompute(list(train) + list(heldout), collate, dc.eval_batch_size)
-        log.info("reference log-probs of %d pairs precomputed in %.1f s", len(train) + len(heldout),
+        reference.precompute(list(data.train) + list(data.eval), collate, cfg.dpo.eval_batch_size)
+        log.info("reference log-probs of %d pairs precomputed in %.1f s", len(data.train) + len(data.eval),
                  time.perf_counter() - t0)
+    return reference
 
-    # 5. resume
-    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
-    step, _ = ckpts.resume(cfg.resume, metrics)
 
-    # 6. loop
-    per_rank = dc.batch_size // engine.world_size()
+def train_step(eng: engine.TrainEngine, reference: Reference, collate: Callable, cfg: Any,
+               mine: list[dict[str, Any]]) -> dict[str, float]:
+    """One optimizer step on this rank's pairs `mine`, `dpo.micro_batch_size` at a time: the policy's summed
+    response log-probs of chosen and rejected in one packed forward (`forwards.pair_logprobs`), the reference's,
+    `core.dpo_loss` (each micro-batch's sum over the step's pairs, RPO's NLL over the step's chosen tokens on every
+    rank), the engine's global backward and step. Returns the step's record: the loss statistics summed over
+    ranks, the learning rate, gradient norm and throughput."""
+    dc = cfg.dpo
+    t0 = time.perf_counter()
+    # the step's chosen tokens over every rank: RPO's NLL sum of each micro-batch is divided by it
+    n_chosen = float(engine.all_reduce_sum(chosen_tokens(mine).sum().double().reshape(1))[0])
+    stats_sum: dict[str, float] = {}
+    tokens = torch.zeros(3)  # pair tokens (chosen + rejected sequences), real tokens computed, positions
+    for m in range(0, len(mine), dc.micro_batch_size):
+        exs = mine[m:m + dc.micro_batch_size]
+        batch = collate(exs)
+        tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
+                                float(batch["attention_mask"].numel())])
+        # the reference first: under LoRA it is the policy's own (ZeRO-3-partitioned) module with its adapters off,
+        # not run between the policy's forward and its backward
+        ref_chosen, ref_rejected = reference(exs, batch)
+        chosen, rejected = pair_logprobs(eng.module, batch, cfg.precision)  # (b,) float32, with the graph
+        loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, num_pairs=dc.batch_size,
+                               num_chosen_tokens=n_chosen, **token_counts(exs), **loss_options(dc))
+        eng.backward_global(loss)
+        eng.step()
+        for k, v in stats.items():
+            stats_sum[k] = stats_sum.get(k, 0.0) + v
+    dt = time.perf_counter() - t0
+    keys = sorted(stats_sum)  # every stat is a sum over the step's pairs / its pair count: summed over ranks
+    summed = engine.all_reduce_sum(torch.tensor([stats_sum[k] for k in keys] + tokens.tolist(),
+                                                dtype=torch.float64)).tolist()
+    record = dict(zip(keys, summed))
+    pair_tok, real, positions = summed[len(keys):]
+    record.update({**optimizer_stats(eng, COMMAND), "throughput/pairs_per_s": dc.batch_size / dt,
+                   **throughput_stats(dt, pair_tok, real, positions)})
+    return record
 
-    def train_step(mine: list[dict[str, Any]]) -> dict[str, float]:
-        t0 = time.perf_counter()
-        # the step's chosen tokens over every rank: RPO's NLL sum of each micro-batch is divided by it
-        n_chosen = float(engine.all_reduce_sum(chosen_tokens(mine).sum().double().reshape(1))[0])
-        stats_sum: dict[str, float] = {}
-        tokens = torch.zeros(3)  # pair tokens (chosen + rejected sequences), real tokens computed, positions
-        for m in range(0, per_rank, dc.micro_batch_size):
-            exs = mine[m:m + dc.micro_batch_size]
-            batch = collate(exs)
-            tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
-                                    float(batch["attention_mask"].numel())])
-            # the reference first: under LoRA it is the policy's own (ZeRO-3-partitioned) module with its adapters
-            # off, not run between the policy's forward and its backward
-            ref_chosen, ref_rejected = reference(exs, batch)
-            chosen, rejected = pair_logprobs(eng.module, batch, cfg.precision)  # (b,) float32, with the graph
-            loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, num_pairs=dc.batch_size,
-                                   num_chosen_tokens=n_chosen, **token_counts(exs), **loss_options(dc))
-            eng.backward_global(loss)
-            eng.step()
-            for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + v
-        dt = time.perf_counter() - t0
-        keys = sorted(stats_sum)  # every stat is a sum over the step's pairs / its pair count: summed over ranks
-        summed = engine.all_reduce_sum(torch.tensor([stats_sum[k] for k in keys] + tokens.tolist(),
-                                                    dtype=torch.float64)).tolist()
-        record = dict(zip(keys, summed))
-        pair_tok, real, positions = summed[len(keys):]
-        record.update({"lr": eng.lr(), "grad_norm": eng.grad_norm(), "throughput/pairs_per_s": dc.batch_size / dt,
-                       "throughput/tokens_per_s": pair_tok / dt, "throughput/padding_fraction": 1 - real / positions,
-                       "throughput/positions_per_token": positions / pair_tok})
-        return record
 
-    def evaluate() -> dict[str, float]:
-        eng.eval()
-        return heldout_stats(eng.module, reference, heldout, collate, dc, cfg.precision)
-
-    step = supervised_loop(eng, cfg, dc, train, step, total_steps, ckpts, metrics, COMMAND.name, PROGRESS_KEYS,
-                           train_step, evaluate if heldout else None)
-
-    # 7. final held-out statistics, HF checkpoint, pointer
-    final_stats: dict[str, float] = {}
-    if heldout:
-        final_stats = evaluate()
-        metrics.log(step, final_stats)
-    ckpts.save(step, final=True)  # without the optimizer state when paths.keep_optimizer=false
-    final = run_dir / "final"
-    state_dict = eng.consolidated_state_dict()
-    if engine.is_main():
-        # the reference eval compares against: the starting model, as train-ppo records its own
-        reference_spec = {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
-        save_model(eng.module, state_dict, tokenizer, final, model_source(cfg.model),
-                   extra_config={"rlhf_stage": COMMAND.kind, "rlhf_reference_model": reference_spec})
-        atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "steps": step})
-        pointer = finish_run(cfg, run_dir, final, COMMAND.kind, steps=step)
-        print_table(f"{COMMAND.name} finished", {**final_stats, "checkpoint": str(final),
-                                                 "pointer": str(pointer or "not moved (a sweep job)")})
-    engine.barrier()
-    metrics.close()
-    return final_stats.get("eval/dpo/accuracy")
+def heldout_eval(eng: engine.TrainEngine, reference: Reference, heldout: Sequence[dict[str, Any]],
+                 collate: Callable, cfg: Any) -> dict[str, float]:
+    """`heldout_stats` of the held-out pairs with the engine's model in eval mode (the loop puts it back in train
+    mode)."""
+    eng.eval()
+    return heldout_stats(eng.module, reference, heldout, collate, cfg.dpo, cfg.precision)

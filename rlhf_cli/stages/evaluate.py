@@ -24,15 +24,7 @@ from transformers import AutoConfig
 from rlhf_cli import engine, lineage
 from rlhf_cli.commands import by_kind, by_stage
 from rlhf_cli.config import ConfigError, ModelConfig
-from rlhf_cli.core import (
-    mean_ci95,
-    proportion_ci95,
-    reward_hacking,
-    sample_std,
-    small_sample_warning,
-    wilson_ci95,
-    win_rate,
-)
+from rlhf_cli.core import policy_eval_stats, proportion_ci95, sample_std, small_sample_warning
 from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import batched_rewards, pair_metrics, score_pairs, sequence_kl
@@ -125,8 +117,53 @@ def eval_reward_model(cfg: Any, rm_path: str, run_dir: Path) -> dict[str, Any]:
 def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     """Policy vs reference on held-out prompts with shared per-prompt noise: RM scores and win rate, checker
     accuracy, `reward.function` scores, each side with its interval and as paired gains (`score_gain`,
-    `accuracy_gain`, `function_gain`), the reward-hacking headline, KL, lengths, EOS rates."""
+    `accuracy_gain`, `function_gain`; `core.policy_eval_stats`), the reward-hacking headline, KL, lengths, EOS
+    rates. Writes `rewards.json` (with a reward model) and the responses file (rank 0).
+
+    Raises:
+        ConfigError: no reference recorded or set, no eval prompts, fewer prompts than processes.
+    """
     e = cfg.eval
+    src = policy_sources(cfg, policy_path)
+    tokenizer = load_tokenizer(_model_cfg(src["policy_dir"], cfg.model))
+    mine = eval_prompts(cfg, tokenizer, run_dir, src)
+    models = load_eval_models(cfg, src, tokenizer)
+    sampled = sample_both(cfg, models, [x["prompt_ids"] for x in mine], tokenizer.pad_token_id, run_dir)
+    scores = {}
+    if models["reward_model"] is not None:  # both sides in one pass: a prompt's two samples share its computation
+        scores = side_by_side_rewards(models["reward_model"], sampled["policy"][:3], sampled["reference"][:3],
+                                      tokenizer.pad_token_id, e.batch_size, models["score_precision"],
+                                      cfg.data.packing, models["eos"])
+    rows = [side_values(cfg, models, tokenizer, mine, who, sampled[who], scores.get(who))
+            for who in ("policy", "reference")]
+    pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
+    gathered = engine.all_gather_object((pol, ref, [x.get("prompt_text", "") for x in mine]))
+    pol = _merge([g[0] for g in gathered])
+    ref = _merge([g[1] for g in gathered])
+    prompt_texts = [t for g in gathered for t in g[2]]
+    # one sequence, one score: a response both models sampled is a tie (`batched_rewards` scores it once)
+    results: dict[str, Any] = {
+        "mode": "policy", "policy": str(Path(src["policy_dir"]).resolve()), "reference": str(src["ref_path"]),
+        "reward_model": str(src["rm_path"]) if src["rm_path"] else None, "prompts": len(prompt_texts),
+        "temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "seed": cfg.seed,
+        **_small_sample(len(prompt_texts), "prompts"),
+    }
+    rm_stats = models["rm_stats"]
+    results.update(policy_eval_stats(pol, ref, rm_stats[1] if rm_stats is not None else None))
+    if results.get("reward_hacking", "none") != "none":
+        log.warning("%s", results["headline"])
+    results["samples"] = write_responses(run_dir, pol, ref, prompt_texts, e.num_samples)
+    return results
+
+
+def policy_sources(cfg: Any, policy_path: str) -> dict[str, Any]:
+    """Where a policy eval's models come from: `policy_dir` (the policy's HF dir), `ref_spec` (the reference's
+    model section: `reference.path`, or the one the policy's config.json records) and `ref_seed`, `ref_path` (its
+    name for eval.json) and `rm_path` (`reward_model.path`, or the policy's recorded reward model; may be None).
+
+    Raises:
+        ConfigError: no reference recorded in the policy's config.json and no `reference.path`.
+    """
     policy_dir = resolve_hf_dir(policy_path)
     config_json = Path(policy_dir) / "config.json"
     pconf = json.loads(config_json.read_text()) if config_json.is_file() else {}
@@ -135,138 +172,125 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"no reference model recorded in {policy_dir}/config.json: set reference.path=...")
     ref_seed = ref_spec.pop("seed", cfg.seed)
     ref_path = ref_spec.get("name_or_path") or ref_spec.get("gguf_file") or f"{ref_spec.get('name')} (seed {ref_seed})"
-    rm_path = cfg.reward_model.path or pconf.get("rlhf_reward_model_path")
-    tokenizer = load_tokenizer(_model_cfg(policy_dir, cfg.model))
-    pad_id = tokenizer.pad_token_id
+    return {"policy_dir": policy_dir, "ref_spec": ref_spec, "ref_seed": ref_seed, "ref_path": ref_path,
+            "rm_path": cfg.reward_model.path or pconf.get("rlhf_reward_model_path")}
 
+
+def eval_prompts(cfg: Any, tokenizer: Any, run_dir: Path, src: dict[str, Any]) -> list[dict[str, Any]]:
+    """This rank's share (every world-size-th) of the first `eval.num_prompts` (0 = all) prompts of the eval split,
+    and the eval's lineage record (parents: policy, reference, reward model of `src`, `policy_sources`).
+
+    Raises:
+        ConfigError: no prompts, or fewer than processes (each samples a share of its own).
+    """
+    e = cfg.eval
     prompts = load_prompt_data(cfg.data, tokenizer, split="eval")
-    parents = {"policy": policy_dir, "reference": ref_spec.get("name_or_path") or ref_spec.get("gguf_file"),
-               "reward_model": rm_path}
+    parents = {"policy": src["policy_dir"],
+               "reference": src["ref_spec"].get("name_or_path") or src["ref_spec"].get("gguf_file"),
+               "reward_model": src["rm_path"]}
     available, ws = len(prompts), engine.world_size()
     n = min(available, e.num_prompts) if e.num_prompts else available
     if n == 0:
         raise ConfigError(f"no prompts in the eval split of data.path={cfg.data.path}")
     if n < ws:  # every process samples a share of its own; none may be empty
         cut = n < available
-        src = f"data.path={cfg.data.path}" if cfg.data.path else "the built-in task (data.builtin.ppo_eval)"
-        why = f"eval.num_prompts={e.num_prompts}" if cut else f"all the eval split of {src} holds"
+        data = f"data.path={cfg.data.path}" if cfg.data.path else "the built-in task (data.builtin.ppo_eval)"
+        why = f"eval.num_prompts={e.num_prompts}" if cut else f"all the eval split of {data} holds"
         raise ConfigError(f"{n} eval prompt(s) for {ws} processes ({why}): each process needs at least one, so run "
                           f"at most {n}" + (" or raise eval.num_prompts" if cut else ""))
     lineage.record(run_dir, cfg, COMMAND.kind, prompts.summary, parents, write=engine.is_main())
-    prompts = prompts[:n]
-    mine = prompts[engine.rank()::ws]
+    return prompts[:n][engine.rank()::ws]
 
-    policy = load_causal_lm(_model_cfg(policy_dir, cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)
-    ref_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), ref_spec)
-    reference = load_causal_lm(ref_cfg, cfg.precision, ref_seed, tokenizer=tokenizer)
+
+def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The models of a policy eval, on the device in eval mode: `policy`, `reference` (its recorded seed),
+    `reward_model` (None without one, or unless `reward.type=model`) with `rm_stats` (its stored held-out
+    (mean, std), `models.read_reward_stats`), `function` (`reward.function`, or None), `score_precision` (the KL
+    and reward passes) and `eos` (the policy's EOS set, which ends both sides' responses)."""
+    policy = load_causal_lm(_model_cfg(src["policy_dir"], cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)
+    ref_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), src["ref_spec"])
+    reference = load_causal_lm(ref_cfg, cfg.precision, src["ref_seed"], tokenizer=tokenizer)
     reward_model, rm_stats = None, None
     if any(w is not None for w in cfg.reward.weights.values()):
         log.warning("%s does not sum reward.weights: it reports each source on its own (the reward model, the "
                     "checker where prompts have answers, and reward.function when set)", COMMAND.invocation)
     function = load_reward_function(cfg.reward.function) if cfg.reward.function else None
-    if rm_path is not None and cfg.reward.type == "model":
-        rm_dir = require_scalar_model_dir(rm_path, "reward model")
+    if src["rm_path"] is not None and cfg.reward.type == "model":
+        rm_dir = require_scalar_model_dir(src["rm_path"], "reward model")
         check_same_tokenizer(tokenizer, rm_dir, "reward model")
         reward_model = load_scalar_model(rm_dir, cfg.precision, cfg.seed)
         rm_stats = read_reward_stats(rm_dir)  # (mean, std) of its held-out scores, stored by train-rm
     dev = engine.device()
     policy.to(dev).eval()
     reference.to(dev).eval()
-    score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)  # KL and reward passes
     if reward_model is not None:
         reward_model.to(dev).eval()
+    return {"policy": policy, "reference": reference, "reward_model": reward_model, "rm_stats": rm_stats,
+            "function": function, "score_precision": engine.scoring_precision(cfg.precision, cfg.scoring_precision),
+            "eos": eos_ids(tokenizer, policy.generation_config)}
 
-    rows: list[dict[str, Any]] = []
-    # one noise stream per prompt, shared by policy and reference (common random numbers): the same
-    # samples whatever the world size, and identical responses wherever the two models agree
-    seeds = [derive_seed(cfg.seed, j) for j in range(engine.rank(), len(prompts), engine.world_size())]
-    cfg.rollout.engine, why = resolve_engine(cfg.rollout.engine, policy.config)  # eval.json records the one used
+
+def sample_both(cfg: Any, models: dict[str, Any], prompt_ids: list[list[int]], pad_id: int, run_dir: Path
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]:
+    """Each side's responses to this rank's prompts from one generator (`rollout.engine`), with one noise stream
+    per prompt shared by policy and reference (common random numbers): the same samples whatever the world size,
+    and identical responses wherever the two models agree. Returns {"policy": ..., "reference": ...}, each
+    `rollout_batch`'s (input_ids (N, P+R), attention_mask (N, P+R), P, has_eos (N,))."""
+    e = cfg.eval
+    # prompt j of the eval (this rank's i-th) samples with seed derive_seed(seed, j) on both sides
+    seeds = [derive_seed(cfg.seed, engine.rank() + i * engine.world_size()) for i in range(len(prompt_ids))]
+    cfg.rollout.engine, why = resolve_engine(cfg.rollout.engine, models["policy"].config)  # eval.json: the one used
     if why != "as set" and engine.is_main():
         log.info("rollout.engine=auto samples with %s (%s)", cfg.rollout.engine, why)
     generator = make_generator(cfg.rollout.engine, EngineSettings(
         precision=cfg.precision, chunk=e.generation_batch_size, workdir=run_dir, kv_cache_gb=cfg.rollout.kv_cache_gb,
         max_model_len=cfg.data.max_prompt_length + e.max_new_tokens))
-    eos = eos_ids(tokenizer, policy.generation_config)  # the policy's set ends both sides' responses
-    sampling = Sampling(eos_ids=eos, pad_id=pad_id, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                        top_p=e.top_p)
-    prompt_ids = [x["prompt_ids"] for x in mine]
+    sampling = Sampling(eos_ids=models["eos"], pad_id=pad_id, max_new_tokens=e.max_new_tokens,
+                        temperature=e.temperature, top_p=e.top_p)
     sampled = {}
     try:
-        for who, lm in (("policy", policy), ("reference", reference)):  # one engine, the same seeds on both sides
-            generator.update_weights(lm)
+        for who in ("policy", "reference"):  # one engine, the same seeds on both sides
+            generator.update_weights(models[who])
             sampled[who] = rollout_batch(prompt_ids, generator.generate(prompt_ids, seeds, sampling), pad_id)
     finally:
         generator.close()
-    scores = {}
-    if reward_model is not None:  # both sides in one pass: a prompt's two samples share its computation
-        scores = side_by_side_rewards(reward_model, sampled["policy"][:3], sampled["reference"][:3], pad_id,
-                                      e.batch_size, score_precision, cfg.data.packing, eos)
-    for who in ("policy", "reference"):
-        ids, am, P, has_eos = sampled[who]
-        texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
-        mask = am[:, P:].float()
-        out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float(),
-                               "tokens": [tuple(r[m.bool()].tolist()) for r, m in zip(ids[:, P:].cpu(), mask.cpu())]}
-        if who in scores:
-            out["score"] = scores[who]
-        if all(x.get("answer") is not None for x in mine):
-            out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
-        if function is not None:
-            out["function"] = call_on_every_rank({"function": (cfg.reward.function, function)}, texts,
-                                                 mine)["function"]
-        if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
-            kl = sequence_kl(policy, reference, ids, am, P, e.temperature, e.batch_size, score_precision, ("k1", "k3"),
-                             packing=cfg.data.packing)
-            out["kl_k1"], out["kl_k3"] = kl["k1"], kl["k3"]
-        rows.append(out)
-    pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
-    gathered = engine.all_gather_object((pol, ref, [x.get("prompt_text", "") for x in mine]))
-    pol = _merge([g[0] for g in gathered])
-    ref = _merge([g[1] for g in gathered])
-    prompt_texts = [t for g in gathered for t in g[2]]
-    # one sequence, one score: a response both models sampled is a tie (`batched_rewards` scores it once)
+    return sampled
 
-    results: dict[str, Any] = {
-        "mode": "policy", "policy": str(Path(policy_dir).resolve()), "reference": str(ref_path),
-        "reward_model": str(rm_path) if rm_path else None, "prompts": len(prompt_texts),
-        "temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "seed": cfg.seed,
-        **_small_sample(len(prompt_texts), "prompts"),
-    }
-    for name, t in (("policy", pol), ("reference", ref)):
-        results[f"{name}/length_mean"] = float(t["length"].mean())
-        results[f"{name}/eos_rate"] = float(t["eos"].mean())
-        if "score" in t:
-            results[f"{name}/score_mean"], results[f"{name}/score_ci95"] = mean_ci95(t["score"])
-        if "correct" in t:
-            (results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95_low"],
-             results[f"{name}/accuracy_ci95_high"]) = proportion_ci95(t["correct"].float())
-        if "function" in t:
-            results[f"{name}/function_mean"], results[f"{name}/function_ci95"] = mean_ci95(t["function"])
-    # paired differences: policy and reference answer the same prompts with the same noise, so the
-    # interval of the per-prompt difference leaves out the variance the two sides share (prompt difficulty)
-    if "score" in pol:
-        results["win_rate"] = win_rate(pol["score"], ref["score"])
-        results["win_rate_ci95_low"], results["win_rate_ci95_high"] = wilson_ci95(results["win_rate"],
-                                                                                  len(prompt_texts))
-        results["score_gain"], results["score_gain_ci95"] = mean_ci95(pol["score"] - ref["score"])
-        if rm_stats is not None and rm_stats[1] > 1e-6:  # the gain in units of the RM's held-out score std
-            results["score_gain_rm_std"] = results["score_gain"] / rm_stats[1]
-            results["score_gain_rm_std_ci95"] = results["score_gain_ci95"] / rm_stats[1]
-    if "correct" in pol:
-        gain = pol["correct"].float() - ref["correct"].float()
-        results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(gain)
-    if "function" in pol:
-        results["function_gain"], results["function_gain_ci95"] = mean_ci95(pol["function"] - ref["function"])
-    results.update(reward_hacking(results))
-    if results.get("reward_hacking", "none") != "none":
-        log.warning("%s", results["headline"])
-    results["kl_k1"], results["kl_k1_ci95"] = mean_ci95(pol["kl_k1"])
-    results["kl_k3"], results["kl_k3_ci95"] = mean_ci95(pol["kl_k3"])
 
+def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dict[str, Any]], who: str,
+                sampled: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor], score: torch.Tensor | None
+                ) -> dict[str, Any]:
+    """One side's per-prompt values of this rank's prompts `mine` (`who`: policy or reference; `sampled`: its
+    `rollout_batch`): `text`, `length` (response tokens), `eos` (1.0 = ended in EOS), `tokens`, and where measured
+    `score` (the reward model's, given), `correct` (the checker, when every prompt has an answer), `function`
+    (`reward.function`); the policy's KL(policy ‖ reference) `kl_k1`, `kl_k3` (nats per sequence) on its own
+    samples, temperature-scaled."""
+    ids, am, P, has_eos = sampled
+    texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
+    mask = am[:, P:].float()
+    out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float(),
+                           "tokens": [tuple(r[m.bool()].tolist()) for r, m in zip(ids[:, P:].cpu(), mask.cpu())]}
+    if score is not None:
+        out["score"] = score
+    if all(x.get("answer") is not None for x in mine):
+        out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
+    if models["function"] is not None:
+        out["function"] = call_on_every_rank({"function": (cfg.reward.function, models["function"])}, texts,
+                                             mine)["function"]
+    if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
+        kl = sequence_kl(models["policy"], models["reference"], ids, am, P, cfg.eval.temperature, cfg.eval.batch_size,
+                         models["score_precision"], ("k1", "k3"), packing=cfg.data.packing)
+        out["kl_k1"], out["kl_k3"] = kl["k1"], kl["k3"]
+    return out
+
+
+def write_responses(run_dir: Path, pol: dict[str, Any], ref: dict[str, Any], prompt_texts: list[str],
+                    num_samples: int) -> list[dict[str, Any]]:
+    """The first `num_samples` prompts' pairs for eval.json's `samples` (returned); rank 0 writes `rewards.json`
+    (both sides' scores, with a reward model) and every prompt's pair to the responses file, for the report."""
     samples = [[last_user_turn(prompt_texts[i])[-300:], pol["text"][i], _get(pol, "score", i),
-                ref["text"][i], _get(ref, "score", i)] for i in range(min(e.num_samples, len(prompt_texts)))]
+                ref["text"][i], _get(ref, "score", i)] for i in range(min(num_samples, len(prompt_texts)))]
     keys = ["prompt", "policy", "policy_score", "reference", "reference_score"]
-    results["samples"] = [dict(zip(keys, s)) for s in samples]
     if engine.is_main():
         if "score" in pol:
             atomic_write_json(run_dir / "rewards.json", {"policy": pol["score"].tolist(),
@@ -280,7 +304,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
                     line[f"{side}_{key}"] = _get(t, key, i)
             lines.append(json.dumps(line) + "\n")
         atomic_write_text(run_dir / RESPONSES_FILE, "".join(lines))
-    return results
+    return [dict(zip(keys, s)) for s in samples]
 
 
 def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, int],
@@ -353,36 +377,22 @@ def default_models(cfg: Any) -> tuple[str | None, str | None]:
 
 
 def run(cfg: Any, run_dir: Path) -> float | None:
+    """`rlhf eval` on the composed config `cfg` (conf/eval.yaml), writing into `run_dir`: with `run_dir=` the
+    report of a past run (`report_only`); else the model to measure (`default_models`) and the data it was trained
+    on, a dry run's table, the policy eval or the reward-model eval, then `eval.json`, the report and the verdict.
+    Returns the headline figure (win rate, else the policy's score or accuracy; a reward model's accuracy), None
+    for a report or a dry run.
+
+    Raises:
+        ConfigError: nothing to evaluate, a reward model given as the policy, an unreadable run dir, in one line.
+    """
     engine.init_distributed()
     if cfg.run_dir:  # report of a past run: nothing to train or load
-        error = None
-        if engine.is_main():  # one process writes the page (every rank would race over the same files)
-            try:
-                path = build_report(cfg.run_dir)
-                if is_eval_dir(cfg.run_dir):  # an eval's page, rebuilt: its verdict
-                    console.print(" ".join(eval_headline(cfg.run_dir)), soft_wrap=True, highlight=False)
-                else:
-                    columns, rows = summary_table(cfg.run_dir)
-                    print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
-                console.print(f"report: {path}")
-            except (UnreadableFile, FileNotFoundError) as e:  # no run there, or a file of it unparsable: named in e
-                error = f"run_dir={cfg.run_dir}: {e}"
-        error = engine.broadcast_object(error)  # every rank stops alike, none waits for a rank that failed
-        if error is not None:
-            raise ConfigError(error)
-        _discard_empty_run_dir(run_dir)
+        report_only(cfg, run_dir)
         return None
     run_dir = prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
-    if lora_enabled(cfg.model.lora) and engine.is_main():
-        log.warning("model.lora.r=%d has no effect in `%s`: a LoRA run's final/ holds merged plain weights, "
-                    "evaluated as they are", cfg.model.lora.r, COMMAND.invocation)
-    policy_path, rm_path = default_models(cfg)
-    # the data the evaluated model was trained on (its held-out split), unless this command chose other data
-    cfg.data, data_note = lineage.eval_data(cfg.data, policy_path or rm_path, command_line_keys())
-    if data_note and engine.is_main():
-        write_config(cfg, run_dir)  # the data this eval reads, as run
-        console.print(data_note, soft_wrap=True, highlight=False)
+    policy_path, rm_path, data_note = eval_setup(cfg, run_dir)
     if cfg.dry_run:
         sampler = {} if policy_path is None else {"sampling engine": describe_engine(
             cfg.rollout.engine, AutoConfig.from_pretrained(resolve_hf_dir(str(policy_path))))}
@@ -399,26 +409,74 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         results = eval_reward_model(cfg, rm_path, run_dir)
         headline = results["accuracy"]
     if engine.is_main():
-        atomic_write_json(run_dir / "eval.json",
-                          {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)})
-        sampler = {"sampling engine": cfg.rollout.engine} if results["mode"] == "policy" else {}
-        print_table(COMMAND.name, {**sampler, **{k: v for k, v in results.items() if k not in ("samples", "data")}})
-        if results.get("samples"):
-            print_summary(console, ["prompt", "policy", "score", "reference", "score"],
-                          [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120],
-                            s["reference_score"]] for s in results["samples"]], title="samples")
-        try:  # the verdict, then the runs the model came from (eval.json, lineage.json and the parents' files)
-            report = build_report(run_dir)
-        except Exception as e:  # noqa: BLE001 - eval.json is written: a page that cannot be drawn fails nothing
-            report = f"not written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); " \
-                     f"`{COMMAND.invocation} run_dir={run_dir}` tries again"
-            log.warning("report %s", report)
-        set_status(run_dir, "finished")
-        if results.get("headline"):
-            console.print(results["headline"], soft_wrap=True, highlight=False)
-        console.print(f"eval.json: {run_dir / 'eval.json'}\nreport: {report}")
+        write_results(cfg, run_dir, results)
     engine.barrier()
     return headline
+
+
+def report_only(cfg: Any, run_dir: Path) -> None:
+    """`rlhf eval run_dir=...`: rank 0 builds the report of the past run or sweep `run_dir=` (an eval's page: its
+    verdict; a training run: its summary table); Hydra's own dir for this eval, left empty, is dropped.
+
+    Raises:
+        ConfigError: no run there, or a file of it unparsable (named), on every rank alike.
+    """
+    error = None
+    if engine.is_main():  # one process writes the page (every rank would race over the same files)
+        try:
+            path = build_report(cfg.run_dir)
+            if is_eval_dir(cfg.run_dir):  # an eval's page, rebuilt: its verdict
+                console.print(" ".join(eval_headline(cfg.run_dir)), soft_wrap=True, highlight=False)
+            else:
+                columns, rows = summary_table(cfg.run_dir)
+                print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
+            console.print(f"report: {path}")
+        except (UnreadableFile, FileNotFoundError) as e:  # no run there, or a file of it unparsable: named in e
+            error = f"run_dir={cfg.run_dir}: {e}"
+    error = engine.broadcast_object(error)  # every rank stops alike, none waits for a rank that failed
+    if error is not None:
+        raise ConfigError(error)
+    _discard_empty_run_dir(run_dir)
+
+
+def eval_setup(cfg: Any, run_dir: Path) -> tuple[str | None, str | None, str | None]:
+    """What an eval measures: (policy path, reward-model path) from `default_models`, and `cfg.data` set to the
+    data the evaluated model was trained on (its held-out split) unless the command line chose other data; the
+    note saying so (or None) is printed and the config rewritten with that data. Says once that `model.lora.r`
+    does nothing here. Returns (policy path, reward-model path, the data note)."""
+    if lora_enabled(cfg.model.lora) and engine.is_main():
+        log.warning("model.lora.r=%d has no effect in `%s`: a LoRA run's final/ holds merged plain weights, "
+                    "evaluated as they are", cfg.model.lora.r, COMMAND.invocation)
+    policy_path, rm_path = default_models(cfg)
+    # the data the evaluated model was trained on (its held-out split), unless this command chose other data
+    cfg.data, data_note = lineage.eval_data(cfg.data, policy_path or rm_path, command_line_keys())
+    if data_note and engine.is_main():
+        write_config(cfg, run_dir)  # the data this eval reads, as run
+        console.print(data_note, soft_wrap=True, highlight=False)
+    return policy_path, rm_path, data_note
+
+
+def write_results(cfg: Any, run_dir: Path, results: dict[str, Any]) -> None:
+    """Rank 0's end of an eval: `eval.json` (the results and the config as run), the results table and samples,
+    the report page (a page that cannot be drawn fails nothing: said, with the command that tries again), status
+    `finished`, and the verdict line."""
+    atomic_write_json(run_dir / "eval.json", {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)})
+    sampler = {"sampling engine": cfg.rollout.engine} if results["mode"] == "policy" else {}
+    print_table(COMMAND.name, {**sampler, **{k: v for k, v in results.items() if k not in ("samples", "data")}})
+    if results.get("samples"):
+        print_summary(console, ["prompt", "policy", "score", "reference", "score"],
+                      [[s["prompt"][-80:], s["policy"][:120], s["policy_score"], s["reference"][:120],
+                        s["reference_score"]] for s in results["samples"]], title="samples")
+    try:  # the verdict, then the runs the model came from (eval.json, lineage.json and the parents' files)
+        report = build_report(run_dir)
+    except Exception as e:  # noqa: BLE001 - eval.json is written: a page that cannot be drawn fails nothing
+        report = f"not written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); " \
+                 f"`{COMMAND.invocation} run_dir={run_dir}` tries again"
+        log.warning("report %s", report)
+    set_status(run_dir, "finished")
+    if results.get("headline"):
+        console.print(results["headline"], soft_wrap=True, highlight=False)
+    console.print(f"eval.json: {run_dir / 'eval.json'}\nreport: {report}")
 
 
 def _discard_empty_run_dir(run_dir: Path) -> None:

@@ -39,14 +39,7 @@ from rlhf_cli.core import ESTIMATORS, AdaptiveKLController, FixedKLController
 from rlhf_cli.data import load_prompt_data
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import FrozenWithoutAdapters
-from rlhf_cli.lifecycle import (
-    Checkpoints,
-    checkpoint_plan,
-    deferred_interrupts,
-    finish_run,
-    prepare_run_dir,
-    seed_everything,
-)
+from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, deferred_interrupts, finish_run
 from rlhf_cli.models import (
     PolicyWithValueHead,
     add_lora,
@@ -73,7 +66,15 @@ from rlhf_cli.rollout import (
     kl_stats,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
-from rlhf_cli.stages.common import check_same_tokenizer, model_source, print_table, trained_parameters
+from rlhf_cli.stages.common import (
+    check_same_tokenizer,
+    dry_run_exit,
+    model_source,
+    print_table,
+    reference_spec,
+    start_run,
+    trained_parameters,
+)
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -139,12 +140,14 @@ class PPOTrainer(PolicyLearner):
             log.warning("data.group_by_length=true has no effect in %s: prompts are drawn in a plain shuffled order "
                         "(it groups %s's pairs)", COMMAND.name, by_kind("rm").name)
 
-    def build_models(self) -> None:
+    def build_policy(self) -> Any:
+        """The policy of `model` (dropout off; LoRA adapters when `model.lora.r` > 0, with a word on the keys that
+        LoRA makes moot); sets `n_params` (non-embedding, before any adapter) and `trained`. The dry run builds the
+        same."""
         cfg, p = self.cfg, self.p
-        lora = lora_enabled(cfg.model.lora)
         policy = load_causal_lm(cfg.model, self.precision, cfg.seed, tokenizer=self.tokenizer)
         self.n_params = count_parameters(policy)
-        if lora:
+        if lora_enabled(cfg.model.lora):
             add_lora(policy, cfg.model.lora, what="policy")
             if p.offload_reference and not cfg.reference.path:
                 log.warning("ppo.offload_reference=true: with LoRA the reference is the policy with its adapters off, "
@@ -153,7 +156,17 @@ class PPOTrainer(PolicyLearner):
                 log.warning("model.lora.dropout=%g has no effect in %s: every dropout is off, so that the "
                             "rollout's log-probs and the update's forward see the same function",
                             cfg.model.lora.dropout, COMMAND.name)
-        policy = disable_dropout(policy)
+        self.trained = trained_parameters(policy, cfg.model.lora)
+        return disable_dropout(policy)
+
+    def build_models(self) -> None:
+        """The run's models and the rollout half: the policy (`build_policy`), the reference (with LoRA and no
+        `reference.path`, the policy with its adapters off: no second copy), the reward model
+        (`build_reward_model`), the engines of the policy and of a critic (`build_engines`), the KL controller,
+        the reward sources and the `ExperienceMaker`."""
+        cfg, p = self.cfg, self.p
+        lora = lora_enabled(cfg.model.lora)
+        policy = self.build_policy()
         # with LoRA (and no reference.path) the reference is the policy with its adapters off: no second copy
         reference = None
         if not lora or cfg.reference.path:
@@ -161,64 +174,11 @@ class PPOTrainer(PolicyLearner):
                                        tokenizer=self.tokenizer)
         # how to rebuild the reference later (eval): a path, or the model config and seed it was built from
         self.reference_spec = ({"name_or_path": abs_path(cfg.reference.path)} if cfg.reference.path else
-                               {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed})
-        self.rm_path = resolve_reward_model(cfg)
-        # a LoRA critic grown from the reward model shares its weights: the reward model is that critic with its
-        # adapters off (its head the original that peft keeps), so its weights are held once
-        shared_rm_critic = None
-        if self.rm_path is not None:
-            check_same_tokenizer(self.tokenizer, self.rm_path, "reward model")
-            rm = load_scalar_model(self.rm_path, self.precision, cfg.seed)
-            # not under ZeRO-3: there the view's forwards would gather the critic's partitioned weights collectively,
-            # and reward scoring runs a number of forwards that differs between ranks (identical rows scored once)
-            if (lora and self.estimator.needs_critic and p.critic == "separate" and p.critic_init == "reward_model"
-                    and cfg.deepspeed.zero_stage < 3):
-                shared_rm_critic = disable_dropout(add_lora(rm, cfg.model.lora, heads=("score",), what="critic"))
-                self.reward_model = FrozenWithoutAdapters(shared_rm_critic, self.score_precision)
-                if p.offload_reference:
-                    log.warning("ppo.offload_reference=true: the reward model is the LoRA critic with its adapters "
-                                "off (ppo.critic_init=reward_model), trained on the device, so it is not offloaded")
-            else:
-                self.reward_model = engine.FrozenModel(rm, self.score_precision, offload=p.offload_reference)
-            self.reward_stats = read_reward_stats(self.rm_path)
+                               reference_spec(cfg))
+        shared_rm_critic = self.build_reward_model(lora)
         self.reference = (engine.FrozenModel(reference, self.score_precision, offload=p.offload_reference)
                           if reference is not None else FrozenWithoutAdapters(policy, self.score_precision))
-
-        completions = p.rollout_batch_size * p.n_samples_per_prompt
-        # an upper bound (ppo.filter_groups may take fewer steps); the constant schedule reads no horizon
-        total = p.iterations * p.epochs * (completions // p.mini_batch_size)
-        common = dict(train_batch_size=p.mini_batch_size, micro_batch_size=p.micro_batch_size, total_steps=total,
-                      warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
-                      max_grad_norm=p.max_grad_norm)
-        self.trained = trained_parameters(policy, cfg.model.lora)
-        if not self.estimator.needs_critic:  # critic-free: the policy alone
-            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
-        elif p.critic == "shared":
-            model = PolicyWithValueHead(policy, cfg.seed)
-            self.actor = engine.TrainEngine(model, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
-        else:
-            if shared_rm_critic is not None:  # LoRA: adapters already on the reward model's own weights
-                critic = shared_rm_critic
-                self.critic_base = abs_path(self.rm_path)
-            elif p.critic_init == "reward_model" and self.reward_model is not None:
-                critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
-                self.critic_base = abs_path(self.rm_path)
-            elif reference is not None:
-                critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
-                self.critic_base = abs_path(cfg.reference.path) if cfg.reference.path else model_source(cfg.model)
-            else:  # LoRA: the reference is the base model, loaded here once more for the critic's own trunk
-                critic = load_scalar_model(cfg.model, self.precision, cfg.seed)
-            configure_training(critic, cfg.model.gradient_checkpointing)  # one loaded from a path has it off
-            if critic is shared_rm_critic:  # adapters added with the reward model's view above
-                pass
-            elif lora:  # its own adapters on its own trunk, the head trained in full
-                add_lora(critic, cfg.model.lora, heads=("score",), what="critic")
-            else:  # requires_grad: a copy of the (already frozen) reference would train only its head
-                critic.requires_grad_(True)
-            critic = disable_dropout(critic)
-            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
-            self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
-        self.critic_base = self.critic_base or model_source(cfg.model)
+        self.build_engines(policy, reference, shared_rm_critic)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
         rewards = Rewards(cfg, self.tokenizer, self.reward_model, self.reward_stats, p.micro_batch_size,
@@ -227,6 +187,80 @@ class PPOTrainer(PolicyLearner):
         self.settle_folds(self.reference)  # what the rollout folds into the update, from the engines as built
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
                                      rewards, self.kl_ctl, self.score_precision, plan=self.plan, workdir=self.run_dir)
+
+    def build_reward_model(self, lora: bool) -> Any:
+        """The frozen reward model of the run (`rm_path`, `reward_model`, `reward_stats`; none unless a reward
+        source is `model`). A LoRA critic grown from the reward model (`ppo.critic=separate`,
+        `ppo.critic_init=reward_model`, below ZeRO-3) shares its weights: the reward model is that critic with its
+        adapters off, so its weights are held once; returns that critic's model, else None."""
+        cfg, p = self.cfg, self.p
+        self.rm_path = resolve_reward_model(cfg)
+        if self.rm_path is None:
+            return None
+        shared_rm_critic = None
+        check_same_tokenizer(self.tokenizer, self.rm_path, "reward model")
+        rm = load_scalar_model(self.rm_path, self.precision, cfg.seed)
+        # not under ZeRO-3: there the view's forwards would gather the critic's partitioned weights collectively,
+        # and reward scoring runs a number of forwards that differs between ranks (identical rows scored once)
+        if (lora and self.estimator.needs_critic and p.critic == "separate" and p.critic_init == "reward_model"
+                and cfg.deepspeed.zero_stage < 3):
+            shared_rm_critic = disable_dropout(add_lora(rm, cfg.model.lora, heads=("score",), what="critic"))
+            self.reward_model = FrozenWithoutAdapters(shared_rm_critic, self.score_precision)
+            if p.offload_reference:
+                log.warning("ppo.offload_reference=true: the reward model is the LoRA critic with its adapters "
+                            "off (ppo.critic_init=reward_model), trained on the device, so it is not offloaded")
+        else:
+            self.reward_model = engine.FrozenModel(rm, self.score_precision, offload=p.offload_reference)
+        self.reward_stats = read_reward_stats(self.rm_path)
+        return shared_rm_critic
+
+    def build_engines(self, policy: Any, reference: Any, shared_rm_critic: Any) -> None:
+        """`actor`: the policy's engine (with a value head when `ppo.critic=shared`), in the scoring precision;
+        `critic`: a separate critic's engine (`build_critic`), in `precision`, only for `ppo.critic=separate` with
+        an estimator that needs one. Both constant-lr AdamW over `ppo.iterations × ppo.epochs × minibatches`."""
+        cfg, p = self.cfg, self.p
+        completions = p.rollout_batch_size * p.n_samples_per_prompt
+        # an upper bound (ppo.filter_groups may take fewer steps); the constant schedule reads no horizon
+        total = p.iterations * p.epochs * (completions // p.mini_batch_size)
+        common = dict(train_batch_size=p.mini_batch_size, micro_batch_size=p.micro_batch_size, total_steps=total,
+                      warmup_steps=p.warmup_steps, scheduler="constant", weight_decay=p.weight_decay,
+                      max_grad_norm=p.max_grad_norm)
+        if not self.estimator.needs_critic:  # critic-free: the policy alone
+            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
+        elif p.critic == "shared":
+            model = PolicyWithValueHead(policy, cfg.seed)
+            self.actor = engine.TrainEngine(model, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
+        else:
+            critic = self.build_critic(reference, shared_rm_critic)
+            self.actor = engine.TrainEngine(policy, cfg.deepspeed, self.score_precision, lr=p.actor_lr, **common)
+            self.critic = engine.TrainEngine(critic, cfg.deepspeed, self.precision, lr=p.critic_lr, **common)
+        self.critic_base = self.critic_base or model_source(cfg.model)
+
+    def build_critic(self, reference: Any, shared_rm_critic: Any) -> Any:
+        """A separate critic (dropout off, trainable): the LoRA reward-model critic `shared_rm_critic` when there is
+        one; else a scalar model from the reward model (`ppo.critic_init=reward_model`), from the reference's
+        trunk, or (LoRA, the reference being the policy's base) from `model` loaded once more; its own LoRA
+        adapters under LoRA. Sets `critic_base`, where its trunk came from."""
+        cfg, p = self.cfg, self.p
+        if shared_rm_critic is not None:  # LoRA: adapters already on the reward model's own weights
+            critic = shared_rm_critic
+            self.critic_base = abs_path(self.rm_path)
+        elif p.critic_init == "reward_model" and self.reward_model is not None:
+            critic = load_scalar_model(self.rm_path, self.precision, cfg.seed)
+            self.critic_base = abs_path(self.rm_path)
+        elif reference is not None:
+            critic = load_scalar_model(None, self.precision, cfg.seed, init_from=reference)
+            self.critic_base = abs_path(cfg.reference.path) if cfg.reference.path else model_source(cfg.model)
+        else:  # LoRA: the reference is the base model, loaded here once more for the critic's own trunk
+            critic = load_scalar_model(cfg.model, self.precision, cfg.seed)
+        configure_training(critic, cfg.model.gradient_checkpointing)  # one loaded from a path has it off
+        if critic is shared_rm_critic:  # adapters added with the reward model's view above
+            pass
+        elif lora_enabled(cfg.model.lora):  # its own adapters on its own trunk, the head trained in full
+            add_lora(critic, cfg.model.lora, heads=("score",), what="critic")
+        else:  # requires_grad: a copy of the (already frozen) reference would train only its head
+            critic.requires_grad_(True)
+        return disable_dropout(critic)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, optimizer and RNG states (`lifecycle.Checkpoints`)."""
@@ -250,46 +284,71 @@ def check_max_kl(p: Any, roll_stats: dict[str, float], it: int) -> None:
 
 
 def run(cfg: Any, run_dir: Path) -> float | None:
+    """`rlhf train-ppo` on the composed config `cfg` (conf/train_ppo.yaml), writing into `run_dir`: prompts → start
+    table (the dry run's stops there) → models and engines → resume → iterations (rollout, update, KL
+    controller) → `final/` and `latest_policy`. Returns the last iteration's mean score (`objective/scores`),
+    None on a dry run.
+
+    Raises:
+        ConfigError: a bad key or data, no reward model where one is needed, or an abort (`ppo.max_kl`, a
+            non-finite loss past `ppo.max_bad_steps`), in one line.
+    """
     engine.init_distributed()
     # the run records the reward model it resolved (from latest_rm, when unset), so a resume keeps using it
     cfg.reward_model.path = abs_path(resolve_reward_model(cfg)) or cfg.reward_model.path
-    run_dir = prepare_run_dir(cfg, run_dir)
-    seed_everything(cfg.seed)
-    p = cfg.ppo
-
-    # 1. data, reward source, models
+    run_dir = start_run(cfg, run_dir)
     tr = PPOTrainer(cfg, run_dir)
     tr.load_data()
-    batches = (f"{p.rollout_batch_size} × {p.n_samples_per_prompt} / {p.mini_batch_size} / {p.micro_batch_size} / "
-               f"{engine.world_size()}")
     if cfg.dry_run:
         tr.rm_path = cfg.reward_model.path
-        policy = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tr.tokenizer)
-        n_params = count_parameters(policy)
-        if lora_enabled(cfg.model.lora):  # its target modules are checked here too
-            add_lora(policy, cfg.model.lora, what="policy")
+        policy = tr.build_policy()  # its LoRA target modules are checked here too
         trained = planned_trained_models(cfg, policy, tr.estimator.needs_critic, tr.rm_path)
         print_table(f"{COMMAND.name} (dry run): {run_dir}", {
-            "policy": cfg.model.name, "params (non-embedding)": n_params,
-            "trained policy params": trained_parameters(policy, cfg.model.lora),
-            "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,
-            "prompts × samples / mini / micro / world": batches, "advantage estimator": p.advantage_estimator,
-            "sampling engine": describe_engine(cfg.rollout.engine, policy.config),
-            "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
-            "zero stage": cfg.deepspeed.zero_stage,
-            "checkpoint size": checkpoint_plan(trained, cfg.paths, cfg.deepspeed.zero_stage, run_dir, p.iterations,
-                                               p.save_every)})
-        if engine.is_main():
-            set_status(run_dir, "dry_run")
+            **start_rows(tr, describe_engine(cfg.rollout.engine, policy.config)),
+            "checkpoint size": checkpoint_plan(trained, cfg.paths, cfg.deepspeed.zero_stage, run_dir,
+                                               cfg.ppo.iterations, cfg.ppo.save_every)})
+        dry_run_exit(cfg, run_dir)
         return None
     tr.build_models()
-    print_table(f"{COMMAND.name}: {run_dir}", {
+    start_table(tr)
+    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
+                            config=OmegaConf.to_container(cfg, resolve=True))
+    ckpts = Checkpoints(run_dir, {"actor": tr.actor, **({"critic": tr.critic} if tr.critic is not None else {})},
+                        cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
+    start, state = ckpts.resume(cfg.resume, metrics)
+    if state:
+        tr.kl_ctl.load_state_dict(state["kl_ctl"])
+        tr.bad_steps = int(state.get("bad_steps", 0))
+    done, record = train_loop(tr, ckpts, metrics, start)
+    save(tr, ckpts, metrics, done, record)
+    return record.get("objective/scores")
+
+
+def start_rows(tr: PPOTrainer, sampler: str) -> dict[str, Any]:
+    """The rows the start table and the dry run's share: the policy, its size and trained parameters (after
+    `build_policy`), the reward, prompts, iterations, batch sizes, estimator, the sampling engine (`sampler`, the
+    one `rollout.engine` resolves to) and precision."""
+    cfg, p = tr.cfg, tr.p
+    return {
         "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "trained policy params": tr.trained,
+        "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,
+        "prompts × samples / mini / micro / world": (f"{p.rollout_batch_size} × {p.n_samples_per_prompt} / "
+                                                     f"{p.mini_batch_size} / {p.micro_batch_size} / "
+                                                     f"{engine.world_size()}"),
+        "advantage estimator": p.advantage_estimator, "sampling engine": sampler,
+        "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
+        "zero stage": cfg.deepspeed.zero_stage}
+
+
+def start_table(tr: PPOTrainer) -> None:
+    """The start table, after `build_models`: `start_rows`, then the reference, reward normalisation, policy
+    loss, dynamic sampling, engine correction, critic, coefficients and the checkpoint size plan."""
+    cfg, p = tr.cfg, tr.p
+    print_table(f"{COMMAND.name}: {tr.run_dir}", {
+        **start_rows(tr, tr.maker.engine_name),
         "reference": ("the policy with its LoRA adapters off" if isinstance(tr.reference, FrozenWithoutAdapters)
                       else cfg.reference.path or cfg.model.name),
-        "reward": describe_reward(cfg, tr.rm_path),
         "reward normalisation": tr.reward_stats if p.normalize_reward else None,
-        "advantage estimator": p.advantage_estimator,
         "policy loss": (f"{p.policy_loss}, {p.aggregation}"
                         + (f", ε_high {p.clip_high}" if p.clip_high is not None else "")
                         + (f", dual clip {p.dual_clip}" if p.dual_clip is not None else "")),
@@ -301,28 +360,51 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                    + ("; the reward model is this critic with its LoRA adapters off)"
                       if isinstance(tr.reward_model, FrozenWithoutAdapters) else ")")
                    if tr.estimator.needs_critic else "none (critic-free)"),
-        "prompts": len(tr.prompts), "iterations": p.iterations,
-        "prompts × samples / mini / micro / world": batches, "sampling engine": tr.maker.engine_name,
         "γ λ ε c1 c2 β": f"{p.gamma} {p.lam} {p.clip} {p.c1} {p.c2} {p.kl_beta} (KL in the {p.kl_in})",
-        "precision": f"{cfg.precision} (scoring passes: {tr.score_precision})",
         "checkpoint size": checkpoint_plan([e.module for e in (tr.actor, tr.critic) if e is not None],
-                                           cfg.paths, cfg.deepspeed.zero_stage, run_dir, p.iterations, p.save_every)})
-    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
-                            config=OmegaConf.to_container(cfg, resolve=True))
+                                           cfg.paths, cfg.deepspeed.zero_stage, tr.run_dir, p.iterations,
+                                           p.save_every)})
 
-    # 2. resume
-    ckpts = Checkpoints(run_dir, {"actor": tr.actor, **({"critic": tr.critic} if tr.critic is not None else {})},
-                        cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
-    start, state = ckpts.resume(cfg.resume, metrics)
-    if state:
-        tr.kl_ctl.load_state_dict(state["kl_ctl"])
-        tr.bad_steps = int(state.get("bad_steps", 0))
 
-    # 3. loop
+def learn(tr: PPOTrainer, exp: Any, roll_stats: dict[str, float], it: int, drift: EngineDriftGuard
+          ) -> dict[str, float]:
+    """Iteration `it`'s update and its bookkeeping: `train_on` the experience `exp` (None: `ppo.filter_groups`
+    kept no group, nothing trains), then the rollout's KL statistics after the update (which fills an on-policy
+    plan's old log-probs), the engine's and the correction's, the `ppo.max_kl` and drift checks, and the KL
+    controller's update. Returns the iteration's record.
+
+    Raises:
+        FloatingPointError: the KL to the reference over `ppo.max_kl`, or an engine that drifted (an abort).
+    """
+    p, rollout = tr.p, tr.cfg.rollout
+    train_stats: dict[str, float] = {}
+    if exp is not None:
+        train_stats = tr.train_on(exp, it)
+        # an all-reduce: inside the caller's deferred block, so that a Ctrl-C between the two leaves no rank behind
+        roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
+        roll_stats.update(engine_stats(exp))  # {} unless the engine gives its own log-probs
+        roll_stats.update(is_correction_stats(exp, rollout.is_correction, rollout.is_low, rollout.is_high))
+        check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
+        drift.check(roll_stats, it)
+        # the episodes trained on: fewer than the rollout's when ppo.filter_groups kept fewer (every rank keeps as
+        # many rows)
+        tr.kl_ctl.update(roll_stats["objective/kl"], exp.input_ids.shape[0] * engine.world_size())
+    return {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
+
+
+def train_loop(tr: PPOTrainer, ckpts: Checkpoints, metrics: MetricsLogger, start: int) -> tuple[int, dict[str, float]]:
+    """Iterations `start` (0, or where a resume left off) to `ppo.iterations`: rollout (`maker.make_experience`),
+    then `learn`, the record logged and samples kept every `ppo.sample_every`; a checkpoint every
+    `ppo.save_every`, and on Ctrl-C (or SIGTERM) between iterations. Returns (iterations done, the last record).
+
+    Raises:
+        ConfigError: an abort (`learn`'s FloatingPointError), the run's status `aborted` with the reason.
+    """
+    p = tr.p
     progress = Progress(p.iterations, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
-    drift = EngineDriftGuard(cfg.precision)
+    drift = EngineDriftGuard(tr.cfg.precision)
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):
@@ -332,25 +414,11 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             # finish, then saves step it + 1 (a second one stops at once, without a checkpoint)
             with deferred_interrupts() as pending:
                 updating = True
-                train_stats: dict[str, float] = {}
-                if exp is not None:  # None: ppo.filter_groups kept no group (said by the maker); nothing trains
-                    train_stats = tr.train_on(exp, it)
-                    # the rollout's KL after its update, which fills an on-policy plan's old log-probs (an
-                    # all-reduce: inside the block, so that a Ctrl-C between the two leaves no rank behind)
-                    roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
-                    roll_stats.update(engine_stats(exp))  # {} unless the engine gives its own log-probs
-                    roll_stats.update(is_correction_stats(exp, cfg.rollout.is_correction, cfg.rollout.is_low,
-                                                          cfg.rollout.is_high))
-                    check_max_kl(p, roll_stats, it)  # an abort saves no part of this iteration
-                    drift.check(roll_stats, it)
-                    # the episodes trained on: fewer than the rollout's when ppo.filter_groups kept fewer (every
-                    # rank keeps as many rows)
-                    tr.kl_ctl.update(roll_stats["objective/kl"], exp.input_ids.shape[0] * engine.world_size())
+                record = learn(tr, exp, roll_stats, it, drift)
                 del exp  # its tensors and packed layouts are not held through the next rollout
-                record = {**roll_stats, **train_stats, "ppo/bad_steps": tr.bad_steps}
                 metrics.log(it + 1, record)
                 if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:
-                    append_samples(run_dir, it + 1, samples)
+                    append_samples(tr.run_dir, it + 1, samples)
                 progress.update(1, record)
                 done = it + 1
                 updating = False
@@ -370,16 +438,22 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     except FloatingPointError as e:
         progress.close()
         if engine.is_main():
-            set_status(run_dir, "aborted", reason=str(e))
+            set_status(tr.run_dir, "aborted", reason=str(e))
         raise ConfigError(str(e)) from None
     finally:
         tr.maker.generator.close()  # an engine's model dir and memory
     progress.close()
+    return done, record
 
-    # 4. save
-    # done > ppo.iterations when a longer run is resumed with fewer
+
+def save(tr: PPOTrainer, ckpts: Checkpoints, metrics: MetricsLogger, done: int, record: dict[str, float]) -> None:
+    """The run's end: the last checkpoint (`done` iterations; more than `ppo.iterations` when a longer run is
+    resumed with fewer), `final/` (`models.save_policy`: the policy, a separate critic, the reward and reference
+    they were trained with), the `latest_policy` pointer and the finish table; then every rank waits and the
+    metrics close."""
+    cfg, p = tr.cfg, tr.p
     ckpts.save(done, tr.state(), final=True)
-    final = run_dir / "final"
+    final = tr.run_dir / "final"
     actor_sd = tr.actor.consolidated_state_dict()
     critic_sd = tr.critic.consolidated_state_dict() if tr.critic is not None else None
     if engine.is_main():
@@ -390,11 +464,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
         save_policy(final, tr.actor.module, actor_sd, tr.tokenizer, extra,
                     tr.critic.module if tr.critic is not None else None, critic_sd, base=model_source(cfg.model),
                     critic_base=tr.critic_base)
-        pointer = finish_run(cfg, run_dir, final, COMMAND.kind, iterations=done)
+        pointer = finish_run(cfg, tr.run_dir, final, COMMAND.kind, iterations=done)
         summary = ("objective/scores", "objective/kl", "objective/kl_beta", "response/length_mean")
         print_table(f"{COMMAND.name} finished", {k: record.get(k) for k in summary}
                     | {"checkpoint": str(final), "pointer": str(pointer or "not moved (a sweep job)")})
     engine.barrier()
     metrics.close()
-    return record.get("objective/scores")
-

@@ -10,35 +10,31 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.commands import by_stage
 from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import load_preference_data
 from rlhf_cli.forwards import forward_pairs, pair_collator, pair_metrics, score_pairs
-from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
-from rlhf_cli.models import (
-    add_lora,
-    count_parameters,
-    load_scalar_model,
-    lora_enabled,
-    save_model,
-    with_scoring_template,
-)
-from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
+from rlhf_cli.lifecycle import Checkpoints
+from rlhf_cli.models import add_lora, count_parameters, load_scalar_model, lora_enabled, with_scoring_template
+from rlhf_cli.runs import MetricsLogger, atomic_write_json
 from rlhf_cli.stages.common import (
-    model_source,
-    print_table,
+    dry_run_exit,
+    optimizer_stats,
+    start_run,
     supervised_data,
-    supervised_engine,
     supervised_loop,
+    supervised_save,
+    supervised_start,
     supervised_steps,
-    trained_parameters,
+    supervised_table,
+    throughput_stats,
 )
 
 log = logging.getLogger(__name__)
@@ -48,115 +44,131 @@ PROGRESS_KEYS = ["rm/loss", "rm/accuracy", "throughput/pairs_per_s"]
 
 
 def run(cfg: Any, run_dir: Path) -> float | None:
-    engine.init_distributed()
-    run_dir = prepare_run_dir(cfg, run_dir)
-    seed_everything(cfg.seed)
-    rmc = cfg.rm
+    """`rlhf train-rm` on the composed config `cfg` (conf/train_rm.yaml), writing into `run_dir`: data → scalar model
+    → start table (the dry run stops there) → engine → resume → optimizer steps → final held-out eval → `final/`
+    and `latest_rm`. Returns the held-out accuracy (`rm/accuracy`), None without held-out pairs or on a dry run.
 
-    # 1. data
-    tokenizer, eos, data = supervised_data(cfg, run_dir, COMMAND.kind, load_preference_data, rmc.batch_size,
+    Raises:
+        ConfigError: a bad key or data (fewer training pairs than `rm.batch_size`), in one line.
+    """
+    run_dir = start_run(cfg, run_dir)
+    tokenizer, eos, data = supervised_data(cfg, run_dir, COMMAND.kind, load_preference_data, cfg.rm.batch_size,
                                            "rm.batch_size", "pairs")
-    train, heldout = data.train, data.eval
+    model, n_params = build_model(cfg)
+    total_steps, dropped = supervised_steps(cfg.rm, "rm.batch_size", len(data.train), "pairs")
+    start_table(cfg, run_dir, model, n_params, data, total_steps, dropped)
+    if dry_run_exit(cfg, run_dir):
+        return None
+    eng, metrics, ckpts = supervised_start(model, cfg, cfg.rm, total_steps, run_dir)
+    step, _ = ckpts.resume(cfg.resume, metrics)
+    collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
+    evaluate = partial(heldout_metrics, eng, data.eval, tokenizer.pad_token_id, cfg) if data.eval else None
+    step = supervised_loop(eng, cfg, cfg.rm, data.train, step, total_steps, ckpts, metrics, COMMAND,
+                           PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
+    final_stats, reward_stats = final_eval(eng, data.eval, tokenizer.pad_token_id, cfg, run_dir, metrics, step)
+    save(cfg, run_dir, eng, ckpts, metrics, step, with_scoring_template(tokenizer, eos), eos, final_stats,
+         reward_stats)
+    return final_stats.get("rm/accuracy")
 
-    # 2. model; held-out pairs are scored in `scoring_precision` (fp32 under bf16-autocast by default)
+
+def build_model(cfg: Any) -> tuple[Any, int]:
+    """The reward model of `cfg.model`: its trunk with a new seeded scalar head `score` (`models.load_scalar_model`),
+    LoRA adapters on the trunk when `model.lora.r` > 0 (the head trained in full). Returns (model, its
+    non-embedding parameters before any adapter)."""
     model = load_scalar_model(cfg.model, cfg.precision, cfg.seed)
     n_params = count_parameters(model)
     if lora_enabled(cfg.model.lora):  # adapters on the trunk, the head `score` trained in full
         add_lora(model, cfg.model.lora, heads=("score",), what="reward model")
-    score_precision = engine.scoring_precision(cfg.precision, cfg.scoring_precision)
-    total_steps, dropped = supervised_steps(rmc, "rm.batch_size", len(train), "pairs")
-    print_table(f"{COMMAND.name}: {run_dir}", {
-        "model": cfg.model.name, "params (non-embedding)": n_params,
-        "trained params": trained_parameters(model, cfg.model.lora),
-        "train pairs": len(train), "eval pairs": len(heldout), "optimizer steps": total_steps,
-        "pairs per epoch": f"{len(train) - dropped} ({dropped} in a partial batch dropped)" if dropped else len(train),
-        "batch / micro / world": f"{rmc.batch_size} / {rmc.micro_batch_size} / {engine.world_size()}",
-        "precision": f"{cfg.precision} (held-out scoring: {score_precision})",
-        "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
-        "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, run_dir, total_steps,
-                                   rmc.save_every),
-    })
-    if cfg.dry_run:
-        set_status(run_dir, "dry_run") if engine.is_main() else None
-        return None
+    return model, n_params
 
-    # 3. engine
-    eng = supervised_engine(model, cfg, rmc, total_steps)
-    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
-                            config=OmegaConf.to_container(cfg, resolve=True))
 
-    # 4. resume
-    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
-    step, _ = ckpts.resume(cfg.resume, metrics)
+def start_table(cfg: Any, run_dir: Path, model: Any, n_params: int, data: Any, total_steps: int,
+                dropped: int) -> None:
+    """train-rm's start table (`common.supervised_table`): pairs, steps, the pairs an epoch drops, and the
+    held-out scoring precision (`scoring_precision`: fp32 under bf16-autocast by default)."""
+    n_train = len(data.train)
+    supervised_table(cfg, run_dir, COMMAND.name, model, n_params, cfg.rm, data, total_steps, {
+        "train pairs": n_train, "eval pairs": len(data.eval), "optimizer steps": total_steps,
+        "pairs per epoch": f"{n_train - dropped} ({dropped} in a partial batch dropped)" if dropped else n_train,
+    }, f"{cfg.precision} (held-out scoring: {engine.scoring_precision(cfg.precision, cfg.scoring_precision)})")
 
-    # 5. loop
-    collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
-    per_rank = rmc.batch_size // engine.world_size()
 
-    def train_step(mine: list[dict[str, Any]]) -> dict[str, float]:
-        t0 = time.perf_counter()
-        stats_sum: dict[str, float] = {}
-        tokens = torch.zeros(3)  # pair tokens (chosen + rejected sequences), real tokens computed, positions
-        for m in range(0, per_rank, rmc.micro_batch_size):
-            batch = collate(mine[m:m + rmc.micro_batch_size])
-            tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
-                                    float(batch["attention_mask"].numel())])
-            chosen, rejected = forward_pairs(eng.module, batch, cfg.precision)
-            margin = batch["margin"].to(chosen.device) if rmc.margin and "margin" in batch else None
-            loss, stats = pairwise_loss(chosen, rejected, margin)
-            if rmc.center_rewards_coef:
-                center = rmc.center_rewards_coef * ((chosen + rejected) ** 2).mean()
-                loss = loss + center
-                stats["rm/center_loss"] = float(center)
-            eng.backward_mean(loss)
-            eng.step()
-            for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + v / eng.grad_accum
-        dt = time.perf_counter() - t0
-        pair_tok, real, positions = engine.all_reduce_sum(tokens).tolist()
-        record = engine.reduce_stats(stats_sum)
-        record.update({"lr": eng.lr(), "grad_norm": eng.grad_norm(), "throughput/pairs_per_s": rmc.batch_size / dt,
-                       "throughput/tokens_per_s": pair_tok / dt, "throughput/padding_fraction": 1 - real / positions,
-                       "throughput/positions_per_token": positions / pair_tok})
-        return record
+def train_step(eng: engine.TrainEngine, collate: Any, cfg: Any, mine: list[dict[str, Any]]) -> dict[str, float]:
+    """One optimizer step on this rank's pairs `mine`, `rm.micro_batch_size` at a time: one packed forward over
+    chosen and rejected together (`forwards.forward_pairs`), the Bradley-Terry loss (`core.pairwise_loss`, with
+    the per-pair margin when `rm.margin`), plus `rm.center_rewards_coef` · mean((r_c + r_r)²); the engine's
+    accumulated backward and step. Returns the step's record: the loss statistics averaged over micro-batches
+    and ranks, the learning rate, gradient norm and throughput."""
+    rmc = cfg.rm
+    t0 = time.perf_counter()
+    stats_sum: dict[str, float] = {}
+    tokens = torch.zeros(3)  # pair tokens (chosen + rejected sequences), real tokens computed, positions
+    for m in range(0, len(mine), rmc.micro_batch_size):
+        batch = collate(mine[m:m + rmc.micro_batch_size])
+        tokens += torch.tensor([float(batch["pair_tokens"]), float(batch["attention_mask"].sum()),
+                                float(batch["attention_mask"].numel())])
+        chosen, rejected = forward_pairs(eng.module, batch, cfg.precision)
+        margin = batch["margin"].to(chosen.device) if rmc.margin and "margin" in batch else None
+        loss, stats = pairwise_loss(chosen, rejected, margin)
+        if rmc.center_rewards_coef:
+            center = rmc.center_rewards_coef * ((chosen + rejected) ** 2).mean()
+            loss = loss + center
+            stats["rm/center_loss"] = float(center)
+        eng.backward_mean(loss)
+        eng.step()
+        for k, v in stats.items():
+            stats_sum[k] = stats_sum.get(k, 0.0) + v / eng.grad_accum
+    dt = time.perf_counter() - t0
+    pair_tok, real, positions = engine.all_reduce_sum(tokens).tolist()
+    record = engine.reduce_stats(stats_sum)
+    record.update({**optimizer_stats(eng, COMMAND), "throughput/pairs_per_s": rmc.batch_size / dt,
+                   **throughput_stats(dt, pair_tok, real, positions)})
+    return record
 
-    def evaluate() -> dict[str, float]:
-        stats = pair_metrics(*score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size,
-                                          score_precision, cfg.data.packing))
-        return {f"eval/{k}": v for k, v in stats.items()}
 
-    step = supervised_loop(eng, cfg, rmc, train, step, total_steps, ckpts, metrics, COMMAND.name, PROGRESS_KEYS,
-                           train_step, evaluate if heldout else None)
+def heldout_scores(eng: engine.TrainEngine, heldout: Any, pad_id: int, cfg: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) float32 each: the reward model's scores of the held-out pairs' chosen and rejected responses, in the
+    `scoring_precision`, `rm.eval_batch_size` pairs per forward (`forwards.score_pairs`)."""
+    return score_pairs(eng.module, heldout, pad_id, cfg.rm.eval_batch_size,
+                       engine.scoring_precision(cfg.precision, cfg.scoring_precision), cfg.data.packing)
 
-    # 6. final eval, reward statistics, HF checkpoint, pointer
-    final_stats: dict[str, float] = {}
-    reward_mean = reward_std = None  # no held-out pairs: nothing measured, so no normalisation is stored
-    if heldout:
-        chosen, rejected = score_pairs(eng.module, heldout, tokenizer.pad_token_id, rmc.eval_batch_size,
-                                       score_precision, cfg.data.packing)
-        final_stats = pair_metrics(chosen, rejected)
-        both = torch.cat([chosen, rejected])
-        reward_mean, reward_std = float(both.mean()), sample_std(both.tolist()) if both.numel() > 1 else 1.0
-        metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
-        if engine.is_main():
-            atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
-    ckpts.save(step, final=True)
-    final = run_dir / "final"
-    state_dict = eng.consolidated_state_dict()
+
+def heldout_metrics(eng: engine.TrainEngine, heldout: Any, pad_id: int, cfg: Any) -> dict[str, float]:
+    """`eval/rm/*`: `forwards.pair_metrics` (loss, accuracy, margin, ...) of the held-out pairs' scores."""
+    return {f"eval/{k}": v for k, v in pair_metrics(*heldout_scores(eng, heldout, pad_id, cfg)).items()}
+
+
+def final_eval(eng: engine.TrainEngine, heldout: Any, pad_id: int, cfg: Any, run_dir: Path, metrics: MetricsLogger,
+               step: int) -> tuple[dict[str, float], tuple[float, float] | None]:
+    """The held-out pairs scored once more after the last step: their `pair_metrics` (logged as `eval/rm/*` at
+    `step`), the scores in `rewards.json` (rank 0), and the (mean, sample std) of all their scores that train-ppo
+    normalises with. Returns (the metrics, (mean, std)); ({}, None) without held-out pairs: nothing is measured,
+    so no normalisation is stored."""
+    if not heldout:
+        return {}, None
+    chosen, rejected = heldout_scores(eng, heldout, pad_id, cfg)
+    final_stats = pair_metrics(chosen, rejected)
+    both = torch.cat([chosen, rejected])
+    reward_stats = float(both.mean()), sample_std(both.tolist()) if both.numel() > 1 else 1.0
+    metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
     if engine.is_main():
-        stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
-        save_model(eng.module, state_dict, with_scoring_template(tokenizer, eos), final, model_source(cfg.model),
-                   extra_config={**stats, "rlhf_stage": COMMAND.kind, "eos_token_id": list(eos),
-                                 "rlhf_eval_accuracy": final_stats.get("rm/accuracy")})
-        atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "reward_mean": reward_mean,
-                                                     "reward_std": reward_std, "steps": step})
-        pointer = finish_run(cfg, run_dir, final, COMMAND.kind, steps=step)
-        print_table(f"{COMMAND.name} finished", {**{f"eval {k}": v for k, v in final_stats.items()},
-                                          "reward mean/std": ("none (no held-out pairs)" if reward_mean is None
-                                                              else f"{reward_mean:.4g} / {reward_std:.4g}"),
-                                          "checkpoint": str(final),
-                                          "pointer": str(pointer or "not moved (a sweep job)")})
-    engine.barrier()
-    metrics.close()
-    return final_stats.get("rm/accuracy")
+        atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
+    return final_stats, reward_stats
 
+
+def save(cfg: Any, run_dir: Path, eng: engine.TrainEngine, ckpts: Checkpoints, metrics: MetricsLogger, step: int,
+         tokenizer: Any, eos: tuple[int, ...], final_stats: dict[str, float],
+         reward_stats: tuple[float, float] | None) -> None:
+    """`final/` (`common.supervised_save`) with the reward statistics train-ppo reads (`rlhf_reward_mean`,
+    `rlhf_reward_std`; none without held-out pairs), the EOS set, the held-out accuracy, and `rlhf_eval.json`."""
+    reward_mean, reward_std = reward_stats if reward_stats is not None else (None, None)
+    stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
+    supervised_save(
+        cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer,
+        {**stats, "rlhf_stage": COMMAND.kind, "eos_token_id": list(eos),
+         "rlhf_eval_accuracy": final_stats.get("rm/accuracy")},
+        {"eval": final_stats, "reward_mean": reward_mean, "reward_std": reward_std, "steps": step},
+        {**{f"eval {k}": v for k, v in final_stats.items()},
+         "reward mean/std": ("none (no held-out pairs)" if reward_mean is None
+                             else f"{reward_mean:.4g} / {reward_std:.4g}")})

@@ -18,33 +18,28 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from rlhf_cli import engine
 from rlhf_cli.commands import by_stage
 from rlhf_cli.data import load_sft_data
 from rlhf_cli.forwards import response_logprobs, sft_collator
-from rlhf_cli.lifecycle import Checkpoints, checkpoint_plan, finish_run, prepare_run_dir, seed_everything
-from rlhf_cli.models import (
-    add_lora,
-    count_parameters,
-    load_causal_lm,
-    lora_enabled,
-    save_model,
-)
-from rlhf_cli.runs import MetricsLogger, atomic_write_json, set_status
+from rlhf_cli.models import add_lora, count_parameters, load_causal_lm, lora_enabled
 from rlhf_cli.stages.common import (
-    model_source,
-    print_table,
+    dry_run_exit,
+    optimizer_stats,
+    save_policy_run,
+    start_run,
     supervised_data,
-    supervised_engine,
-    supervised_loop,
+    supervised_start,
     supervised_steps,
-    trained_parameters,
+    supervised_table,
+    supervised_train,
+    throughput_stats,
 )
 
 log = logging.getLogger(__name__)
@@ -73,95 +68,77 @@ def heldout_loss(model: Any, examples: Sequence[dict[str, Any]], collate: Callab
 
 
 def run(cfg: Any, run_dir: Path) -> float | None:
-    engine.init_distributed()
-    run_dir = prepare_run_dir(cfg, run_dir)
-    seed_everything(cfg.seed)
-    sc = cfg.sft
+    """`rlhf train-sft` on the composed config `cfg` (conf/train_sft.yaml), writing into `run_dir`: data → causal LM
+    → start table (the dry run stops there) → engine → resume → optimizer steps → final held-out loss → `final/`
+    and `latest_sft`. Returns the held-out loss (`eval/sft/loss`, nats per response token), None without held-out
+    demonstrations or on a dry run.
 
-    # 1. data
-    tokenizer, eos, data = supervised_data(cfg, run_dir, COMMAND.kind, load_sft_data, sc.batch_size,
-                                           "sft.batch_size", "demonstrations")
-    train, heldout = data.train, data.eval
+    Raises:
+        ConfigError: a bad key or data (fewer training demonstrations than `sft.batch_size`), in one line.
+    """
+    run_dir = start_run(cfg, run_dir)
+    tokenizer, _, data = supervised_data(cfg, run_dir, COMMAND.kind, load_sft_data, cfg.sft.batch_size,
+                                         "sft.batch_size", "demonstrations")
+    model, n_params = build_model(cfg, tokenizer)
+    total_steps, _ = supervised_steps(cfg.sft, "sft.batch_size", len(data.train), "demonstrations")
+    start_table(cfg, run_dir, model, n_params, data, total_steps)
+    if dry_run_exit(cfg, run_dir):
+        return None
+    eng, metrics, ckpts = supervised_start(model, cfg, cfg.sft, total_steps, run_dir)
+    step, _ = ckpts.resume(cfg.resume, metrics)
+    collate = sft_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
+    evaluate = partial(heldout_eval, eng, data.eval, collate, cfg) if data.eval else None
+    step, final_stats = supervised_train(eng, cfg, cfg.sft, data.train, step, total_steps, ckpts, metrics,
+                                         COMMAND, PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
+    save_policy_run(cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer, final_stats)
+    return final_stats.get("eval/sft/loss")
 
-    # 2. model
+
+def build_model(cfg: Any, tokenizer: Any) -> tuple[Any, int]:
+    """The causal LM of `cfg.model` (`models.load_causal_lm`), LoRA adapters on it when `model.lora.r` > 0.
+    Returns (model, its non-embedding parameters before any adapter)."""
     model = load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer)
     n_params = count_parameters(model)
     if lora_enabled(cfg.model.lora):
         add_lora(model, cfg.model.lora, what="policy")
-    total_steps, _ = supervised_steps(sc, "sft.batch_size", len(train), "demonstrations")
-    print_table(f"{COMMAND.name}: {run_dir}", {
-        "model": cfg.model.name, "params (non-embedding)": n_params,
-        "trained params": trained_parameters(model, cfg.model.lora),
-        "train demonstrations": len(train), "eval demonstrations": len(heldout), "optimizer steps": total_steps,
-        "train response tokens": response_tokens(train),
-        "batch / micro / world": f"{sc.batch_size} / {sc.micro_batch_size} / {engine.world_size()}",
-        "precision": cfg.precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
-        "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, run_dir, total_steps,
-                                   sc.save_every),
-    })
-    if cfg.dry_run:
-        set_status(run_dir, "dry_run") if engine.is_main() else None
-        return None
+    return model, n_params
 
-    # 3. engine
-    eng = supervised_engine(model, cfg, sc, total_steps)
-    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
-                            config=OmegaConf.to_container(cfg, resolve=True))
 
-    # 4. resume
-    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
-    step, _ = ckpts.resume(cfg.resume, metrics)
+def start_table(cfg: Any, run_dir: Path, model: Any, n_params: int, data: Any, total_steps: int) -> None:
+    """train-sft's start table (`common.supervised_table`): demonstrations, steps and response tokens trained on."""
+    supervised_table(cfg, run_dir, COMMAND.name, model, n_params, cfg.sft, data, total_steps, {
+        "train demonstrations": len(data.train), "eval demonstrations": len(data.eval),
+        "optimizer steps": total_steps, "train response tokens": response_tokens(data.train),
+    }, cfg.precision)
 
-    # 5. loop
-    collate = sft_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
-    per_rank = sc.batch_size // engine.world_size()
 
-    def train_step(mine: list[dict[str, Any]]) -> dict[str, float]:
-        t0 = time.perf_counter()
-        # the step's response tokens over every rank: each micro-batch's NLL sum is divided by it
-        n_step = float(engine.all_reduce_sum(torch.tensor([float(response_tokens(mine))]))[0])
-        sums = torch.zeros(4)  # NLL (nats), tokens, real tokens computed, positions
-        for m in range(0, per_rank, sc.micro_batch_size):
-            batch = collate(mine[m:m + sc.micro_batch_size])
-            lp = response_logprobs(eng.module, batch, cfg.precision)  # (N,) float32
-            eng.backward_global(-lp.sum() / n_step)
-            eng.step()
-            sums += torch.tensor([-float(lp.detach().sum()), float(batch["tokens"]),
-                                  float(batch["attention_mask"].sum()), float(batch["attention_mask"].numel())])
-        dt = time.perf_counter() - t0
-        nll, tokens, real, positions = engine.all_reduce_sum(sums).tolist()
-        loss = nll / n_step
-        return {"sft/loss": loss, "sft/perplexity": math.exp(min(loss, 700.0)), "sft/response_tokens": n_step,
-                "lr": eng.lr(), "grad_norm": eng.grad_norm(), "throughput/tokens_per_s": tokens / dt,
-                "throughput/padding_fraction": 1 - real / positions,
-                "throughput/positions_per_token": positions / tokens}
+def train_step(eng: engine.TrainEngine, collate: Callable, cfg: Any, mine: list[dict[str, Any]]) -> dict[str, float]:
+    """One optimizer step on this rank's demonstrations `mine`, `sft.micro_batch_size` at a time: each
+    micro-batch's summed response NLL (nats) divided by the step's response tokens over every rank
+    (`engine.TrainEngine.backward_global`), the engine's step. Returns the step's record: `sft/loss` (NLL per
+    response token), `sft/perplexity`, `sft/response_tokens`, the learning rate, gradient norm and throughput."""
+    sc = cfg.sft
+    t0 = time.perf_counter()
+    # the step's response tokens over every rank: each micro-batch's NLL sum is divided by it
+    n_step = float(engine.all_reduce_sum(torch.tensor([float(response_tokens(mine))]))[0])
+    sums = torch.zeros(4)  # NLL (nats), tokens, real tokens computed, positions
+    for m in range(0, len(mine), sc.micro_batch_size):
+        batch = collate(mine[m:m + sc.micro_batch_size])
+        lp = response_logprobs(eng.module, batch, cfg.precision)  # (N,) float32
+        eng.backward_global(-lp.sum() / n_step)
+        eng.step()
+        sums += torch.tensor([-float(lp.detach().sum()), float(batch["tokens"]),
+                              float(batch["attention_mask"].sum()), float(batch["attention_mask"].numel())])
+    dt = time.perf_counter() - t0
+    nll, tokens, real, positions = engine.all_reduce_sum(sums).tolist()
+    loss = nll / n_step
+    return {"sft/loss": loss, "sft/perplexity": math.exp(min(loss, 700.0)), "sft/response_tokens": n_step,
+            **optimizer_stats(eng, COMMAND), **throughput_stats(dt, tokens, real, positions)}
 
-    def evaluate() -> dict[str, float]:
-        eng.eval()
-        return heldout_loss(eng.module, heldout, collate, sc.eval_batch_size, cfg.precision)
 
-    step = supervised_loop(eng, cfg, sc, train, step, total_steps, ckpts, metrics, COMMAND.name, PROGRESS_KEYS,
-                           train_step, evaluate if heldout else None)
-
-    # 6. final held-out loss, HF checkpoint, pointer
-    final_stats: dict[str, float] = {}
-    if heldout:
-        final_stats = evaluate()
-        metrics.log(step, final_stats)
-    ckpts.save(step, final=True)
-    final = run_dir / "final"
-    state_dict = eng.consolidated_state_dict()
-    if engine.is_main():
-        # the held-out loss goes to rlhf_eval.json only: a config key would be carried into the next stage's model
-        # the reference eval compares against: the starting model, as train-ppo and train-dpo record theirs
-        reference_spec = {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
-        save_model(eng.module, state_dict, tokenizer, final, model_source(cfg.model),
-                   extra_config={"rlhf_stage": COMMAND.kind, "rlhf_reference_model": reference_spec})
-        atomic_write_json(final / "rlhf_eval.json", {"eval": final_stats, "steps": step})
-        pointer = finish_run(cfg, run_dir, final, COMMAND.kind, steps=step)
-        print_table(f"{COMMAND.name} finished", {**{k: v for k, v in final_stats.items()},
-                                                 "checkpoint": str(final),
-                                                 "pointer": str(pointer or "not moved (a sweep job)")})
-    engine.barrier()
-    metrics.close()
-    return final_stats.get("eval/sft/loss")
+def heldout_eval(eng: engine.TrainEngine, heldout: Sequence[dict[str, Any]], collate: Callable, cfg: Any
+                 ) -> dict[str, float]:
+    """`heldout_loss` of the held-out demonstrations with the engine's model in eval mode (the loop puts it back
+    in train mode), `sft.eval_batch_size` per forward."""
+    eng.eval()
+    return heldout_loss(eng.module, heldout, collate, cfg.sft.eval_batch_size, cfg.precision)

@@ -237,7 +237,7 @@ def test_resume_continues_the_run(run_stage, tmp_path):
     original, resumed = train_records(run_dir), train_records(crashed)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # steps after the checkpoint logged once
     for step in range(1, STEPS + 1):
-        assert resumed[step]["lr"] == pytest.approx(original[step]["lr"], rel=1e-12)
+        assert resumed[step]["dpo/lr"] == pytest.approx(original[step]["dpo/lr"], rel=1e-12)
         for key in ("dpo/loss", "dpo/margin"):  # the reference is still the starting weights after the resume
             assert resumed[step][key] == pytest.approx(original[step][key], rel=1e-5, abs=1e-6), (step, key)
     a, b = (load_file(d / "final" / "model.safetensors") for d in (run_dir, crashed))

@@ -340,6 +340,42 @@ def test_reward_hacking_verdict_is_read_from_the_intervals():
     assert out["reward_hacking"] == "none" and out["headline"].startswith("no reward hacking: the RM score did not")
 
 
+def test_policy_eval_stats_on_hand_values_without_models():
+    from rlhf_cli.core import policy_eval_stats
+
+    t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    pol = {"length": t(4, 6, 8, 2, 4, 6), "eos": t(1, 1, 0, 1, 1, 1), "score": t(1, 2, 3, 0, -1, 2),
+           "correct": torch.tensor([1, 1, 0, 1, 0, 1]), "kl_k1": t(0.1, 0.2, 0.3, 0.0, 0.1, 0.5),
+           "kl_k3": t(0.1, 0.1, 0.2, 0.0, 0.1, 0.3)}
+    ref = {"length": t(2, 2, 4, 4, 6, 6), "eos": t(1, 0, 0, 1, 1, 1), "score": t(0, 2, 4, -1, -1, 1),
+           "correct": torch.tensor([1, 0, 0, 1, 1, 0])}
+    out = policy_eval_stats(pol, ref, rm_std=0.5)
+    half = lambda xs: T5 * statistics.stdev(xs) / math.sqrt(len(xs))  # noqa: E731
+    diffs, gains = [1, 0, -1, 1, 0, 1], [0, 1, 0, 0, -1, 1]
+    assert out["policy/length_mean"] == 5.0 and out["reference/eos_rate"] == pytest.approx(4 / 6)
+    assert out["policy/score_mean"] == pytest.approx(7 / 6)
+    assert out["policy/score_ci95"] == pytest.approx(half([1, 2, 3, 0, -1, 2]), rel=1e-6)
+    assert out["win_rate"] == pytest.approx((1 + 0.5 + 0 + 1 + 0.5 + 1) / 6)
+    assert (out["win_rate_ci95_low"], out["win_rate_ci95_high"]) == wilson_ci95(out["win_rate"], 6)
+    assert out["score_gain"] == pytest.approx(1 / 3) and out["score_gain_ci95"] == pytest.approx(half(diffs), rel=1e-6)
+    assert out["score_gain_rm_std"] == pytest.approx(2 / 3)
+    assert out["policy/accuracy"] == pytest.approx(4 / 6)
+    assert (out["reference/accuracy_ci95_low"], out["reference/accuracy_ci95_high"]) == pytest.approx(
+        wilson_ci95(3 / 6, 6))
+    assert out["accuracy_gain"] == pytest.approx(1 / 6) and out["accuracy_gain_ci95"] == pytest.approx(half(gains))
+    assert out["reward_hacking"] == "none"  # the checker did not fall
+    assert out["kl_k1"] == pytest.approx(0.2) and out["kl_k3_ci95"] == pytest.approx(
+        half([0.1, 0.1, 0.2, 0.0, 0.1, 0.3]), rel=1e-6)
+    assert "function_gain" not in out and "policy/function_mean" not in out
+    # no reward model: no score figures, no win rate, no verdict; a tiny RM std is not divided by
+    bare = policy_eval_stats({k: v for k, v in pol.items() if k != "score"},
+                             {k: v for k, v in ref.items() if k != "score"})
+    assert not {"win_rate", "score_gain", "policy/score_mean", "reward_hacking"} & set(bare)
+    assert "score_gain_rm_std" not in policy_eval_stats(pol, ref, rm_std=1e-7)
+    with pytest.raises(KeyError):  # the policy's KL is always measured
+        policy_eval_stats({k: v for k, v in pol.items() if k != "kl_k1"}, ref)
+
+
 def test_policy_eval_scores_both_sides_with_the_reward_function(run_stage, tiny_dirs, tokenizer, monkeypatch,
                                                                tmp_path):
     seen = fake_sampling(monkeypatch, tiny_dirs, tokenizer)

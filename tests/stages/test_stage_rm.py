@@ -89,7 +89,7 @@ def test_loss_decreases_and_accuracy_reaches_one_on_separable_pairs(toy_run):
     epoch_means = [sum(train[s]["rm/loss"] for s in range(e * k + 1, (e + 1) * k + 1)) / k for e in range(2)]
     assert epoch_means[1] < 0.25 * epoch_means[0]
     assert last["rm/accuracy"] == 1.0
-    for key in ("rm/margin", "rm/chosen_mean", "rm/rejected_mean", "lr", "grad_norm",
+    for key in ("rm/margin", "rm/chosen_mean", "rm/rejected_mean", "rm/lr", "rm/grad_norm",
                 "throughput/pairs_per_s", "throughput/tokens_per_s"):
         assert math.isfinite(last[key]), key
 
@@ -133,7 +133,7 @@ def test_resume_from_step_n_reproduces_the_uninterrupted_run(toy_run, run_stage,
     assert original[n + 1]["rm/loss"] > 1e-3, "step N+1 must still have a loss worth comparing"
     assert resumed[n + 1]["rm/loss"] == pytest.approx(original[n + 1]["rm/loss"], abs=1e-5, rel=0)
     for step in range(n + 1, TOY_STEPS + 1):  # same data order, optimizer state and LR schedule after that
-        assert resumed[step]["lr"] == pytest.approx(original[step]["lr"], rel=1e-12, abs=0)
+        assert resumed[step]["rm/lr"] == pytest.approx(original[step]["rm/lr"], rel=1e-12, abs=0)
         assert resumed[step]["rm/loss"] == pytest.approx(original[step]["rm/loss"], rel=1e-4, abs=1e-5)
         assert resumed[step]["rm/margin"] == pytest.approx(original[step]["rm/margin"], rel=1e-4, abs=1e-5)
     want = json.loads((run_dir / "rewards.json").read_text())

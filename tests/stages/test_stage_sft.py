@@ -117,7 +117,7 @@ def test_resume_continues_the_run(run_stage, tmp_path):
     original, resumed = train_records(run_dir), train_records(crashed)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # steps after the checkpoint logged once
     for step in range(1, STEPS + 1):
-        assert resumed[step]["lr"] == pytest.approx(original[step]["lr"], rel=1e-12)
+        assert resumed[step]["sft/lr"] == pytest.approx(original[step]["sft/lr"], rel=1e-12)
         assert resumed[step]["sft/loss"] == pytest.approx(original[step]["sft/loss"], rel=1e-5), step
     a, b = (load_file(d / "final" / "model.safetensors") for d in (run_dir, crashed))
     for key in a:
