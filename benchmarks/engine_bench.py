@@ -26,8 +26,8 @@ and each engine's training wall seconds.
 
     python benchmarks/engine_bench.py --parity --seeds 42,1 [--workdir DIR] [--out results/engine_parity.json]
 
-With `--workdir`, each finished seed is kept in `seed_<s>/parity_seed.json`, and a later call reads it instead of
-training that seed again (a run stopped midway, or more seeds added to the pool).
+With `--workdir`, each finished seed is kept in `seed_<s>/parity_seed.json`, and a later call at the same
+`--precision` reads it instead of training that seed again (a run stopped midway, or more seeds added to the pool).
 """
 
 from __future__ import annotations
@@ -119,10 +119,12 @@ def parity(args: argparse.Namespace) -> None:
         for k, seed in enumerate(seeds):
             sub, out = work / f"seed_{seed}", {"seed": seed}
             done = sub / "parity_seed.json"
-            if done.is_file():  # a seed finished by an earlier call with this --workdir: read, not re-run
-                runs.append(json.loads(done.read_text()))
+            kept = json.loads(done.read_text()) if done.is_file() else None
+            if kept is not None and kept.get("precision", args.precision) == args.precision:
+                runs.append(kept)  # a seed finished by an earlier call with this --workdir: read, not re-run
                 print(f"  seed {seed}: read from {done}", file=sys.stderr)
                 continue
+            out["precision"] = args.precision
             for name in (("hf", "vllm") if k % 2 == 0 else ("vllm", "hf")):
                 run_dir = sub / name
                 t0 = time.perf_counter()

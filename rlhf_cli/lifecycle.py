@@ -296,7 +296,10 @@ def disk_peak(checkpoint: int, final: int, hf: int, keep: int, saves: int) -> tu
     kept = max(1, keep)
     sizes = [checkpoint] * (saves - 1) + [final]
     windows = [sizes[max(0, i - kept):i + 1] for i in range(len(sizes))]
-    return max(max(map(sum, windows)), sum(sizes[-kept:]) + hf), max(map(len, windows))
+    # an interrupt's save is never the slim final one: whenever it comes, it writes the optimizer state too
+    interrupted = [checkpoint] * saves
+    worst = max(sum(interrupted[max(0, i - kept):i + 1]) for i in range(saves))
+    return max(max(map(sum, windows)), sum(sizes[-kept:]) + hf, worst), max(map(len, windows))
 
 
 def checkpoint_plan(models: list[torch.nn.Module], paths: Any, zero_stage: int, run_dir: Path, total: int,

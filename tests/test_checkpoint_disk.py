@@ -68,9 +68,9 @@ def test_planned_saves_counts_the_periodic_ones_before_the_last_step_and_the_fin
     (2, 5, (30, 3)),  # 3 full ones while the 3rd and 4th are written; the final one beside 2 full ones: 24
     (0, 5, (20, 2)),  # keep=0 keeps one while training: two at once
     (1, 5, (20, 2)),
-    (2, 1, (7, 1)),  # the final save alone, then final/ beside it: 4 + 3
-    (2, 2, (17, 2)),  # one full one and the final one (14), then final/ beside both: 10 + 4 + 3
-    (5, 3, (27, 3)),  # all three kept: 24, and final/ beside them
+    (2, 1, (10, 1)),  # the final save alone, then final/ beside it (4 + 3); an interrupt's save is full: 10
+    (2, 2, (20, 2)),  # final/ beside a full and the final one (10 + 4 + 3); interrupted at the end: two full
+    (5, 3, (30, 3)),  # all three kept (24) with final/ (27); interrupted at the end: three full
 ])
 def test_disk_peak_counts_the_kept_checkpoints_the_one_being_written_and_final(keep, saves, expected):
     assert disk_peak(10, 4, 3, keep, saves) == expected  # full checkpoint 10, final one 4, final/ 3

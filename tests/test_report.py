@@ -292,6 +292,11 @@ def test_an_eval_against_another_trained_policy_asks_which_is_better_not_whether
     assert "Does the policy beat the rlhf train-dpo policy?" in titles and "Did RLHF help?" not in titles
     assert "<title>policy eval: /x/ppo/a/final against the rlhf train-dpo policy ref</title>" in text
     assert "rlhf train-dpo: /runs/dpo/x" in text  # the sides table names the run that trained the reference
+    # an SFT run is the starting point of RLHF, not a result of it: the question stays
+    rec["parents"]["reference"] = {"path": "/runs/sft/y/final", "stage": "sft", "run_dir": "/runs/sft/y"}
+    (ev / "lineage.json").write_text(json.dumps(rec))
+    text = build_report(ev).read_text()
+    assert "Did RLHF help?" in section_titles(text) and "rlhf train-sft: /runs/sft/y" in text
 
 
 @pytest.mark.parametrize("gains, verdict", [

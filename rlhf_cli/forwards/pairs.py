@@ -14,8 +14,9 @@ from rlhf_cli.core import logprobs_from_logits
 from rlhf_cli.models import lm_of, trunk_hidden
 
 HEAD_CHUNK = 256
-"""Response positions per float32 log-softmax in `pair_logprobs` (bounds its (HEAD_CHUNK, V) working set: 50 MB
-for a 49k vocabulary)."""
+"""Response positions per float32 log-softmax in `pair_logprobs`: without grad (the reference, held-out passes) it
+bounds the float32 working set to (HEAD_CHUNK, V), 50 MB for a 49k vocabulary; with grad each chunk's float32
+logits are kept for the backward, N x V in all, as in one pass."""
 
 
 def pair_logprobs(model: Any, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:

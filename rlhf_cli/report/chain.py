@@ -264,10 +264,16 @@ def _made_by(parent: dict[str, Any]) -> str | None:
     return {c.kind: c.invocation for c in COMMANDS.values()}.get(parent.get("stage"))
 
 
+RLHF_STAGES = ("ppo", "dpo")
+"""The stages whose policy is an RLHF result: a reference trained by one of them makes an eval a comparison of two
+RLHF policies (an SFT run's policy is a starting point, and the question stays "did RLHF help?")."""
+
+
 def _trained_reference(eval_dir: Path) -> str | None:
-    """The command that trained a policy eval's reference when its lineage records one of our runs, else None
-    (the reference is the starting model, or not a run of ours)."""
-    return _made_by(_parents(eval_dir).get("reference", {}))
+    """The command that trained a policy eval's reference when its lineage records an RLHF run of ours
+    (`RLHF_STAGES`), else None (the starting model, an SFT run, or not a run of ours)."""
+    ref = _parents(eval_dir).get("reference", {})
+    return _made_by(ref) if ref.get("stage") in RLHF_STAGES else None
 
 
 def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:

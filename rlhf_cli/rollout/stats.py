@@ -131,10 +131,11 @@ class EngineDriftGuard:
 
     The rule, from measurement (SmolLM2, bf16-autocast, docs/results.md "vLLM: log-prob agreement and the bf16
     drift rule"): one iteration's mean is noisy, as a few tokens carry most of it. Pushed runs of `experiment=grpo`
-    (2 seeds, 27 iterations) had single iterations up to 3.7x their first (0.082 after 0.022), a spike the former
-    one-iteration 3x rule stopped a healthy run on, while their median of three stayed within 1.5x. An engine
-    whose pushes were skipped went 0.029 -> 0.070 -> 0.102 -> 0.136 (medians of three 1.0x, 2.4x, 3.5x): 3x on
-    the median stops it at its fourth iteration, with a 2x margin on both sides.
+    (2 seeds, 24 iterations each) had single iterations up to 3.7x their first (0.082 after 0.022), a spike the
+    former one-iteration 3x rule stopped a healthy run on, while their medians of three stayed within 1.5x (2x
+    below the bound). An engine whose pushes were skipped went 0.029 -> 0.070 -> 0.102 -> 0.136 (medians of three
+    1.0x, 2.4x, 3.5x): 3x on the median stops it at its fourth iteration. The median cannot fire on the first two
+    iterations after a start or a resume (the engine has just been built from the trainer's weights there).
 
     With `ppo.top_p` < 1 both sides' log-probs are renormalised over the nucleus (the engine's by the sampler, the
     trainer's by `core.nucleus_logits`), so the diff is the same float noise as at `top_p=1`.

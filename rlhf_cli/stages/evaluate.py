@@ -394,8 +394,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     seed_everything(cfg.seed)
     policy_path, rm_path, data_note = eval_setup(cfg, run_dir)
     if cfg.dry_run:
-        sampler = {} if policy_path is None else {"sampling engine": describe_engine(
-            cfg.rollout.engine, AutoConfig.from_pretrained(resolve_hf_dir(str(policy_path))))}
+        sampler = {} if policy_path is None else {"sampling engine": cfg.rollout.engine if cfg.rollout.engine != "auto"
+                                                  else describe_engine("auto", AutoConfig.from_pretrained(
+                                                      resolve_hf_dir(str(policy_path))))}
         print_table(f"{COMMAND.name} (dry run): {run_dir}",
                     {"policy": policy_path, "reward_model": rm_path, "data": data_note, **sampler})
         set_status(run_dir, "dry_run") if engine.is_main() else None

@@ -312,6 +312,13 @@ def test_auto_samples_with_hf_where_vllm_is_not_installed_or_cannot_serve_the_mo
     assert resolve_engine("auto", cfg) == ("vllm", "auto: vLLM is installed and serves this model")
     assert resolve_engine("auto", type(cfg)()) == ("hf", "auto: head size 16")
 
+    def broken(config):
+        raise ImportError("operator torchvision::nms does not exist\nmore")
+
+    fake.unservable = broken  # installed, but its import fails (a wheel for another torch): hf, said why
+    assert resolve_engine("auto", cfg) == ("hf", "auto: vLLM is installed but does not import (ImportError: "
+                                                 "operator torchvision::nms does not exist)")
+
 
 @pytest.mark.parametrize("command", ["train_ppo", "eval"])
 def test_an_unknown_engine_is_refused_in_one_line(command):
