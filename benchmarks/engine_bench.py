@@ -133,7 +133,7 @@ def parity(args: argparse.Namespace) -> None:
                       sub / f"{name}.log")
                 out[f"{name}_wall_s"] = time.perf_counter() - t0
             eval_dir = sub / "eval"
-            child(["eval", "experiment=grpo", f"policy.path={sub / 'vllm' / 'final'}",
+            child(["eval", "experiment=grpo", "rollout.engine=hf", f"policy.path={sub / 'vllm' / 'final'}",
                    f"reference.path={sub / 'hf' / 'final'}", "precision=fp32", f"seed={seed}",
                    f"paths.root={sub / 'runs'}", f"hydra.run.dir={eval_dir}"], sub / "eval.log")
             rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]

@@ -353,7 +353,7 @@ def test_train_rm_logs_to_tensorboard_from_the_command_line(tmp_path):
     events.Reload()
     got = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     expected = jsonl_series(run_dir)
-    assert {"rm/loss", "rm/accuracy", "lr", "eval/rm/accuracy"} <= set(expected) and sorted(got) == sorted(expected)
+    assert {"rm/loss", "rm/accuracy", "rm/lr", "eval/rm/accuracy"} <= set(expected) and sorted(got) == sorted(expected)
     for name, points in expected.items():
         assert got[name] == [(s, pytest.approx(v, rel=1e-6)) for s, v in points], name
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
