@@ -320,7 +320,8 @@ def resolve_engine(name: str, config: Any) -> tuple[str, str]:
     try:
         why = unservable(config)
     except Exception as e:  # an install whose import fails (a wheel for another torch or CUDA): sample with hf
-        return "hf", f"auto: vLLM is installed but does not import ({type(e).__name__}: {str(e).splitlines()[0]})"
+        first = (str(e).splitlines() or [""])[0]
+        return "hf", f"auto: vLLM is installed but does not import ({type(e).__name__}: {first})"
     return ("hf", f"auto: {why}") if why else ("vllm", "auto: vLLM is installed and serves this model")
 
 
