@@ -292,14 +292,12 @@ def disk_peak(checkpoint: int, final: int, hf: int, keep: int, saves: int) -> tu
     keep: `paths.keep_checkpoints`; saves: `planned_saves`. As `commit_checkpoint` rotates them, a new
     checkpoint is complete before the oldest goes, so up to max(1, keep) + 1 of them coexist while one is
     written; `final/` is written after the last save, beside the max(1, keep) then kept (with keep=0, `ds/` goes
-    after `final/` is complete)."""
+    after `final/` is complete). An interrupt's save is never the slim final one (it keeps the optimizer state
+    wherever it comes), so the most checkpoints at once are all full-size ones."""
     kept = max(1, keep)
-    sizes = [checkpoint] * (saves - 1) + [final]
-    windows = [sizes[max(0, i - kept):i + 1] for i in range(len(sizes))]
-    # an interrupt's save is never the slim final one: whenever it comes, it writes the optimizer state too
-    interrupted = [checkpoint] * saves
-    worst = max(sum(interrupted[max(0, i - kept):i + 1]) for i in range(saves))
-    return max(max(map(sum, windows)), sum(sizes[-kept:]) + hf, worst), max(map(len, windows))
+    at_once = min(saves, kept + 1)
+    kept_at_end = [checkpoint] * (min(saves, kept) - 1) + [final]  # beside final/
+    return max(checkpoint * at_once, sum(kept_at_end) + hf), at_once
 
 
 def checkpoint_plan(models: list[torch.nn.Module], paths: Any, zero_stage: int, run_dir: Path, total: int,
