@@ -81,11 +81,14 @@ def _floats(stats: dict[str, Tensor]) -> dict[str, float]:
 
 def _weighted(per_token: Tensor, weights: Tensor | None, m: Tensor) -> Tensor:
     """``per_token`` times constant per-token ``weights`` (detached; `core.correction.engine_is_weights`), exact 0 on
-    padding; ``per_token`` itself when ``weights`` is None."""
+    padding and where the weight is 0 (a masked token: its term is 0 even where ``loss_t`` is inf or NaN, and the
+    gradient reaching ``per_token`` there is exactly 0, as on padding); ``per_token`` itself when ``weights`` is
+    None."""
     if weights is None:
         return per_token
     _check_shapes(per_token=per_token, weights=weights)
-    return torch.where(m, per_token * masked_fill_zero(weights.detach(), m, per_token.dtype), 0.0)
+    w = masked_fill_zero(weights.detach(), m, per_token.dtype)
+    return torch.where(m & (w != 0), per_token * w, 0.0)
 
 
 def _check_clips(clip: float, clip_high: float | None, dual_clip: float | None) -> float:
@@ -187,6 +190,13 @@ def policy_loss(
     adv = masked_fill_zero(advantages.detach(), m, dtype)
     ratio = torch.exp(log_ratio)
     per_token, flags = _clipped_surrogate(ratio, adv, m, clip, high, dual_clip)
+    if weights is not None and bool((weights == 0).any()):
+        # a token of weight 0 leaves the loss whatever its ratio: the surrogate is taken at r = 1 there, so that an
+        # inf ratio (log pi_old = -inf: the trainer gave the sampled token no probability) sends no NaN back
+        # through exp; every other token's term, and the stats, are those above
+        live = m & (weights.detach() != 0)
+        per_token, _ = _clipped_surrogate(torch.exp(torch.where(live, log_ratio, 0.0)), adv, m, clip, high,
+                                          dual_clip)
     loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
     return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
 

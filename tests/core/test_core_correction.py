@@ -202,3 +202,30 @@ def test_a_nan_log_prob_is_masked_and_padding_still_holds_anything():
     w, ratio, hit = engine_is_weights(old, eng, mask, "tis", None, 2.0)
     assert w.tolist() == [[0.0, 1.0, 0.0]] and ratio.tolist() == [[1.0, 1.0, 1.0]]
     assert hit.tolist() == [[True, False, False]]
+
+
+@pytest.mark.parametrize("kind", ["ppo", "cispo"])
+def test_a_token_of_weight_zero_leaves_no_nan_in_the_loss_or_its_gradient(kind):
+    """The engine correction gives weight 0 to a token the trainer gave no probability (log pi_old = -inf, so
+    r = inf): the loss and every gradient stay finite, and equal those of the same batch with that token's
+    advantage zeroed (its term is 0 either way; the divisor still counts it)."""
+    d = rand_ppo_batch(3, 2, 4)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    w = torch.ones(2, 4, dtype=torch.float64)
+    w[0, 2] = 0.0
+    old = d["old_logprobs"].clone()
+    old[0, 2] = float("-inf")
+    adv = d["advantages"].clone()
+    adv[0, 2] = -1.0  # A < 0: -A * r = +inf without the guard
+    fn = POLICY_LOSSES[kind]
+    lp = d["logprobs"].clone().requires_grad_(True)
+    got, _ = fn(lp, old, adv, mask, 0.2, weights=w, num_tokens=8.0)
+    got.backward()
+    assert torch.isfinite(got) and torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0
+    adv0, old0 = adv.clone(), d["old_logprobs"]
+    adv0[0, 2] = 0.0
+    lp0 = d["logprobs"].clone().requires_grad_(True)
+    want, _ = fn(lp0, old0, adv0, mask, 0.2, weights=w, num_tokens=8.0)
+    want.backward()
+    assert got.item() == pytest.approx(want.item(), abs=1e-12)
+    torch.testing.assert_close(lp.grad, lp0.grad, atol=1e-12, rtol=0)
