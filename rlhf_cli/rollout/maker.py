@@ -172,7 +172,7 @@ class ExperienceMaker:
     def rollout_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                        plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                   dict[tuple[int, ...], PackedRollout], dict[tuple[int, ...], Forward]]:
-        """The rollout's passes over every row, as training computes them: (old logprobs (B, R), ref logprobs
+        """The rollout's passes over every row, as training computes them: (old_logprobs (B, R), ref_logprobs
         (B, R), old values (B, R) or None without a critic, packed layouts, training forwards), float32.
 
         Packed (`plan.packed`) they run over the update's own first-epoch micro-batches, each chunk's layout built
@@ -186,7 +186,7 @@ class ExperienceMaker:
                   else [torch.arange(i, min(i + mb, B)) for i in range(0, B, mb)])
         carry = plan.carry  # 0 unless packed (`plan.fold_settings`)
         dev = input_ids.device
-        out = {"logprobs": torch.zeros(B, R, device=dev), "ref_logprobs": torch.zeros(B, R, device=dev),
+        out = {"old_logprobs": torch.zeros(B, R, device=dev), "ref_logprobs": torch.zeros(B, R, device=dev),
                "values": torch.zeros(B, R, device=dev)}
         layouts: dict[tuple[int, ...], PackedRollout] = {}
         forwards: dict[tuple[int, ...], Forward] = {}
@@ -199,13 +199,13 @@ class ExperienceMaker:
                 fwd = self._chunk_passes(input_ids[rows], attention_mask[rows], P, reference, packing,
                                          on_policy=plan.on_policy, train=i >= len(chunks) - carry)
                 out["ref_logprobs"][rows] = fwd.ref_logprobs
-                if fwd.logprobs is not None:
-                    out["logprobs"][rows] = fwd.logprobs
+                if fwd.old_logprobs is not None:
+                    out["old_logprobs"][rows] = fwd.old_logprobs
                 if fwd.values is not None:
                     out["values"][rows], has_values = fwd.values.float(), True
                 if fwd.training is not None:
                     forwards[key] = fwd.training
-        return out["logprobs"], out["ref_logprobs"], out["values"] if has_values else None, layouts, forwards
+        return out["old_logprobs"], out["ref_logprobs"], out["values"] if has_values else None, layouts, forwards
 
     def _layout(self, ids: torch.Tensor, am: torch.Tensor, P: int, packed: bool, key: tuple[int, ...],
                 layouts: dict[tuple[int, ...], PackedRollout]) -> bool | PackedRollout:
@@ -286,10 +286,10 @@ class ExperienceMaker:
         t1 = time.perf_counter()
         raw, score, source_means = self.rewards(input_ids, attention_mask, P, prompts)
         t2 = _clock(input_ids.device)
-        mask = attention_mask[:, P:].float()
+        response_mask = attention_mask[:, P:].float()
         if p.truncated == "penalize":
             score = score - p.missing_eos_penalty * (~has_eos).float()
-        overlong = overlong_penalty(mask.sum(1), p.max_new_tokens, p.overlong_buffer, p.overlong_penalty)
+        overlong = overlong_penalty(response_mask.sum(1), p.max_new_tokens, p.overlong_buffer, p.overlong_penalty)
         score = score + overlong.to(score.dtype)  # DAPO's soft overlong punishment; 0 with ppo.overlong_buffer=0
         valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
         return _Round(prompts, groups.to(score.device), input_ids, attention_mask, P, has_eos, engine_logprobs, raw,
@@ -390,18 +390,19 @@ class ExperienceMaker:
         t1 = time.perf_counter()
         self.pass_seconds = {"reward": reward_seconds, "reference": 0.0, "policy": 0.0, "critic": 0.0,
                              "packing": 0.0}
-        mask = attention_mask[:, P:].float()
+        response_mask = attention_mask[:, P:].float()
         plan = self.plan(iteration, groups)  # the update's, computed once: the passes run over its micro-batches
-        logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(input_ids, attention_mask, P, plan)
+        old_logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(input_ids, attention_mask, P,
+                                                                                    plan)
         t2 = time.perf_counter()
         carried_seconds = sum(fwd.seconds for fwd in forwards.values())
-        loss_mask = mask * batch.valid.float()[:, None]
+        loss_mask = response_mask * batch.valid.float()[:, None]
         beta = self.kl_ctl.value
-        rewards, advantages, returns = self.shape(batch.score, logprobs, ref_logprobs, values, mask, loss_mask,
-                                                  batch.valid, groups, beta)
-        exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
-                         values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
-                         batch.score, groups, layouts, forwards, plan, batch.engine_logprobs)
+        rewards, advantages, returns = self.shape(batch.score, old_logprobs, ref_logprobs, values, response_mask,
+                                                  loss_mask, batch.valid, groups, beta)
+        exp = Experience(input_ids, attention_mask, loss_mask, old_logprobs, ref_logprobs,
+                         values if values is not None else torch.zeros_like(old_logprobs), rewards, advantages,
+                         returns, batch.score, groups, layouts, forwards, plan, batch.engine_logprobs)
         stats = {
             **self.advantage_stats(advantages, loss_mask, iteration),
             "time/scoring": reward_seconds + t2 - t1 - carried_seconds,  # the carried forwards count in time/training
@@ -409,7 +410,7 @@ class ExperienceMaker:
             **self.kl_fp32_check(exp),  # the rollout's other KL statistics come after the update (`kl_stats`)
         }
         if values is not None:
-            stats["val/values_mean"] = ((values * mask).sum() / mask.sum().clamp(min=1)).item()
+            stats["val/values_mean"] = ((values * response_mask).sum() / response_mask.sum().clamp(min=1)).item()
             stats["val/explained_var"] = explained_variance_across_ranks(values, returns, loss_mask)
         return exp, stats
 
@@ -424,21 +425,22 @@ class ExperienceMaker:
         return {"advantages/mean": (adv_sums[0] / adv_sums[2].clamp(min=1)).item(),
                 "advantages/abs_mean": (adv_sums[1] / adv_sums[2].clamp(min=1)).item()}
 
-    def shape(self, score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-              values: torch.Tensor | None, mask: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
+    def shape(self, score: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+              values: torch.Tensor | None, response_mask: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
               groups: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token rewards (B, R) float32: −β·kl_t plus the score (B,) at the last real token with
         `ppo.kl_in=reward`, the score alone with `loss` (β·KL is then a loss term); then (advantages, returns)
         (B, R) by `ppo.advantage_estimator`, the advantages whitened over `loss_mask`'s tokens of all ranks when
-        `ppo.whiten_advantages` (or the estimator's default) says so. mask: (B, R) response mask; valid: (B,) bool,
-        rows that count in a group baseline; groups: (B,) long group ids."""
+        `ppo.whiten_advantages` (or the estimator's default) says so. old_logprobs, ref_logprobs: (B, R) float32;
+        response_mask: (B, R), 1 = real response token (EOS included); loss_mask: (B, R), its tokens that enter the
+        loss; valid: (B,) bool, rows that count in a group baseline; groups: (B,) long group ids."""
         p = self.p
         if p.kl_in == "reward":
-            rewards = kl_penalized_rewards(score, logprobs, ref_logprobs, mask, beta, p.kl_estimator)
+            rewards = kl_penalized_rewards(score, old_logprobs, ref_logprobs, response_mask, beta, p.kl_estimator)
         else:  # β·KL is a loss term (PolicyLearner.losses): the reward is the score alone
-            rewards = add_at_last_token(torch.zeros_like(logprobs), mask, score)
-        advantages, returns = self.estimator(rewards, mask, scores=score, groups=groups, valid=valid, values=values,
-                                             gamma=p.gamma, lam=p.lam)
+            rewards = add_at_last_token(torch.zeros_like(old_logprobs), response_mask, score)
+        advantages, returns = self.estimator(rewards, response_mask, scores=score, groups=groups, valid=valid,
+                                             values=values, gamma=p.gamma, lam=p.lam)
         if self.whiten:
             advantages = whiten_across_ranks(advantages, loss_mask)
         return rewards, advantages, returns
@@ -491,7 +493,7 @@ class _ChunkPasses(NamedTuple):
     is on-policy), old values (None without a critic) and, for a carried micro-batch, its training forward."""
 
     ref_logprobs: torch.Tensor
-    logprobs: torch.Tensor | None
+    old_logprobs: torch.Tensor | None
     values: torch.Tensor | None
     training: Forward | None
 

@@ -116,7 +116,7 @@ def test_the_rollout_masks_and_counts_either_id(tmp_path, monkeypatch, two_eos_d
     mask = exp.attention_mask[:, P:].float()
     assert mask[0].sum() == 3 and mask[1].sum() == 4 and (mask[2:].sum(1) == 6).all()
     assert stats["response/eos_frac"] == pytest.approx(2 / 8)
-    assert (exp.mask[:2].sum(1) == mask[:2].sum(1)).all() and exp.mask[2:].sum() == 0  # ppo.truncated
+    assert (exp.loss_mask[:2].sum(1) == mask[:2].sum(1)).all() and exp.loss_mask[2:].sum() == 0  # ppo.truncated
 
 
 def test_the_reward_model_reads_either_id_as_the_tokenizers_eos(tiny_model_cfg, tokenizer):

@@ -54,7 +54,7 @@ def test_flat_groups_are_dropped_and_refilled_from_a_new_round(tmp_path, monkeyp
     # kept in round order: round 0's group 3, round 1's group 0 (id R + 0), round 2's first two (ids 2R, 2R + 1)
     assert exp.groups.tolist() == [g for g in (3, R, 2 * R, 2 * R + 1) for _ in range(G)]
     assert exp.input_ids.shape[0] == R * G
-    assert group_stats(exp.scores, exp.groups, exp.mask.sum(1) > 0)["flat"].sum() == 0
+    assert group_stats(exp.scores, exp.groups, exp.loss_mask.sum(1) > 0)["flat"].sum() == 0
     assert (exp.advantages.abs().sum(1) > 0).all()  # every kept row learns
     steps = optimizer_steps(monkeypatch, tr)
     stats = tr.train_on(exp, 0)

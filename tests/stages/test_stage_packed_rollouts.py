@@ -266,8 +266,8 @@ def test_a_packed_iteration_equals_the_padded_one(tmp_path, overrides):
         runs[packing] = (exp, roll_stats, train_stats, snapshot(tr.actor.module), before)
     (exp1, roll1, train1, w1, before), (exp0, roll0, train0, w0, _) = runs[True], runs[False]
     assert torch.equal(exp1.input_ids, exp0.input_ids)  # the same samples
-    m = exp0.mask.bool()
-    for name in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
+    m = exp0.loss_mask.bool()
+    for name in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
         torch.testing.assert_close(getattr(exp1, name)[m], getattr(exp0, name)[m], rtol=1e-4, atol=1e-5,
                                    msg=lambda msg, n=name: f"{n}: {msg}")
     for stats1, stats0 in ((roll1, roll0), (train1, train0)):
@@ -372,7 +372,7 @@ def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_u
     for carry in (1, 2):
         exp1, stats1, w1, _, _ = runs[carry]
         assert torch.equal(exp1.input_ids, exp0.input_ids)
-        for name in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
+        for name in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
             assert torch.equal(getattr(exp1, name), getattr(exp0, name)), (carry, name)
         for s1, s0 in zip(stats1, stats0):
             assert s1.keys() == s0.keys()
