@@ -112,21 +112,21 @@ class ExperienceMaker:
         """This rank's rows of an iteration's generation round: their prompts, sampling seeds and group ids.
 
         Prompts: round 0 (every iteration's, and the only one without `ppo.filter_groups`) takes a seeded walk
-        through epochs of shuffled prompts (the same on every rank), `ppo.rollout_batch_size` (R) per iteration; an
-        extra round r >= 1 of `ppo.filter_groups` takes R prompts of its own seeded permutation of all prompts,
-        (data.seed, seed, iteration, r), those of round 0 last (so they repeat only when fewer than 2R prompts
-        exist); the walk is not advanced. Each prompt is repeated `ppo.n_samples_per_prompt` (n) times in a row; a
-        rank takes whole groups. The round's k-th prompt is the iteration's (r·R + k)-th: its group id, and the
-        seed of its sample j is one per (run seed, iteration, (r·R + k)·n + j), so every sample has its own stream
+        through epochs of shuffled prompts (the same on every rank), `ppo.rollout_batch_size` (M) per iteration; an
+        extra round r >= 1 of `ppo.filter_groups` takes M prompts of its own seeded permutation of all prompts,
+        (data.seed, seed, iteration, r), those of round 0 last (so they repeat only when fewer than 2M prompts
+        exist); the walk is not advanced. Each prompt is repeated `ppo.n_samples_per_prompt` (G) times in a row; a
+        rank takes whole groups. The round's k-th prompt is the iteration's (r·M + k)-th: its group id, and the
+        seed of its sample j is one per (run seed, iteration, (r·M + k)·G + j), so every sample has its own stream
         and a response is the same whatever the world size.
         """
-        R, G = self.p.rollout_batch_size, self.p.n_samples_per_prompt
+        M, G = self.p.rollout_batch_size, self.p.n_samples_per_prompt
         idx = self._walk(iteration)
         if round_ > 0:
             first = set(idx)
             perm = epoch_order(len(self.prompts), (self.cfg.data.seed, self.cfg.seed, iteration), round_)
-            idx = ([i for i in perm if i not in first] + [i for i in perm if i in first])[:R]
-        per_rank, offset = R // engine.world_size(), round_ * R
+            idx = ([i for i in perm if i not in first] + [i for i in perm if i in first])[:M]
+        per_rank, offset = M // engine.world_size(), round_ * M
         ks = range(engine.rank() * per_rank, (engine.rank() + 1) * per_rank)
         prompts = [self.prompts[idx[k]] for k in ks for _ in range(G)]
         seeds = [derive_seed(self.cfg.seed, iteration, (offset + k) * G + j) for k in ks for j in range(G)]
@@ -134,11 +134,12 @@ class ExperienceMaker:
         return prompts, seeds, groups
 
     def _walk(self, iteration: int) -> list[int]:
-        """The prompt indices of an iteration's round 0: positions iteration·R ... (iteration + 1)·R − 1 of the
-        walk through epochs of shuffled prompts (`data.epoch_order` seeded by (data.seed, seed, epoch))."""
-        n, R = len(self.prompts), self.p.rollout_batch_size
+        """The prompt indices of an iteration's round 0: positions iteration·M ... (iteration + 1)·M − 1 of the
+        walk through epochs of shuffled prompts (`data.epoch_order` seeded by (data.seed, seed, epoch)), M =
+        `ppo.rollout_batch_size`."""
+        n, M = len(self.prompts), self.p.rollout_batch_size
         idx = []
-        for k in range(iteration * R, (iteration + 1) * R):
+        for k in range(iteration * M, (iteration + 1) * M):
             epoch, pos = divmod(k, n)
             if epoch != self._order_epoch:
                 self._order, self._order_epoch = epoch_order(n, (self.cfg.data.seed, self.cfg.seed), epoch), epoch
