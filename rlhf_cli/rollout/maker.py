@@ -49,7 +49,7 @@ from rlhf_cli.rollout.generation import (
     rollout_batch,
 )
 from rlhf_cli.rollout.plan import UpdatePlan
-from rlhf_cli.rollout.rewards import Rewards
+from rlhf_cli.rollout.scores import ScoreMixer
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl, whiten_across_ranks
 from rlhf_cli.seeds import derive_seed
 
@@ -62,7 +62,7 @@ class ExperienceMaker:
     cfg: the run config (`ppo.*`, `seed`, `data.seed`, `precision`, `scoring_precision`); prompts: the
     tokenized prompt rows; actor: the policy's `engine.TrainEngine` (carrying the value head when
     `ppo.critic=shared`); critic: a separate critic's engine or None (shared, or a critic-free estimator);
-    reference: an `engine.FrozenModel`; rewards: the run's `Rewards`; kl_ctl: the KL controller whose `value`
+    reference: an `engine.FrozenModel`; score_mixer: the run's `ScoreMixer`; kl_ctl: the KL controller whose `value`
     is β; score_precision: the precision of the scoring passes, as `engine.scoring_precision` resolved it;
     plan: the learner's `plan(iteration, groups) -> UpdatePlan` (`PolicyLearner.plan`), asked once per iteration:
     the rollout runs its passes over the update's micro-batches, folds what the plan says into them, and hands the
@@ -70,7 +70,7 @@ class ExperienceMaker:
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, prompts: Sequence[dict[str, Any]], actor: Any, reference: Any,
-                 critic: Any, rewards: Rewards, kl_ctl: Any, score_precision: str,
+                 critic: Any, score_mixer: ScoreMixer, kl_ctl: Any, score_precision: str,
                  plan: Callable[[int, torch.Tensor], UpdatePlan], workdir: Any = None) -> None:
         self.cfg, self.p = cfg, cfg.ppo
         self.tokenizer, self.prompts = tokenizer, prompts
@@ -79,7 +79,7 @@ class ExperienceMaker:
         """Every id that ends a response (`eos.eos_ids`): sampling stops at the first, the masks and `has_eos` read
         them all."""
         self.actor, self.reference, self.critic = actor, reference, critic
-        self.rewards, self.kl_ctl = rewards, kl_ctl
+        self.score_mixer, self.kl_ctl = score_mixer, kl_ctl
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
         self.engine_name, why = resolve_engine(cfg.rollout.engine, lm_of(actor.module).config)
@@ -278,14 +278,14 @@ class ExperienceMaker:
     def sample(self, prompts: list[dict[str, Any]], seeds: Sequence[int], groups: torch.Tensor,
                push: bool = True) -> _Round:
         """One generation round: sample (`generate`; `push=False` in an iteration's later rounds), score
-        (`rewards`), then the score rules that act per row: `ppo.truncated=penalize`'s missing-EOS penalty and the
+        (`score_mixer`), then the score rules that act per row: `ppo.truncated=penalize`'s missing-EOS penalty and the
         overlong shaping (`core.overlong_penalty`). Which rows count in a group baseline (`valid`): those that
         ended with EOS under `ppo.truncated=mask`, else all."""
         p = self.p
         t0 = time.perf_counter()
         input_ids, attention_mask, P, has_eos, engine_logprobs = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
-        raw, score, source_means = self.rewards(input_ids, attention_mask, P, prompts)
+        raw, score, source_means = self.score_mixer(input_ids, attention_mask, P, prompts)
         t2 = _clock(input_ids.device)
         response_mask = attention_mask[:, P:].float()
         if p.truncated == "penalize":

@@ -3,7 +3,7 @@
 Groups whose scores are all equal are dropped and further rounds of prompts are sampled until the batch holds
 `ppo.rollout_batch_size` groups, for at most `ppo.filter_groups_max_rounds` extra rounds; at the bound the update
 trains on what was kept, and with nothing kept the iteration trains nothing, says so and the run goes on. The
-scores are scripted (`tr.maker.rewards` replaced) so that which groups are flat is known."""
+scores are scripted (`tr.maker.score_mixer` replaced) so that which groups are flat is known."""
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ def script_scores(tr, flat_groups_per_round):
         calls.append(B)
         return score.clone(), score, {}
 
-    tr.maker.rewards = rewards
+    tr.maker.score_mixer = rewards
     return calls
 
 
@@ -191,7 +191,7 @@ def test_the_kl_controller_and_the_lr_schedule_count_what_was_trained(run_stage,
             self.calls += 1
             return score.clone(), score, {}
 
-    monkeypatch.setattr(ppo_stage, "Rewards", Scripted)
+    monkeypatch.setattr(ppo_stage, "ScoreMixer", Scripted)
     horizon, warmup, lr = 16, 10, 1e-4
     _, run_dir, cfg = run_stage("train_ppo", [*FILTER, "ppo.iterations=4", "ppo.filter_groups_max_rounds=0",
                                               "ppo.kl_target=1e-6", f"ppo.kl_horizon={horizon}",

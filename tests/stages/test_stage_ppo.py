@@ -569,11 +569,11 @@ def test_all_rows_masked_out_do_not_crash_a_step_and_say_so(tmp_path, monkeypatc
 def test_normalize_reward_without_stored_stats_says_it_has_no_effect(tokenizer, caplog, stats, normalize, warned):
     import logging
 
-    from rlhf_cli.rollout import Rewards
+    from rlhf_cli.rollout import ScoreMixer
 
     cfg = compose("train_ppo", [*TINY_PPO, "reward.type=model"])
-    with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.rewards"):
-        Rewards(cfg, tokenizer, object(), stats, 2, "fp32", normalize=normalize)
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.scores"):
+        ScoreMixer(cfg, tokenizer, object(), stats, 2, "fp32", normalize=normalize)
     lines = [r.getMessage() for r in caplog.records if "normalize_reward" in r.getMessage()]
     assert lines == (["ppo.normalize_reward=true has no effect: the reward model stored no held-out mean/std (it "
                       "was trained without held-out pairs), so its raw scores are used"] if warned else [])
