@@ -10,7 +10,7 @@ as `<|end|>` or `<end_of_turn>`). Everything that asks "did the response end?" r
     reward model    it reads its score at the tokenizer's EOS (the set's first id): a data response whose text
                     ends in the text of any id of the set is cut there and gets the tokenizer's EOS appended
                     (`data.tokenize.Encoder`), a sampled response that ended with another id of the set is scored
-                    with that id read as the tokenizer's EOS (`forwards.batched_rewards`), and the exported
+                    with that id read as the tokenizer's EOS (`forwards.batched_scores`), and the exported
                     reward model's chat template ends a conversation the same way (`models.with_scoring_template`)
     saved models    `generation_config.json` lists the whole set, so HF `generate` and vLLM stop where the run did
                     (a reward model's `config.json`, as its `eos_token_id`)

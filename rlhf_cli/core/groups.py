@@ -44,17 +44,17 @@ def group_stats(scores: Tensor, groups: Tensor, valid: Tensor) -> dict[str, Tens
                          f"{tuple(groups.shape)}, {tuple(valid.shape)}")
     v = valid.bool()
     _, inv = torch.unique(groups, return_inverse=True)
-    G = int(inv.max()) + 1 if inv.numel() else 0
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
     s = torch.where(v, scores.double(), 0.0)
-    count = torch.zeros(G, dtype=torch.float64, device=s.device).index_add_(0, inv, v.double())
+    count = torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(0, inv, v.double())
     total = torch.zeros_like(count).index_add_(0, inv, s)
     mean = total / count.clamp(min=1)
     dev2 = torch.where(v, (s - mean[inv]) ** 2, 0.0)
     var = torch.zeros_like(count).index_add_(0, inv, dev2) / (count - 1).clamp(min=1)
     big = torch.finfo(torch.float64).max
-    hi = torch.full((G,), -big, dtype=torch.float64, device=s.device).scatter_reduce(
+    hi = torch.full((n_groups,), -big, dtype=torch.float64, device=s.device).scatter_reduce(
         0, inv, torch.where(v, s, -big), "amax")
-    lo = torch.full((G,), big, dtype=torch.float64, device=s.device).scatter_reduce(
+    lo = torch.full((n_groups,), big, dtype=torch.float64, device=s.device).scatter_reduce(
         0, inv, torch.where(v, s, big), "amin")
     flat = (hi <= lo) | (count < 2)
     std = torch.where(count >= 2, var.sqrt(), 0.0)

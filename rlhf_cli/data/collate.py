@@ -11,7 +11,7 @@ from rlhf_cli.seeds import derive_seed
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> dict[str, torch.Tensor]:
-    """Pad token-id lists to the longest: {input_ids (N, L) long, attention_mask (N, L) long, 1 = real token}."""
+    """Pad token-id lists to the longest: {input_ids (B, L) long, attention_mask (B, L) long, 1 = real token}."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right' (got {side!r})")
     n, length = len(seqs), max((len(s) for s in seqs), default=0)
@@ -76,17 +76,17 @@ class PackedPairCollator:
     chat template's system prompt) share one trie too, and rows may hold several tries (`row_width`); only each
     row's tail is padding. So every chosen and rejected token sees exactly the keys, at exactly the positions,
     it sees in `PairCollator`'s two rows, and each score is read at its own EOS: the same scores up to float
-    rounding, from far fewer positions than 2P + C + R plus padding (prefix sharing: Wang et al. 2024,
-    "Accelerating Direct Preference Optimization with Prefix Sharing").
+    rounding, from far fewer positions than those two rows hold (the prompt twice, both responses and padding;
+    prefix sharing: Wang et al. 2024, "Accelerating Direct Preference Optimization with Prefix Sharing").
 
-        input_ids        (R, L) long   R <= B rows
-        position_ids     (R, L) long   0 on padding
-        attention_mask   (R, L) long   1 = real token (counts what is computed)
-        pair_attention   (R, 1, L, L) bool  [r, 0, q, k] = query q may attend key k; a padding
+        input_ids        (W, L) long   W <= B rows
+        position_ids     (W, L) long   0 on padding
+        attention_mask   (W, L) long   1 = real token (counts what is computed)
+        pair_attention   (W, 1, L, L) bool  [w, 0, q, k] = query q may attend key k; a padding
                                        position attends to itself only (no empty softmax row)
         chosen_end       (B, 2) long   (row, column) of pair i's chosen EOS
         rejected_end     (B, 2) long   (row, column) of pair i's rejected EOS
-        pair_tokens      () long       tokens of the unpacked pairs: sum of (P + C) + (P + R)
+        pair_tokens      () long       tokens of the unpacked pairs: per pair, 2 × prompt + chosen + rejected
         prompt_lengths   (B,) long     pair i's prompt tokens: a token of its chosen or rejected sequence at
                                        position >= prompt_lengths[i] is a response token
         margin           (B,) float    only when every example has a `margin`

@@ -31,7 +31,7 @@ from rlhf_cli.forwards.policy import (
     response_hidden,
     sequence_kl,
 )
-from rlhf_cli.forwards.scoring import batched_rewards, forward_pairs, pair_collator, pair_metrics, score_pairs
+from rlhf_cli.forwards.scoring import batched_scores, forward_pairs, pair_collator, pair_metrics, score_pairs
 from rlhf_cli.forwards.sft import response_logprobs, sft_collator
 from rlhf_cli.forwards.training import Forward, training_forward
 
@@ -39,7 +39,7 @@ __all__ = [
     "Forward",
     "FrozenWithoutAdapters",
     "PackedRollout",
-    "batched_rewards",
+    "batched_scores",
     "critic_values",
     "forward_pairs",
     "pack_rollout",

@@ -10,7 +10,7 @@ system prompt of different prompts; tries share rows, so only row tails are padd
 Every response token sees exactly the keys at exactly the positions it sees in its own padded row, so the log-probs,
 entropies and values read from a packed forward equal the padded forward's to float rounding (the layout of
 `rlhf_cli.data.pack_tries`; prefix sharing, Wang et al. 2024). Every pass of a rollout runs packed
-(`rollout.plan.packs_rollout_passes`, `forwards.batched_rewards`); the experience maker builds each micro-batch's
+(`rollout.plan.packs_rollout_passes`, `forwards.batched_scores`); the experience maker builds each micro-batch's
 layout once and the update reuses it (`Experience.layouts`).
 """
 
@@ -111,7 +111,7 @@ class PackedRollout(NamedTuple):
     computed  (B, R) bool: entries the padded layout reads from a real token, t <= the response's length (the
               entry right after the EOS included); the others sit on padding and are 0 in the packed outputs
     last      (B, 2) long: (packed row, column) of each sequence's last real token, where a reward model's score
-              is read (`models.sequence_rewards`)
+              is read (`models.sequence_scores`)
     """
 
     packed: PackedTries

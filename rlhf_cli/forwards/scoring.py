@@ -12,15 +12,15 @@ from rlhf_cli import engine
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator
 from rlhf_cli.forwards.packing import pack_rollout, use_packing
-from rlhf_cli.models import attention_tokens, last_token_index, rewards_at, sequence_rewards
+from rlhf_cli.models import attention_tokens, last_token_index, scores_at, sequence_scores
 
 
 @torch.no_grad()
-def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
-                    precision: str, prompt_len: int | None = None, packing: bool = False,
-                    eos_ids: Sequence[int] = ()) -> torch.Tensor:
+def batched_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
+                   precision: str, prompt_len: int | None = None, packing: bool = False,
+                   eos_ids: Sequence[int] = ()) -> torch.Tensor:
     """Reward-model scores (N,) float32 of N sequences, `batch_size` rows per forward, under the run's
-    precision; on the inputs' device. See models.sequence_rewards for where each score is read.
+    precision; on the inputs' device. See models.sequence_scores for where each score is read.
 
     With `packing` (`data.packing`) and `prompt_len` (the batch laid out `[prompt | response]` as
     `rollout_batch` gives it), each forward runs packed (`forwards.pack_rollout`: a prompt shared by several
@@ -55,10 +55,10 @@ def batched_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
             ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
             if pack:
                 pk = pack_rollout(ids, am, prompt_len, attention_tokens=attention_tokens(model))
-                out.append(rewards_at(model, pk.packed.input_ids, pk.packed.allowed, pk.last,
-                                      pk.packed.position_ids).float())
+                out.append(scores_at(model, pk.packed.input_ids, pk.packed.allowed, pk.last,
+                                     pk.packed.position_ids).float())
             else:
-                out.append(sequence_rewards(model, ids, am).float())
+                out.append(sequence_scores(model, ids, am).float())
     return torch.cat(out)[inverse]
 
 
@@ -70,24 +70,24 @@ def pair_collator(model: Any, pad_id: int, packing: bool) -> Callable[[Sequence[
 
 
 def forward_pairs(model: Any, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards (B,) float32 of chosen and of rejected from ONE trunk forward over a collated batch:
+    """Scores (B,) float32 of chosen and of rejected from ONE trunk forward over a collated batch:
     `PairCollator`'s (2B, L) rows, or `PackedPairCollator`'s packed rows (each score read at its own EOS)."""
     dev = engine.device()
     ids = batch["input_ids"].to(dev)
     with engine.autocast(precision):
         if "pair_attention" in batch:
             index = torch.cat([batch["chosen_end"], batch["rejected_end"]]).to(dev)
-            rewards = rewards_at(model, ids, batch["pair_attention"].to(dev), index, batch["position_ids"].to(dev))
+            scores = scores_at(model, ids, batch["pair_attention"].to(dev), index, batch["position_ids"].to(dev))
         else:
-            rewards = sequence_rewards(model, ids, batch["attention_mask"].to(dev))
-    b = rewards.shape[0] // 2
-    return rewards[:b].float(), rewards[b:].float()
+            scores = sequence_scores(model, ids, batch["attention_mask"].to(dev))
+    b = scores.shape[0] // 2
+    return scores[:b].float(), scores[b:].float()
 
 
 @torch.no_grad()
 def score_pairs(model: Any, pairs: Sequence[dict[str, Any]], pad_id: int, batch_size: int,
                 precision: str, packing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards of every pair's chosen and rejected response, sharded over ranks, gathered in order;
+    """Scores of every pair's chosen and rejected response, sharded over ranks, gathered in order;
     `batch_size` pairs per forward, laid out as `pair_collator(model, pad_id, packing)` says.
 
     Returns two float32 tensors of shape (N,) on CPU, identical on every rank.

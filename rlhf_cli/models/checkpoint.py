@@ -2,7 +2,7 @@
 
     save_hf(model, tokenizer, out_dir, extra_config=None)   safetensors + config + tokenizer, atomically
     with_scoring_template(tokenizer, eos_set)                  a reward model's tokenizer: ends at EOS, pads right
-    read_reward_stats(path) -> (mean, std) | None            reward normalisation stored by train-rm
+    read_score_stats(path) -> (mean, std) | None               reward normalisation stored by train-rm
     is_scalar_model_dir(path) -> bool                          reward model / critic, or not
     require_scalar_model_dir(path, what)                       the same, as a one-line error
     model_architectures(path) -> list[str]                     what a local model path holds, without loading it
@@ -209,7 +209,7 @@ def require_scalar_model_dir(path: str | os.PathLike, what: str = "reward model"
     return resolve_hf_dir(str(path))
 
 
-def read_reward_stats(path: str | os.PathLike) -> tuple[float, float] | None:
+def read_score_stats(path: str | os.PathLike) -> tuple[float, float] | None:
     """(mean, std) of the reward model's scores stored by `save_hf(extra_config=...)`, else None."""
     config = _read_config(path) or {}
     if REWARD_MEAN_KEY in config and REWARD_STD_KEY in config:

@@ -8,15 +8,15 @@ model loads with plain `AutoModelForSequenceClassification.from_pretrained(dir)`
     scalar_skeleton(like, precision)                             its shapes only (meta device), for size estimates
     new_scalar_head(hidden, seed, like)                           a seeded float32-computing head `score`
     token_values(model, input_ids, attention_mask)                head output at every position (B, T)
-    sequence_rewards(model, input_ids, attention_mask)            head output at the last real token (B,)
-    rewards_at(model, input_ids, attention_mask, index, position_ids=None)   head output at given positions
+    sequence_scores(model, input_ids, attention_mask)             head output at the last real token (B,)
+    scores_at(model, input_ids, attention_mask, index, position_ids=None)    head output at given positions
     response_values(model, input_ids, attention_mask, response_start)   critic values (B, T_resp)
     trunk_hidden(model, input_ids, attention_mask)                last hidden states (B, T, H)
 
 Padding. Positions come from the attention mask, `(attention_mask.cumsum(-1) - 1).clamp(min=0)`,
 and the last real token is found from the mask, never from the pad id. So left and right padding
 give the same numbers, and a pad id equal to the EOS id (SmolLM2's tokenizer ships that way) cannot
-move the reward off the EOS. Our tokenizers use a pad distinct from EOS anyway (`fix_pad_token`),
+move the score off the EOS. Our tokenizers use a pad distinct from EOS anyway (`fix_pad_token`),
 which is what transformers' own pooling (rightmost token != pad id) needs to agree with us on
 right-padded input.
 
@@ -33,7 +33,7 @@ so values[:, t] = V(s_t), the state after the prompt and response tokens < t, an
 the log-prob of the action taken from that state.
 
 Precision. The head always computes in float32 (`Float32Head`), whatever `precision` says: under
-bf16 autocast or with bf16 weights a bf16 head output keeps 8 significant bits, so nearby rewards
+bf16 autocast or with bf16 weights a bf16 head output keeps 8 significant bits, so nearby scores
 collapse onto the bf16 grid (the demo reward model gave 68 distinct scores over 256 sequences, and
 tied pairs). The trunk keeps the run's precision.
 """
@@ -299,20 +299,20 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (positions * attention_mask.long()).argmax(-1)
 
 
-def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Reward of each sequence: the head output at its last real token (the EOS), (B,) float32.
+def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Score of each sequence: the head output at its last real token (the EOS), (B,) float32.
 
     The index comes from `attention_mask`, not from the pad id, so pad == eos cannot shift it.
     Equals `AutoModelForSequenceClassification(...)(input_ids, attention_mask).logits[:, 0]` on
     right-padded input whose pad id is not used inside the text. Differentiable.
     """
     last = last_token_index(attention_mask)  # (B,)
-    return rewards_at(model, input_ids, attention_mask, torch.stack([torch.arange(len(last), device=last.device),
-                                                                     last], -1))
+    return scores_at(model, input_ids, attention_mask, torch.stack([torch.arange(len(last), device=last.device),
+                                                                    last], -1))
 
 
-def rewards_at(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor,
-               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def scores_at(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Head outputs (N,) float32 read at N (row, column) positions `index` (N, 2) long of one trunk forward
     over `input_ids` (B, T); the mask and position ids as `trunk_hidden` takes them (2D, or a packed 4D mask
     with position ids). Differentiable."""
@@ -343,10 +343,10 @@ __all__ = [
     "load_scalar_model",
     "scalar_from_causal_lm",
     "token_values",
-    "sequence_rewards",
+    "sequence_scores",
     "response_values",
     "trunk_hidden",
     "last_token_index",
     "custom_mask_support",
-    "rewards_at",
+    "scores_at",
 ]

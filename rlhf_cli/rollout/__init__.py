@@ -9,7 +9,7 @@
     generation.py   the sampling-engine seam (`Generator`: prompt ids + one seed per prompt + `Sampling` ->
                     `Generation`), its HF engine (`HFGenerator`: per-row sampling inside HF `generate`), the
                     registry `GENERATORS` (`rollout.engine`), the cut at the first EOS, the rollout batch layout
-    rewards.py      `Rewards`: the run's reward, one source or a weighted sum (model, checker, function)
+    scores.py       `ScoreMixer`: the run's sequence score, one source or a weighted sum (model, checker, function)
     stats.py        whitening, explained variance and the rollout's KL statistics over all ranks
 
 It sits between the forwards (`forwards/`: log-probs, values, scores, packing) with the components below them
@@ -38,7 +38,7 @@ from rlhf_cli.rollout.generation import (
 from rlhf_cli.rollout.learner import Losses, PolicyLearner
 from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.plan import UpdatePlan, update_order
-from rlhf_cli.rollout.rewards import Rewards, call_on_every_rank
+from rlhf_cli.rollout.scores import ScoreMixer, call_on_every_rank
 from rlhf_cli.rollout.stats import (
     EngineDriftGuard,
     engine_stats,
@@ -60,8 +60,8 @@ __all__ = [
     "Losses",
     "PerRowSampler",
     "PolicyLearner",
-    "Rewards",
     "Sampling",
+    "ScoreMixer",
     "UpdatePlan",
     "call_on_every_rank",
     "engine_stats",

@@ -18,8 +18,8 @@ class Experience:
 
     input_ids: torch.Tensor  # (B, P+R) long, [left-padded prompt | right-padded response]
     attention_mask: torch.Tensor  # (B, P+R) long, 1 = real token
-    mask: torch.Tensor  # (B, R) float, 1 = real response token (EOS included) that enters the loss
-    logprobs: torch.Tensor  # (B, R) float32, old log π(a_t|s_t) at temperature, 0 on padding (see `plan`)
+    loss_mask: torch.Tensor  # (B, R) float, 1 = real response token (EOS included) that enters the loss
+    old_logprobs: torch.Tensor  # (B, R) float32, log π_old(a_t|s_t) at temperature, 0 on padding (see `plan`)
     ref_logprobs: torch.Tensor  # (B, R) float32, log π_ref(a_t|s_t) at temperature
     values: torch.Tensor  # (B, R) float32, old V(s_t)
     rewards: torch.Tensor  # (B, R) float32, −β·kl_t plus the score at the last real token
@@ -37,11 +37,11 @@ class Experience:
     it onto its micro-batch) and backpropagates through it once; none is left after the update."""
     plan: UpdatePlan | None = field(default=None, repr=False)
     """The iteration's update (`PolicyLearner.plan`): its micro-batch order and what the rollout folded into it.
-    `plan.on_policy`: `logprobs` are filled in by the update's own forward (zeros until then)."""
+    `plan.on_policy`: `old_logprobs` are filled in by the update's own forward (zeros until then)."""
     engine_logprobs: torch.Tensor | None = None
     """(B, R) float32: the sampling engine's own log-probs of the response tokens (after temperature, and top-p:
-    renormalised over the nucleus, as the trainer's `logprobs` are), 0 on padding; None when the engine gives
-    none (`rollout.engine=hf`). `stats.engine_stats` compares them with the trainer's `logprobs`."""
+    renormalised over the nucleus, as the trainer's `old_logprobs` are), 0 on padding; None when the engine gives
+    none (`rollout.engine=hf`). `stats.engine_stats` compares them with the trainer's `old_logprobs`."""
 
     def rows(self, idx: torch.Tensor) -> Experience:
         """The rows `idx` as an Experience of their own (a micro-batch); it keeps their packed layout, if known."""
@@ -63,4 +63,4 @@ class Experience:
 
     @property
     def prompt_len(self) -> int:
-        return self.input_ids.shape[1] - self.mask.shape[1]
+        return self.input_ids.shape[1] - self.loss_mask.shape[1]

@@ -100,7 +100,7 @@ class PolicyLearner:
         """The plan's order (`exp.plan.order`), micro-batch by micro-batch. Yields (micro-batch, the divisors of
         every micro-batch loss of its minibatch, over all ranks: its tokens in the loss (`ppo.aggregation=
         token-mean`) and its rows with at least one token in the loss (`seq-mean-token-mean`), its rows' indices in
-        `exp`). A row the loss masks out (`ppo.truncated=mask` without EOS: no token in `exp.mask`) counts in
+        `exp`). A row the loss masks out (`ppo.truncated=mask` without EOS: no token in `exp.loss_mask`) counts in
         neither divisor, as `core.masked_aggregate` counts a whole batch, so the micro-batches' losses sum to the
         loss of the minibatch in one call. A training forward the rollout ran for a micro-batch (`exp.forwards`)
         moves onto it (used once)."""
@@ -108,7 +108,7 @@ class PolicyLearner:
             raise ValueError("an Experience without its UpdatePlan (PolicyLearner.plan): the update has no order")
         for e, epoch in enumerate(exp.plan.order):
             for m, minibatch in enumerate(epoch):
-                in_loss = exp.mask[torch.cat(minibatch)]
+                in_loss = exp.loss_mask[torch.cat(minibatch)]
                 num_tokens, num_seqs = engine.all_reduce_sum(
                     torch.stack([in_loss.sum(), (in_loss.sum(1) > 0).sum().to(in_loss.dtype)])).tolist()
                 for rows in minibatch:
@@ -146,25 +146,26 @@ class PolicyLearner:
             lp, ent, v, _ = training_forward(self.actor, self.critic, b.input_ids, b.attention_mask, P,
                                              p.temperature, p.c2 != 0, packing, top_p=p.top_p)
         if num_seqs is None:
-            num_seqs = float((b.mask.sum(1) > 0).sum())
+            num_seqs = float((b.loss_mask.sum(1) > 0).sum())
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, aggregation=p.aggregation)
-        old = lp.detach() if b.plan.on_policy else b.logprobs
+        old = lp.detach() if b.plan.on_policy else b.old_logprobs
         r, weights = self.cfg.rollout, None
         if r.is_correction != "none" and b.engine_logprobs is not None:  # the engine correction's constant weights
-            weights, _, _ = engine_is_weights(old, b.engine_logprobs, b.mask, r.is_correction, r.is_low, r.is_high)
-        pg_loss, pg_stats = POLICY_LOSSES[p.policy_loss](lp, old, b.advantages, b.mask, p.clip, **agg,
+            weights, _, _ = engine_is_weights(old, b.engine_logprobs, b.loss_mask, r.is_correction, r.is_low,
+                                              r.is_high)
+        pg_loss, pg_stats = POLICY_LOSSES[p.policy_loss](lp, old, b.advantages, b.loss_mask, p.clip, **agg,
                                                          clip_high=p.clip_high, dual_clip=p.dual_clip,
                                                          weights=weights)
-        ent_bonus, ent_stats = entropy_bonus(None, b.mask, entropy=ent, **agg)
+        ent_bonus, ent_stats = entropy_bonus(None, b.loss_mask, entropy=ent, **agg)
         actor_loss = pg_loss - p.c2 * ent_bonus
         stats = {**pg_stats, **ent_stats}
         if p.kl_in == "loss":  # GRPO's β·D_KL term (Shao et al. 2024, eq. 3)
-            kl, kl_stats = kl_loss(lp, b.ref_logprobs, b.mask, p.kl_estimator, **agg)
+            kl, kl_stats = kl_loss(lp, b.ref_logprobs, b.loss_mask, p.kl_estimator, **agg)
             actor_loss = actor_loss + self.kl_ctl.value * kl
             stats.update(kl_stats)
         vf_loss = torch.zeros(())
         if shared or separate:
-            vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)
+            vf_loss, vf_stats = value_loss(v, b.values, b.returns, b.loss_mask, p.value_clip, **agg)
             if shared:
                 actor_loss = actor_loss + p.c1 * vf_loss
             stats.update(vf_stats)
@@ -198,7 +199,7 @@ class PolicyLearner:
     def train_on(self, exp: Experience, iteration: int) -> dict[str, float]:
         """The update on one rollout (`micro_batches` in its plan's order, `micro_step` each); returns its mean
         stats. With `exp.plan.on_policy`, the training forward's log-probs (detached, float32) are written into
-        `exp.logprobs`. `time/training` includes the seconds of the first micro-batches' forwards the rollout ran
+        `exp.old_logprobs`. `time/training` includes the seconds of the first micro-batches' forwards the rollout ran
         (`exp.forwards`)."""
         ws = engine.world_size()
         sums: dict[str, float] = {}
@@ -212,7 +213,7 @@ class PolicyLearner:
             tokens += float(b.attention_mask.sum())
             out = self.micro_step(b, num_tokens, num_seqs, iteration)
             if exp.plan.on_policy:
-                exp.logprobs[rows] = out.logprobs.float()
+                exp.old_logprobs[rows] = out.logprobs.float()
             # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
             for k, val in out.stats.items():
                 sums[k] = sums.get(k, 0.0) + val

@@ -49,7 +49,7 @@ from rlhf_cli.rollout.generation import (
     rollout_batch,
 )
 from rlhf_cli.rollout.plan import UpdatePlan
-from rlhf_cli.rollout.rewards import Rewards
+from rlhf_cli.rollout.scores import ScoreMixer
 from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl, whiten_across_ranks
 from rlhf_cli.seeds import derive_seed
 
@@ -62,7 +62,7 @@ class ExperienceMaker:
     cfg: the run config (`ppo.*`, `seed`, `data.seed`, `precision`, `scoring_precision`); prompts: the
     tokenized prompt rows; actor: the policy's `engine.TrainEngine` (carrying the value head when
     `ppo.critic=shared`); critic: a separate critic's engine or None (shared, or a critic-free estimator);
-    reference: an `engine.FrozenModel`; rewards: the run's `Rewards`; kl_ctl: the KL controller whose `value`
+    reference: an `engine.FrozenModel`; score_mixer: the run's `ScoreMixer`; kl_ctl: the KL controller whose `value`
     is β; score_precision: the precision of the scoring passes, as `engine.scoring_precision` resolved it;
     plan: the learner's `plan(iteration, groups) -> UpdatePlan` (`PolicyLearner.plan`), asked once per iteration:
     the rollout runs its passes over the update's micro-batches, folds what the plan says into them, and hands the
@@ -70,7 +70,7 @@ class ExperienceMaker:
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, prompts: Sequence[dict[str, Any]], actor: Any, reference: Any,
-                 critic: Any, rewards: Rewards, kl_ctl: Any, score_precision: str,
+                 critic: Any, score_mixer: ScoreMixer, kl_ctl: Any, score_precision: str,
                  plan: Callable[[int, torch.Tensor], UpdatePlan], workdir: Any = None) -> None:
         self.cfg, self.p = cfg, cfg.ppo
         self.tokenizer, self.prompts = tokenizer, prompts
@@ -79,7 +79,7 @@ class ExperienceMaker:
         """Every id that ends a response (`eos.eos_ids`): sampling stops at the first, the masks and `has_eos` read
         them all."""
         self.actor, self.reference, self.critic = actor, reference, critic
-        self.rewards, self.kl_ctl = rewards, kl_ctl
+        self.score_mixer, self.kl_ctl = score_mixer, kl_ctl
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
         self.engine_name, why = resolve_engine(cfg.rollout.engine, lm_of(actor.module).config)
@@ -112,21 +112,21 @@ class ExperienceMaker:
         """This rank's rows of an iteration's generation round: their prompts, sampling seeds and group ids.
 
         Prompts: round 0 (every iteration's, and the only one without `ppo.filter_groups`) takes a seeded walk
-        through epochs of shuffled prompts (the same on every rank), `ppo.rollout_batch_size` (R) per iteration; an
-        extra round r >= 1 of `ppo.filter_groups` takes R prompts of its own seeded permutation of all prompts,
-        (data.seed, seed, iteration, r), those of round 0 last (so they repeat only when fewer than 2R prompts
-        exist); the walk is not advanced. Each prompt is repeated `ppo.n_samples_per_prompt` (n) times in a row; a
-        rank takes whole groups. The round's k-th prompt is the iteration's (r·R + k)-th: its group id, and the
-        seed of its sample j is one per (run seed, iteration, (r·R + k)·n + j), so every sample has its own stream
+        through epochs of shuffled prompts (the same on every rank), `ppo.rollout_batch_size` (M) per iteration; an
+        extra round r >= 1 of `ppo.filter_groups` takes M prompts of its own seeded permutation of all prompts,
+        (data.seed, seed, iteration, r), those of round 0 last (so they repeat only when fewer than 2M prompts
+        exist); the walk is not advanced. Each prompt is repeated `ppo.n_samples_per_prompt` (G) times in a row; a
+        rank takes whole groups. The round's k-th prompt is the iteration's (r·M + k)-th: its group id, and the
+        seed of its sample j is one per (run seed, iteration, (r·M + k)·G + j), so every sample has its own stream
         and a response is the same whatever the world size.
         """
-        R, G = self.p.rollout_batch_size, self.p.n_samples_per_prompt
+        M, G = self.p.rollout_batch_size, self.p.n_samples_per_prompt
         idx = self._walk(iteration)
         if round_ > 0:
             first = set(idx)
             perm = epoch_order(len(self.prompts), (self.cfg.data.seed, self.cfg.seed, iteration), round_)
-            idx = ([i for i in perm if i not in first] + [i for i in perm if i in first])[:R]
-        per_rank, offset = R // engine.world_size(), round_ * R
+            idx = ([i for i in perm if i not in first] + [i for i in perm if i in first])[:M]
+        per_rank, offset = M // engine.world_size(), round_ * M
         ks = range(engine.rank() * per_rank, (engine.rank() + 1) * per_rank)
         prompts = [self.prompts[idx[k]] for k in ks for _ in range(G)]
         seeds = [derive_seed(self.cfg.seed, iteration, (offset + k) * G + j) for k in ks for j in range(G)]
@@ -134,11 +134,12 @@ class ExperienceMaker:
         return prompts, seeds, groups
 
     def _walk(self, iteration: int) -> list[int]:
-        """The prompt indices of an iteration's round 0: positions iteration·R ... (iteration + 1)·R − 1 of the
-        walk through epochs of shuffled prompts (`data.epoch_order` seeded by (data.seed, seed, epoch))."""
-        n, R = len(self.prompts), self.p.rollout_batch_size
+        """The prompt indices of an iteration's round 0: positions iteration·M ... (iteration + 1)·M − 1 of the
+        walk through epochs of shuffled prompts (`data.epoch_order` seeded by (data.seed, seed, epoch)), M =
+        `ppo.rollout_batch_size`."""
+        n, M = len(self.prompts), self.p.rollout_batch_size
         idx = []
-        for k in range(iteration * R, (iteration + 1) * R):
+        for k in range(iteration * M, (iteration + 1) * M):
             epoch, pos = divmod(k, n)
             if epoch != self._order_epoch:
                 self._order, self._order_epoch = epoch_order(n, (self.cfg.data.seed, self.cfg.seed), epoch), epoch
@@ -172,7 +173,7 @@ class ExperienceMaker:
     def rollout_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                        plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                   dict[tuple[int, ...], PackedRollout], dict[tuple[int, ...], Forward]]:
-        """The rollout's passes over every row, as training computes them: (old logprobs (B, R), ref logprobs
+        """The rollout's passes over every row, as training computes them: (old_logprobs (B, R), ref_logprobs
         (B, R), old values (B, R) or None without a critic, packed layouts, training forwards), float32.
 
         Packed (`plan.packed`) they run over the update's own first-epoch micro-batches, each chunk's layout built
@@ -186,7 +187,7 @@ class ExperienceMaker:
                   else [torch.arange(i, min(i + mb, B)) for i in range(0, B, mb)])
         carry = plan.carry  # 0 unless packed (`plan.fold_settings`)
         dev = input_ids.device
-        out = {"logprobs": torch.zeros(B, R, device=dev), "ref_logprobs": torch.zeros(B, R, device=dev),
+        out = {"old_logprobs": torch.zeros(B, R, device=dev), "ref_logprobs": torch.zeros(B, R, device=dev),
                "values": torch.zeros(B, R, device=dev)}
         layouts: dict[tuple[int, ...], PackedRollout] = {}
         forwards: dict[tuple[int, ...], Forward] = {}
@@ -199,13 +200,13 @@ class ExperienceMaker:
                 fwd = self._chunk_passes(input_ids[rows], attention_mask[rows], P, reference, packing,
                                          on_policy=plan.on_policy, train=i >= len(chunks) - carry)
                 out["ref_logprobs"][rows] = fwd.ref_logprobs
-                if fwd.logprobs is not None:
-                    out["logprobs"][rows] = fwd.logprobs
+                if fwd.old_logprobs is not None:
+                    out["old_logprobs"][rows] = fwd.old_logprobs
                 if fwd.values is not None:
                     out["values"][rows], has_values = fwd.values.float(), True
                 if fwd.training is not None:
                     forwards[key] = fwd.training
-        return out["logprobs"], out["ref_logprobs"], out["values"] if has_values else None, layouts, forwards
+        return out["old_logprobs"], out["ref_logprobs"], out["values"] if has_values else None, layouts, forwards
 
     def _layout(self, ids: torch.Tensor, am: torch.Tensor, P: int, packed: bool, key: tuple[int, ...],
                 layouts: dict[tuple[int, ...], PackedRollout]) -> bool | PackedRollout:
@@ -277,19 +278,19 @@ class ExperienceMaker:
     def sample(self, prompts: list[dict[str, Any]], seeds: Sequence[int], groups: torch.Tensor,
                push: bool = True) -> _Round:
         """One generation round: sample (`generate`; `push=False` in an iteration's later rounds), score
-        (`rewards`), then the score rules that act per row: `ppo.truncated=penalize`'s missing-EOS penalty and the
+        (`score_mixer`), then the score rules that act per row: `ppo.truncated=penalize`'s missing-EOS penalty and the
         overlong shaping (`core.overlong_penalty`). Which rows count in a group baseline (`valid`): those that
         ended with EOS under `ppo.truncated=mask`, else all."""
         p = self.p
         t0 = time.perf_counter()
         input_ids, attention_mask, P, has_eos, engine_logprobs = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
-        raw, score, source_means = self.rewards(input_ids, attention_mask, P, prompts)
+        raw, score, source_means = self.score_mixer(input_ids, attention_mask, P, prompts)
         t2 = _clock(input_ids.device)
-        mask = attention_mask[:, P:].float()
+        response_mask = attention_mask[:, P:].float()
         if p.truncated == "penalize":
             score = score - p.missing_eos_penalty * (~has_eos).float()
-        overlong = overlong_penalty(mask.sum(1), p.max_new_tokens, p.overlong_buffer, p.overlong_penalty)
+        overlong = overlong_penalty(response_mask.sum(1), p.max_new_tokens, p.overlong_buffer, p.overlong_penalty)
         score = score + overlong.to(score.dtype)  # DAPO's soft overlong punishment; 0 with ppo.overlong_buffer=0
         valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
         return _Round(prompts, groups.to(score.device), input_ids, attention_mask, P, has_eos, engine_logprobs, raw,
@@ -390,18 +391,19 @@ class ExperienceMaker:
         t1 = time.perf_counter()
         self.pass_seconds = {"reward": reward_seconds, "reference": 0.0, "policy": 0.0, "critic": 0.0,
                              "packing": 0.0}
-        mask = attention_mask[:, P:].float()
+        response_mask = attention_mask[:, P:].float()
         plan = self.plan(iteration, groups)  # the update's, computed once: the passes run over its micro-batches
-        logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(input_ids, attention_mask, P, plan)
+        old_logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(input_ids, attention_mask, P,
+                                                                                    plan)
         t2 = time.perf_counter()
         carried_seconds = sum(fwd.seconds for fwd in forwards.values())
-        loss_mask = mask * batch.valid.float()[:, None]
+        loss_mask = response_mask * batch.valid.float()[:, None]
         beta = self.kl_ctl.value
-        rewards, advantages, returns = self.shape(batch.score, logprobs, ref_logprobs, values, mask, loss_mask,
-                                                  batch.valid, groups, beta)
-        exp = Experience(input_ids, attention_mask, loss_mask, logprobs, ref_logprobs,
-                         values if values is not None else torch.zeros_like(logprobs), rewards, advantages, returns,
-                         batch.score, groups, layouts, forwards, plan, batch.engine_logprobs)
+        rewards, advantages, returns = self.shape(batch.score, old_logprobs, ref_logprobs, values, response_mask,
+                                                  loss_mask, batch.valid, groups, beta)
+        exp = Experience(input_ids, attention_mask, loss_mask, old_logprobs, ref_logprobs,
+                         values if values is not None else torch.zeros_like(old_logprobs), rewards, advantages,
+                         returns, batch.score, groups, layouts, forwards, plan, batch.engine_logprobs)
         stats = {
             **self.advantage_stats(advantages, loss_mask, iteration),
             "time/scoring": reward_seconds + t2 - t1 - carried_seconds,  # the carried forwards count in time/training
@@ -409,7 +411,7 @@ class ExperienceMaker:
             **self.kl_fp32_check(exp),  # the rollout's other KL statistics come after the update (`kl_stats`)
         }
         if values is not None:
-            stats["val/values_mean"] = ((values * mask).sum() / mask.sum().clamp(min=1)).item()
+            stats["val/values_mean"] = ((values * response_mask).sum() / response_mask.sum().clamp(min=1)).item()
             stats["val/explained_var"] = explained_variance_across_ranks(values, returns, loss_mask)
         return exp, stats
 
@@ -424,21 +426,22 @@ class ExperienceMaker:
         return {"advantages/mean": (adv_sums[0] / adv_sums[2].clamp(min=1)).item(),
                 "advantages/abs_mean": (adv_sums[1] / adv_sums[2].clamp(min=1)).item()}
 
-    def shape(self, score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-              values: torch.Tensor | None, mask: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
+    def shape(self, score: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+              values: torch.Tensor | None, response_mask: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
               groups: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token rewards (B, R) float32: −β·kl_t plus the score (B,) at the last real token with
         `ppo.kl_in=reward`, the score alone with `loss` (β·KL is then a loss term); then (advantages, returns)
         (B, R) by `ppo.advantage_estimator`, the advantages whitened over `loss_mask`'s tokens of all ranks when
-        `ppo.whiten_advantages` (or the estimator's default) says so. mask: (B, R) response mask; valid: (B,) bool,
-        rows that count in a group baseline; groups: (B,) long group ids."""
+        `ppo.whiten_advantages` (or the estimator's default) says so. old_logprobs, ref_logprobs: (B, R) float32;
+        response_mask: (B, R), 1 = real response token (EOS included); loss_mask: (B, R), its tokens that enter the
+        loss; valid: (B,) bool, rows that count in a group baseline; groups: (B,) long group ids."""
         p = self.p
         if p.kl_in == "reward":
-            rewards = kl_penalized_rewards(score, logprobs, ref_logprobs, mask, beta, p.kl_estimator)
+            rewards = kl_penalized_rewards(score, old_logprobs, ref_logprobs, response_mask, beta, p.kl_estimator)
         else:  # β·KL is a loss term (PolicyLearner.losses): the reward is the score alone
-            rewards = add_at_last_token(torch.zeros_like(logprobs), mask, score)
-        advantages, returns = self.estimator(rewards, mask, scores=score, groups=groups, valid=valid, values=values,
-                                             gamma=p.gamma, lam=p.lam)
+            rewards = add_at_last_token(torch.zeros_like(old_logprobs), response_mask, score)
+        advantages, returns = self.estimator(rewards, response_mask, scores=score, groups=groups, valid=valid,
+                                             values=values, gamma=p.gamma, lam=p.lam)
         if self.whiten:
             advantages = whiten_across_ranks(advantages, loss_mask)
         return rewards, advantages, returns
@@ -491,7 +494,7 @@ class _ChunkPasses(NamedTuple):
     is on-policy), old values (None without a critic) and, for a carried micro-batch, its training forward."""
 
     ref_logprobs: torch.Tensor
-    logprobs: torch.Tensor | None
+    old_logprobs: torch.Tensor | None
     values: torch.Tensor | None
     training: Forward | None
 

@@ -111,7 +111,7 @@ class UpdatePlan:
     """The rollout's passes run over the first epoch's micro-batches, packed (`packs_rollout_passes`)."""
     on_policy: bool
     """The old log-probs are the update's own training forward's (`fold_settings`): the rollout runs no policy
-    pass, and the update writes them into `Experience.logprobs`."""
+    pass, and the update writes them into `Experience.old_logprobs`."""
     carry: int
     """How many of the first epoch's first micro-batches' training forwards the rollout runs (`fold_settings`)."""
 

@@ -57,9 +57,9 @@ def explained_variance_across_ranks(values: torch.Tensor, returns: torch.Tensor,
 
 def response_kl(exp: Experience) -> torch.Tensor:
     """(B,) float32: the k1 KL of each rollout row to the reference, summed over its response tokens (nats per
-    sequence), from `exp.logprobs` and `exp.ref_logprobs` (Schulman 2020's k1 = log π − log π_ref)."""
-    mask = exp.attention_mask[:, exp.prompt_len:].float()
-    return (kl_estimate(exp.logprobs, exp.ref_logprobs, "k1") * mask).sum(1)
+    sequence), from `exp.old_logprobs` and `exp.ref_logprobs` (Schulman 2020's k1 = log π − log π_ref)."""
+    response_mask = exp.attention_mask[:, exp.prompt_len:].float()
+    return (kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") * response_mask).sum(1)
 
 
 def kl_stats(exp: Experience, beta: float) -> dict[str, float]:
@@ -67,27 +67,28 @@ def kl_stats(exp: Experience, beta: float) -> dict[str, float]:
     `objective/rlhf_reward` (score − β·KL, β = `beta`) and `objective/entropy_sampled` (−Σ log π of the sampled
     tokens, nats/seq). Run after the update in every case: an on-policy plan's old log-probs come from it
     (`UpdatePlan.on_policy`); otherwise the update leaves them as the rollout computed them."""
-    mask = exp.attention_mask[:, exp.prompt_len:].float()
+    response_mask = exp.attention_mask[:, exp.prompt_len:].float()
     kl_seq = response_kl(exp)
+    k3 = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k3")
     return engine.reduce_stats({
         "objective/kl": kl_seq.mean().item(),
-        "objective/kl_k3": (kl_estimate(exp.logprobs, exp.ref_logprobs, "k3") * mask).sum(1).mean().item(),
+        "objective/kl_k3": (k3 * response_mask).sum(1).mean().item(),
         "objective/rlhf_reward": (exp.scores - beta * kl_seq).mean().item(),
-        "objective/entropy_sampled": (-(exp.logprobs * mask).sum(1)).mean().item(),
+        "objective/entropy_sampled": (-(exp.old_logprobs * response_mask).sum(1)).mean().item(),
     })
 
 
 def engine_stats(exp: Experience) -> dict[str, float]:
     """How far the sampling engine's log-probs are from the trainer's, over all ranks' response tokens:
     `rollout/engine_logprob_diff_mean` and `rollout/engine_logprob_diff_max`, |engine − trainer| in nats per token
-    (`Experience.engine_logprobs` against `Experience.logprobs`, both after temperature). {} when the engine gives
+    (`Experience.engine_logprobs` against `Experience.old_logprobs`, both after temperature). {} when the engine gives
     no log-probs (`rollout.engine=hf`). Run after the update (an on-policy plan's old log-probs come from it).
     A stale engine (weights not pushed) shows here as a diff that grows with every update."""
     if exp.engine_logprobs is None:
         return {}
-    mask = exp.attention_mask[:, exp.prompt_len:].float()
-    diff = (exp.engine_logprobs - exp.logprobs).abs() * mask
-    sums = engine.all_reduce_sum(torch.stack([diff.sum(), mask.sum()]))
+    response_mask = exp.attention_mask[:, exp.prompt_len:].float()
+    diff = (exp.engine_logprobs - exp.old_logprobs).abs() * response_mask
+    sums = engine.all_reduce_sum(torch.stack([diff.sum(), response_mask.sum()]))
     top = max(engine.all_gather_object(float(diff.max()) if diff.numel() else 0.0))
     return {"rollout/engine_logprob_diff_mean": (sums[0] / sums[1].clamp(min=1)).item(),
             "rollout/engine_logprob_diff_max": top}
@@ -102,8 +103,8 @@ def is_correction_stats(exp: Experience, mode: str, low: float | None, high: flo
     it): the weights the update used are these."""
     if mode == "none" or exp.engine_logprobs is None:
         return {}
-    _, ratio, hit = engine_is_weights(exp.logprobs, exp.engine_logprobs, exp.mask, mode, low, high)
-    m = exp.mask.bool()
+    _, ratio, hit = engine_is_weights(exp.old_logprobs, exp.engine_logprobs, exp.loss_mask, mode, low, high)
+    m = exp.loss_mask.bool()
     if mode == "seq_mask":  # one value per sequence with a token in the loss (each of its tokens holds it)
         rows = m.any(1)
         values = ((ratio * m).sum(1) / m.sum(1).clamp(min=1))[rows]

@@ -27,7 +27,7 @@ from rlhf_cli.config import ConfigError, ModelConfig
 from rlhf_cli.core import policy_eval_stats, proportion_ci95, sample_std, small_sample_warning
 from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
 from rlhf_cli.eos import eos_ids
-from rlhf_cli.forwards import batched_rewards, pair_metrics, score_pairs, sequence_kl
+from rlhf_cli.forwards import batched_scores, pair_metrics, score_pairs, sequence_kl
 from rlhf_cli.lifecycle import command_line_keys, prepare_run_dir, seed_everything, write_config
 from rlhf_cli.models import (
     is_scalar_model_dir,
@@ -36,7 +36,7 @@ from rlhf_cli.models import (
     load_scalar_model,
     load_tokenizer,
     lora_enabled,
-    read_reward_stats,
+    read_score_stats,
     require_scalar_model_dir,
     resolve_hf_dir,
 )
@@ -131,9 +131,9 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     sampled = sample_both(cfg, models, [x["prompt_ids"] for x in mine], tokenizer.pad_token_id, run_dir)
     scores = {}
     if models["reward_model"] is not None:  # both sides in one pass: a prompt's two samples share its computation
-        scores = side_by_side_rewards(models["reward_model"], sampled["policy"][:3], sampled["reference"][:3],
-                                      tokenizer.pad_token_id, e.batch_size, models["score_precision"],
-                                      cfg.data.packing, models["eos"])
+        scores = side_by_side_scores(models["reward_model"], sampled["policy"][:3], sampled["reference"][:3],
+                                     tokenizer.pad_token_id, e.batch_size, models["score_precision"],
+                                     cfg.data.packing, models["eos"])
     rows = [side_values(cfg, models, tokenizer, mine, who, sampled[who], scores.get(who))
             for who in ("policy", "reference")]
     pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
@@ -141,7 +141,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     pol = _merge([g[0] for g in gathered])
     ref = _merge([g[1] for g in gathered])
     prompt_texts = [t for g in gathered for t in g[2]]
-    # one sequence, one score: a response both models sampled is a tie (`batched_rewards` scores it once)
+    # one sequence, one score: a response both models sampled is a tie (`batched_scores` scores it once)
     results: dict[str, Any] = {
         "mode": "policy", "policy": str(Path(src["policy_dir"]).resolve()), "reference": str(src["ref_path"]),
         "reward_model": str(src["rm_path"]) if src["rm_path"] else None, "prompts": len(prompt_texts),
@@ -205,7 +205,7 @@ def eval_prompts(cfg: Any, tokenizer: Any, run_dir: Path, src: dict[str, Any]) -
 def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     """The models of a policy eval, on the device in eval mode: `policy`, `reference` (its recorded seed),
     `reward_model` (None without one, or unless `reward.type=model`) with `rm_stats` (its stored held-out
-    (mean, std), `models.read_reward_stats`), `function` (`reward.function`, or None), `score_precision` (the KL
+    (mean, std), `models.read_score_stats`), `function` (`reward.function`, or None), `score_precision` (the KL
     and reward passes) and `eos` (the policy's EOS set, which ends both sides' responses)."""
     policy = load_causal_lm(_model_cfg(src["policy_dir"], cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)
     ref_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), src["ref_spec"])
@@ -219,7 +219,7 @@ def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str,
         rm_dir = require_scalar_model_dir(src["rm_path"], "reward model")
         check_same_tokenizer(tokenizer, rm_dir, "reward model")
         reward_model = load_scalar_model(rm_dir, cfg.precision, cfg.seed)
-        rm_stats = read_reward_stats(rm_dir)  # (mean, std) of its held-out scores, stored by train-rm
+        rm_stats = read_score_stats(rm_dir)  # (mean, std) of its held-out scores, stored by train-rm
     dev = engine.device()
     policy.to(dev).eval()
     reference.to(dev).eval()
@@ -307,29 +307,29 @@ def write_responses(run_dir: Path, pol: dict[str, Any], ref: dict[str, Any], pro
     return [dict(zip(keys, s)) for s in samples]
 
 
-def side_by_side_rewards(model: Any, policy: tuple[torch.Tensor, torch.Tensor, int],
-                         reference: tuple[torch.Tensor, torch.Tensor, int], pad_id: int, batch_size: int,
-                         precision: str, packing: bool, eos: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+def side_by_side_scores(model: Any, policy: tuple[torch.Tensor, torch.Tensor, int],
+                        reference: tuple[torch.Tensor, torch.Tensor, int], pad_id: int, batch_size: int,
+                        precision: str, packing: bool, eos: Sequence[int] = ()) -> dict[str, torch.Tensor]:
     """Reward-model scores {"policy": (N,), "reference": (N,)} float32 on the CPU of both models' samples of the
-    same N prompts, a prompt's two samples in the same forward (`batched_rewards` over rows interleaved policy i,
+    same N prompts, a prompt's two samples in the same forward (`batched_scores` over rows interleaved policy i,
     reference i, `batch_size` // 2 prompts, at least 1, per forward): packed (`data.packing`), a prompt and the
     first tokens its two samples share are computed once, and a sequence both models sampled is scored once (an
     exact tie).
 
     policy, reference: (input_ids (N, P+R), attention_mask (N, P+R), P) as `rollout_batch` returns them, the
     same prompts in the same order (R may differ: the narrower side is right-padded). `eos`: the EOS set, a
-    response's closing id read as its first (`batched_rewards`)."""
+    response's closing id read as its first (`batched_scores`)."""
     (a_ids, a_am, P), (b_ids, b_am, Pb) = policy, reference
     if P != Pb or a_ids.shape[0] != b_ids.shape[0]:
-        raise ValueError(f"side_by_side_rewards: prompts differ ({a_ids.shape[0]} rows, P={P} against "
+        raise ValueError(f"side_by_side_scores: prompts differ ({a_ids.shape[0]} rows, P={P} against "
                          f"{b_ids.shape[0]} rows, P={Pb})")
     width = max(a_ids.shape[1], b_ids.shape[1])
     widen = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
     ids = torch.stack([widen(a_ids, pad_id), widen(b_ids, pad_id)], 1).flatten(0, 1)
     am = torch.stack([widen(a_am, 0), widen(b_am, 0)], 1).flatten(0, 1)
     k = 2 * max(batch_size // 2, 1)  # rows of whole prompts per forward
-    scores = torch.cat([batched_rewards(model, ids[i:i + k], am[i:i + k], k, precision, P, packing, eos).cpu()
-                        for i in range(0, ids.shape[0], k)])
+    scores = torch.cat([batched_scores(model, ids[i:i + k], am[i:i + k], k, precision, P, packing, eos).cpu()
+                       for i in range(0, ids.shape[0], k)])
     return {"policy": scores[0::2], "reference": scores[1::2]}
 
 

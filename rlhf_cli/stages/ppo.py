@@ -51,7 +51,7 @@ from rlhf_cli.models import (
     load_tokenizer,
     lora_enabled,
     planned_trained_models,
-    read_reward_stats,
+    read_score_stats,
     save_policy,
 )
 from rlhf_cli.preflight import resolve_reward_model
@@ -59,7 +59,7 @@ from rlhf_cli.rollout import (
     EngineDriftGuard,
     ExperienceMaker,
     PolicyLearner,
-    Rewards,
+    ScoreMixer,
     describe_engine,
     engine_stats,
     is_correction_stats,
@@ -102,7 +102,7 @@ class PPOTrainer(PolicyLearner):
         # build_models
         self.rm_path: str | None = None
         self.reward_model: engine.FrozenModel | FrozenWithoutAdapters | None = None
-        self.reward_stats: tuple[float, float] | None = None  # the RM's held-out (mean, std)
+        self.score_stats: tuple[float, float] | None = None  # the RM's held-out (mean, std)
         self.reference: engine.FrozenModel | FrozenWithoutAdapters | None = None
         self.reference_spec: dict[str, Any] = {}  # how eval rebuilds the reference
         self.actor: engine.TrainEngine | None = None  # the policy (with the value head when ppo.critic=shared)
@@ -181,15 +181,16 @@ class PPOTrainer(PolicyLearner):
         self.build_engines(policy, reference, shared_rm_critic)
         self.kl_ctl = (FixedKLController(p.kl_beta) if p.kl_target is None
                        else AdaptiveKLController(p.kl_beta, p.kl_target, p.kl_horizon))
-        rewards = Rewards(cfg, self.tokenizer, self.reward_model, self.reward_stats, p.micro_batch_size,
-                          self.score_precision, normalize=p.normalize_reward,
-                          eos_ids=eos_ids(self.tokenizer, policy.generation_config))
+        score_mixer = ScoreMixer(cfg, self.tokenizer, self.reward_model, self.score_stats, p.micro_batch_size,
+                                 self.score_precision, normalize=p.normalize_reward,
+                                 eos_ids=eos_ids(self.tokenizer, policy.generation_config))
         self.settle_folds(self.reference)  # what the rollout folds into the update, from the engines as built
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
-                                     rewards, self.kl_ctl, self.score_precision, plan=self.plan, workdir=self.run_dir)
+                                     score_mixer, self.kl_ctl, self.score_precision, plan=self.plan,
+                                     workdir=self.run_dir)
 
     def build_reward_model(self, lora: bool) -> Any:
-        """The frozen reward model of the run (`rm_path`, `reward_model`, `reward_stats`; none unless a reward
+        """The frozen reward model of the run (`rm_path`, `reward_model`, `score_stats`; none unless a reward
         source is `model`). A LoRA critic grown from the reward model (`ppo.critic=separate`,
         `ppo.critic_init=reward_model`, below ZeRO-3) shares its weights: the reward model is that critic with its
         adapters off, so its weights are held once; returns that critic's model, else None."""
@@ -211,7 +212,7 @@ class PPOTrainer(PolicyLearner):
                             "off (ppo.critic_init=reward_model), trained on the device, so it is not offloaded")
         else:
             self.reward_model = engine.FrozenModel(rm, self.score_precision, offload=p.offload_reference)
-        self.reward_stats = read_reward_stats(self.rm_path)
+        self.score_stats = read_score_stats(self.rm_path)
         return shared_rm_critic
 
     def build_engines(self, policy: Any, reference: Any, shared_rm_critic: Any) -> None:
@@ -348,7 +349,7 @@ def start_table(tr: PPOTrainer) -> None:
         **start_rows(tr, tr.maker.engine_name),
         "reference": ("the policy with its LoRA adapters off" if isinstance(tr.reference, FrozenWithoutAdapters)
                       else cfg.reference.path or cfg.model.name),
-        "reward normalisation": tr.reward_stats if p.normalize_reward else None,
+        "reward normalisation": tr.score_stats if p.normalize_reward else None,
         "policy loss": (f"{p.policy_loss}, {p.aggregation}"
                         + (f", ε_high {p.clip_high}" if p.clip_high is not None else "")
                         + (f", dual clip {p.dual_clip}" if p.dual_clip is not None else "")),

@@ -65,9 +65,9 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     evaluate = partial(heldout_metrics, eng, data.eval, tokenizer.pad_token_id, cfg) if data.eval else None
     step = supervised_loop(eng, cfg, cfg.rm, data.train, step, total_steps, ckpts, metrics, COMMAND,
                            PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
-    final_stats, reward_stats = final_eval(eng, data.eval, tokenizer.pad_token_id, cfg, run_dir, metrics, step)
+    final_stats, score_stats = final_eval(eng, data.eval, tokenizer.pad_token_id, cfg, run_dir, metrics, step)
     save(cfg, run_dir, eng, ckpts, metrics, step, with_scoring_template(tokenizer, eos), eos, final_stats,
-         reward_stats)
+         score_stats)
     return final_stats.get("rm/accuracy")
 
 
@@ -150,19 +150,19 @@ def final_eval(eng: engine.TrainEngine, heldout: Any, pad_id: int, cfg: Any, run
     chosen, rejected = heldout_scores(eng, heldout, pad_id, cfg)
     final_stats = pair_metrics(chosen, rejected)
     both = torch.cat([chosen, rejected])
-    reward_stats = float(both.mean()), sample_std(both.tolist()) if both.numel() > 1 else 1.0
+    score_stats = float(both.mean()), sample_std(both.tolist()) if both.numel() > 1 else 1.0
     metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
     if engine.is_main():
         atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
-    return final_stats, reward_stats
+    return final_stats, score_stats
 
 
 def save(cfg: Any, run_dir: Path, eng: engine.TrainEngine, ckpts: Checkpoints, metrics: MetricsLogger, step: int,
          tokenizer: Any, eos: tuple[int, ...], final_stats: dict[str, float],
-         reward_stats: tuple[float, float] | None) -> None:
-    """`final/` (`common.supervised_save`) with the reward statistics train-ppo reads (`rlhf_reward_mean`,
+         score_stats: tuple[float, float] | None) -> None:
+    """`final/` (`common.supervised_save`) with the held-out score statistics train-ppo reads (`rlhf_reward_mean`,
     `rlhf_reward_std`; none without held-out pairs), the EOS set, the held-out accuracy, and `rlhf_eval.json`."""
-    reward_mean, reward_std = reward_stats if reward_stats is not None else (None, None)
+    reward_mean, reward_std = score_stats if score_stats is not None else (None, None)
     stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
     supervised_save(
         cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer,

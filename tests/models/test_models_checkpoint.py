@@ -11,10 +11,10 @@ from rlhf_cli.models import (
     is_scalar_model_dir,
     load_causal_lm,
     load_scalar_model,
-    read_reward_stats,
+    read_score_stats,
     require_scalar_model_dir,
     save_hf,
-    sequence_rewards,
+    sequence_scores,
 )
 
 
@@ -42,7 +42,7 @@ def test_policy_reloads_with_auto_causal_lm(saved, tiny_causal, tokenizer, chat_
     tok = AutoTokenizer.from_pretrained(d)
     assert (tok.pad_token, tok.pad_token_id, tok.eos_token_id) == ("<|endoftext|>", 0, 2)
     assert tok.chat_template == tokenizer.chat_template is not None
-    assert not is_scalar_model_dir(d) and read_reward_stats(d) is None
+    assert not is_scalar_model_dir(d) and read_score_stats(d) is None
 
 
 def test_reward_model_reloads_with_auto_sequence_classification(saved, tiny_scalar, tokenizer, chat_rows, pad_batch):
@@ -54,12 +54,12 @@ def test_reward_model_reloads_with_auto_sequence_classification(saved, tiny_scal
     ids, mask = pad_batch(chat_rows, tokenizer.pad_token_id, "right")
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask).logits[:, 0]
-        ours = sequence_rewards(tiny_scalar, ids, mask)
-        ours_left = sequence_rewards(model, *pad_batch(chat_rows, tokenizer.pad_token_id, "left"))
+        ours = sequence_scores(tiny_scalar, ids, mask)
+        ours_left = sequence_scores(model, *pad_batch(chat_rows, tokenizer.pad_token_id, "left"))
     torch.testing.assert_close(plain, ours, atol=1e-6, rtol=0)
     torch.testing.assert_close(ours_left, ours, atol=1e-5, rtol=0)
-    assert read_reward_stats(d) == (0.25, 1.5)
-    assert read_reward_stats(saved / "rm") == (0.25, 1.5)  # run dir -> final/
+    assert read_score_stats(d) == (0.25, 1.5)
+    assert read_score_stats(saved / "rm") == (0.25, 1.5)  # run dir -> final/
     assert "rlhf_reward_mean" not in tiny_scalar.config.to_dict()  # the live config is untouched
 
 

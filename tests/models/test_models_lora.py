@@ -18,7 +18,7 @@ from rlhf_cli.models import (
     load_scalar_model,
     merged_state_dict,
     save_adapter,
-    sequence_rewards,
+    sequence_scores,
     without_adapters,
 )
 
@@ -49,7 +49,7 @@ def test_only_adapters_and_named_heads_train_and_a_new_adapter_changes_nothing(t
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n or n.startswith("score.modules_to_save.") for n in trained)
     assert sum("lora_A" in n for n in trained) == 2 * 7  # 2 blocks × q k v o gate up down
-    torch.testing.assert_close(sequence_rewards(model, *ids), sequence_rewards(plain, *ids), rtol=0, atol=0)
+    torch.testing.assert_close(sequence_scores(model, *ids), sequence_scores(plain, *ids), rtol=0, atol=0)
 
 
 def test_merged_state_dict_equals_peft_merge_and_loads_into_the_plain_class(tiny_model_cfg, ids, tmp_path):
@@ -60,7 +60,7 @@ def test_merged_state_dict_equals_peft_merge_and_loads_into_the_plain_class(tiny
     model = randomise_adapters(add_lora(copy.deepcopy(plain), lora(), heads=("score",)).eval())
     merged = merged_state_dict(model, model.state_dict())
     assert set(merged) == set(plain.state_dict())
-    want = sequence_rewards(model, *ids)
+    want = sequence_scores(model, *ids)
 
     # peft's own merge of the same adapter gives the same weights
     config = LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear", modules_to_save=["score"])
@@ -73,7 +73,7 @@ def test_merged_state_dict_equals_peft_merge_and_loads_into_the_plain_class(tiny
     # a plain transformers model with the merged weights scores as the LoRA model does (fp32 tolerance)
     plain.save_pretrained(tmp_path / "m", state_dict=merged)
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "m").eval()
-    torch.testing.assert_close(sequence_rewards(loaded, *ids), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sequence_scores(loaded, *ids), want, rtol=0, atol=1e-5)
 
 
 def test_bf16_merge_adds_the_delta_in_fp32_and_rounds_once(tiny_model_cfg):
@@ -94,7 +94,7 @@ def test_the_head_computes_in_float32_after_peft_copies_it(tiny_model_cfg, ids):
     model = add_lora(load_scalar_model(tiny_model_cfg, "bf16", seed=0), lora(), heads=("score",))
     head = model.score.modules_to_save["default"]
     assert isinstance(head, Float32Head) and head.weight.requires_grad
-    rewards = sequence_rewards(model, *ids)
+    rewards = sequence_scores(model, *ids)
     assert rewards.dtype == torch.float32
     assert not torch.equal(rewards, rewards.to(torch.bfloat16).float())  # not on the bf16 grid
 
@@ -106,8 +106,8 @@ def test_saved_adapter_loads_with_peft_onto_the_base_model(tiny_model_cfg, ids, 
     save_adapter(model, model.state_dict(), tmp_path / "adapter", base="tiny")
     base = load_scalar_model(tiny_model_cfg, seed=0)
     loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    got = sequence_rewards(loaded.base_model.model, *ids)
-    torch.testing.assert_close(got, sequence_rewards(model, *ids), rtol=0, atol=1e-6)
+    got = sequence_scores(loaded.base_model.model, *ids)
+    torch.testing.assert_close(got, sequence_scores(model, *ids), rtol=0, atol=1e-6)
     assert loaded.peft_config["default"].base_model_name_or_path == "tiny"
 
 

@@ -17,7 +17,7 @@ from stage_helpers import assert_same_gradients, grads
 from rlhf_cli.core import pairwise_loss
 from rlhf_cli.data import PackedPairCollator, PairCollator
 from rlhf_cli.forwards import forward_pairs, packing, pair_collator, score_pairs
-from rlhf_cli.models import sequence_rewards
+from rlhf_cli.models import sequence_scores
 
 PAD, EOS = 0, 2
 MAX_LENGTH = 12
@@ -101,7 +101,7 @@ def test_packed_scores_equal_left_padded_sequences(scalar, pad_batch):
         c, r = forward_pairs(scalar, PackedPairCollator(PAD)(pairs), "fp32")
         for key, got in (("chosen_ids", c), ("rejected_ids", r)):
             ids, mask = pad_batch([ex["prompt_ids"] + ex[key] for ex in pairs], PAD, "left")
-            torch.testing.assert_close(got, sequence_rewards(scalar, ids, mask), rtol=0, atol=1e-5)
+            torch.testing.assert_close(got, sequence_scores(scalar, ids, mask), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])

@@ -10,7 +10,7 @@ from rlhf_cli.models import (
     last_token_index,
     load_scalar_model,
     response_values,
-    sequence_rewards,
+    sequence_scores,
     token_values,
 )
 
@@ -40,10 +40,10 @@ def test_left_and_right_padding_give_identical_rewards(tiny_scalar, tokenizer, c
     right = pad_batch(chat_rows, tokenizer.pad_token_id, "right")
     left = pad_batch(chat_rows, tokenizer.pad_token_id, "left")
     with torch.no_grad():
-        r_right, r_left = sequence_rewards(tiny_scalar, *right), sequence_rewards(tiny_scalar, *left)
+        r_right, r_left = sequence_scores(tiny_scalar, *right), sequence_scores(tiny_scalar, *left)
         v_right, v_left = token_values(tiny_scalar, *right), token_values(tiny_scalar, *left)
         alone = torch.stack([
-            sequence_rewards(tiny_scalar, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
+            sequence_scores(tiny_scalar, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
             for r in chat_rows])
     assert r_right.dtype is torch.float32 and r_right.shape == (len(chat_rows),)
     torch.testing.assert_close(r_left, r_right, atol=ATOL, rtol=0)
@@ -62,17 +62,17 @@ def test_reward_is_read_at_the_eos_even_when_pad_equals_eos(tiny_scalar, tokeniz
     ids = torch.tensor([row + [pad] * 3, row + [pad] * 3])
     mask = torch.tensor([[1] * n + [0] * 3] * 2)
     with torch.no_grad():
-        r = sequence_rewards(tiny_scalar, torch.tensor([row]), torch.ones(1, n, dtype=torch.long))
+        r = sequence_scores(tiny_scalar, torch.tensor([row]), torch.ones(1, n, dtype=torch.long))
         v = token_values(tiny_scalar, torch.tensor([row]), torch.ones(1, n, dtype=torch.long))
         # appending padding changes nothing; the reward is the value AT the EOS (index n-1)
-        r_padded = sequence_rewards(tiny_scalar, ids, mask)
+        r_padded = sequence_scores(tiny_scalar, ids, mask)
         torch.testing.assert_close(r_padded, r.expand(2), atol=ATOL, rtol=0)
         assert last_token_index(mask).tolist() == [n - 1] * 2
         torch.testing.assert_close(r[0], v[0, n - 1], atol=ATOL, rtol=0)
         # padding WITH the EOS id (pad == eos, as SmolLM2 ships) gives the same reward
         ids_eos_pad, mask_eos_pad = pad_batch([row, chat_rows[2]], eos, "right")
         assert len(chat_rows[2]) > n and (ids_eos_pad[0, n - 1:] == eos).all()
-        r_eos_pad = sequence_rewards(tiny_scalar, ids_eos_pad, mask_eos_pad)
+        r_eos_pad = sequence_scores(tiny_scalar, ids_eos_pad, mask_eos_pad)
         torch.testing.assert_close(r_eos_pad[0], r[0], atol=ATOL, rtol=0)
         # ... where pooling by pad id (transformers' rule) would read one token before the EOS
         tiny_scalar.config.pad_token_id = eos
@@ -84,9 +84,9 @@ def test_reward_is_read_at_the_eos_even_when_pad_equals_eos(tiny_scalar, tokeniz
         assert not torch.isclose(hf, r[0], atol=1e-4)
         # the EOS and the token before it both matter
         ones = torch.ones(1, n, dtype=torch.long)
-        no_eos = sequence_rewards(tiny_scalar, torch.tensor([row[:-1] + [pad]]), torch.tensor([[1] * (n - 1) + [0]]))
-        changed_eos = sequence_rewards(tiny_scalar, torch.tensor([row[:-1] + [5]]), ones)
-        changed_prev = sequence_rewards(tiny_scalar, torch.tensor([row[:-2] + [5, eos]]), ones)
+        no_eos = sequence_scores(tiny_scalar, torch.tensor([row[:-1] + [pad]]), torch.tensor([[1] * (n - 1) + [0]]))
+        changed_eos = sequence_scores(tiny_scalar, torch.tensor([row[:-1] + [5]]), ones)
+        changed_prev = sequence_scores(tiny_scalar, torch.tensor([row[:-2] + [5, eos]]), ones)
     for other in (no_eos, changed_eos, changed_prev):
         assert not torch.isclose(other[0], r[0], atol=1e-4)
 
@@ -105,7 +105,7 @@ def test_response_values_align_with_logprobs(tiny_scalar, tokenizer, pad_batch):
         assert values.shape == r_ids.shape
         torch.testing.assert_close(values, token_values(tiny_scalar, ids, mask)[:, P - 1:-1])
         # V(s_0) = value after the prompt alone
-        alone = sequence_rewards(tiny_scalar, torch.tensor([prompts[1]]), torch.ones(1, P, dtype=torch.long))
+        alone = sequence_scores(tiny_scalar, torch.tensor([prompts[1]]), torch.ones(1, P, dtype=torch.long))
         torch.testing.assert_close(values[1, 0], alone[0], atol=ATOL, rtol=0)
         t = 1
         changed = ids.clone()
@@ -121,7 +121,7 @@ def test_gradients_reach_trunk_and_head(tiny_model_cfg, tokenizer):
     model = load_scalar_model(tiny_model_cfg, seed=0).train()
     ids = torch.tensor([[5, 6, 7, 2], [0, 8, 9, 2]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
-    sequence_rewards(model, ids, mask).sum().backward()
+    sequence_scores(model, ids, mask).sum().backward()
     assert model.score.weight.grad is not None and model.score.weight.grad.abs().sum() > 0
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
@@ -145,7 +145,7 @@ def test_init_from_in_memory_models_copies(tiny_causal, tiny_scalar):
 def test_bf16_scores_are_as_distinct_and_rank_pairs_as_fp32(tiny_model_cfg, tokenizer, pad_batch, precision):
     """The head computes in float32 under every precision: a bf16 head output (8 significant bits) put
     many of 256 scores on the same bf16 value, and a tied pair counts as wrong in accuracy."""
-    from rlhf_cli.forwards import batched_rewards
+    from rlhf_cli.forwards import batched_scores
 
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 2000, (int(torch.randint(6, 20, (1,), generator=g)),), generator=g).tolist()
@@ -154,8 +154,8 @@ def test_bf16_scores_are_as_distinct_and_rank_pairs_as_fp32(tiny_model_cfg, toke
     fp32 = load_scalar_model(tiny_model_cfg, "fp32", seed=0).eval()
     low = load_scalar_model(tiny_model_cfg, precision, seed=0).eval()
     assert isinstance(low.score, Float32Head)
-    want = batched_rewards(fp32, ids, mask, 64, "fp32")
-    got = batched_rewards(low, ids, mask, 64, precision)
+    want = batched_scores(fp32, ids, mask, 64, "fp32")
+    got = batched_scores(low, ids, mask, 64, precision)
     assert got.dtype is torch.float32
     assert want.unique().numel() == 256 and got.unique().numel() == 256
     chosen, rejected = got[0::2], got[1::2]  # 128 pairs

@@ -11,7 +11,7 @@ from rlhf_cli.models import (
     load_causal_lm,
     load_scalar_model,
     save_hf,
-    sequence_rewards,
+    sequence_scores,
     token_values,
 )
 from rlhf_cli.models.loading import dequantized_gguf_dir
@@ -84,8 +84,8 @@ def test_reward_model_round_trip_and_padding(smollm2, batch, tmp_path):
     rm = load_scalar_model(init_from=model, seed=0).eval()
     right, right_mask, left, left_mask = batch
     with torch.no_grad():
-        r_right = sequence_rewards(rm, right, right_mask)
-        r_left = sequence_rewards(rm, left, left_mask)
+        r_right = sequence_scores(rm, right, right_mask)
+        r_left = sequence_scores(rm, left, left_mask)
         v = token_values(rm, right, right_mask)
     torch.testing.assert_close(r_left, r_right, atol=1e-4, rtol=0)
     eos_pos = right_mask.sum(1) - 1

@@ -22,16 +22,16 @@ def test_a_row_the_loss_masks_out_counts_in_no_divisor(tmp_path, monkeypatch, ag
     tr.p.aggregation = aggregation
     exp = fixed_rollout(tr, monkeypatch)
     masked = torch.tensor([3, 6])
-    exp.mask[masked] = 0.0  # as ppo.truncated=mask leaves an unterminated response
+    exp.loss_mask[masked] = 0.0  # as ppo.truncated=mask leaves an unterminated response
     exp.advantages[masked] = 0.0
     (minibatch,) = exp.plan.order[0]
     total, seen = 0.0, set()
     for b, num_tokens, num_seqs, _ in tr.micro_batches(exp):
         seen.add((num_tokens, num_seqs))
         total = total + tr.losses(b, num_tokens, num_seqs).actor
-    assert seen == {(float(exp.mask.sum()), 6.0)}
+    assert seen == {(float(exp.loss_mask.sum()), 6.0)}
     whole = exp.rows(torch.cat(minibatch))  # the minibatch in one call: core's own counts
-    one_call = tr.losses(whole, float(whole.mask.sum())).actor
+    one_call = tr.losses(whole, float(whole.loss_mask.sum())).actor
     assert torch.isfinite(total) and total.item() == pytest.approx(one_call.item(), rel=1e-5)
 
 
@@ -48,10 +48,10 @@ def test_a_flat_groups_rows_count_in_the_divisor_and_take_the_kl_term(tmp_path, 
     flat = (exp.groups == exp.groups[0]).nonzero().flatten()  # a group whose scores were all equal
     exp.advantages[flat] = 0.0
     gen = torch.Generator().manual_seed(2)
-    exp.ref_logprobs = torch.where(exp.mask.bool(), exp.ref_logprobs + 0.3 * torch.randn(exp.mask.shape,
+    exp.ref_logprobs = torch.where(exp.loss_mask.bool(), exp.ref_logprobs + 0.3 * torch.randn(exp.loss_mask.shape,
                                                                                           generator=gen), 0.0)
     _, num_tokens, num_seqs, _ = next(tr.micro_batches(exp))
-    assert num_tokens == float(exp.mask.sum()) and num_seqs == float(exp.mask.shape[0])
+    assert num_tokens == float(exp.loss_mask.sum()) and num_seqs == float(exp.loss_mask.shape[0])
     out = tr.losses(exp.rows(flat), num_tokens, num_seqs)
     assert out.policy.item() == 0.0 and out.actor.item() != 0.0  # no policy gradient; the KL term acts
     out.actor.backward()

@@ -145,10 +145,11 @@ def test_an_on_policy_update_takes_the_old_logprobs_from_the_training_forward(tm
         before = snapshot(tr.actor.module)
         exp, roll_stats, _ = tr.maker.make_experience(0)
         if fused:
-            assert torch.equal(exp.logprobs, torch.zeros_like(exp.logprobs)) and "objective/kl" not in roll_stats
+            assert (torch.equal(exp.old_logprobs, torch.zeros_like(exp.old_logprobs))
+                    and "objective/kl" not in roll_stats)
         train_stats = tr.train_on(exp, 0)
         roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
-        runs[fused] = (exp.logprobs.clone(), roll_stats, train_stats, snapshot(tr.actor.module))
+        runs[fused] = (exp.old_logprobs.clone(), roll_stats, train_stats, snapshot(tr.actor.module))
     (lp_f, roll_f, train_f, w_f), (lp_s, roll_s, train_s, w_s) = runs[True], runs[False]
     assert torch.allclose(lp_f, lp_s, atol=2e-5)
     for k in ("objective/kl", "objective/kl_k3", "objective/rlhf_reward", "objective/entropy_sampled",
@@ -185,7 +186,7 @@ def test_an_update_that_is_not_on_policy_keeps_the_separate_pass(tmp_path, overr
     assert not tr.on_policy
     exp, roll_stats, _ = tr.maker.make_experience(0)
     roll_stats.update(kl_stats(exp, tr.kl_ctl.value))
-    assert "objective/kl" in roll_stats and not torch.equal(exp.logprobs, torch.zeros_like(exp.logprobs))
+    assert "objective/kl" in roll_stats and not torch.equal(exp.old_logprobs, torch.zeros_like(exp.old_logprobs))
 
 
 @pytest.mark.parametrize("on_policy", [True, False])

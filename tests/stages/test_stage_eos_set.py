@@ -15,7 +15,7 @@ from test_stage_ppo import build_trainer, edit_generate
 
 from rlhf_cli.data.tokenize import Encoder
 from rlhf_cli.eos import eos_ids
-from rlhf_cli.forwards import batched_rewards
+from rlhf_cli.forwards import batched_scores
 from rlhf_cli.models import load_causal_lm, load_generation_config, load_scalar_model, with_scoring_template
 from rlhf_cli.rollout import HFGenerator, Sampling
 
@@ -103,7 +103,7 @@ def test_sampling_stops_and_masks_at_either_id(two_eos_dir, tokenizer):
 def test_the_rollout_masks_and_counts_either_id(tmp_path, monkeypatch, two_eos_dir):
     tr = build_trainer(tmp_path, [f"model.name_or_path={two_eos_dir}", "model.init=pretrained", "ppo.truncated=mask"])
     assert tr.maker.eos_ids == tr.maker.sampling.eos_ids == (EOS, TURN)
-    assert tr.maker.rewards.eos_ids == (EOS, TURN)
+    assert tr.maker.score_mixer.eos_ids == (EOS, TURN)
 
     def edit(responses):  # row 0 ends with the second id, row 1 with the tokenizer's EOS, the rest run out
         responses[responses == EOS] = 5
@@ -116,15 +116,15 @@ def test_the_rollout_masks_and_counts_either_id(tmp_path, monkeypatch, two_eos_d
     mask = exp.attention_mask[:, P:].float()
     assert mask[0].sum() == 3 and mask[1].sum() == 4 and (mask[2:].sum(1) == 6).all()
     assert stats["response/eos_frac"] == pytest.approx(2 / 8)
-    assert (exp.mask[:2].sum(1) == mask[:2].sum(1)).all() and exp.mask[2:].sum() == 0  # ppo.truncated
+    assert (exp.loss_mask[:2].sum(1) == mask[:2].sum(1)).all() and exp.loss_mask[2:].sum() == 0  # ppo.truncated
 
 
 def test_the_reward_model_reads_either_id_as_the_tokenizers_eos(tiny_model_cfg, tokenizer):
     rm = load_scalar_model(tiny_model_cfg, "fp32", seed=3).eval()
     ids = torch.tensor([[0, 0, 5, 6, 7, TURN, 0], [0, 5, 6, 7, 8, 9, EOS], [0, 0, 5, 6, 7, EOS, 0]])
     am = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 0]])
-    plain = batched_rewards(rm, ids, am, 8, "fp32")
-    read = batched_rewards(rm, ids, am, 8, "fp32", eos_ids=(EOS, TURN))
+    plain = batched_scores(rm, ids, am, 8, "fp32")
+    read = batched_scores(rm, ids, am, 8, "fp32", eos_ids=(EOS, TURN))
     assert plain[0] != plain[2]  # the closing id matters to the model ...
     assert read[0] == read[2] and read[1] == plain[1]  # ... and the set reads TURN as the tokenizer's EOS
     assert ids[0, 5] == TURN  # the caller's tensor is not changed

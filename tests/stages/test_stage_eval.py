@@ -1,7 +1,7 @@
 """`rlhf eval` on tiny models (fp32, CPU): issue 7's "Done when" items.
 
 Reference numbers are computed here with plain torch / Python on unpadded single sequences,
-never with the project's helpers (kl_estimate, pair_metrics, win_rate, sequence_rewards).
+never with the project's helpers (kl_estimate, pair_metrics, win_rate, sequence_scores).
 """
 
 import json
@@ -104,8 +104,8 @@ def test_reward_model_accuracy_on_known_scores_is_exact(run_stage, tiny_dirs, to
     def known_packed_rewards(model, input_ids, allowed, index, position_ids):  # what each read position sees
         return known_rewards(model, input_ids[index[:, 0]], allowed[index[:, 0], 0, index[:, 1]])
 
-    monkeypatch.setattr(scoring, "sequence_rewards", known_rewards)
-    monkeypatch.setattr(scoring, "rewards_at", known_packed_rewards)
+    monkeypatch.setattr(scoring, "sequence_scores", known_rewards)
+    monkeypatch.setattr(scoring, "scores_at", known_packed_rewards)
     result, eval_dir, _ = run_stage("eval", [f"reward_model.path={tiny_dirs['rm']}", f"data.path={path}",
                                              f"data.eval_path={path}", "data.format=explicit", "eval.batch_size=3",
                                              f"data.packing={str(packing).lower()}"])
@@ -138,7 +138,7 @@ def test_reward_model_scores_do_not_depend_on_padding_side(pipeline):
 
     from rlhf_cli.data import load_preference_data
     from rlhf_cli.data.collate import pad_sequences
-    from rlhf_cli.models import sequence_rewards
+    from rlhf_cli.models import sequence_scores
 
     _, rm_dir, cfg = pipeline["rm"]
     final = rm_dir / "final"
@@ -152,7 +152,7 @@ def test_reward_model_scores_do_not_depend_on_padding_side(pipeline):
         by_side = {}
         for side in ("left", "right"):
             batch = pad_sequences(seqs, tokenizer.pad_token_id, side=side)
-            by_side[side] = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])
+            by_side[side] = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
     assert torch.allclose(by_side["left"], plain, rtol=0, atol=1e-5)
     assert torch.allclose(by_side["right"], plain, rtol=0, atol=1e-5)
     b = len(pairs)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from family_helpers import FAMILIES, save_tiny
 
-from rlhf_cli.forwards import batched_rewards, packing_probe, policy_forward
+from rlhf_cli.forwards import batched_scores, packing_probe, policy_forward
 from rlhf_cli.models import (
     add_lora,
     custom_mask_support,
@@ -104,14 +104,14 @@ def test_padding_and_packing_change_no_number(family, tmp_path, tokenizer):
     ids, am, P, _ = batch([0, 1, 2])
     with torch.no_grad():
         lp = {packed: policy_forward(lm, ids, am, P, 1.0, packing=packed)[0] for packed in (False, True)}
-        score = {packed: batched_rewards(rm, ids, am, 8, "fp32", P, packed) for packed in (False, True)}
+        score = {packed: batched_scores(rm, ids, am, 8, "fp32", P, packed) for packed in (False, True)}
         for i in range(3):
             one_ids, one_am, one_P, _ = batch([i])
             alone = policy_forward(lm, one_ids, one_am, one_P, 1.0)[0][0]
             n = len(responses[i])
             for packed in (False, True):
                 torch.testing.assert_close(lp[packed][i, :n], alone[:n], atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(score[packed][i], batched_rewards(rm, one_ids, one_am, 8, "fp32")[0],
+                torch.testing.assert_close(score[packed][i], batched_scores(rm, one_ids, one_am, 8, "fp32")[0],
                                            atol=1e-4, rtol=1e-4)
 
 

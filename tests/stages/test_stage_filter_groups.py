@@ -3,7 +3,7 @@
 Groups whose scores are all equal are dropped and further rounds of prompts are sampled until the batch holds
 `ppo.rollout_batch_size` groups, for at most `ppo.filter_groups_max_rounds` extra rounds; at the bound the update
 trains on what was kept, and with nothing kept the iteration trains nothing, says so and the run goes on. The
-scores are scripted (`tr.maker.rewards` replaced) so that which groups are flat is known."""
+scores are scripted (`tr.maker.score_mixer` replaced) so that which groups are flat is known."""
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ def script_scores(tr, flat_groups_per_round):
         calls.append(B)
         return score.clone(), score, {}
 
-    tr.maker.rewards = rewards
+    tr.maker.score_mixer = rewards
     return calls
 
 
@@ -54,7 +54,7 @@ def test_flat_groups_are_dropped_and_refilled_from_a_new_round(tmp_path, monkeyp
     # kept in round order: round 0's group 3, round 1's group 0 (id R + 0), round 2's first two (ids 2R, 2R + 1)
     assert exp.groups.tolist() == [g for g in (3, R, 2 * R, 2 * R + 1) for _ in range(G)]
     assert exp.input_ids.shape[0] == R * G
-    assert group_stats(exp.scores, exp.groups, exp.mask.sum(1) > 0)["flat"].sum() == 0
+    assert group_stats(exp.scores, exp.groups, exp.loss_mask.sum(1) > 0)["flat"].sum() == 0
     assert (exp.advantages.abs().sum(1) > 0).all()  # every kept row learns
     steps = optimizer_steps(monkeypatch, tr)
     stats = tr.train_on(exp, 0)
@@ -191,7 +191,7 @@ def test_the_kl_controller_and_the_lr_schedule_count_what_was_trained(run_stage,
             self.calls += 1
             return score.clone(), score, {}
 
-    monkeypatch.setattr(ppo_stage, "Rewards", Scripted)
+    monkeypatch.setattr(ppo_stage, "ScoreMixer", Scripted)
     horizon, warmup, lr = 16, 10, 1e-4
     _, run_dir, cfg = run_stage("train_ppo", [*FILTER, "ppo.iterations=4", "ppo.filter_groups_max_rounds=0",
                                               "ppo.kl_target=1e-6", f"ppo.kl_horizon={horizon}",

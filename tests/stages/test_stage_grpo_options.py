@@ -18,9 +18,9 @@ def iteration(tr, monkeypatch):
     by ρ = 3 on every second token (TIS clamps it at 2)."""
     script_scores(tr, [[0, 1], [2, 3]])
     exp, stats, _ = tr.maker.make_experience(0)
-    shift = torch.zeros(exp.mask.shape)
+    shift = torch.zeros(exp.loss_mask.shape)
     shift[:, ::2] = math.log(3.0)
-    exp.engine_logprobs = torch.where(exp.mask.bool(), exp.logprobs - shift, 0.0)
+    exp.engine_logprobs = torch.where(exp.loss_mask.bool(), exp.old_logprobs - shift, 0.0)
     steps = optimizer_steps(monkeypatch, tr)
     train_stats = tr.train_on(exp, 0)
     assert stats["groups/extra_rounds"] == 1 and stats["groups/kept_frac"] == 1.0 and steps == [False, True] * 2
@@ -48,8 +48,8 @@ def test_a_packed_iteration_of_the_options_equals_the_padded_one(tmp_path, monke
         runs[packing] = (exp, train_stats, snapshot(tr.actor.module))
     (exp1, train1, w1), (exp0, train0, w0) = runs[True], runs[False]
     assert torch.equal(exp1.input_ids, exp0.input_ids)  # the same joined rounds
-    m = exp0.mask.bool()
-    for name in ("logprobs", "ref_logprobs", "advantages"):
+    m = exp0.loss_mask.bool()
+    for name in ("old_logprobs", "ref_logprobs", "advantages"):
         torch.testing.assert_close(getattr(exp1, name)[m], getattr(exp0, name)[m], rtol=1e-4, atol=1e-5)
     assert train1["policy/loss"] == pytest.approx(train0["policy/loss"], rel=1e-4, abs=1e-6)
     for k in w0:

@@ -25,7 +25,7 @@ def rollout(tmp_path, overrides=()):
     tr = build_trainer(tmp_path, [*GROUPS, *overrides])
     exp, _, _ = tr.maker.make_experience(0)
     gen = torch.Generator().manual_seed(0)
-    mask = exp.mask.bool()
+    mask = exp.loss_mask.bool()
     exp.advantages = torch.where(mask, torch.randn(mask.shape, generator=gen), 0.0)  # the checker gives 0 here
     return tr, exp
 
@@ -33,7 +33,7 @@ def rollout(tmp_path, overrides=()):
 def policy_losses(tr, exp, mode, engine_shift, high=2.0):
     """The policy loss of each of the update's first-epoch micro-batches with engine log-probs = old − shift."""
     tr.cfg.rollout.is_correction, tr.cfg.rollout.is_high = mode, high
-    exp.engine_logprobs = torch.where(exp.mask.bool(), exp.logprobs - engine_shift, 0.0)
+    exp.engine_logprobs = torch.where(exp.loss_mask.bool(), exp.old_logprobs - engine_shift, 0.0)
     out = []
     for b, num_tokens, num_seqs, _ in tr.micro_batches(exp):
         out.append(tr.losses(b, num_tokens, num_seqs).policy.item())
@@ -47,7 +47,7 @@ def test_tis_truncates_the_ratio_and_icepop_masks_it(tmp_path, estimator):
     tr = build_trainer(tmp_path, [*BATCH, f"ppo.advantage_estimator={estimator}"])
     exp, _, _ = tr.maker.make_experience(0)
     gen = torch.Generator().manual_seed(0)
-    exp.advantages = torch.where(exp.mask.bool(), torch.randn(exp.mask.shape, generator=gen), 0.0)
+    exp.advantages = torch.where(exp.loss_mask.bool(), torch.randn(exp.loss_mask.shape, generator=gen), 0.0)
     plain = policy_losses(tr, exp, "none", 0.0)
     assert all(x != 0 for x in plain)
     # ρ = π_old/μ = e^shift on every token
@@ -62,11 +62,11 @@ def test_tis_truncates_the_ratio_and_icepop_masks_it(tmp_path, estimator):
 
 def test_the_statistics_are_the_ratios_quantiles_and_the_masked_fraction(tmp_path):
     tr, exp = rollout(tmp_path)
-    mask = exp.mask.bool()
+    mask = exp.loss_mask.bool()
     # ρ = 4 on the first row's tokens, 1 elsewhere
     shift = torch.zeros(mask.shape)
     shift[0] = math.log(4.0)
-    exp.engine_logprobs = torch.where(mask, exp.logprobs - shift, 0.0)
+    exp.engine_logprobs = torch.where(mask, exp.old_logprobs - shift, 0.0)
     n0, n = int(mask[0].sum()), int(mask.sum())
     stats = is_correction_stats(exp, "icepop", None, 2.0)
     assert stats["rollout/is_masked_frac"] == pytest.approx(n0 / n)
@@ -129,9 +129,9 @@ def test_below_top_p_1_the_trainers_log_probs_are_renormalised_over_the_nucleus(
     mask = exp.attention_mask[:, exp.prompt_len:].bool()
     want = plain_logprobs(tr, exp, top_p)
     assert torch.isfinite(want).all()  # every sampled token lies in the sampler's nucleus
-    torch.testing.assert_close(exp.logprobs, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(exp.old_logprobs, want, rtol=1e-5, atol=1e-5)
     full = plain_logprobs(tr, exp, 1.0)
-    gap = (exp.logprobs - full)[mask]  # -log(kept mass) >= 0 per token; 0 at top_p = 1
+    gap = (exp.old_logprobs - full)[mask]  # -log(kept mass) >= 0 per token; 0 at top_p = 1
     assert (gap > 1e-3).float().mean() > 0.5 if top_p < 1 else gap.abs().max() < 1e-5
     # the update's own forwards (the one the rollout ran for the first micro-batch, the learner's for the rest),
     # with no step taken: the same numbers

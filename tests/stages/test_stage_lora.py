@@ -179,8 +179,8 @@ def test_a_lora_critic_grown_from_the_reward_model_holds_its_weights_once(lora_r
     """`ppo.critic_init=reward_model` with LoRA: the critic's adapters go on the reward model's own weights, and the
     reward model is that critic with its adapters off (its head the original peft keeps): the same scores as the
     reward model loaded on its own, before and after the critic's updates."""
-    from rlhf_cli.forwards import batched_rewards
-    from rlhf_cli.models import sequence_rewards, token_values
+    from rlhf_cli.forwards import batched_scores
+    from rlhf_cli.models import sequence_scores, token_values
 
     run_dir, _ = lora_rm
     tr = build_trainer(tmp_path, [*LORA, "reward.type=model", f"reward_model.path={run_dir}", "ppo.critic=separate",
@@ -193,8 +193,8 @@ def test_a_lora_critic_grown_from_the_reward_model_holds_its_weights_once(lora_r
         exp, _, _ = tr.maker.make_experience(it)
         ids, am, P = exp.input_ids, exp.attention_mask, exp.prompt_len
         with torch.no_grad():
-            want = sequence_rewards(rm, ids, am)
-        got = batched_rewards(tr.reward_model.module, ids, am, 4, "fp32", P, False)
+            want = sequence_scores(rm, ids, am)
+        got = batched_scores(tr.reward_model.module, ids, am, 4, "fp32", P, False)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         tr.train_on(exp, it)
     with torch.no_grad():  # the critic itself moved: its adapters and its head's trained copy

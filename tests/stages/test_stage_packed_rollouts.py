@@ -176,19 +176,19 @@ def test_packed_critic_values_equal_the_padded_ones_everywhere(tiny_model_cfg):
 
 
 def test_packed_reward_model_scores_equal_the_padded_ones(tiny_model_cfg):
-    from rlhf_cli.forwards import batched_rewards
+    from rlhf_cli.forwards import batched_scores
     from rlhf_cli.models import load_scalar_model
 
     rm = load_scalar_model(tiny_model_cfg, seed=0).eval()
     ids, am, P = rollout_batch(rm.config.vocab_size)
-    plain = batched_rewards(rm, ids, am, 4, "fp32")
-    packed = batched_rewards(rm, ids, am, 4, "fp32", P, packing=True)
+    plain = batched_scores(rm, ids, am, 4, "fp32")
+    packed = batched_scores(rm, ids, am, 4, "fp32", P, packing=True)
     torch.testing.assert_close(packed, plain, rtol=0, atol=1e-5)
     assert plain.std() > 1e-3  # distinct scores: a read at the wrong token would show
     # a sequence sampled twice (rows 2 and 7, in different rows and neighbours) gets one score: an exact tie
     twice = torch.tensor([0, 1, 2, 3, 4, 5, 6, 2])
-    again = batched_rewards(rm, ids[twice], am[twice], 3, "fp32", P, packing=True)
-    assert again[7] == again[2] and torch.equal(again[:7], batched_rewards(rm, ids, am, 3, "fp32", P, packing=True))
+    again = batched_scores(rm, ids[twice], am[twice], 3, "fp32", P, packing=True)
+    assert again[7] == again[2] and torch.equal(again[:7], batched_scores(rm, ids, am, 3, "fp32", P, packing=True))
 
 
 @pytest.mark.parametrize("packing,batch_size", [(True, 4), (False, 4), (True, 3), (True, 1)])
@@ -196,18 +196,18 @@ def test_eval_scores_both_sides_in_one_pass_as_each_alone(tiny_model_cfg, packin
     """`rlhf eval` scores the policy's and the reference's samples of the same prompts together, a prompt's two
     samples in one forward (its prompt once for both, packed): the scores of each side alone, to float rounding,
     whichever side's responses are narrower; a sequence both sides sampled ties exactly."""
-    from rlhf_cli.forwards import batched_rewards
+    from rlhf_cli.forwards import batched_scores
     from rlhf_cli.models import load_scalar_model
     from rlhf_cli.stages import evaluate
-    from rlhf_cli.stages.evaluate import side_by_side_rewards
+    from rlhf_cli.stages.evaluate import side_by_side_scores
 
     calls = []
 
     def spy(model, ids, am, *args):
         calls.append(ids)
-        return batched_rewards(model, ids, am, *args)
+        return batched_scores(model, ids, am, *args)
 
-    monkeypatch.setattr(evaluate, "batched_rewards", spy)
+    monkeypatch.setattr(evaluate, "batched_scores", spy)
 
     rm = load_scalar_model(tiny_model_cfg, seed=0).eval()
     ids, am, P = rollout_batch(rm.config.vocab_size)
@@ -217,12 +217,12 @@ def test_eval_scores_both_sides_in_one_pass_as_each_alone(tiny_model_cfg, packin
     other_am[:, -1] = 0
     other_am[:, P:] *= other_am[:, P:].cumprod(1)
     other[3], other_am[3] = ids[3, :-2], am[3, :-2]  # row 3 (4 response tokens) sampled by both
-    want = {"wide": batched_rewards(rm, ids, am, 4, "fp32", P, packing),
-            "narrow": batched_rewards(rm, other, other_am, 4, "fp32", P, packing)}
+    want = {"wide": batched_scores(rm, ids, am, 4, "fp32", P, packing),
+            "narrow": batched_scores(rm, other, other_am, 4, "fp32", P, packing)}
     for sides in (("wide", "narrow"), ("narrow", "wide")):  # the policy's responses wider, then narrower
         data = {"wide": (ids, am, P), "narrow": (other, other_am, P)}
         calls.clear()
-        got = side_by_side_rewards(rm, data[sides[0]], data[sides[1]], PAD, batch_size, "fp32", packing)
+        got = side_by_side_scores(rm, data[sides[0]], data[sides[1]], PAD, batch_size, "fp32", packing)
         for who, side in zip(("policy", "reference"), sides):
             torch.testing.assert_close(got[who], want[side], rtol=0, atol=1e-5)
         assert got["policy"][3] == got["reference"][3] and not torch.equal(got["policy"], got["reference"])
@@ -230,7 +230,7 @@ def test_eval_scores_both_sides_in_one_pass_as_each_alone(tiny_model_cfg, packin
         assert all(len(c) % 2 == 0 and torch.equal(c[0::2, :P], c[1::2, :P]) for c in calls)
         assert sum(len(c) for c in calls) == 2 * len(ids) and len(calls) == -(-len(ids) // max(batch_size // 2, 1))
     with pytest.raises(ValueError, match="prompts differ"):
-        side_by_side_rewards(rm, (ids, am, P), (ids[:, 1:], am[:, 1:], P - 1), PAD, 4, "fp32", packing)
+        side_by_side_scores(rm, (ids, am, P), (ids[:, 1:], am[:, 1:], P - 1), PAD, 4, "fp32", packing)
 
 
 PPO = ["ppo.actor_lr=1e-4", "ppo.critic_lr=1e-4"]
@@ -266,8 +266,8 @@ def test_a_packed_iteration_equals_the_padded_one(tmp_path, overrides):
         runs[packing] = (exp, roll_stats, train_stats, snapshot(tr.actor.module), before)
     (exp1, roll1, train1, w1, before), (exp0, roll0, train0, w0, _) = runs[True], runs[False]
     assert torch.equal(exp1.input_ids, exp0.input_ids)  # the same samples
-    m = exp0.mask.bool()
-    for name in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
+    m = exp0.loss_mask.bool()
+    for name in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
         torch.testing.assert_close(getattr(exp1, name)[m], getattr(exp0, name)[m], rtol=1e-4, atol=1e-5,
                                    msg=lambda msg, n=name: f"{n}: {msg}")
     for stats1, stats0 in ((roll1, roll0), (train1, train0)):
@@ -372,7 +372,7 @@ def test_the_first_micro_batches_forwards_are_run_once_for_the_rollout_and_the_u
     for carry in (1, 2):
         exp1, stats1, w1, _, _ = runs[carry]
         assert torch.equal(exp1.input_ids, exp0.input_ids)
-        for name in ("logprobs", "ref_logprobs", "values", "advantages", "returns"):
+        for name in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
             assert torch.equal(getattr(exp1, name), getattr(exp0, name)), (carry, name)
         for s1, s0 in zip(stats1, stats0):
             assert s1.keys() == s0.keys()

@@ -78,14 +78,14 @@ def force_eos(monkeypatch, tr, eos_at):
 
 
 def spy_losses(monkeypatch, tr):
-    """Record (logprobs, old_logprobs, mask, stats) of every micro-batch `train_on` computes losses for
+    """Record (logprobs, old_logprobs, loss_mask, stats) of every micro-batch `train_on` computes losses for
     (the `PPOTrainer.losses` seam)."""
     calls = []
     real = tr.losses
 
     def spy(b, num_tokens, num_seqs=None):
         out = real(b, num_tokens, num_seqs)
-        calls.append((out.logprobs.clone(), b.logprobs.clone(), b.mask.clone(), out.stats))
+        calls.append((out.logprobs.clone(), b.old_logprobs.clone(), b.loss_mask.clone(), out.stats))
         return out
 
     monkeypatch.setattr(tr, "losses", spy)
@@ -112,9 +112,9 @@ def test_one_iteration_changes_policy_and_critic_weights(tmp_path, monkeypatch):
 
     exp, roll_stats, _ = tr.maker.make_experience(0)
     roll_stats.update(rollout.kl_stats(exp, tr.kl_ctl.value))
-    B, R = exp.mask.shape
+    B, R = exp.loss_mask.shape
     assert (B, exp.input_ids.shape[1]) == (8, exp.prompt_len + R) and R == 6
-    assert exp.mask[1].tolist() == [1, 1, 1, 0, 0, 0] and exp.mask[6].tolist() == [1, 1, 1, 1, 1, 0]
+    assert exp.loss_mask[1].tolist() == [1, 1, 1, 0, 0, 0] and exp.loss_mask[6].tolist() == [1, 1, 1, 1, 1, 0]
     assert roll_stats["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before training
     assert roll_stats["response/eos_frac"] == pytest.approx(2 / 8)
     stats = tr.train_on(exp, 0)
@@ -149,7 +149,7 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path, monkeypatch, precision, 
     tr.carry = 0  # else the first micro-batch's old log-probs are its training forward's own
     force_eos(monkeypatch, tr, {0: 1, 5: 3})
     exp, _, _ = tr.maker.make_experience(0)
-    assert exp.mask.sum(1).tolist().count(6.0) == 6
+    assert exp.loss_mask.sum(1).tolist().count(6.0) == 6
     calls = spy_losses(monkeypatch, tr)
     tr.train_on(exp, 0)
     assert len(calls) == 8  # 2 epochs x 2 minibatches x 2 micro-batches
@@ -219,7 +219,7 @@ def test_kl_after_one_small_step_is_the_fp32_kl_of_the_same_weights(tmp_path, lo
 
 
 def test_old_logprobs_use_the_sampling_temperature(tmp_path):
-    """exp.logprobs equal a plain log_softmax(logits / T) of the full model forward on the rollout."""
+    """exp.old_logprobs equal a plain log_softmax(logits / T) of the full model forward on the rollout."""
     tr = build_trainer(tmp_path)
     exp, _, _ = tr.maker.make_experience(0)
     P, T = exp.prompt_len, tr.p.temperature
@@ -228,8 +228,8 @@ def test_old_logprobs_use_the_sampling_temperature(tmp_path):
         pos = (exp.attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = lm(input_ids=exp.input_ids, attention_mask=exp.attention_mask, position_ids=pos).logits
         lp = torch.log_softmax(logits[:, P - 1:-1].float() / T, -1).gather(-1, exp.input_ids[:, P:, None]).squeeze(-1)
-    m = exp.mask.bool()
-    torch.testing.assert_close(exp.logprobs[m], lp[m], rtol=0, atol=1e-5)
+    m = exp.loss_mask.bool()
+    torch.testing.assert_close(exp.old_logprobs[m], lp[m], rtol=0, atol=1e-5)
     torch.testing.assert_close(exp.ref_logprobs[m], lp[m], rtol=0, atol=1e-5)  # reference == initial policy
 
 
@@ -323,7 +323,7 @@ def minibatch_losses(tr, exp, rows):
     """The policy, value and entropy losses of one minibatch, computed the way `train_on` does."""
     p = tr.p
     P, T = exp.prompt_len, p.temperature
-    num_tokens = exp.mask[rows].sum().item()
+    num_tokens = exp.loss_mask[rows].sum().item()
     agg = dict(num_tokens=num_tokens, num_seqs=float(len(rows)), aggregation=p.aggregation)
     out = {"pg": 0.0, "vf": 0.0, "ent": 0.0}
     for m in range(0, len(rows), p.micro_batch_size):
@@ -331,9 +331,9 @@ def minibatch_losses(tr, exp, rows):
         with torch.no_grad():
             lp, ent, _ = policy_forward(tr.actor.module, b.input_ids, b.attention_mask, P, T, with_entropy=True)
             v = critic_values(tr.critic.module, b.input_ids, b.attention_mask, P)
-        out["pg"] += policy_loss(lp, b.logprobs, b.advantages, b.mask, p.clip, **agg)[0].item()
-        out["vf"] += value_loss(v, b.values, b.returns, b.mask, p.value_clip, **agg)[0].item()
-        out["ent"] += entropy_bonus(None, b.mask, entropy=ent, **agg)[0].item()
+        out["pg"] += policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, p.clip, **agg)[0].item()
+        out["vf"] += value_loss(v, b.values, b.returns, b.loss_mask, p.value_clip, **agg)[0].item()
+        out["ent"] += entropy_bonus(None, b.loss_mask, entropy=ent, **agg)[0].item()
     return out
 
 
@@ -342,11 +342,11 @@ def test_garbage_in_padded_positions_changes_no_loss(tmp_path, monkeypatch, aggr
     tr = build_trainer(tmp_path, [f"ppo.aggregation={aggregation}"])
     force_eos(monkeypatch, tr, {0: 0, 1: 2, 2: 4, 5: 1})
     exp, _, _ = tr.maker.make_experience(0)
-    pad = exp.mask == 0
+    pad = exp.loss_mask == 0
     assert pad.any() and (exp.attention_mask == 0).any()
 
     g = torch.Generator().manual_seed(0)
-    fills = {"logprobs": 1e6, "ref_logprobs": -float("inf"), "values": float("nan"), "advantages": float("inf"),
+    fills = {"old_logprobs": 1e6, "ref_logprobs": -float("inf"), "values": float("nan"), "advantages": float("inf"),
              "returns": -1e6, "rewards": float("nan")}
     # the tensors, dirtied below (minibatch_losses runs the plain layout, where padding would show)
     dirty = Experience(**{f: getattr(exp, f).clone() for f in exp.__dataclass_fields__
@@ -363,10 +363,10 @@ def test_garbage_in_padded_positions_changes_no_loss(tmp_path, monkeypatch, aggr
     assert clean["pg"] != 0.0 and clean["vf"] != 0.0
 
     # and the rollout's own shaping ignores padding too
-    rewards = kl_penalized_rewards(exp.scores, dirty.logprobs, dirty.ref_logprobs, exp.mask, 0.05)
+    rewards = kl_penalized_rewards(exp.scores, dirty.old_logprobs, dirty.ref_logprobs, exp.loss_mask, 0.05)
     torch.testing.assert_close(rewards, exp.rewards)
-    adv, ret = compute_gae(dirty.rewards, dirty.values, exp.mask, tr.p.gamma, tr.p.lam)
-    adv_clean, ret_clean = compute_gae(exp.rewards, exp.values, exp.mask, tr.p.gamma, tr.p.lam)
+    adv, ret = compute_gae(dirty.rewards, dirty.values, exp.loss_mask, tr.p.gamma, tr.p.lam)
+    adv_clean, ret_clean = compute_gae(exp.rewards, exp.values, exp.loss_mask, tr.p.gamma, tr.p.lam)
     torch.testing.assert_close((adv, ret), (adv_clean, ret_clean))
 
 
@@ -383,10 +383,10 @@ def hand_built_policy_grads(lm, exp, rows, temperature, clip):
     logits = lm(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=position_ids).logits
     logits = logits[:, P - 1:-1].float() / temperature  # (B, R, V): column P-1+t predicts response token t
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, b.input_ids[:, P:, None]).squeeze(-1)  # (B, R)
-    ratio = torch.exp(logprobs - b.logprobs)
+    ratio = torch.exp(logprobs - b.old_logprobs)
     A = b.advantages
     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - clip, 1 + clip) * A)
-    loss = -(surrogate * b.mask).sum() / b.mask.sum()
+    loss = -(surrogate * b.loss_mask).sum() / b.loss_mask.sum()
     loss.backward()
     return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
@@ -478,10 +478,10 @@ def test_missing_eos_penalty_hits_only_unterminated_responses(tmp_path, monkeypa
     torch.testing.assert_close(exp.rewards.sum(1), expected, atol=1e-6, rtol=0)
     resp_mask = exp.attention_mask[:, exp.prompt_len:].float()
     if truncated == "mask":  # unterminated rows take no part in the loss
-        assert exp.mask[ended].equal(resp_mask[ended]) and exp.mask[~ended].sum() == 0
+        assert exp.loss_mask[ended].equal(resp_mask[ended]) and exp.loss_mask[~ended].sum() == 0
         assert exp.advantages[~ended].abs().sum() == 0
     else:
-        assert exp.mask.equal(resp_mask)
+        assert exp.loss_mask.equal(resp_mask)
 
 
 @pytest.mark.parametrize("truncated", ["penalize", "mask", "keep"])
@@ -535,7 +535,7 @@ def test_empty_responses_do_not_crash_a_step(tmp_path, monkeypatch):
     tr = build_trainer(tmp_path)
     force_eos(monkeypatch, tr, {i: 0 for i in range(8)})
     exp, roll_stats, samples = tr.maker.make_experience(0)
-    assert exp.mask.shape == (8, 1) and exp.mask.sum() == 8
+    assert exp.loss_mask.shape == (8, 1) and exp.loss_mask.sum() == 8
     assert roll_stats["response/length_mean"] == 1.0 and samples["responses"][0] == ""
     stats = tr.train_on(exp, 0)
     assert tr.bad_steps == 0
@@ -550,7 +550,7 @@ def test_all_rows_masked_out_do_not_crash_a_step_and_say_so(tmp_path, monkeypatc
     tr = build_trainer(tmp_path, ["ppo.truncated=mask"])
     with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.maker"):
         exp, _, _ = tr.maker.make_experience(0)
-    assert exp.mask.sum() == 0  # the random tiny model never says EOS in 6 tokens
+    assert exp.loss_mask.sum() == 0  # the random tiny model never says EOS in 6 tokens
     (line,) = [r.getMessage() for r in caplog.records if "trains nothing" in r.getMessage()]
     assert line == ("iteration 1 trains nothing: every response is masked (ppo.truncated=mask and none ended with "
                     "EOS within ppo.max_new_tokens=6)")
@@ -561,7 +561,7 @@ def test_all_rows_masked_out_do_not_crash_a_step_and_say_so(tmp_path, monkeypatc
     force_eos(monkeypatch, tr, {0: 2})
     with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.maker"):
         exp, _, _ = tr.maker.make_experience(1)
-    assert exp.mask.sum() > 0 and not [r for r in caplog.records if "trains nothing" in r.getMessage()]
+    assert exp.loss_mask.sum() > 0 and not [r for r in caplog.records if "trains nothing" in r.getMessage()]
 
 
 @pytest.mark.parametrize("stats, normalize, warned", [(None, True, True), ((0.5, 2.0), True, False),
@@ -569,11 +569,11 @@ def test_all_rows_masked_out_do_not_crash_a_step_and_say_so(tmp_path, monkeypatc
 def test_normalize_reward_without_stored_stats_says_it_has_no_effect(tokenizer, caplog, stats, normalize, warned):
     import logging
 
-    from rlhf_cli.rollout import Rewards
+    from rlhf_cli.rollout import ScoreMixer
 
     cfg = compose("train_ppo", [*TINY_PPO, "reward.type=model"])
-    with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.rewards"):
-        Rewards(cfg, tokenizer, object(), stats, 2, "fp32", normalize=normalize)
+    with caplog.at_level(logging.WARNING, logger="rlhf_cli.rollout.scores"):
+        ScoreMixer(cfg, tokenizer, object(), stats, 2, "fp32", normalize=normalize)
     lines = [r.getMessage() for r in caplog.records if "normalize_reward" in r.getMessage()]
     assert lines == (["ppo.normalize_reward=true has no effect: the reward model stored no held-out mean/std (it "
                       "was trained without held-out pairs), so its raw scores are used"] if warned else [])

@@ -149,7 +149,7 @@ def test_final_checkpoint_reloads_with_plain_transformers(toy_run):
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_cli.data import PairCollator, load_preference_data
-    from rlhf_cli.models import sequence_rewards
+    from rlhf_cli.models import sequence_scores
 
     _, run_dir, cfg = toy_run
     final = run_dir / "final"
@@ -178,7 +178,7 @@ def test_final_checkpoint_reloads_with_plain_transformers(toy_run):
     assert (batch["attention_mask"] == 0).any(), "the batch should hold padding"
     with torch.no_grad():
         hf_scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
-        ours = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])
+        ours = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
     assert torch.allclose(hf_scores, ours, rtol=0, atol=1e-5)
     trained = torch.tensor(trainer_rewards["chosen"] + trainer_rewards["rejected"])
     assert torch.allclose(hf_scores, trained, rtol=1e-5, atol=1e-5)
@@ -260,13 +260,13 @@ def test_resume_before_the_first_checkpoint_starts_over_without_duplicate_record
 def test_without_held_out_pairs_no_reward_stats_are_stored(run_stage):
     """No held-out pairs: nothing was measured, so `final/config.json` carries no reward mean/std
     (PPO then uses raw scores, eval reports no gain in RM-std units) rather than a 0/1 stand-in."""
-    from rlhf_cli.models import read_reward_stats
+    from rlhf_cli.models import read_score_stats
 
     _, run_dir, _ = run_stage("train_rm", ["data.builtin.rm_eval=0", "rm.max_steps=1", "rm.eval_every=0"])
     config = json.loads((run_dir / "final" / "config.json").read_text())
     assert "rlhf_reward_mean" not in config and "rlhf_reward_std" not in config
     assert config["rlhf_stage"] == "rm" and config["rlhf_eval_accuracy"] is None
-    assert read_reward_stats(run_dir / "final") is None
+    assert read_score_stats(run_dir / "final") is None
 
 
 @pytest.mark.parametrize("scoring", ["fp32", "same"])

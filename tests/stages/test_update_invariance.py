@@ -52,13 +52,13 @@ def fixed_rollout(tr, monkeypatch):
     """One rollout with unequal lengths, old log-probs off the policy's and one random advantage per response."""
     force_eos(monkeypatch, tr, EOS_AT)
     exp, _, _ = tr.maker.make_experience(0)
-    mask = exp.mask.bool()
+    mask = exp.loss_mask.bool()
     lengths = mask.sum(1)
     assert lengths.max() >= 8 * lengths.min(), lengths  # very unequal: micro-batch token counts differ a lot
     gen = torch.Generator().manual_seed(0)
     B, R = mask.shape
-    base = exp.ref_logprobs if exp.plan.on_policy else exp.logprobs  # on-policy rollouts leave them to the update
-    exp.logprobs = torch.where(mask, base + 0.5 * torch.randn(B, R, generator=gen), 0.0)
+    base = exp.ref_logprobs if exp.plan.on_policy else exp.old_logprobs  # on-policy rollouts leave them to the update
+    exp.old_logprobs = torch.where(mask, base + 0.5 * torch.randn(B, R, generator=gen), 0.0)
     exp.advantages = torch.where(mask, torch.randn(B, 1, generator=gen).expand(B, R), 0.0)
     return exp
 
@@ -123,7 +123,7 @@ def test_a_micro_batchs_own_token_count_would_break_the_invariance(tmp_path, mon
     for micro, tr in trainers.items():
         real = tr.losses
         with monkeypatch.context() as mp:
-            mp.setattr(tr, "losses", lambda b, num_tokens, num_seqs, real=real: real(b, float(b.mask.sum())))
+            mp.setattr(tr, "losses", lambda b, num_tokens, num_seqs, real=real: real(b, float(b.loss_mask.sum())))
             results[micro], _ = accumulated_gradients(tr, exp, weights, monkeypatch)
     with pytest.raises(AssertionError):
         assert_same_gradients(results[2]["actor"], results[8]["actor"], rel=1e-5)
@@ -137,9 +137,9 @@ def test_the_engine_correction_keeps_the_invariance(tmp_path, monkeypatch, mode)
     cuts = (8, 2, 1)
     trainers = {micro: build(tmp_path, "grpo", micro) for micro in cuts}
     exp = fixed_rollout(trainers[8], monkeypatch)
-    mask = exp.mask.bool()
+    mask = exp.loss_mask.bool()
     gen = torch.Generator().manual_seed(1)
-    exp.engine_logprobs = torch.where(mask, exp.logprobs + 0.8 * torch.randn(mask.shape, generator=gen), 0.0)
+    exp.engine_logprobs = torch.where(mask, exp.old_logprobs + 0.8 * torch.randn(mask.shape, generator=gen), 0.0)
     weights = {"actor": {k: v.clone() for k, v in trainers[8].actor.module.state_dict().items()}}
     for aggregation in AGGREGATIONS:
         results = {}

@@ -1,5 +1,6 @@
-"""The run's reward: one source (`reward.type`) or a weighted sum of several (`reward.weights`), scored on each
-rank's own rows.
+"""The run's sequence score (`ScoreMixer`): one source (`reward.type`) or a weighted sum of several
+(`reward.weights`), scored on each rank's own rows. A score is one number per sequence; the per-token rewards
+the estimators take are built from it later (`ExperienceMaker.shape`).
 
     sources   model     the reward model's score (normalised with its held-out mean/std when
                         `ppo.normalize_reward` and the checkpoint stores them)
@@ -24,7 +25,7 @@ from rlhf_cli import engine
 from rlhf_cli.config import reward_sources
 from rlhf_cli.data import checker
 from rlhf_cli.errors import RewardError
-from rlhf_cli.forwards import batched_rewards
+from rlhf_cli.forwards import batched_scores
 from rlhf_cli.rewards import call_reward_function, load_reward_function
 
 log = logging.getLogger(__name__)
@@ -32,21 +33,21 @@ log = logging.getLogger(__name__)
 CHECKER = "rlhf_cli.data.builtin:checker"
 
 
-class Rewards:
-    """Scores completions with the run's reward sources.
+class ScoreMixer:
+    """Scores completions with the run's reward sources and mixes their scores into one (B,) score per row.
 
     cfg: the run config (`reward.*`, `ppo.normalize_reward`); reward_model: an `engine.FrozenModel` (None when
-    no source is `model`); reward_stats: its held-out (mean, std) or None; batch_size: rows per RM forward;
+    no source is `model`); score_stats: its held-out (mean, std) or None; batch_size: rows per RM forward;
     score_precision: the RM pass's precision; eos_ids: the run's EOS set (`eos.eos_ids`), the tokenizer's first.
     """
 
-    def __init__(self, cfg: Any, tokenizer: Any, reward_model: Any, reward_stats: tuple[float, float] | None,
+    def __init__(self, cfg: Any, tokenizer: Any, reward_model: Any, score_stats: tuple[float, float] | None,
                  batch_size: int, score_precision: str, normalize: bool = True, eos_ids: Sequence[int] = ()) -> None:
         self.weights = reward_sources(cfg)
-        self.tokenizer, self.reward_model, self.reward_stats = tokenizer, reward_model, reward_stats
+        self.tokenizer, self.reward_model, self.score_stats = tokenizer, reward_model, score_stats
         self.batch_size, self.score_precision, self.normalize = batch_size, score_precision, normalize
-        self.eos_ids = tuple(eos_ids)  # the EOS set: a response's closing id is read as the first (`batched_rewards`)
-        self.packing = bool(cfg.data.packing)  # the reward model scores packed rows (`batched_rewards`)
+        self.eos_ids = tuple(eos_ids)  # the EOS set: a response's closing id is read as the first (`batched_scores`)
+        self.packing = bool(cfg.data.packing)  # the reward model scores packed rows (`batched_scores`)
         self.functions: dict[str, tuple[str, Any]] = {}
         if "checker" in self.weights:
             self.functions["checker"] = (CHECKER, checker)
@@ -54,7 +55,7 @@ class Rewards:
             self.functions["function"] = (cfg.reward.function, load_reward_function(cfg.reward.function))
         if "model" in self.weights and reward_model is None:
             raise ValueError("the reward source `model` needs a reward model")
-        if "model" in self.weights and normalize and reward_stats is None and engine.is_main():
+        if "model" in self.weights and normalize and score_stats is None and engine.is_main():
             log.warning("ppo.normalize_reward=true has no effect: the reward model stored no held-out mean/std (it "
                         "was trained without held-out pairs), so its raw scores are used")
 
@@ -75,11 +76,11 @@ class Rewards:
         means: dict[str, float] = {}
         if "model" in self.weights:
             with self.reward_model.on_device() as rm:
-                r = batched_rewards(rm, input_ids, attention_mask, self.batch_size, self.score_precision,
-                                    prompt_len, self.packing, self.eos_ids)
+                r = batched_scores(rm, input_ids, attention_mask, self.batch_size, self.score_precision,
+                                   prompt_len, self.packing, self.eos_ids)
             n = r
-            if self.normalize and self.reward_stats is not None:
-                mean, std = self.reward_stats
+            if self.normalize and self.score_stats is not None:
+                mean, std = self.score_stats
                 n = (r - mean) / (std if std > 1e-6 else 1.0)  # a constant RM has std 0: only centre
             raw, norm = raw + self.weights["model"] * r, norm + self.weights["model"] * n
             means["reward/model"] = r.mean().item()
