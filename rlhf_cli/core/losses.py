@@ -91,6 +91,12 @@ def _weighted(per_token: Tensor, weights: Tensor | None, m: Tensor) -> Tensor:
     return torch.where(m & (w != 0), per_token * w, 0.0)
 
 
+def _live(m: Tensor, weights: Tensor) -> Tensor:
+    """(B, T) bool: the real tokens whose constant weight is not 0 (the terms a weighted loss keeps)."""
+    _check_shapes(mask=m, weights=weights)
+    return m & (weights.detach() != 0)
+
+
 def _check_clips(clip: float, clip_high: float | None, dual_clip: float | None) -> float:
     """The upper clip ε_high (``clip_high``, default ``clip``); raises ValueError on a bad clip range."""
     if clip < 0:
@@ -190,13 +196,12 @@ def policy_loss(
     adv = masked_fill_zero(advantages.detach(), m, dtype)
     ratio = torch.exp(log_ratio)
     per_token, flags = _clipped_surrogate(ratio, adv, m, clip, high, dual_clip)
-    if weights is not None and bool((weights == 0).any()):
+    if weights is not None:
         # a token of weight 0 leaves the loss whatever its ratio: the surrogate is taken at r = 1 there, so that an
-        # inf ratio (log pi_old = -inf: the trainer gave the sampled token no probability) sends no NaN back
+        # inf or NaN ratio (log pi_old = -inf: the trainer gave the sampled token no probability) sends no NaN back
         # through exp; every other token's term, and the stats, are those above
-        live = m & (weights.detach() != 0)
-        per_token, _ = _clipped_surrogate(torch.exp(torch.where(live, log_ratio, 0.0)), adv, m, clip, high,
-                                          dual_clip)
+        per_token, _ = _clipped_surrogate(torch.exp(torch.where(_live(m, weights), log_ratio, 0.0)), adv, m, clip,
+                                          high, dual_clip)
     loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
     return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
 
@@ -319,6 +324,8 @@ def cispo_loss(
     adv = masked_fill_zero(advantages.detach(), m, dtype)
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio.detach(), max=1.0 + high)
+    if weights is not None:  # 0 where the token's weight is 0: a NaN ratio there (-inf - -inf) reaches no gradient
+        weight = torch.where(_live(m, weights), weight, 0.0)
     per_token = torch.where(m, -weight * adv * lp, 0.0)
     loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
     capped = ((ratio.detach() > 1.0 + high) & m).to(dtype)

@@ -204,21 +204,25 @@ def test_a_nan_log_prob_is_masked_and_padding_still_holds_anything():
     assert hit.tolist() == [[True, False, False]]
 
 
+@pytest.mark.parametrize("case", ["old -inf", "old nan", "both -inf (on-policy)"])
 @pytest.mark.parametrize("kind", ["ppo", "cispo"])
-def test_a_token_of_weight_zero_leaves_no_nan_in_the_loss_or_its_gradient(kind):
+def test_a_token_of_weight_zero_leaves_no_nan_in_the_loss_or_its_gradient(kind, case):
     """The engine correction gives weight 0 to a token the trainer gave no probability (log pi_old = -inf, so
-    r = inf): the loss and every gradient stay finite, and equal those of the same batch with that token's
-    advantage zeroed (its term is 0 either way; the divisor still counts it)."""
+    r = inf; on-policy log pi = log pi_old = -inf, so r = NaN) or whose old log-prob is NaN: the loss and every
+    gradient stay finite, and equal those of the same batch with that token's advantage zeroed and ordinary
+    log-probs (its term is 0 either way; the divisor still counts it)."""
     d = rand_ppo_batch(3, 2, 4)
     mask = torch.ones(2, 4, dtype=torch.bool)
     w = torch.ones(2, 4, dtype=torch.float64)
     w[0, 2] = 0.0
-    old = d["old_logprobs"].clone()
-    old[0, 2] = float("-inf")
+    old, lp_in = d["old_logprobs"].clone(), d["logprobs"].clone()
+    old[0, 2] = float("nan") if case == "old nan" else float("-inf")
+    if case.startswith("both"):
+        lp_in[0, 2] = float("-inf")
     adv = d["advantages"].clone()
     adv[0, 2] = -1.0  # A < 0: -A * r = +inf without the guard
     fn = POLICY_LOSSES[kind]
-    lp = d["logprobs"].clone().requires_grad_(True)
+    lp = lp_in.requires_grad_(True)
     got, _ = fn(lp, old, adv, mask, 0.2, weights=w, num_tokens=8.0)
     got.backward()
     assert torch.isfinite(got) and torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0

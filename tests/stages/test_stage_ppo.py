@@ -464,7 +464,7 @@ def test_missing_eos_penalty_hits_only_unterminated_responses(tmp_path, monkeypa
     eos_at = {0: 5, 3: 0, 4: 2}  # rows 0, 3 (empty) and 4 end; the other five are cut by max_new_tokens
     force_eos(monkeypatch, tr, eos_at)
     known = torch.linspace(-1.0, 1.0, 8)  # a known score per row
-    monkeypatch.setattr(tr.maker, "rewards", lambda ids, am, P, prompts: (known.clone(), known.clone(), {}))
+    monkeypatch.setattr(tr.maker, "score_mixer", lambda ids, am, P, prompts: (known.clone(), known.clone(), {}))
     exp, stats, _ = tr.maker.make_experience(0)
 
     ended = torch.tensor([i in eos_at for i in range(8)])
@@ -493,7 +493,7 @@ def test_overlong_penalty_ramps_over_the_buffer_and_adds_to_truncated(tmp_path, 
     eos_at = {0: 5, 1: 3, 3: 0, 4: 2, 5: 4}  # lengths 6, 4, 1, 3, 5; rows 2, 6 and 7 are cut at 6 tokens
     force_eos(monkeypatch, tr, eos_at)
     known = torch.linspace(-1.0, 1.0, 8)
-    monkeypatch.setattr(tr.maker, "rewards", lambda ids, am, P, prompts: (known.clone(), known.clone(), {}))
+    monkeypatch.setattr(tr.maker, "score_mixer", lambda ids, am, P, prompts: (known.clone(), known.clone(), {}))
     exp, stats, _ = tr.maker.make_experience(0)
 
     lengths = exp.attention_mask[:, exp.prompt_len:].sum(1)
