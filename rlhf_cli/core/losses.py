@@ -91,8 +91,13 @@ def _weighted(per_token: Tensor, weights: Tensor | None, m: Tensor) -> Tensor:
     return torch.where(m & (w != 0), per_token * w, 0.0)
 
 
-def _live(m: Tensor, weights: Tensor) -> Tensor:
-    """(B, T) bool: the real tokens whose constant weight is not 0 (the terms a weighted loss keeps)."""
+def _live(m: Tensor, weights: Tensor | None) -> Tensor:
+    """(B, T) bool: the real tokens whose constant weight is not 0 (the terms a weighted loss keeps); ``m`` itself
+    when ``weights`` is None. A policy loss reads log-probs and ratios on these tokens only: at a token of weight 0
+    an inf or NaN log-ratio (log pi_old = -inf: the trainer gave the sampled token no probability) reaches neither
+    the loss, its gradient, nor the stats."""
+    if weights is None:
+        return m
     _check_shapes(mask=m, weights=weights)
     return m & (weights.detach() != 0)
 
@@ -175,7 +180,8 @@ def policy_loss(
         dual_clip: c (``ppo.dual_clip``), > 1; None = no dual clip.
         weights: ``(B, T)`` constant per-token weights multiplying ``loss_t`` before aggregation (the engine
             correction, ``rollout.is_correction``: `core.correction.engine_is_weights`); None = 1. A weight of 0
-            removes the token's term but not its count in the divisor. Stats other than ``policy/loss`` ignore it.
+            removes the token's term but not its count in the divisor; the stats leave such a token out, and
+            weights other than 0 do not change them.
 
     Returns:
         ``(loss, stats)``; stats: ``policy/loss``; ``policy/clipfrac`` (fraction of real tokens where the
@@ -191,19 +197,14 @@ def policy_loss(
     _check_shapes(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     high = _check_clips(clip, clip_high, dual_clip)
     m = _bool_mask(mask)
+    live = _live(m, weights)
     dtype = _compute_dtype(logprobs, old_logprobs, advantages)
-    log_ratio = masked_fill_zero(logprobs, m, dtype) - masked_fill_zero(old_logprobs.detach(), m, dtype)
+    log_ratio = masked_fill_zero(logprobs, live, dtype) - masked_fill_zero(old_logprobs.detach(), live, dtype)
     adv = masked_fill_zero(advantages.detach(), m, dtype)
     ratio = torch.exp(log_ratio)
-    per_token, flags = _clipped_surrogate(ratio, adv, m, clip, high, dual_clip)
-    if weights is not None:
-        # a token of weight 0 leaves the loss whatever its ratio: the surrogate is taken at r = 1 there, so that an
-        # inf or NaN ratio (log pi_old = -inf: the trainer gave the sampled token no probability) sends no NaN back
-        # through exp; every other token's term, and the stats, are those above
-        per_token, _ = _clipped_surrogate(torch.exp(torch.where(_live(m, weights), log_ratio, 0.0)), adv, m, clip,
-                                          high, dual_clip)
+    per_token, flags = _clipped_surrogate(ratio, adv, live, clip, high, dual_clip)
     loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
-    return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
+    return loss, _policy_stats(loss, flags, log_ratio, ratio, live)
 
 
 def _policy_stats(loss: Tensor, flags: dict[str, Tensor], log_ratio: Tensor, ratio: Tensor,
@@ -250,7 +251,9 @@ def gspo_loss(
     paper's sequence objective ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)``; ``"token-mean"`` weighs each
     row by its length. veRL and TRL compute the same token form.
 
-    Args: as :func:`policy_loss` (``clip``/``clip_high`` bound ``s_i``; GSPO's paper uses 3e-4 and 4e-4).
+    Args: as :func:`policy_loss` (``clip``/``clip_high`` bound ``s_i``; GSPO's paper uses 3e-4 and 4e-4). A token
+    of weight 0 is left out of ``s_i`` and ``|y_i|`` too (the geometric mean runs over the kept tokens, as veRL's
+    rejection masks do), but still counts in the aggregation's divisor.
 
     Returns:
         ``(loss, stats)``: :func:`policy_loss`'s keys; the clip fractions count the real tokens of clipped rows;
@@ -262,17 +265,18 @@ def gspo_loss(
     _check_shapes(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     high = _check_clips(clip, clip_high, dual_clip)
     m = _bool_mask(mask)
+    live = _live(m, weights)
     dtype = _compute_dtype(logprobs, old_logprobs, advantages)
-    lp = masked_fill_zero(logprobs, m, dtype)
-    log_ratio = lp - masked_fill_zero(old_logprobs.detach(), m, dtype)
+    lp = masked_fill_zero(logprobs, live, dtype)
+    log_ratio = lp - masked_fill_zero(old_logprobs.detach(), live, dtype)
     adv = masked_fill_zero(advantages.detach(), m, dtype)
-    lengths = m.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)  # (B, 1)
+    lengths = live.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)  # (B, 1)
     log_seq_ratio = log_ratio.sum(dim=1, keepdim=True) / lengths  # (B, 1)
     # log s_i,t = sg[log s_i] + log pi_t - sg[log pi_t]: value log s_i, gradient that of log pi_t
     ratio = torch.exp(log_seq_ratio.detach() + (lp - lp.detach()))  # (B, T)
-    per_token, flags = _clipped_surrogate(ratio, adv, m, clip, high, dual_clip)
+    per_token, flags = _clipped_surrogate(ratio, adv, live, clip, high, dual_clip)
     loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
-    return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
+    return loss, _policy_stats(loss, flags, log_ratio, ratio, live)
 
 
 def cispo_loss(
@@ -318,21 +322,20 @@ def cispo_loss(
     if dual_clip is not None:
         raise ValueError("dual_clip is not defined for CISPO: its weight is capped already (clip_high)")
     m = _bool_mask(mask)
+    live = _live(m, weights)
     dtype = _compute_dtype(logprobs, old_logprobs, advantages)
-    lp = masked_fill_zero(logprobs, m, dtype)
-    log_ratio = lp - masked_fill_zero(old_logprobs.detach(), m, dtype)
+    lp = masked_fill_zero(logprobs, live, dtype)
+    log_ratio = lp - masked_fill_zero(old_logprobs.detach(), live, dtype)
     adv = masked_fill_zero(advantages.detach(), m, dtype)
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio.detach(), max=1.0 + high)
-    if weights is not None:  # 0 where the token's weight is 0: a NaN ratio there (-inf - -inf) reaches no gradient
-        weight = torch.where(_live(m, weights), weight, 0.0)
-    per_token = torch.where(m, -weight * adv * lp, 0.0)
+    per_token = torch.where(live, -weight * adv * lp, 0.0)
     loss = masked_aggregate(_weighted(per_token, weights, m), m, num_tokens, aggregation, num_seqs)
-    capped = ((ratio.detach() > 1.0 + high) & m).to(dtype)
+    capped = ((ratio.detach() > 1.0 + high) & live).to(dtype)
     zero = torch.zeros((), dtype=dtype, device=lp.device)
-    flags = {"policy/clipfrac": masked_mean(capped, m), "policy/clipfrac_high": masked_mean(capped, m),
+    flags = {"policy/clipfrac": masked_mean(capped, live), "policy/clipfrac_high": masked_mean(capped, live),
              "policy/clipfrac_low": zero, "policy/dual_clipfrac": zero}
-    return loss, _policy_stats(loss, flags, log_ratio, ratio, m)
+    return loss, _policy_stats(loss, flags, log_ratio, ratio, live)
 
 
 POLICY_LOSSES = {"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}

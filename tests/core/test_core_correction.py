@@ -138,13 +138,14 @@ def test_bounds_defaults_and_errors():
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_weights_multiply_each_tokens_loss_and_keep_the_divisor(kind, aggregation):
     """loss(weights=w) = Σ_t w_t · loss_t with the unweighted divisor: each loss_t (and its gradient) is taken
-    from a call whose advantages are zero except at t (every loss here is linear in the advantages)."""
+    from a call whose advantages are zero except at t (every loss here is linear in the advantages). A weight of
+    0 is among them except for GSPO, whose sequence ratio also leaves such a token out (the next tests)."""
     d = rand_ppo_batch(3, 3, 5)
     gen = torch.Generator().manual_seed(1)
     mask = right_padded_mask(gen, 3, 5)
     mask[1, :2] = True  # no empty row
     w = torch.rand(3, 5, generator=gen, dtype=torch.float64) * 2
-    w[0, 1] = 0.0
+    w[0, 1] = 0.0 if kind != "gspo" else 0.5
     fn = POLICY_LOSSES[kind]
     kw = dict(aggregation=aggregation, clip_high=0.3, num_tokens=float(mask.sum()), num_seqs=3.0)
     lp = d["logprobs"].clone().requires_grad_(True)
@@ -205,7 +206,7 @@ def test_a_nan_log_prob_is_masked_and_padding_still_holds_anything():
 
 
 @pytest.mark.parametrize("case", ["old -inf", "old nan", "both -inf (on-policy)"])
-@pytest.mark.parametrize("kind", ["ppo", "cispo"])
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_a_token_of_weight_zero_leaves_no_nan_in_the_loss_or_its_gradient(kind, case):
     """The engine correction gives weight 0 to a token the trainer gave no probability (log pi_old = -inf, so
     r = inf; on-policy log pi = log pi_old = -inf, so r = NaN) or whose old log-prob is NaN: the loss and every
@@ -223,13 +224,45 @@ def test_a_token_of_weight_zero_leaves_no_nan_in_the_loss_or_its_gradient(kind, 
     adv[0, 2] = -1.0  # A < 0: -A * r = +inf without the guard
     fn = POLICY_LOSSES[kind]
     lp = lp_in.requires_grad_(True)
-    got, _ = fn(lp, old, adv, mask, 0.2, weights=w, num_tokens=8.0)
+    got, stats = fn(lp, old, adv, mask, 0.2, weights=w, num_tokens=8.0)
     got.backward()
     assert torch.isfinite(got) and torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0
+    assert all(math.isfinite(v) for v in stats.values()), stats
     adv0, old0 = adv.clone(), d["old_logprobs"]
     adv0[0, 2] = 0.0
     lp0 = d["logprobs"].clone().requires_grad_(True)
-    want, _ = fn(lp0, old0, adv0, mask, 0.2, weights=w, num_tokens=8.0)
+    want, want_stats = fn(lp0, old0, adv0, mask, 0.2, weights=w, num_tokens=8.0)
     want.backward()
     assert got.item() == pytest.approx(want.item(), abs=1e-12)
     torch.testing.assert_close(lp.grad, lp0.grad, atol=1e-12, rtol=0)
+    assert stats == pytest.approx(want_stats, abs=1e-12)  # the stats leave the token out too
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_a_token_of_weight_zero_is_as_if_cut_from_its_row(kind):
+    """With token-mean and a fixed divisor, a weight-0 token is the same as that token cut out of its response
+    (the row shifted left, padded at the end): the loss, the other tokens' gradients and the stats agree. For
+    GSPO this is the rule that the sequence ratio s_i is the geometric mean over the kept tokens only."""
+    d = rand_ppo_batch(5, 2, 5)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    w = torch.ones(2, 5, dtype=torch.float64)
+    w[0, 1] = 0.0
+    fn = POLICY_LOSSES[kind]
+    lp = d["logprobs"].clone().requires_grad_(True)
+    got, stats = fn(lp, d["old_logprobs"], d["advantages"], mask, 0.2, weights=w, num_tokens=10.0)
+    got.backward()
+    keep = [0, 2, 3, 4]  # row 0 without its token 1, then one padding column
+    cut = {k: d[k].clone() for k in ("logprobs", "old_logprobs", "advantages")}
+    for v in cut.values():
+        v[0, :4] = v[0, keep]
+        v[0, 4] = 0.0
+    cut_mask = mask.clone()
+    cut_mask[0, 4] = False
+    lp_cut = cut["logprobs"].requires_grad_(True)
+    want, want_stats = fn(lp_cut, cut["old_logprobs"], cut["advantages"], cut_mask, 0.2, num_tokens=10.0)
+    want.backward()
+    assert got.item() == pytest.approx(want.item(), abs=1e-12)
+    torch.testing.assert_close(lp.grad[0, keep], lp_cut.grad[0, :4], atol=1e-12, rtol=0)
+    torch.testing.assert_close(lp.grad[1], lp_cut.grad[1], atol=1e-12, rtol=0)
+    assert lp.grad[0, 1] == 0
+    assert stats == pytest.approx(want_stats, abs=1e-12)
