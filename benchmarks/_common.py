@@ -5,8 +5,10 @@
     compose(config_name, overrides)        the config `rlhf <command> <overrides>` would run with
     save_reward_model_init(model_cfg, ...) the base LM + a seeded scalar head, in HF seq-cls layout
     policy_dir(model_cfg, seed, workdir)   an HF dir holding the policy's initial weights
+    compare_under(command)                 the `rlhf` command whose allocator settings both tools run under
+                                           (bench_main(..., command) calls it)
     run_child(cmd, log_path)               a subprocess with its own wall time and peak RSS (by default with the
-                                           allocator settings `rlhf` makes, `malloc_env`, for both tools)
+                                           allocator settings that command makes, `malloc_env`, for both tools)
     matmul_gflops(m, k, n, dtype)          measured matmul throughput (the hardware-limit row)
     real_response_tokens(responses, eos)   response tokens up to and including the first EOS
     Table                                  console table + markdown + JSON
@@ -40,13 +42,26 @@ TRL_VERSION = "1.12.0"
 PACKAGES = ("torch", "transformers", "deepspeed", "trl", "accelerate")
 
 
+_COMPARED: list[str] = []  # the `rlhf` command this benchmark measures (`compare_under`)
+
+
+def compare_under(command: str) -> None:
+    """Say which `rlhf` command this benchmark measures: both tools' children run under the malloc settings it
+    makes (`malloc_env`). Called once by each benchmark's main."""
+    _COMPARED[:] = [command]
+
+
 def malloc_env() -> dict[str, str]:
-    """glibc's settings that `rlhf` makes in-process (cli.reuse_freed_memory: large blocks from the heap, freed
-    memory kept), as environment variables for every child, ours and TRL's: an allocator setting any torch user can
-    make is not counted as ours. Empty where `rlhf` makes none (`RLHF_MALLOC=system`, a preloaded allocator)."""
+    """glibc's settings that `rlhf <command>` makes in-process (`compare_under`; cli.reuse_freed_memory: large
+    blocks from the heap, freed memory kept), as environment variables for every child, ours and TRL's: an
+    allocator setting any torch user can make is not counted as ours. Empty where that command makes none (its
+    `Command.malloc` is `system`, `RLHF_MALLOC=system`, a preloaded allocator). Raises RuntimeError before
+    `compare_under`."""
     from rlhf_cli.cli import MALLOC_SETTINGS, malloc_mode
 
-    if malloc_mode() == "system":
+    if not _COMPARED:
+        raise RuntimeError("benchmarks/_common.compare_under(command) first: which command's allocator to use")
+    if malloc_mode(_COMPARED[0]) == "system":
         return {}
     # glibc reads mallopt's M_<NAME> from the environment as MALLOC_<NAME>_
     return {f"MALLOC_{name[2:]}_": str(value) for name, (_, value) in MALLOC_SETTINGS.items()}
@@ -141,7 +156,8 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
         info.get("trained", "trained: every weight (full fine-tuning), both tools"),
         "allocator, both tools: " + ("glibc keeps freed memory for reuse (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_="
                                      "2 GiB, what `rlhf` sets in-process)" if malloc_env() else
-                                     "glibc's defaults or a preloaded allocator (RLHF_MALLOC=system, LD_PRELOAD)"),
+                                     "glibc's defaults or a preloaded allocator (`rlhf " + _COMPARED[0] + "`'s own, "
+                                     "RLHF_MALLOC=system, LD_PRELOAD)"),
     ]
 
 
@@ -511,9 +527,11 @@ def add_common_args(p: Any) -> None:
 
 
 def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, Path, dict[str, Any]], None],
-               prefix: str) -> None:
+               prefix: str, command: str) -> None:
     """The shared entry point: a TRL child process (`--trl-child SPEC`) or the comparison itself, in
-    `--workdir` (kept) or a temp dir (removed afterwards); `run(args, work, machine_info())` with logs quiet."""
+    `--workdir` (kept) or a temp dir (removed afterwards); `run(args, work, machine_info())` with logs quiet, both
+    tools under the malloc settings of `rlhf <command>` (`compare_under`)."""
+    compare_under(command)
     if args.trl_child:
         trl_child(args.trl_child)
         return

@@ -179,7 +179,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    C.bench_main(parse_args(), trl_child, run, "dpo_bench")
+    C.bench_main(parse_args(), trl_child, run, "dpo_bench", "train-dpo")
 
 
 def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:

@@ -220,7 +220,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    C.bench_main(parse_args(), trl_child, run, "grpo_bench")
+    C.bench_main(parse_args(), trl_child, run, "grpo_bench", "train-ppo")
 
 
 def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) -> dict[str, Any]:

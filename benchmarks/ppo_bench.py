@@ -428,7 +428,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    C.bench_main(parse_args(), trl_child, run, "ppo_bench")
+    C.bench_main(parse_args(), trl_child, run, "ppo_bench", "train-ppo")
 
 
 def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:

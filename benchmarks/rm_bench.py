@@ -211,7 +211,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    C.bench_main(parse_args(), trl_child, run, "rm_bench")
+    C.bench_main(parse_args(), trl_child, run, "rm_bench", "train-rm")
 
 
 def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:

@@ -285,7 +285,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    C.bench_main(parse_args(), trl_child, run, "sft_bench")
+    C.bench_main(parse_args(), trl_child, run, "sft_bench", "train-sft")
 
 
 def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:

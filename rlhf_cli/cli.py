@@ -20,7 +20,7 @@ from rlhf_cli.commands import COMMANDS, reporter
 # Hydra's informational flags: nothing runs, nothing is validated
 INFO_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i")
 SWEEP_DIRS: set[Path] = set()  # the sweep dirs of this process's training jobs (said at the end)
-MALLOC_ENV = "RLHF_MALLOC"  # `reuse` (default) or `system`: glibc's malloc settings as they are (`reuse_freed_memory`)
+MALLOC_ENV = "RLHF_MALLOC"  # `reuse` or `system` (glibc's settings as they are); unset: the command's (`malloc_mode`)
 # the glibc mallopt parameters `reuse_freed_memory` sets: name -> (its number in malloc.h, value)
 MALLOC_SETTINGS = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1)}
 PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard")  # names in LD_PRELOAD that replace malloc
@@ -308,18 +308,20 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def malloc_mode() -> str:
-    """`RLHF_MALLOC` as `reuse_freed_memory` reads it: `reuse` (the default, also when unset or empty) or `system`
-    (glibc's defaults); `system` too when an allocator from PRELOADED_ALLOCATORS is preloaded (`LD_PRELOAD`), whose
-    own settings then rule. Raises ValueError for any other value."""
-    mode = os.environ.get(MALLOC_ENV, "") or "reuse"
+def malloc_mode(command: str | None = None) -> str:
+    """The malloc settings `reuse_freed_memory` makes for `rlhf <command>`: `RLHF_MALLOC` where set (`reuse` or
+    `system`, glibc's defaults), else the command's own (`Command.malloc`; `reuse` for no or an unknown command);
+    `system` whatever they say when an allocator from PRELOADED_ALLOCATORS is preloaded (`LD_PRELOAD`), whose own
+    settings then rule. Raises ValueError for any other `RLHF_MALLOC`."""
+    default = COMMANDS[command].malloc if command in COMMANDS else "reuse"
+    mode = os.environ.get(MALLOC_ENV, "") or default
     if mode not in ("reuse", "system"):
-        raise ValueError(f"{MALLOC_ENV}={mode!r}: expected 'reuse' (the default) or 'system'")
+        raise ValueError(f"{MALLOC_ENV}={mode!r}: expected 'reuse' or 'system' (unset: each command's own)")
     preload = os.environ.get("LD_PRELOAD", "").lower()
     return "system" if any(name in preload for name in PRELOADED_ALLOCATORS) else mode
 
 
-def reuse_freed_memory() -> bool:
+def reuse_freed_memory(command: str | None = None) -> bool:
     """Keep freed memory in this process for the next tensor (glibc on Linux); returns whether the settings took.
 
     glibc serves every block above 32 MiB with its own mmap and unmaps it when freed, so each such tensor, made new
@@ -329,10 +331,11 @@ def reuse_freed_memory() -> bool:
     past 2 GiB; jemalloc and tcmalloc behave alike. Process-wide: `main` calls it first, so a caller of `main` in
     its own process gets it too. Measured on SmolLM2 (fwd + bwd + AdamW, 8 x 85 tokens, bf16-autocast, 2 cores):
     2.5M -> 0.9M page faults, step medians 1.63-1.70 -> 1.34-1.42 s, peak RSS +6 %; `rlhf train-ppo` 0.89x the
-    time (docs/results.md). Allocation only: every number is the same. Off with `RLHF_MALLOC=system` (`malloc_mode`).
+    time (docs/results.md). Allocation only: every number is the same. Off for a command whose `malloc` is `system`
+    (train-sft) and with `RLHF_MALLOC=system`; on for every command with `RLHF_MALLOC=reuse` (`malloc_mode`).
     Raises ValueError for an unknown `RLHF_MALLOC`.
     """
-    if malloc_mode() == "system" or not sys.platform.startswith("linux"):
+    if malloc_mode(command) == "system" or not sys.platform.startswith("linux"):
         return False
     import ctypes
 
@@ -343,15 +346,15 @@ def reuse_freed_memory() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     try:
-        reuse_freed_memory()
+        reuse_freed_memory(argv[0] if argv else None)
     except ValueError as e:
         _err(str(e))
         sys.exit(2)
     from rlhf_cli.config import ConfigError, register_configs
     from rlhf_cli.overrides import check_override_keys
 
-    argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         sys.exit(0)

@@ -56,7 +56,25 @@ def test_cli_refuses_an_unknown_malloc_mode():
     out = subprocess.run([sys.executable, "-m", "rlhf_cli", "--help"], cwd=REPO, env={**ENV, "RLHF_MALLOC": "glibc"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.strip() == "error: RLHF_MALLOC='glibc': expected 'reuse' (the default) or 'system'"
+    assert out.stderr.strip() == "error: RLHF_MALLOC='glibc': expected 'reuse' or 'system' (unset: each command's own)"
+
+
+def test_each_command_has_its_malloc_settings_and_the_environment_overrides_them(monkeypatch):
+    """train-sft runs under glibc's defaults (its packed rows change shape every step: kept blocks only grow the
+    heap), the other commands keep freed memory; `RLHF_MALLOC` set either way rules for every command."""
+    from rlhf_cli import cli
+    from rlhf_cli.commands import COMMANDS
+
+    monkeypatch.delenv("RLHF_MALLOC", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert {name: cli.malloc_mode(name) for name in COMMANDS} == {
+        name: "system" if name == "train-sft" else "reuse" for name in COMMANDS}
+    assert cli.malloc_mode(None) == cli.malloc_mode("train-kto") == "reuse"
+    if sys.platform.startswith("linux"):
+        assert cli.reuse_freed_memory("train-sft") is False
+    for mode in ("reuse", "system"):
+        monkeypatch.setenv("RLHF_MALLOC", mode)
+        assert cli.malloc_mode("train-sft") == cli.malloc_mode("train-ppo") == mode
 
 
 def test_a_preloaded_allocator_keeps_its_own_settings(monkeypatch):

@@ -278,3 +278,45 @@ def test_the_frozen_weights_fingerprint_makes_no_whole_float64_copy():
     assert record["frozen_sum"] == pytest.approx(float(whole.sum()), rel=1e-12, abs=1e-9)
     assert record["frozen_abs_sum"] == pytest.approx(float(whole.abs().sum()), rel=1e-12)
     assert record["frozen_numel"] == 2_100_000 and record["trained"] == ["1.bias", "1.weight"]
+
+
+def test_adamw_state_is_made_before_the_first_forward_and_changes_no_number():
+    """ZeRO-0's torch AdamW gets its moments at construction (zeros, step 0; no weight moved, no gradient left
+    behind), so they sit below the first activations in the heap; two optimizer steps then give bit for bit the
+    weights of the same AdamW making its state lazily, as torch does."""
+    ds = SimpleNamespace(zero_stage=0, offload_optimizer=False, offload_param=False, extra={})
+    kw = dict(lr=1e-2, train_batch_size=4, micro_batch_size=2, total_steps=10, warmup_steps=1, scheduler="cosine",
+              weight_decay=0.1, betas=(0.9, 0.95))
+    model = _tiny()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    eng = engine.TrainEngine(model, ds, "fp32", **kw)
+    params = [p for p in eng.module.parameters() if p.requires_grad]
+    assert all(p.grad is None for p in params)
+    assert all(torch.equal(v, before[k]) for k, v in eng.module.state_dict().items())
+    state = eng.engine.optimizer.state
+    assert len(state) == len(params)
+    for p in params:
+        s = state[p]
+        assert float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+    assert eng.lr() == pytest.approx(1e-2 * engine.lr_lambda("cosine", 1, 10)(0))  # restored as the schedule set it
+
+    ref = _tiny()
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in ref_params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in ref_params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = engine._adamw(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, engine.lr_lambda("cosine", 1, 10))
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 12), generator=g) for _ in range(6)]  # 3 steps of 2 micro-batches
+    for i, x in enumerate(batches):
+        loss = eng.module(input_ids=x, labels=x).loss
+        eng.backward_mean(loss)
+        eng.step()
+        (ref(input_ids=x, labels=x).loss / 2).backward()
+        if i % 2:
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+    assert eng.global_steps == 3
+    for k, v in ref.state_dict().items():
+        assert torch.equal(eng.module.state_dict()[k], v), k
