@@ -430,11 +430,11 @@ def _exclude_tied_frozen(ds_engine: Any, model: torch.nn.Module) -> None:
 def _allocate_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
     """Make torch AdamW's moments now, before the first forward, as the first step would have made them: zeros,
     step 0. Made lazily by that step they land in the heap among the first micro-batches' freed activations
-    (`cli.reuse_freed_memory` keeps freed blocks), and every later step's activations grow the heap around them:
-    train-sft on SmolLM2 (10 steps of 16, bf16-autocast) peaked 4.33 GiB made lazily, 4.26 made here
-    (docs/results.md). Done by one AdamW step on zero gradients at lr 0, then step counts reset to 0: the moments
-    stay exact zeros and every weight is unchanged (w - 0 * (wd * w + m / (sqrt(v) + eps)) = w), so no number of
-    the run changes."""
+    (whether glibc keeps freed blocks, `cli.reuse_freed_memory`, or not), and every later step's activations grow
+    the heap around them: train-sft on SmolLM2 (10 steps of 16, bf16-autocast, glibc's defaults) peaked 3.99 GiB
+    made lazily, 3.83 made here (docs/results.md). Done by one AdamW step on zero gradients at lr 0, then step
+    counts reset to 0: the moments stay exact zeros and every weight is unchanged (w - 0 * (wd * w + m / (sqrt(v)
+    + eps)) = w), so no number of the run changes. For torch's own AdamW only (DeepSpeed's wrappers keep theirs)."""
     lrs = [group["lr"] for group in optimizer.param_groups]
     grads = [p.grad for p in params]
     for group in optimizer.param_groups:
@@ -493,8 +493,10 @@ class TrainEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler_, config=self.config,
             dist_init_required=False)
-        if not isinstance(self.engine.optimizer, ZeROOptimizer):  # ZeRO-0: torch's AdamW keeps its own state
-            _allocate_adamw_state(self.engine.optimizer, params)
+        # torch's AdamW unwrapped (ZeRO-0 in fp32 or bf16-autocast): its state is made lazily. DeepSpeed's bf16 and
+        # ZeRO optimizers wrap it and make theirs in their own way (bf16's with a step of its own): left alone
+        if self.engine.optimizer is optimizer:
+            _allocate_adamw_state(optimizer, params)
         # frozen weights (LoRA's base) are rebuilt from the model's source on resume: checkpoints leave them out,
         # and record a fingerprint of them (and the trained names) that `load` checks
         self.has_frozen, self._frozen_record = has_frozen, frozen_record

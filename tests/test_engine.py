@@ -320,3 +320,13 @@ def test_adamw_state_is_made_before_the_first_forward_and_changes_no_number():
     assert eng.global_steps == 3
     for k, v in ref.state_dict().items():
         assert torch.equal(eng.module.state_dict()[k], v), k
+
+
+def test_deepspeeds_bf16_optimizer_keeps_its_own_state():
+    """precision=bf16 wraps torch's AdamW in DeepSpeed's optimizer, which makes the state with a step of its own
+    at construction: that state is left as DeepSpeed made it (step 1), not reset."""
+    ds = SimpleNamespace(zero_stage=0, offload_optimizer=False, offload_param=False, extra={})
+    eng = engine.TrainEngine(_tiny(), ds, "bf16", lr=1e-2, train_batch_size=4, micro_batch_size=2, total_steps=10)
+    inner = eng.engine.optimizer.optimizer
+    assert eng.engine.optimizer is not inner
+    assert {float(s["step"]) for s in inner.state.values()} == {1.0}

@@ -184,7 +184,8 @@ def policy_loss(
             weights other than 0 do not change them.
 
     Returns:
-        ``(loss, stats)``; stats: ``policy/loss``; ``policy/clipfrac`` (fraction of real tokens where the
+        ``(loss, stats)``; stats (over real tokens of non-zero weight; only ``policy/loss`` where there are none):
+        ``policy/loss``; ``policy/clipfrac`` (fraction of real tokens where the
         clipped term is the active one, i.e. the gradient is zero), split into ``policy/clipfrac_high`` (A > 0,
         r > 1 + ε_high) and ``policy/clipfrac_low`` (A < 0, r < 1 - ε_low); ``policy/dual_clipfrac`` (fraction
         of real tokens the dual clip bounds; 0 without it); ``policy/approx_kl`` (k3 estimate of
@@ -209,15 +210,20 @@ def policy_loss(
 
 def _policy_stats(loss: Tensor, flags: dict[str, Tensor], log_ratio: Tensor, ratio: Tensor,
                   m: Tensor) -> dict[str, float]:
+    """The policy losses' stats over the tokens ``m`` keeps (one host sync); only ``policy/loss`` when it keeps
+    none (every token padding or of weight 0), so that a caller averaging over micro-batches averages over those
+    that had tokens, not over a 0 standing for none."""
     with torch.no_grad():
-        return _floats(
+        stats = _floats(
             {
                 "policy/loss": loss,
                 **flags,
                 "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, m),
                 "policy/ratio_mean": masked_mean(ratio, m),
+                "kept": m.sum(),
             }
         )
+    return stats if stats.pop("kept") > 0 else {"policy/loss": stats["policy/loss"]}
 
 
 def gspo_loss(
@@ -256,8 +262,9 @@ def gspo_loss(
     rejection masks do), but still counts in the aggregation's divisor.
 
     Returns:
-        ``(loss, stats)``: :func:`policy_loss`'s keys; the clip fractions count the real tokens of clipped rows;
-        ``policy/ratio_mean`` is the mean of ``s_i`` over real tokens; ``policy/approx_kl`` is per token.
+        ``(loss, stats)``: :func:`policy_loss`'s keys; the clip fractions count the kept tokens (real, weight not 0)
+        of clipped rows; ``policy/ratio_mean`` is the mean of ``s_i`` over kept tokens; ``policy/approx_kl`` is per
+        token.
 
     Raises:
         ValueError: as :func:`policy_loss`.
@@ -312,7 +319,8 @@ def cispo_loss(
 
     Returns:
         ``(loss, stats)``: :func:`policy_loss`'s keys; ``policy/clipfrac`` = ``policy/clipfrac_high`` is the
-        fraction of real tokens whose weight is capped; ``policy/clipfrac_low`` and ``policy/dual_clipfrac`` are 0.
+        fraction of kept tokens (real, weight not 0) whose IS weight is capped; ``policy/clipfrac_low`` and
+        ``policy/dual_clipfrac`` are 0.
 
     Raises:
         ValueError: as :func:`policy_loss`; ``dual_clip`` set.
