@@ -184,7 +184,7 @@ def policy_loss(
             weights other than 0 do not change them.
 
     Returns:
-        ``(loss, stats)``; stats (over real tokens of non-zero weight; only ``policy/loss`` where there are none):
+        ``(loss, stats)``; stats (over real tokens of non-zero weight; 0 where there are none):
         ``policy/loss``; ``policy/clipfrac`` (fraction of real tokens where the
         clipped term is the active one, i.e. the gradient is zero), split into ``policy/clipfrac_high`` (A > 0,
         r > 1 + ε_high) and ``policy/clipfrac_low`` (A < 0, r < 1 - ε_low); ``policy/dual_clipfrac`` (fraction
@@ -210,20 +210,17 @@ def policy_loss(
 
 def _policy_stats(loss: Tensor, flags: dict[str, Tensor], log_ratio: Tensor, ratio: Tensor,
                   m: Tensor) -> dict[str, float]:
-    """The policy losses' stats over the tokens ``m`` keeps (one host sync); only ``policy/loss`` when it keeps
-    none (every token padding or of weight 0), so that a caller averaging over micro-batches averages over those
-    that had tokens, not over a 0 standing for none."""
+    """The policy losses' stats over the tokens ``m`` keeps (one host sync), always the same keys (ranks reduce
+    them by position, `engine.reduce_stats`): 0 where it keeps none (every token padding or of weight 0)."""
     with torch.no_grad():
-        stats = _floats(
+        return _floats(
             {
                 "policy/loss": loss,
                 **flags,
                 "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, m),
                 "policy/ratio_mean": masked_mean(ratio, m),
-                "kept": m.sum(),
             }
         )
-    return stats if stats.pop("kept") > 0 else {"policy/loss": stats["policy/loss"]}
 
 
 def gspo_loss(

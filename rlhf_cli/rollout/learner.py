@@ -203,7 +203,6 @@ class PolicyLearner:
         (`exp.forwards`)."""
         ws = engine.world_size()
         sums: dict[str, float] = {}
-        counts: dict[str, int] = {}  # micro-batches reporting each stat (a loss that keeps no token: its loss only)
         count, tokens = 0, 0.0
         t0 = time.perf_counter()
         self.actor.train()
@@ -217,12 +216,12 @@ class PolicyLearner:
                 exp.old_logprobs[rows] = out.logprobs.float()
             # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
             for k, val in out.stats.items():
-                sums[k], counts[k] = sums.get(k, 0.0) + val, counts.get(k, 0) + 1
+                sums[k] = sums.get(k, 0.0) + val
             sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + out.policy.item()
             sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + out.value.item()
             count += 1
         dt = time.perf_counter() - t0 + carried_seconds  # the carried forwards are the update's, run earlier
-        stats = {k: v / counts.get(k, max(count, 1)) for k, v in sums.items()}
+        stats = {k: v / max(count, 1) for k, v in sums.items()}
         n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
         stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws
         if self.estimator.needs_critic:

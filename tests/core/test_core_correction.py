@@ -269,15 +269,17 @@ def test_a_token_of_weight_zero_is_as_if_cut_from_its_row(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
-def test_a_loss_that_keeps_no_token_reports_only_its_loss(kind):
-    """Every token of weight 0 (or padding): no ratio, KL or clip fraction is reported, rather than a 0 that a
-    mean over micro-batches would count; the loss is 0 and so is its gradient."""
+def test_a_loss_that_keeps_no_token_reports_zeros_under_the_same_keys(kind):
+    """Every token of weight 0 (or padding): the loss is 0 and so is its gradient; the stats keep their keys (ranks
+    reduce them by position) with 0 for the ratio, KL and clip fractions, never NaN."""
     d = rand_ppo_batch(7, 2, 4)
     mask = torch.ones(2, 4, dtype=torch.bool)
     lp = d["logprobs"].clone().requires_grad_(True)
     loss, stats = POLICY_LOSSES[kind](lp, d["old_logprobs"], d["advantages"], mask, 0.2,
                                       weights=torch.zeros(2, 4, dtype=torch.float64))
     loss.backward()
-    assert stats == {"policy/loss": 0.0} and loss.item() == 0.0 and not lp.grad.any()
+    _, kept = POLICY_LOSSES[kind](d["logprobs"], d["old_logprobs"], d["advantages"], mask, 0.2)
+    assert stats.keys() == kept.keys() and set(stats.values()) == {0.0}
+    assert loss.item() == 0.0 and not lp.grad.any()
     _, stats = POLICY_LOSSES[kind](d["logprobs"], d["old_logprobs"], d["advantages"], torch.zeros_like(mask), 0.2)
-    assert list(stats) == ["policy/loss"]
+    assert stats.keys() == kept.keys() and set(stats.values()) == {0.0}
