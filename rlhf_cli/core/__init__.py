@@ -43,6 +43,8 @@ from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_adv
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats, informative_groups
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
 from rlhf_cli.core.losses import (
+    KEPT_TOKEN_MEANS,
+    KEPT_TOKENS,
     POLICY_LOSSES,
     cispo_loss,
     entropy_bonus,
@@ -81,6 +83,8 @@ __all__ = [
     "PER_TOKEN",
     "ESTIMATORS",
     "IS_CORRECTIONS",
+    "KEPT_TOKEN_MEANS",
+    "KEPT_TOKENS",
     "POLICY_LOSSES",
     "SMALL_SAMPLE",
     "AdaptiveKLController",

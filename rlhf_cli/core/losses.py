@@ -189,7 +189,8 @@ def policy_loss(
         clipped term is the active one, i.e. the gradient is zero), split into ``policy/clipfrac_high`` (A > 0,
         r > 1 + ε_high) and ``policy/clipfrac_low`` (A < 0, r < 1 - ε_low); ``policy/dual_clipfrac`` (fraction
         of real tokens the dual clip bounds; 0 without it); ``policy/approx_kl`` (k3 estimate of
-        KL(pi_old || pi), nats per token: ``(r - 1) - log r``); ``policy/ratio_mean``.
+        KL(pi_old || pi), nats per token: ``(r - 1) - log r``); ``policy/ratio_mean``; ``policy/kept_tokens``
+        (how many tokens these means are over).
 
     Raises:
         ValueError: shape mismatch, negative ``clip`` or ``clip_high``, ``dual_clip <= 1``, unknown
@@ -211,7 +212,9 @@ def policy_loss(
 def _policy_stats(loss: Tensor, flags: dict[str, Tensor], log_ratio: Tensor, ratio: Tensor,
                   m: Tensor) -> dict[str, float]:
     """The policy losses' stats over the tokens ``m`` keeps (one host sync), always the same keys (ranks reduce
-    them by position, `engine.reduce_stats`): 0 where it keeps none (every token padding or of weight 0)."""
+    them by position, `engine.reduce_stats`): 0 where it keeps none (every token padding or of weight 0), and
+    ``policy/kept_tokens``, their count, by which a caller weighs the `KEPT_TOKEN_MEANS` over micro-batches
+    (`rollout.learner.Learner.train_on`)."""
     with torch.no_grad():
         return _floats(
             {
@@ -219,8 +222,16 @@ def _policy_stats(loss: Tensor, flags: dict[str, Tensor], log_ratio: Tensor, rat
                 **flags,
                 "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, m),
                 "policy/ratio_mean": masked_mean(ratio, m),
+                KEPT_TOKENS: m.sum(),
             }
         )
+
+
+KEPT_TOKENS = "policy/kept_tokens"
+KEPT_TOKEN_MEANS = ("policy/clipfrac", "policy/clipfrac_high", "policy/clipfrac_low", "policy/dual_clipfrac",
+                    "policy/approx_kl", "policy/ratio_mean")
+"""The policy losses' stats that are means over their kept tokens (`_policy_stats`): a mean over several
+micro-batches weighs each by its ``policy/kept_tokens``."""
 
 
 def gspo_loss(

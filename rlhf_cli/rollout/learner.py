@@ -24,7 +24,15 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import POLICY_LOSSES, engine_is_weights, entropy_bonus, kl_loss, value_loss
+from rlhf_cli.core import (
+    KEPT_TOKEN_MEANS,
+    KEPT_TOKENS,
+    POLICY_LOSSES,
+    engine_is_weights,
+    entropy_bonus,
+    kl_loss,
+    value_loss,
+)
 from rlhf_cli.forwards import training_forward
 from rlhf_cli.models import has_value_head
 from rlhf_cli.rollout.experience import Experience
@@ -214,14 +222,16 @@ class PolicyLearner:
             out = self.micro_step(b, num_tokens, num_seqs, iteration)
             if exp.plan.on_policy:
                 exp.old_logprobs[rows] = out.logprobs.float()
-            # per-micro-batch stats: losses summed over micro-batches give the minibatch loss
+            # per-micro-batch stats: losses summed over micro-batches give the minibatch loss; the policy loss's
+            # means over its kept tokens are weighed by their count (a micro-batch that keeps none adds nothing)
+            kept = out.stats.get(KEPT_TOKENS, 0.0)
             for k, val in out.stats.items():
-                sums[k] = sums.get(k, 0.0) + val
+                sums[k] = sums.get(k, 0.0) + (val * kept if k in KEPT_TOKEN_MEANS else val)
             sums["policy/loss_sum"] = sums.get("policy/loss_sum", 0.0) + out.policy.item()
             sums["val/loss_sum"] = sums.get("val/loss_sum", 0.0) + out.value.item()
             count += 1
         dt = time.perf_counter() - t0 + carried_seconds  # the carried forwards are the update's, run earlier
-        stats = {k: v / max(count, 1) for k, v in sums.items()}
+        stats = {k: v if k in KEPT_TOKEN_MEANS or k == KEPT_TOKENS else v / max(count, 1) for k, v in sums.items()}
         n_minibatches = self.p.epochs * math.ceil(exp.input_ids.shape[0] / (self.p.mini_batch_size // ws))
         stats["policy/loss"] = sums.get("policy/loss_sum", 0.0) / n_minibatches * ws
         if self.estimator.needs_critic:
@@ -231,4 +241,9 @@ class PolicyLearner:
         stats["throughput/train_tokens_per_s"] = tokens * ws / max(dt, 1e-9)
         stats["policy/grad_norm"] = self.actor.grad_norm()
         stats["lr/actor"] = self.actor.lr()
-        return engine.reduce_stats(stats)
+        stats = engine.reduce_stats(stats)  # the kept-token sums and their count alike: ratios of totals
+        kept = stats.pop(KEPT_TOKENS, 0.0)
+        for k in KEPT_TOKEN_MEANS:
+            if k in stats:
+                stats[k] = stats[k] / kept if kept > 0 else 0.0
+        return stats

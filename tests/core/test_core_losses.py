@@ -24,7 +24,7 @@ GARBAGE = [1e6, -1e6, math.inf, -math.inf, math.nan]
 SHAPES = [(1, 1), (2, 5), (4, 7), (3, 16)]
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean"]
 POLICY_KEYS = {"policy/loss", "policy/clipfrac", "policy/clipfrac_high", "policy/clipfrac_low", "policy/dual_clipfrac",
-               "policy/approx_kl", "policy/ratio_mean"}
+               "policy/approx_kl", "policy/ratio_mean", "policy/kept_tokens"}
 VALUE_KEYS = {"val/loss", "val/clipfrac", "val/explained_var"}
 RM_KEYS = {"rm/loss", "rm/accuracy", "rm/margin", "rm/chosen_mean", "rm/rejected_mean"}
 
@@ -102,6 +102,7 @@ def ref_policy_loss(lp, olp, adv, mask, clip, num_tokens=None, aggregation="toke
         "policy/dual_clipfrac": mean(flags["dual"]),
         "policy/approx_kl": mean(kls),
         "policy/ratio_mean": mean(ratios),
+        "policy/kept_tokens": float(len(ratios)),
     }
 
 

@@ -85,6 +85,7 @@ def ref_loss(kind, lp, olp, adv, mask, clip, num_tokens=None, aggregation="token
         "policy/dual_clipfrac": mean(flags["dual"]),
         "policy/approx_kl": mean(kls),
         "policy/ratio_mean": mean(ratios),
+        "policy/kept_tokens": float(len(ratios)),
     }
     return loss, stats, grads
 

@@ -6,7 +6,8 @@ micro-batches of 8, 4, 2 and 1 (gradient accumulation 1, 2, 4 and 8). For every 
 micro-batch's loss is divided by the whole minibatch's token (or response) count, not its own
 (`PolicyLearner.micro_batches`). The update is off-policy (old log-probs perturbed away from the policy's, ε_high
 and the dual clip set) so that every clip acts, and the KL term is in the loss; a `gae` run checks the separate
-critic's gradient the same way.
+critic's gradient the same way. The logged policy stats over kept tokens (ratio, KL, clip fractions) are the
+whole minibatch's for every cut too: each micro-batch's mean is weighed by its kept tokens.
 """
 
 import pytest
@@ -16,6 +17,7 @@ from test_stage_ppo import force_eos
 
 from rlhf_cli import engine
 from rlhf_cli.config import POLICY_LOSSES
+from rlhf_cli.core import KEPT_TOKEN_MEANS
 from rlhf_cli.lifecycle import seed_everything
 from rlhf_cli.preflight import VALIDATORS
 from rlhf_cli.rollout.plan import UpdatePlan, update_order
@@ -98,18 +100,20 @@ def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_cut(tmp_pat
     acted = {"policy/clipfrac_high": 0.0, "policy/clipfrac_low": 0.0, "policy/dual_clipfrac": 0.0}
     for policy_loss in losses:
         for aggregation in AGGREGATIONS:
-            results = {}
+            results, stats = {}, {}
             for micro, tr in trainers.items():
                 tr.p.policy_loss, tr.p.aggregation = policy_loss, aggregation
                 if policy_loss == "cispo":
                     tr.p.dual_clip = None
-                results[micro], stats = accumulated_gradients(tr, exp, weights, monkeypatch)
+                results[micro], stats[micro] = accumulated_gradients(tr, exp, weights, monkeypatch)
                 tr.p.dual_clip = 2.0
-                if micro == 1:  # per-micro-batch stats of one-row micro-batches: a clip that acts shows
-                    acted = {k: acted[k] + stats[k] for k in acted}
+            acted = {k: acted[k] + stats[1][k] for k in acted}
             for micro in CUTS[1:]:
                 for name in results[micro]:
                     assert_same_gradients(results[micro][name], results[CUTS[0]][name], rel=1e-5)
+                # the logged means over kept tokens are the whole minibatch's, whatever the cut
+                for k in KEPT_TOKEN_MEANS:
+                    assert stats[micro][k] == pytest.approx(stats[CUTS[0]][k], rel=1e-5, abs=1e-7), (micro, k)
     assert all(v > 0 for v in acted.values()), acted  # every clip acted somewhere: the cut is tested through it
 
 
@@ -142,12 +146,14 @@ def test_the_engine_correction_keeps_the_invariance(tmp_path, monkeypatch, mode)
     exp.engine_logprobs = torch.where(mask, exp.old_logprobs + 0.8 * torch.randn(mask.shape, generator=gen), 0.0)
     weights = {"actor": {k: v.clone() for k, v in trainers[8].actor.module.state_dict().items()}}
     for aggregation in AGGREGATIONS:
-        results = {}
+        results, stats = {}, {}
         for micro, tr in trainers.items():
             tr.cfg.rollout.is_correction, tr.cfg.rollout.is_high, tr.p.aggregation = mode, 1.5, aggregation
-            results[micro], _ = accumulated_gradients(tr, exp, weights, monkeypatch)
+            results[micro], stats[micro] = accumulated_gradients(tr, exp, weights, monkeypatch)
         for micro in cuts[1:]:
             assert_same_gradients(results[micro]["actor"], results[8]["actor"], rel=1e-5)
+            for k in KEPT_TOKEN_MEANS:  # a one-row micro-batch the correction masks whole adds nothing to them
+                assert stats[micro][k] == pytest.approx(stats[8][k], rel=1e-5, abs=1e-7), (micro, k)
         trainers[8].cfg.rollout.is_correction = "none"
         plain, _ = accumulated_gradients(trainers[8], exp, weights, monkeypatch)
         with pytest.raises(AssertionError):
