@@ -56,7 +56,8 @@ def test_cli_refuses_an_unknown_malloc_mode():
     out = subprocess.run([sys.executable, "-m", "rlhf_cli", "--help"], cwd=REPO, env={**ENV, "RLHF_MALLOC": "glibc"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.strip() == "error: RLHF_MALLOC='glibc': expected 'reuse' or 'system' (unset: each command's own)"
+    assert out.stderr.strip() == ("error: RLHF_MALLOC='glibc': expected one of reuse, compact, system (unset: each "
+                                  "command's own)")
 
 
 def test_each_command_has_its_malloc_settings_and_the_environment_overrides_them(monkeypatch):
@@ -72,9 +73,77 @@ def test_each_command_has_its_malloc_settings_and_the_environment_overrides_them
     assert cli.malloc_mode(None) == cli.malloc_mode("train-kto") == "reuse"
     if sys.platform.startswith("linux"):
         assert cli.reuse_freed_memory("train-sft") is False
-    for mode in ("reuse", "system"):
+    for mode in ("reuse", "compact", "system"):
         monkeypatch.setenv("RLHF_MALLOC", mode)
         assert cli.malloc_mode("train-sft") == cli.malloc_mode("train-ppo") == mode
+
+
+def test_a_run_training_lora_adapters_turns_glibcs_per_thread_cache_off(monkeypatch):
+    """A training command whose composed config trains LoRA adapters runs `compact` (freed memory kept, no
+    per-thread cache of small blocks: `cli.restart_for_tunables`); the same config evaluated, or without LoRA,
+    does not; `RLHF_MALLOC` still rules."""
+    from omegaconf import OmegaConf
+
+    from rlhf_cli import cli
+
+    monkeypatch.delenv("RLHF_MALLOC", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    lora, full = OmegaConf.create({"model": {"lora": {"r": 8}}}), OmegaConf.create({"model": {"lora": {"r": 0}}})
+    assert {c: cli.malloc_mode(c, lora) for c in ("train-sft", "train-rm", "train-dpo", "train-ppo", "eval")} == {
+        "train-sft": "compact", "train-rm": "compact", "train-dpo": "compact", "train-ppo": "compact",
+        "eval": "reuse"}
+    assert cli.malloc_mode("train-rm", full) == "reuse" and cli.malloc_mode("train-sft", full) == "system"
+    assert cli.malloc_mode("train-rm", OmegaConf.create({})) == "reuse"
+    monkeypatch.setenv("RLHF_MALLOC", "reuse")
+    assert cli.malloc_mode("train-rm", lora) == "reuse"
+
+
+def test_the_restart_for_glibcs_tunables_keeps_the_arguments_and_happens_once(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from rlhf_cli import cli
+
+    calls = []
+    monkeypatch.setattr(cli.os, "execve", lambda exe, args, env: calls.append((exe, args, env)))
+    monkeypatch.setattr(cli.sys, "orig_argv", [sys.executable, "-m", "rlhf_cli", "train-rm", "model.lora.r=8"])
+    for name in ("RLHF_MALLOC", "LD_PRELOAD", cli.RESTARTED_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    lora = OmegaConf.create({"model": {"lora": {"r": 8}}})
+    cli.restart_for_tunables("train-rm", OmegaConf.create({"model": {"lora": {"r": 0}}}))
+    cli.restart_for_tunables("eval", lora)
+    assert calls == []  # reuse: nothing glibc reads at start
+    cli.restart_for_tunables("train-rm", lora)
+    if not sys.platform.startswith("linux"):
+        assert calls == []
+        return
+    (exe, args, env), = calls
+    assert exe == sys.executable and args == [sys.executable, "-m", "rlhf_cli", "train-rm", "model.lora.r=8"]
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+    assert env[cli.RESTARTED_ENV] == "1"
+    monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])
+    cli.restart_for_tunables("train-rm", lora)  # already set
+    monkeypatch.setenv("GLIBC_TUNABLES", "")
+    monkeypatch.setenv(cli.RESTARTED_ENV, "1")
+    cli.restart_for_tunables("train-rm", lora)  # restarted once already
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's tunables")
+def test_a_lora_command_restarts_itself_with_the_tunable(tmp_path):
+    """End to end: `rlhf train-rm model=tiny model.lora.r=4 dry_run=true`, started as a command (`main()` with
+    no arguments), runs its stage in a process started again with the tunable, once."""
+    code = ("import atexit, os, sys\n"
+            "atexit.register(lambda: print('TUNABLES', os.environ.get('GLIBC_TUNABLES'), flush=True))\n"
+            "print('START', flush=True)\n"
+            "from rlhf_cli.cli import main\n"
+            "main()\n")
+    env = {k: v for k, v in ENV.items() if k not in ("RLHF_MALLOC", "LD_PRELOAD", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", code, "train-rm", "model=tiny", "model.lora.r=4", "dry_run=true",
+                          f"paths.root={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("START") == 2  # once, then once more after the restart
+    assert "TUNABLES glibc.malloc.tcache_count=0" in out.stdout
 
 
 def test_a_preloaded_allocator_keeps_its_own_settings(monkeypatch):
