@@ -42,29 +42,34 @@ TRL_VERSION = "1.12.0"
 PACKAGES = ("torch", "transformers", "deepspeed", "trl", "accelerate")
 
 
-_COMPARED: list[str] = []  # the `rlhf` command this benchmark measures (`compare_under`)
+_COMPARED: list[Any] = []  # the `rlhf` command this benchmark measures and whether it trains LoRA (`compare_under`)
 
 
-def compare_under(command: str) -> None:
-    """Say which `rlhf` command this benchmark measures: both tools' children run under the malloc settings it
-    makes (`malloc_env`). Called once by each benchmark's main."""
-    _COMPARED[:] = [command]
+def compare_under(command: str, adapters: bool = False) -> None:
+    """Say which `rlhf` command this benchmark measures, and whether its run trains LoRA adapters (`--lora-r`):
+    both tools' children run under the malloc settings it makes (`malloc_env`). Called once by each benchmark's
+    main."""
+    _COMPARED[:] = [command, adapters]
 
 
 def malloc_env() -> dict[str, str]:
     """glibc's settings that `rlhf <command>` makes in-process (`compare_under`; cli.reuse_freed_memory: large
     blocks from the heap, freed memory kept), as environment variables for every child, ours and TRL's: an
-    allocator setting any torch user can make is not counted as ours. Empty where that command makes none (its
-    `Command.malloc` is `system`, `RLHF_MALLOC=system`, a preloaded allocator). Raises RuntimeError before
-    `compare_under`."""
-    from rlhf_cli.cli import MALLOC_SETTINGS, malloc_mode
+    allocator setting any torch user can make is not counted as ours; with `RLHF_MALLOC=compact` also its
+    `GLIBC_TUNABLES`. Empty where that command makes none (its `Command.malloc` is `system`,
+    `RLHF_MALLOC=system`, a preloaded allocator). Raises RuntimeError before `compare_under`."""
+    from rlhf_cli.cli import MALLOC_MODES, malloc_mode
 
     if not _COMPARED:
         raise RuntimeError("benchmarks/_common.compare_under(command) first: which command's allocator to use")
-    if malloc_mode(_COMPARED[0]) == "system":
-        return {}
+    settings, tunables = MALLOC_MODES[malloc_mode(*_COMPARED)]
     # glibc reads mallopt's M_<NAME> from the environment as MALLOC_<NAME>_
-    return {f"MALLOC_{name[2:]}_": str(value) for name, (_, value) in MALLOC_SETTINGS.items()}
+    env = {f"MALLOC_{name[2:]}_": str(value) for name, (_, value) in settings.items()}
+    if tunables:  # `compact` (a LoRA run's own, or RLHF_MALLOC=compact): ours restarts with them, TRL starts so
+        have = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
+        named = {t.split("=", 1)[0] for t in have}
+        env["GLIBC_TUNABLES"] = ":".join([*have, *(t for t in tunables if t.split("=", 1)[0] not in named)])
+    return env
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,7 +160,10 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
             f"padded row"),
         info.get("trained", "trained: every weight (full fine-tuning), both tools"),
         "allocator, both tools: " + ("glibc keeps freed memory for reuse (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_="
-                                     "2 GiB, what `rlhf` sets in-process)" if malloc_env() else
+                                     "2 GiB, what `rlhf` sets in-process" + (
+                                         "; GLIBC_TUNABLES=" + malloc_env()["GLIBC_TUNABLES"] + ", which a LoRA run of "
+                                         "`rlhf` restarts with" if "GLIBC_TUNABLES" in malloc_env() else "") + ")"
+                                     if malloc_env() else
                                      "glibc's defaults or a preloaded allocator (`rlhf " + _COMPARED[0] + "`'s own, "
                                      "RLHF_MALLOC=system, LD_PRELOAD)"),
     ]
@@ -531,7 +539,7 @@ def bench_main(args: Any, trl_child: Callable[[str], None], run: Callable[[Any, 
     """The shared entry point: a TRL child process (`--trl-child SPEC`) or the comparison itself, in
     `--workdir` (kept) or a temp dir (removed afterwards); `run(args, work, machine_info())` with logs quiet, both
     tools under the malloc settings of `rlhf <command>` (`compare_under`)."""
-    compare_under(command)
+    compare_under(command, bool(getattr(args, "lora_r", 0)))
     if args.trl_child:
         trl_child(args.trl_child)
         return

@@ -135,10 +135,10 @@ def is_multirun(overrides: list[str]) -> bool:
     return "-m" in overrides or "--multirun" in overrides
 
 
-def check_sweep(command: str, overrides: list[str]) -> int:
+def check_sweep(command: str, overrides: list[str], composed: list[Any] | None = None) -> int:
     """Before a sweep (`-m`) launches anything: refuse `resume` (each job resumes by its own dir), and expand
     the jobs as Hydra's basic sweeper will and validate every job's config and that its `paths.root` can be
-    written. Returns the number of jobs.
+    written; each job's composed config is appended to `composed` when given. Returns the number of jobs.
 
     Raises:
         ConfigError: `resume` with `-m`, or the first invalid job, named by its number and overrides.
@@ -174,6 +174,8 @@ def check_sweep(command: str, overrides: list[str]) -> int:
         except ConfigError as e:
             raise ConfigError(f"sweep job {i} ({varying}): {e}; no job was launched") from None
         check_writable(str(cfg.paths.root))  # each job's `paths.root` (`check_output_root` of one run)
+        if composed is not None:
+            composed.append(cfg)
     return len(jobs)
 
 
@@ -198,15 +200,16 @@ def check_composes(command: str, overrides: list[str]) -> Any | None:
         raise ConfigError(explain_composition_error(e, overrides)) from None
 
 
-def resume_overrides(command: str, overrides: list[str], root: str | None = None) -> list[str]:
-    """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place). `root`: `paths.root` of
-    the composed config (`check_composes`), composed here when None (an informational flag)."""
+def resume_overrides(command: str, overrides: list[str], root: str | None = None) -> tuple[list[str], str | None]:
+    """For `resume=true|<dir>` point Hydra's run dir at the run being resumed (in place): the overrides, and for
+    `resume=true` the line naming the run found, for `main` to print. `root`: `paths.root` of the composed config
+    (`check_composes`), composed here when None (an informational flag)."""
     from rlhf_cli.config import ConfigError
     from rlhf_cli.runs import find_resumable, get_status, latest_tag
 
     value = _override_value(overrides, "resume")
     if value is None or value.lower() in ("null", "none", "false", "") or is_multirun(overrides):
-        return overrides  # a sweep's resume is refused by check_sweep
+        return overrides, None  # a sweep's resume is refused by check_sweep
     cmd = COMMANDS[command]
     root = root if root is not None else _composed_paths_root(command, overrides)
     if value.lower() == "true":
@@ -214,16 +217,17 @@ def resume_overrides(command: str, overrides: list[str], root: str | None = None
         if run is None:
             raise ConfigError(f"resume=true: no unfinished `{command}` run with a checkpoint under "
                               f"{Path(root) / cmd.kind} (failed runs are not resumed)")
-        print(f"resume=true: continuing {run}" + (f" from {latest_tag(run)}" if cmd.trains else ""),
-              file=sys.stderr)
+        found = f"resume=true: continuing {run}" + (f" from {latest_tag(run)}" if cmd.trains else "")
     else:
+        found = None
         run = Path(value)
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"resume={value}: not a run dir (no config.yaml there)")
         if cmd.trains and get_status(run).get("state") == "finished" and latest_tag(run) is None:
             raise ConfigError(f"resume={value}: the run finished and its DeepSpeed checkpoint in ds/ is gone (e.g. "
                               f"paths.keep_checkpoints=0): nothing to continue from; its model is {run / 'final'}")
-    return [o for o in overrides if not o.lstrip("+").startswith("resume=")] + [f"resume={run}", f"hydra.run.dir={run}"]
+    kept = [o for o in overrides if not o.lstrip("+").startswith("resume=")]
+    return [*kept, f"resume={run}", f"hydra.run.dir={run}"], found
 
 
 def check_output_root(root: str | None) -> None:
@@ -325,50 +329,80 @@ def trains_adapters(command: str | None, cfg: Any | None) -> bool:
     return int(OmegaConf.select(cfg, "model.lora.r", default=0) or 0) > 0
 
 
-def malloc_mode(command: str | None = None, cfg: Any | None = None) -> str:
+def run_trains_adapters(command: str, cfg: Any | None, overrides: list[str], jobs: list[Any]) -> bool:
+    """`trains_adapters` of what this command line runs: the run it resumes (`resume=<run dir>` in `overrides`,
+    after `resume_overrides`: its recorded config.yaml), any job of a sweep (`jobs`, composed by `check_sweep`),
+    else the composed `cfg`."""
+    if jobs:
+        return any(trains_adapters(command, job) for job in jobs)
+    run = _override_value(overrides, "resume")
+    if run and (Path(run) / "config.yaml").is_file():
+        from omegaconf import OmegaConf
+
+        return trains_adapters(command, OmegaConf.load(Path(run) / "config.yaml"))
+    return trains_adapters(command, cfg)
+
+
+def malloc_mode(command: str | None = None, adapters: bool = False) -> str:
     """The malloc settings for `rlhf <command>` (`MALLOC_MODES`): `RLHF_MALLOC` where set, else `compact` for a
-    run that trains LoRA adapters (`trains_adapters`, once `cfg` is composed), else the command's own
-    (`Command.malloc`; `reuse` for no or an unknown command); `system` whatever they say when an allocator from
-    PRELOADED_ALLOCATORS is preloaded (`LD_PRELOAD`), whose own settings then rule. Raises ValueError for any other
-    `RLHF_MALLOC`."""
-    default = COMMANDS[command].malloc if command in COMMANDS else "reuse"
-    if trains_adapters(command, cfg):
-        default = "compact"
+    run that trains LoRA adapters (`adapters`: `run_trains_adapters`, once the config is composed), else the
+    command's own (`Command.malloc`; `reuse` for no or an unknown command); `system` whatever they say when an
+    allocator from PRELOADED_ALLOCATORS is preloaded (`LD_PRELOAD`), whose own settings then rule. Raises
+    ValueError for any other `RLHF_MALLOC`."""
+    default = "compact" if adapters else COMMANDS[command].malloc if command in COMMANDS else "reuse"
     mode = os.environ.get(MALLOC_ENV, "") or default
     if mode not in MALLOC_MODES:
-        raise ValueError(f"{MALLOC_ENV}={mode!r}: expected one of {', '.join(MALLOC_MODES)} (unset: each "
-                         "command's own)")
+        raise ValueError(f"{MALLOC_ENV}={mode!r}: expected one of {', '.join(MALLOC_MODES)} (unset: each run's "
+                         "own)")
     preload = os.environ.get("LD_PRELOAD", "").lower()
     return "system" if any(name in preload for name in PRELOADED_ALLOCATORS) else mode
 
 
-def restart_for_tunables(command: str | None, cfg: Any | None) -> None:
+def _glibc() -> bool:
+    """Whether this process runs glibc (whose mallopt and tunables these settings are), not musl or another libc."""
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        return False
+
+
+def restart_for_tunables(command: str | None, adapters: bool = False) -> None:
     """Start this process again (`os.execve`, same pid and arguments) with the `GLIBC_TUNABLES` its malloc mode
     needs (`MALLOC_MODES`: `compact`'s `glibc.malloc.tcache_count=0`), which glibc reads only when a process
-    starts; returns at once when they are set already, off Linux, or under `RLHF_MALLOC_RESTARTED` (set by the
-    restart, so it happens once). Called by `main` for the command line it was started with, after composing
-    its config and before torch is imported.
+    starts. Returns at once when nothing is missing: off glibc, when the environment names each of those tunables
+    already (a value of the user's own is kept), in the process a restart started (`RLHF_MALLOC_RESTARTED`,
+    removed here so that the run's own children decide for themselves), or when `sys.argv` is no longer the
+    command line this process started with (a script that called `main` after setting it would run again from
+    its top). A failed `execve` says so in one line and the run goes on without. `main` calls it for the command
+    line it was started with, after composing its config and before torch is imported.
 
     Why `compact` turns glibc's per-thread cache off: a LoRA reward model on HH (SmolLM2, 8 pairs of 320 tokens per
     micro-batch) frees ~2 GiB of activations per backward, yet the next forward took new heap for nearly all of
     its ~2.5 GiB: small blocks freed into the per-thread cache stay allocated in the heap's view, scattered among
     the freed activations, so these cannot merge into blocks as large as the next micro-batch's. Full fine-tuning
     is spared most of it: its gradients and moments, made once and large, take up much of the heap. Measured
-    (docs/results.md "LoRA: reward model"): the first 13 micro-batches peaked at 7.93-7.98 GiB with the cache and
-    6.06 without, and ran in 136-149 s and 119 s. Allocation only: every number is the same."""
-    tunables = MALLOC_MODES[malloc_mode(command, cfg)][1]
-    if not tunables or not sys.platform.startswith("linux") or os.environ.get(RESTARTED_ENV):
+    (docs/results.md "LoRA: reward model, same steps"): 12 micro-batches peaked at 7.93-7.98 GiB with the cache
+    and 6.06 without, in 136-149 s and 119 s. Allocation only: every number is the same."""
+    if os.environ.pop(RESTARTED_ENV, None):
+        return
+    tunables = MALLOC_MODES[malloc_mode(command, adapters)][1]
+    if not tunables or not _glibc() or sys.argv[1:] != sys.orig_argv[len(sys.orig_argv) - len(sys.argv) + 1:]:
         return
     have = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
-    missing = [t for t in tunables if t not in have]
+    named = {t.split("=", 1)[0] for t in have}
+    missing = [t for t in tunables if t.split("=", 1)[0] not in named]
     if not missing:
         return
     env = {**os.environ, "GLIBC_TUNABLES": ":".join([*have, *missing]), RESTARTED_ENV: "1"}
     sys.stdout.flush(), sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as e:
+        print(f"warning: could not start again with GLIBC_TUNABLES={env['GLIBC_TUNABLES']} ({e}); running with "
+              "glibc's per-thread cache on", file=sys.stderr)
 
 
-def reuse_freed_memory(command: str | None = None) -> bool:
+def reuse_freed_memory(command: str | None = None, adapters: bool = False) -> bool:
     """Keep freed memory in this process for the next tensor (glibc on Linux); returns whether the settings took.
 
     glibc serves every block above 32 MiB with its own mmap and unmaps it when freed, so each such tensor, made new
@@ -379,10 +413,11 @@ def reuse_freed_memory(command: str | None = None) -> bool:
     its own process gets it too. Measured on SmolLM2 (fwd + bwd + AdamW, 8 x 85 tokens, bf16-autocast, 2 cores):
     2.5M -> 0.9M page faults, step medians 1.63-1.70 -> 1.34-1.42 s, peak RSS +6 %; `rlhf train-ppo` 0.89x the
     time (docs/results.md). Allocation only: every number is the same. Off for a command whose `malloc` is `system`
-    (train-sft) and with `RLHF_MALLOC=system`; on for every command with `RLHF_MALLOC=reuse` (`malloc_mode`).
+    (train-sft) and with `RLHF_MALLOC=system`; on for every command with `RLHF_MALLOC=reuse` or `compact`, and for
+    a run training LoRA adapters (`adapters`: `main` calls this again once the config is composed).
     Raises ValueError for an unknown `RLHF_MALLOC`.
     """
-    settings = MALLOC_MODES[malloc_mode(command)][0]
+    settings = MALLOC_MODES[malloc_mode(command, adapters)][0]
     if not settings or not sys.platform.startswith("linux"):
         return False
     import ctypes
@@ -416,16 +451,23 @@ def main(argv: list[str] | None = None) -> None:
         print(command_help(command))
         sys.exit(0)
     try:
-        for warning in check_override_keys(COMMANDS[command].config_name, rest):
-            if os.environ.get("RANK", "0") == "0":
-                print(f"warning: {warning}", file=sys.stderr)
-        if is_multirun(rest) and not any(o in INFO_FLAGS for o in rest):
-            check_sweep(command, rest)
-        cfg = check_composes(command, rest)  # the command line composed once before Hydra runs it
-        if argv_given is None:  # this process is the command's own: it may start again with glibc's tunables
-            restart_for_tunables(command, cfg)
-        root = str(cfg.paths.root) if cfg is not None else None
-        rest = resume_overrides(command, rest, root)
+        warnings, jobs, resuming = check_override_keys(COMMANDS[command].config_name, rest), [], None
+        try:
+            if is_multirun(rest) and not any(o in INFO_FLAGS for o in rest):
+                check_sweep(command, rest, jobs)
+            cfg = check_composes(command, rest)  # the command line composed once before Hydra runs it
+            root = str(cfg.paths.root) if cfg is not None else None
+            rest, resuming = resume_overrides(command, rest, root)
+            adapters = run_trains_adapters(command, cfg, rest, jobs)
+            if argv_given is None:  # the command's own process: it may start again with glibc's tunables
+                restart_for_tunables(command, adapters)
+        finally:  # said once: by the process that runs the command (or fails to compose it)
+            for warning in warnings:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"warning: {warning}", file=sys.stderr)
+        if resuming:
+            print(resuming, file=sys.stderr)
+        reuse_freed_memory(command, adapters)  # the run's own mode, now that its config says whether it trains LoRA
         check_output_root(root)
     except (ConfigError, PermissionError) as e:
         _err(str(e))

@@ -89,7 +89,8 @@ class Command:
     """glibc's malloc settings its process runs under unless `RLHF_MALLOC` says otherwise (`cli.malloc_mode`):
     `reuse` (freed memory kept for the next tensor, `cli.reuse_freed_memory`: `rlhf train-ppo` 0.89x the time) or
     `system` (glibc's defaults: train-sft, whose packed rows change shape every step, so the kept blocks fit no
-    later tensor and the heap only grows: peak RSS 4.34 -> 3.99 GiB, no slower; docs/results.md)."""
+    later tensor and the heap only grows: peak RSS 4.34 -> 3.99 GiB, no slower; docs/results.md). A run training
+    LoRA adapters runs `compact` whatever this says (`cli.restart_for_tunables`)."""
 
     @property
     def invocation(self) -> str:

@@ -57,7 +57,7 @@ def test_cli_refuses_an_unknown_malloc_mode():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip() == ("error: RLHF_MALLOC='glibc': expected one of reuse, compact, system (unset: each "
-                                  "command's own)")
+                                  "run's own)")
 
 
 def test_each_command_has_its_malloc_settings_and_the_environment_overrides_them(monkeypatch):
@@ -78,10 +78,11 @@ def test_each_command_has_its_malloc_settings_and_the_environment_overrides_them
         assert cli.malloc_mode("train-sft") == cli.malloc_mode("train-ppo") == mode
 
 
-def test_a_run_training_lora_adapters_turns_glibcs_per_thread_cache_off(monkeypatch):
-    """A training command whose composed config trains LoRA adapters runs `compact` (freed memory kept, no
-    per-thread cache of small blocks: `cli.restart_for_tunables`); the same config evaluated, or without LoRA,
-    does not; `RLHF_MALLOC` still rules."""
+def test_a_run_training_lora_adapters_turns_glibcs_per_thread_cache_off(monkeypatch, tmp_path):
+    """A training command whose run trains LoRA adapters runs `compact` (freed memory kept, no per-thread cache
+    of small blocks: `cli.restart_for_tunables`): decided from the composed config, the recorded config of a run
+    it resumes, or any job of a sweep; the same config evaluated, or without LoRA, does not; `RLHF_MALLOC` still
+    rules."""
     from omegaconf import OmegaConf
 
     from rlhf_cli import cli
@@ -89,43 +90,51 @@ def test_a_run_training_lora_adapters_turns_glibcs_per_thread_cache_off(monkeypa
     monkeypatch.delenv("RLHF_MALLOC", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     lora, full = OmegaConf.create({"model": {"lora": {"r": 8}}}), OmegaConf.create({"model": {"lora": {"r": 0}}})
-    assert {c: cli.malloc_mode(c, lora) for c in ("train-sft", "train-rm", "train-dpo", "train-ppo", "eval")} == {
-        "train-sft": "compact", "train-rm": "compact", "train-dpo": "compact", "train-ppo": "compact",
-        "eval": "reuse"}
-    assert cli.malloc_mode("train-rm", full) == "reuse" and cli.malloc_mode("train-sft", full) == "system"
-    assert cli.malloc_mode("train-rm", OmegaConf.create({})) == "reuse"
+    assert {c: cli.trains_adapters(c, lora) for c in ("train-sft", "train-rm", "train-dpo", "train-ppo", "eval")} == {
+        "train-sft": True, "train-rm": True, "train-dpo": True, "train-ppo": True, "eval": False}
+    assert not cli.trains_adapters("train-rm", full) and not cli.trains_adapters("train-rm", OmegaConf.create({}))
+    assert cli.malloc_mode("train-rm", True) == cli.malloc_mode("train-sft", True) == "compact"
+    assert cli.malloc_mode("train-rm", False) == "reuse" and cli.malloc_mode("train-sft", False) == "system"
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(lora, run / "config.yaml")  # a LoRA run resumed with today's defaults composed
+    assert cli.run_trains_adapters("train-rm", full, [f"resume={run}"], [])
+    assert cli.run_trains_adapters("train-rm", None, ["-m"], [full, lora])  # a sweep: any job
+    assert not cli.run_trains_adapters("train-rm", None, ["-m"], [full, full])
     monkeypatch.setenv("RLHF_MALLOC", "reuse")
-    assert cli.malloc_mode("train-rm", lora) == "reuse"
+    assert cli.malloc_mode("train-rm", True) == "reuse"
 
 
 def test_the_restart_for_glibcs_tunables_keeps_the_arguments_and_happens_once(monkeypatch):
-    from omegaconf import OmegaConf
-
     from rlhf_cli import cli
 
     calls = []
     monkeypatch.setattr(cli.os, "execve", lambda exe, args, env: calls.append((exe, args, env)))
     monkeypatch.setattr(cli.sys, "orig_argv", [sys.executable, "-m", "rlhf_cli", "train-rm", "model.lora.r=8"])
+    monkeypatch.setattr(cli.sys, "argv", ["/x/rlhf_cli/__main__.py", "train-rm", "model.lora.r=8"])
     for name in ("RLHF_MALLOC", "LD_PRELOAD", cli.RESTARTED_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    lora = OmegaConf.create({"model": {"lora": {"r": 8}}})
-    cli.restart_for_tunables("train-rm", OmegaConf.create({"model": {"lora": {"r": 0}}}))
-    cli.restart_for_tunables("eval", lora)
+    cli.restart_for_tunables("train-rm", False)
+    cli.restart_for_tunables("eval", False)
     assert calls == []  # reuse: nothing glibc reads at start
-    cli.restart_for_tunables("train-rm", lora)
-    if not sys.platform.startswith("linux"):
+    cli.restart_for_tunables("train-rm", True)
+    if not cli._glibc():
         assert calls == []
         return
     (exe, args, env), = calls
     assert exe == sys.executable and args == [sys.executable, "-m", "rlhf_cli", "train-rm", "model.lora.r=8"]
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
     assert env[cli.RESTARTED_ENV] == "1"
-    monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])
-    cli.restart_for_tunables("train-rm", lora)  # already set
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=7")  # the user's own value is kept
+    cli.restart_for_tunables("train-rm", True)
     monkeypatch.setenv("GLIBC_TUNABLES", "")
     monkeypatch.setenv(cli.RESTARTED_ENV, "1")
-    cli.restart_for_tunables("train-rm", lora)  # restarted once already
+    cli.restart_for_tunables("train-rm", True)  # the restarted process: no second restart, the marker removed
+    assert cli.RESTARTED_ENV not in cli.os.environ
+    monkeypatch.setattr(cli.sys, "argv", ["/x/driver.py", "train-rm", "model.lora.r=8"])
+    monkeypatch.setattr(cli.sys, "orig_argv", [sys.executable, "/x/driver.py"])
+    cli.restart_for_tunables("train-rm", True)  # sys.argv set by a script: restarting would rerun the script
     assert len(calls) == 1
 
 
@@ -527,3 +536,22 @@ def test_report_of_a_path_that_holds_no_run_is_one_line(tmp_path):
     assert out.returncode == 2
     nope = tmp_path / "nope"
     assert out.stderr.strip().splitlines()[-1] == f"error: run_dir={nope}: report: '{nope}' does not exist"
+
+
+def test_the_benchmarks_give_both_tools_the_allocator_of_a_lora_run(monkeypatch):
+    """benchmarks/_common.malloc_env: with `--lora-r` both tools' children get the tunable our LoRA run restarts
+    with (a user's own GLIBC_TUNABLES kept), so the allocator is not counted as ours."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import _common as C
+
+    for name in ("RLHF_MALLOC", "LD_PRELOAD", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    C.compare_under("train-rm", True)
+    assert C.malloc_env() == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+                              "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert C.malloc_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+    C.compare_under("train-rm")
+    assert "GLIBC_TUNABLES" not in C.malloc_env()
+    C.compare_under("train-sft", True)
+    assert C.malloc_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"

@@ -7,9 +7,9 @@ engine correction, `core.correction`) that multiply its per-token loss before ag
 
 ``loss`` is a 0-dim float32 tensor (float64 for float64 inputs) to minimise. ``stats`` is a
 dict of detached Python floats with namespaced keys: ``*/loss`` is the returned loss value
-(so it sums over micro-batches like the loss does); every other stat is a mean over the
-real tokens (or pairs) of *this call*. Inputs may be bf16: ratios and losses are computed
-in float32.
+(so it sums over micro-batches like the loss does); ``policy/kept_tokens`` counts the tokens the
+policy losses' stats are over (`KEPT_TOKEN_MEANS`); every other stat is a mean over the real
+tokens (or pairs) of *this call*. Inputs may be bf16: ratios and losses are computed in float32.
 
 Aggregation over tokens (``aggregation``):
 
@@ -214,7 +214,7 @@ def _policy_stats(loss: Tensor, flags: dict[str, Tensor], log_ratio: Tensor, rat
     """The policy losses' stats over the tokens ``m`` keeps (one host sync), always the same keys (ranks reduce
     them by position, `engine.reduce_stats`): 0 where it keeps none (every token padding or of weight 0), and
     ``policy/kept_tokens``, their count, by which a caller weighs the `KEPT_TOKEN_MEANS` over micro-batches
-    (`rollout.learner.Learner.train_on`)."""
+    (`rollout.learner.PolicyLearner.train_on`)."""
     with torch.no_grad():
         return _floats(
             {
