@@ -161,8 +161,9 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
         info.get("trained", "trained: every weight (full fine-tuning), both tools"),
         "allocator, both tools: " + ("glibc keeps freed memory for reuse (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_="
                                      "2 GiB, what `rlhf` sets in-process" + (
-                                         "; GLIBC_TUNABLES=" + malloc_env()["GLIBC_TUNABLES"] + ", which a LoRA run of "
-                                         "`rlhf` restarts with" if "GLIBC_TUNABLES" in malloc_env() else "") + ")"
+                                         "; GLIBC_TUNABLES=" + malloc_env()["GLIBC_TUNABLES"] + ", glibc's per-thread "
+                                         "cache off as `RLHF_MALLOC=compact` has it" if "GLIBC_TUNABLES" in malloc_env()
+                                         else "") + ")"
                                      if malloc_env() else
                                      "glibc's defaults or a preloaded allocator (`rlhf " + _COMPARED[0] + "`'s own, "
                                      "RLHF_MALLOC=system, LD_PRELOAD)"),

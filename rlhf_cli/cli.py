@@ -333,13 +333,21 @@ def run_trains_adapters(command: str, cfg: Any | None, overrides: list[str], job
     """`trains_adapters` of what this command line runs: the run it resumes (`resume=<run dir>` in `overrides`,
     after `resume_overrides`: its recorded config.yaml), any job of a sweep (`jobs`, composed by `check_sweep`),
     else the composed `cfg`."""
+    if command not in COMMANDS or not COMMANDS[command].trains:
+        return False
     if jobs:
         return any(trains_adapters(command, job) for job in jobs)
     run = _override_value(overrides, "resume")
-    if run and (Path(run) / "config.yaml").is_file():
+    if run and run.lower() not in ("null", "none", "false", "true", "") and (Path(run) / "config.yaml").is_file():
         from omegaconf import OmegaConf
 
-        return trains_adapters(command, OmegaConf.load(Path(run) / "config.yaml"))
+        from rlhf_cli.config import ConfigError
+
+        try:
+            return trains_adapters(command, OmegaConf.load(Path(run) / "config.yaml"))
+        except Exception as e:  # noqa: BLE001 - YAML, OmegaConf or a value that is no int
+            raise ConfigError(f"resume={run}: its config.yaml does not load ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return trains_adapters(command, cfg)
 
 
@@ -362,7 +370,7 @@ def _glibc() -> bool:
     """Whether this process runs glibc (whose mallopt and tunables these settings are), not musl or another libc."""
     try:
         return bool(os.confstr("CS_GNU_LIBC_VERSION"))
-    except (ValueError, OSError):
+    except (AttributeError, ValueError, OSError):  # no confstr (Windows), or no such name
         return False
 
 
@@ -382,10 +390,11 @@ def restart_for_tunables(command: str | None, adapters: bool = False) -> None:
     the freed activations, so these cannot merge into blocks as large as the next micro-batch's. Full fine-tuning
     is spared most of it: its gradients and moments, made once and large, take up much of the heap. Measured
     (docs/results.md "LoRA: reward model, same steps"): 12 micro-batches peaked at 7.93-7.98 GiB with the cache
-    and 6.06 without, in 136-149 s and 119 s; `rlhf train-ppo experiment=grpo model.lora.r=16`, 3 iterations: 2.0-2.2
-    against 2.5-2.6 GiB in the same time. Allocation only: in fp32 every number is the same (bit for bit); under
-    bf16-autocast some CPU kernels' results depend on where their tensors lie, so the same run under another mode
-    may differ in last bits (as between machines), and sampled completions with them."""
+    and 6.06 without, in 136-149 s and 119 s; `rlhf train-ppo experiment=grpo model.lora.r=16`, 3 iterations, two
+    runs each: 2.0-2.2 GiB without the cache against 2.5-2.6 with it, in the same time. Allocation only: in fp32
+    every number is the same (bit for bit); under bf16-autocast some CPU kernels' results depend on where their
+    tensors lie, so the same run under another mode may differ in last bits (as between machines), and sampled
+    completions with them."""
     if os.environ.pop(RESTARTED_ENV, None):
         return
     tunables = MALLOC_MODES[malloc_mode(command, adapters)][1]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from stage_helpers import REPO, compose
 
-from rlhf_cli.config import reward_sources, validate_reward
+from rlhf_cli.config import ConfigError, reward_sources, validate_reward
 from rlhf_cli.preflight import VALIDATORS
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HYDRA_FULL_ERROR": "0"}
@@ -99,6 +99,10 @@ def test_a_run_training_lora_adapters_turns_glibcs_per_thread_cache_off(monkeypa
     run.mkdir()
     OmegaConf.save(lora, run / "config.yaml")  # a LoRA run resumed with today's defaults composed
     assert cli.run_trains_adapters("train-rm", full, [f"resume={run}"], [])
+    assert not cli.run_trains_adapters("eval", full, [f"resume={run}"], [])
+    (run / "config.yaml").write_text("model: {lora: {r: abc}}\n")
+    with pytest.raises(ConfigError, match="does not load"):
+        cli.run_trains_adapters("train-rm", full, [f"resume={run}"], [])
     assert cli.run_trains_adapters("train-rm", None, ["-m"], [full, lora])  # a sweep: any job
     assert not cli.run_trains_adapters("train-rm", None, ["-m"], [full, full])
     monkeypatch.setenv("RLHF_MALLOC", "reuse")
@@ -138,10 +142,13 @@ def test_the_restart_for_glibcs_tunables_keeps_the_arguments_and_happens_once(mo
     assert len(calls) == 1
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's tunables")
 def test_a_lora_command_restarts_itself_with_the_tunable(tmp_path):
     """End to end: `rlhf train-rm model=tiny model.lora.r=4 dry_run=true`, started as a command (`main()` with
     no arguments), runs its stage in a process started again with the tunable, once."""
+    from rlhf_cli import cli
+
+    if not cli._glibc():
+        pytest.skip("glibc's tunables")
     code = ("import atexit, os, sys\n"
             "atexit.register(lambda: print('TUNABLES', os.environ.get('GLIBC_TUNABLES'), flush=True))\n"
             "print('START', flush=True)\n"
@@ -542,7 +549,10 @@ def test_the_benchmarks_give_both_tools_the_allocator_of_a_lora_run(monkeypatch)
     """benchmarks/_common.malloc_env: with `--lora-r` both tools' children get the tunable our LoRA run restarts
     with (a user's own GLIBC_TUNABLES kept), so the allocator is not counted as ours."""
     monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    monkeypatch.delitem(sys.modules, "_common", raising=False)
     import _common as C
+
+    monkeypatch.setattr(C, "_COMPARED", [])
 
     for name in ("RLHF_MALLOC", "LD_PRELOAD", "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
