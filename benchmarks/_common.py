@@ -58,7 +58,7 @@ def malloc_env() -> dict[str, str]:
     allocator setting any torch user can make is not counted as ours; with `RLHF_MALLOC=compact` also its
     `GLIBC_TUNABLES`. Empty where that command makes none (its `Command.malloc` is `system`,
     `RLHF_MALLOC=system`, a preloaded allocator). Raises RuntimeError before `compare_under`."""
-    from rlhf_cli.cli import MALLOC_MODES, malloc_mode
+    from rlhf_cli.cli import MALLOC_MODES, malloc_mode, with_tunables
 
     if not _COMPARED:
         raise RuntimeError("benchmarks/_common.compare_under(command) first: which command's allocator to use")
@@ -66,9 +66,7 @@ def malloc_env() -> dict[str, str]:
     # glibc reads mallopt's M_<NAME> from the environment as MALLOC_<NAME>_
     env = {f"MALLOC_{name[2:]}_": str(value) for name, (_, value) in settings.items()}
     if tunables:  # `compact` (a LoRA run's own, or RLHF_MALLOC=compact): ours restarts with them, TRL starts so
-        have = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
-        named = {t.split("=", 1)[0] for t in have}
-        env["GLIBC_TUNABLES"] = ":".join([*have, *(t for t in tunables if t.split("=", 1)[0] not in named)])
+        env["GLIBC_TUNABLES"] = with_tunables(tunables)
     return env
 
 
@@ -144,6 +142,7 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
     trl_mp = "?" if trl_precision is None else repr(trl_precision)
     packing = info.get("packing", "on")
     scoring = info.get("scoring_precision", "fp32")
+    malloc = malloc_env()
     scoring_line = info.get("precision_note") or (
         "ours scores, and trains the PPO policy, in fp32 under bf16-autocast: scoring_precision=fp32, its default"
         if scoring == "fp32" else "ours runs every pass in the precision in force, as TRL does: "
@@ -161,10 +160,10 @@ def header_lines(title: str, info: dict[str, Any], precision: str, trl_precision
         info.get("trained", "trained: every weight (full fine-tuning), both tools"),
         "allocator, both tools: " + ("glibc keeps freed memory for reuse (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_="
                                      "2 GiB, what `rlhf` sets in-process" + (
-                                         "; GLIBC_TUNABLES=" + malloc_env()["GLIBC_TUNABLES"] + ", glibc's per-thread "
-                                         "cache off as `RLHF_MALLOC=compact` has it" if "GLIBC_TUNABLES" in malloc_env()
+                                         "; GLIBC_TUNABLES=" + malloc["GLIBC_TUNABLES"] + ", glibc's per-thread "
+                                         "cache off as `RLHF_MALLOC=compact` has it" if "GLIBC_TUNABLES" in malloc
                                          else "") + ")"
-                                     if malloc_env() else
+                                     if malloc else
                                      "glibc's defaults or a preloaded allocator (`rlhf " + _COMPARED[0] + "`'s own, "
                                      "RLHF_MALLOC=system, LD_PRELOAD)"),
     ]

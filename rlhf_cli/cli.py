@@ -374,6 +374,16 @@ def _glibc() -> bool:
         return False
 
 
+def with_tunables(tunables: tuple[str, ...]) -> str:
+    """`GLIBC_TUNABLES` with `tunables` ("name=value") added to this environment's: each one whose name it names
+    already keeps the user's value; this environment's own value when nothing is added."""
+    current = os.environ.get("GLIBC_TUNABLES", "")
+    have = [t for t in current.split(":") if t]
+    named = {t.split("=", 1)[0] for t in have}
+    missing = [t for t in tunables if t.split("=", 1)[0] not in named]
+    return ":".join([*have, *missing]) if missing else current
+
+
 def restart_for_tunables(command: str | None, adapters: bool = False) -> None:
     """Start this process again (`os.execve`, same pid and arguments) with the `GLIBC_TUNABLES` its malloc mode
     needs (`MALLOC_MODES`: `compact`'s `glibc.malloc.tcache_count=0`), which glibc reads only when a process
@@ -400,12 +410,10 @@ def restart_for_tunables(command: str | None, adapters: bool = False) -> None:
     tunables = MALLOC_MODES[malloc_mode(command, adapters)][1]
     if not tunables or not _glibc() or sys.argv[1:] != sys.orig_argv[len(sys.orig_argv) - len(sys.argv) + 1:]:
         return
-    have = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
-    named = {t.split("=", 1)[0] for t in have}
-    missing = [t for t in tunables if t.split("=", 1)[0] not in named]
-    if not missing:
+    merged = with_tunables(tunables)
+    if merged == os.environ.get("GLIBC_TUNABLES", ""):
         return
-    env = {**os.environ, "GLIBC_TUNABLES": ":".join([*have, *missing]), RESTARTED_ENV: "1"}
+    env = {**os.environ, "GLIBC_TUNABLES": merged, RESTARTED_ENV: "1"}
     sys.stdout.flush(), sys.stderr.flush()
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
