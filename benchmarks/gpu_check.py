@@ -9,7 +9,8 @@ the wheel folder. Each step appends to the JSON as it ends, so a run cut short s
 
 JSON: machine (GPU, torch, CUDA, bf16 support, what precision=auto resolves to), then per step its
 command(s), exit codes, seconds and numbers:
-  tests        the precision tests (pytest -k ...) on this machine: passed / failed counts and the summary line
+  tests        the precision tests and tests/test_engine.py (pytest -k ...) on this machine: passed / failed counts
+               and the summary line
   chain        train-rm -> train-ppo -> eval, tiny model, precision=auto: exit codes, final metrics
   rm_step      SmolLM2-shaped RM steps in bf16-autocast: s/step, tokens/s (steps after the first)
   ppo_iter     SmolLM2-shaped PPO iterations in bf16-autocast, scoring passes in fp32 (the default) and in
@@ -44,7 +45,7 @@ SMOLLM2_SHAPE = ["model.arch.num_hidden_layers=30", "model.arch.hidden_size=576"
                  "model.arch.num_attention_heads=9", "model.arch.num_key_value_heads=3"]
 PRECISION_TESTS = ["tests/models/test_models_scalar.py", "tests/stages/test_stage_ppo.py",
                    "tests/stages/test_stage_rm.py", "tests/test_engine.py"]
-PRECISION_K = "bf16 or ratio_is_exactly_one or small_step or scoring_precision or its_precision"
+PRECISION_K = "bf16 or ratio_is_exactly_one or small_step or scoring_precision or its_precision or test_engine.py"
 
 
 def parse_args() -> argparse.Namespace:

@@ -32,6 +32,13 @@ from rlhf_cli.runs import save_error
 
 
 def _has_gpu() -> bool:
+    """Whether this process trains on a CUDA GPU: one is visible and DeepSpeed's accelerator is not set to the CPU.
+
+    `DS_ACCELERATOR=cpu` on a GPU machine makes DeepSpeed keep every tensor on the CPU; the process group, the
+    device and the precision checks must then be the CPU's too (gloo, not NCCL, which takes no CPU tensor).
+    """
+    if os.environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu":
+        return False
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
@@ -87,6 +94,16 @@ def init_distributed() -> None:
         torch.cuda.set_device(local_rank())
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     _unlink_shm_buffers()
+
+
+def close_distributed() -> None:
+    """Leave an NCCL process group at a command's clean end (NCCL warns at exit of every GPU run otherwise).
+
+    Not on error paths, where a rank must not wait for ranks that may never come; a gloo group (CPU) is left to the
+    process's exit, as it warns of nothing.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.destroy_process_group()
 
 
 def _lone_process_env() -> None:

@@ -1,6 +1,12 @@
 import os
 
 import pytest
+import torch
+
+# DeepSpeed's CPU accelerator where no GPU is visible; a GPU machine keeps its CUDA one, so that the tests of
+# precision run there on the GPU (benchmarks/gpu_check.sh)
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from stage_helpers import (  # noqa: E402,F401  (tests/ is on sys.path)
     HH_PATH,
     REPO,
@@ -10,7 +16,6 @@ from stage_helpers import (  # noqa: E402,F401  (tests/ is on sys.path)
     require,
 )
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -25,7 +25,7 @@ def test_engine_step_changes_weights_and_lowers_loss(zero_stage, precision, tmp_
     eng = engine.TrainEngine(model, ds, precision, lr=1e-2, train_batch_size=4, micro_batch_size=2,
                              total_steps=10, max_grad_norm=1.0)
     assert eng.grad_accum == 2
-    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(engine.device())
     losses = []
     for _ in range(8):  # 4 optimizer steps of 2 micro-batches
         with eng.autocast():
@@ -36,7 +36,7 @@ def test_engine_step_changes_weights_and_lowers_loss(zero_stage, precision, tmp_
     assert eng.global_steps == 4
     assert losses[-1] < losses[0]
     after = eng.module.state_dict()
-    assert any(not torch.equal(before[k], after[k].float()) for k in before)
+    assert any(not torch.equal(before[k], after[k].float().cpu()) for k in before)
     assert eng.grad_norm() > 0
 
     # a checkpoint round trip restores weights and client state
@@ -73,7 +73,7 @@ def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
     assert engines[0].engine.enable_backward_allreduce is False
     engines[1].engine.enable_backward_allreduce = True  # DeepSpeed's default, zero gradients included
     engines[1]._skip_allreduce = False
-    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(engine.device())
     for eng in engines:
         for _ in range(4):  # 2 optimizer steps of 2 micro-batches
             with eng.autocast():
@@ -82,7 +82,7 @@ def test_one_rank_without_zero_skips_the_identity_all_reduce(precision):
             eng.step()
     a, b = (e.module.state_dict() for e in engines)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["unused"], torch.ones(2, 3, dtype=a["unused"].dtype))  # decayed, as with the reduction
+    assert not torch.equal(a["unused"].cpu(), torch.ones(2, 3, dtype=a["unused"].dtype))  # decayed, as reduced
     assert engines[0].grad_norm() == engines[1].grad_norm()
     assert engine.TrainEngine(_tiny(), ds(2), precision, **kw).engine.enable_backward_allreduce is True
     # a communication dtype or pre-division of the config's own makes the reduction more than an identity: kept
@@ -104,7 +104,7 @@ def test_accumulated_micro_batches_on_the_module_match_zero0(zero_stage, offload
     kw = dict(lr=1e-2, train_batch_size=4, micro_batch_size=2, total_steps=10, max_grad_norm=1.0, weight_decay=0.1)
     small = {"zero_optimization": {"reduce_bucket_size": 2000, "stage3_prefetch_bucket_size": 2000}}
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 64, (2, 12), generator=g) for _ in range(4)]  # 2 steps of 2 micro-batches
+    batches = [torch.randint(0, 64, (2, 12), generator=g).to(engine.device()) for _ in range(4)]  # 2 steps of 2
     weights, norms = [], []
     for eng in (engine.TrainEngine(_tiny(), ds(0), "fp32", **kw),
                 engine.TrainEngine(_tiny(), ds(zero_stage, small), "fp32", **kw)):
@@ -115,7 +115,7 @@ def test_accumulated_micro_batches_on_the_module_match_zero0(zero_stage, offload
             eng.step()
             if i % 2:  # an optimizer step
                 norms.append(eng.grad_norm())
-        weights.append({k: v.detach().clone().float() for k, v in eng.consolidated_state_dict().items()})
+        weights.append({k: v.detach().float().cpu() for k, v in eng.consolidated_state_dict().items()})
     assert eng.global_steps == 2
     assert norms[2:] == pytest.approx(norms[:2], rel=1e-5)
     assert weights[0].keys() == weights[1].keys()
@@ -292,7 +292,7 @@ def test_adamw_state_is_made_before_the_first_forward_and_changes_no_number():
     eng = engine.TrainEngine(model, ds, "fp32", **kw)
     params = [p for p in eng.module.parameters() if p.requires_grad]
     assert all(p.grad is None for p in params)
-    assert all(torch.equal(v, before[k]) for k, v in eng.module.state_dict().items())
+    assert all(torch.equal(v.cpu(), before[k]) for k, v in eng.module.state_dict().items())
     state = eng.engine.optimizer.state
     assert len(state) == len(params)
     for p in params:
@@ -300,7 +300,7 @@ def test_adamw_state_is_made_before_the_first_forward_and_changes_no_number():
         assert float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
     assert eng.lr() == pytest.approx(1e-2 * engine.lr_lambda("cosine", 1, 10)(0))  # restored as the schedule set it
 
-    ref = _tiny()
+    ref = _tiny().to(engine.device())
     ref_params = [p for p in ref.parameters() if p.requires_grad]
     groups = [{"params": [p for p in ref_params if p.ndim >= 2], "weight_decay": 0.1},
               {"params": [p for p in ref_params if p.ndim < 2], "weight_decay": 0.0}]
@@ -309,10 +309,11 @@ def test_adamw_state_is_made_before_the_first_forward_and_changes_no_number():
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 64, (2, 12), generator=g) for _ in range(6)]  # 3 steps of 2 micro-batches
     for i, x in enumerate(batches):
-        loss = eng.module(input_ids=x, labels=x).loss
+        on = x.to(engine.device())
+        loss = eng.module(input_ids=on, labels=on).loss
         eng.backward_mean(loss)
         eng.step()
-        (ref(input_ids=x, labels=x).loss / 2).backward()
+        (ref(input_ids=on, labels=on).loss / 2).backward()
         if i % 2:
             opt.step()
             sched.step()
@@ -330,3 +331,33 @@ def test_deepspeeds_bf16_optimizer_keeps_its_own_state():
     inner = eng.engine.optimizer.optimizer
     assert eng.engine.optimizer is not inner
     assert {float(s["step"]) for s in inner.state.values()} == {1.0}
+
+
+def test_ds_accelerator_cpu_wins_over_a_visible_gpu(monkeypatch):
+    """`DS_ACCELERATOR=cpu` on a GPU machine: DeepSpeed keeps tensors on the CPU, so the engine's group, device and
+    bf16 check follow it (an NCCL group broadcasting CPU tensors failed every PPO test on an H200, 2026-12-04)."""
+    from rlhf_cli import engine
+
+    monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine.torch.cuda, "device_count", lambda: 1)
+    for value, gpu in (("cpu", False), ("CPU ", False), ("cuda", True), (None, True)):
+        if value is None:
+            monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+        else:
+            monkeypatch.setenv("DS_ACCELERATOR", value)
+        assert engine._has_gpu() is gpu, value
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert engine.device() == engine.torch.device("cpu")
+
+
+def test_close_distributed_leaves_a_gloo_group():
+    """Only an NCCL group is destroyed at a command's end (it warns at exit otherwise); a gloo one stays for the
+    process's exit and for the next command of an in-process sweep, which joins a new group where it went."""
+    from rlhf_cli import engine
+
+    engine.init_distributed()
+    backend = engine.dist.get_backend()
+    engine.close_distributed()
+    assert engine.dist.is_initialized() is (backend != "nccl")
+    engine.init_distributed()
+    assert engine.dist.is_initialized()
