@@ -26,8 +26,9 @@ and each engine's training wall seconds.
 
     python benchmarks/engine_bench.py --parity --seeds 42,1 [--workdir DIR] [--out results/engine_parity.json]
 
-With `--workdir`, each finished seed is kept in `seed_<s>/parity_seed.json`, and a later call at the same
+With `--workdir`, each finished seed is kept in `seed_<s>/paired_seed.json`, and a later call at the same
 `--precision` reads it instead of training that seed again (a run stopped midway, or more seeds added to the pool).
+This comparison is `preset_bench.py`'s, with a = `rollout.engine=hf` and b = `rollout.engine=vllm`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,85 +107,12 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path) -> dict[
 
 
 def parity(args: argparse.Namespace) -> None:
-    """`--parity` (see the module docstring): experiment=grpo trained on each engine, per seed, judged paired."""
-    import torch
+    """`--parity` (see the module docstring): experiment=grpo trained on each engine, per seed, judged paired
+    (`preset_bench.paired_training` with a = hf, b = vllm)."""
+    from preset_bench import paired_training
 
-    from rlhf_cli.core.paired import mean_ci95
-
-    seeds = [int(x) for x in args.seeds.split(",")]
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="engine_parity_")).resolve()
-    runs: list[dict[str, Any]] = []
-    try:
-        for k, seed in enumerate(seeds):
-            sub, out = work / f"seed_{seed}", {"seed": seed}
-            done = sub / "parity_seed.json"
-            kept = json.loads(done.read_text()) if done.is_file() else None
-            if kept is not None and kept.get("precision", args.precision) == args.precision:
-                runs.append(kept)  # a seed finished by an earlier call with this --workdir: read, not re-run
-                print(f"  seed {seed}: read from {done}", file=sys.stderr)
-                continue
-            out["precision"] = args.precision
-            for name in (("hf", "vllm") if k % 2 == 0 else ("vllm", "hf")):
-                run_dir = sub / name
-                t0 = time.perf_counter()
-                child(["train-ppo", "experiment=grpo", f"rollout.engine={name}", f"seed={seed}",
-                       f"precision={args.precision}", f"paths.root={sub / 'runs'}", f"hydra.run.dir={run_dir}"],
-                      sub / f"{name}.log")
-                out[f"{name}_wall_s"] = time.perf_counter() - t0
-            eval_dir = sub / "eval"
-            child(["eval", "experiment=grpo", "rollout.engine=hf", f"policy.path={sub / 'vllm' / 'final'}",
-                   f"reference.path={sub / 'hf' / 'final'}", "precision=fp32", f"seed={seed}",
-                   f"paths.root={sub / 'runs'}", f"hydra.run.dir={eval_dir}"], sub / "eval.log")
-            rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
-            out["prompts"] = [r["prompt"] for r in rows]
-            out["vllm"] = [float(r["policy_correct"]) for r in rows]
-            out["hf"] = [float(r["reference_correct"]) for r in rows]
-            out["eval"] = json.loads((eval_dir / "eval.json").read_text())["results"]
-            done.write_text(json.dumps(out))
-            runs.append(out)
-            print(f"  seed {seed} done", file=sys.stderr)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
-    if any(r["prompts"] != runs[0]["prompts"] for r in runs[1:]):
-        sys.exit("error: the seeds' evals answered different held-out prompts; cannot pair them by prompt")
-    table = Table(ours="vllm")
-    table.columns = ("metric", "vllm", "hf", "vllm/hf")
-    for r in runs:
-        table.add(f"seed_{r['seed']}_accuracy", f"held-out checker accuracy, seed {r['seed']}",
-                  r["eval"]["policy/accuracy"], r["eval"]["reference/accuracy"], "{:.3f}", ratio=False)
-        table.note(f"  vllm − hf (paired), seed {r['seed']}",
-                   f"{r['eval']['accuracy_gain']:+.3f} ± {r['eval']['accuracy_gain_ci95']:.3f}")
-        table.add(f"seed_{r['seed']}_wall_s", f"training wall s, seed {r['seed']}", r["vllm_wall_s"], r["hf_wall_s"],
-                  "{:.0f}")
-    v, h = torch.tensor([r["vllm"] for r in runs]).mean(0), torch.tensor([r["hf"] for r in runs]).mean(0)
-    (av, cv), (ah, ch) = mean_ci95(v), mean_ci95(h)
-    n = v.numel()
-    table.add("accuracy", f"held-out accuracy, {n} prompts x {len(runs)} seeds", av, ah, "{:.3f}", ratio=False)
-    table.add("accuracy_ci95", f"  ± 95 % (t over the {n} prompts)", cv, ch, "{:.3f}", ratio=False)
-    d, ci = mean_ci95(v - h)
-    table.note(f"accuracy, vllm − hf, by prompt over the {len(runs)} seeds", f"{d:+.3f} ± {ci:.3f} "
-               f"({d - ci:+.3f} to {d + ci:+.3f})")
-    table.data["accuracy_diff_by_prompt"] = {"mean": d, "ci95": ci, "prompts": n, "seeds": len(runs)}
-    info = machine_info()
-    header = ["engine parity: `rlhf train-ppo experiment=grpo` on rollout.engine=vllm vs hf, judged paired by "
-              "`rlhf eval experiment=grpo` (fp32, hf sampler)",
-              f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores; precision {args.precision}; "
-              f"seeds {', '.join(map(str, seeds))} (A-B-B-A)"]
-    print("\n".join(header + table.lines()))
-    write_outputs(args.out, header, table, ["vllm: the policy trained on vLLM's samples; hf: on HF generate's"],
-                  {"seeds": [{k: v for k, v in r.items() if k != "prompts"} for r in runs]})
-
-
-def child(argv: list[str], log: Path) -> None:
-    """`rlhf <argv>` in its own process, output to `log`; exits with the log's tail when it fails."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "rlhf_cli", *argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    if proc.returncode:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        sys.exit(f"{tail}\nerror: rlhf {argv[0]} exited with status {proc.returncode} (log: {log})")
+    paired_training([int(x) for x in args.seeds.split(",")], ("hf", ["rollout.engine=hf"]),
+                    ("vllm", ["rollout.engine=vllm"]), precision=args.precision, workdir=args.workdir, out=args.out)
 
 
 def main() -> None:

@@ -264,7 +264,7 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
     `rollout_batch`): `text`, `length` (response tokens), `eos` (1.0 = ended in EOS), `tokens`, and where measured
     `score` (the reward model's, given), `correct` (the checker, when every prompt has an answer), `function`
     (`reward.function`); the policy's KL(policy ‖ reference) `kl_k1`, `kl_k3` (nats per sequence) on its own
-    samples, temperature-scaled."""
+    samples, temperature-scaled, the policy's log-probs renormalised over its nucleus under `eval.top_p` < 1."""
     ids, am, P, has_eos = sampled
     texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
     mask = am[:, P:].float()
@@ -279,7 +279,7 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
                                              mine)["function"]
     if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
         kl = sequence_kl(models["policy"], models["reference"], ids, am, P, cfg.eval.temperature, cfg.eval.batch_size,
-                         models["score_precision"], ("k1", "k3"), packing=cfg.data.packing)
+                         models["score_precision"], ("k1", "k3"), packing=cfg.data.packing, top_p=cfg.eval.top_p)
         out["kl_k1"], out["kl_k3"] = kl["k1"], kl["k3"]
     return out
 

@@ -236,16 +236,28 @@ def fake_sampling(monkeypatch, tiny_dirs, tokenizer):
     return seen
 
 
+def nucleus_logprob(logits: torch.Tensor, token: int, top_p: float) -> torch.Tensor:
+    """log π_p(token), one position (V,) of temperature-scaled logits, the plain way: the most probable tokens kept
+    while the mass before each is < top_p, the sampled token kept too, renormalised over what is kept."""
+    probs = torch.softmax(logits.double(), -1)
+    order = torch.argsort(probs, descending=True)
+    before = torch.cumsum(probs[order], 0) - probs[order]
+    kept = set(order[before < top_p].tolist()) | {token}
+    return torch.log(probs[token] / probs[sorted(kept)].sum()).float()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
-        run_stage, tiny_dirs, tokenizer, monkeypatch):
-    """eval_policy on fixed "samples" (sampling replaced; scoring, KL, batching and aggregation real)."""
+        run_stage, tiny_dirs, tokenizer, monkeypatch, top_p):
+    """eval_policy on fixed "samples" (sampling replaced; scoring, KL, batching and aggregation real). With
+    `eval.top_p` < 1 the KL reads the policy's nucleus-renormalised log-probs, as train-ppo's penalty does."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     seen = fake_sampling(monkeypatch, tiny_dirs, tokenizer)
     _, eval_dir, _ = run_stage("eval", [
         f"policy.path={tiny_dirs['policy']}", f"reference.path={tiny_dirs['reference']}",
         f"reward_model.path={tiny_dirs['rm']}", "data.builtin.ppo_eval=6", f"eval.max_new_tokens={MAX_NEW_TOKENS}",
-        "eval.batch_size=4", f"eval.temperature={TEMPERATURE}"])
+        "eval.batch_size=4", f"eval.temperature={TEMPERATURE}", f"eval.top_p={top_p}"])
     out = read_results(eval_dir)
     assert set(seen) == {"policy", "reference"} and out["prompts"] == 6
 
@@ -263,9 +275,9 @@ def test_policy_eval_win_rate_and_kl_match_a_plain_torch_computation(
                     continue
                 targets = torch.tensor(resp)
                 start = len(prompt) - 1  # logits at position j predict token j + 1
-                logp = torch.log_softmax(policy(input_ids=seq).logits[0, start:-1].float() / TEMPERATURE, -1)
+                scaled = policy(input_ids=seq).logits[0, start:-1].float() / TEMPERATURE
                 logq = torch.log_softmax(reference(input_ids=seq).logits[0, start:-1].float() / TEMPERATURE, -1)
-                lp = logp[torch.arange(len(resp)), targets]
+                lp = torch.stack([nucleus_logprob(scaled[j], t, top_p) for j, t in enumerate(resp)])
                 lq = logq[torch.arange(len(resp)), targets]
                 k1.append(float((lp - lq).sum()))
                 log_r = lq - lp

@@ -1,0 +1,149 @@
+"""Two settings of one preset, trained on the same seeds and judged paired: does B learn better than A?
+
+For each of `--seeds` it trains `rlhf train-ppo experiment=<preset>` once with the overrides of `--a` and once
+with those of `--b` (A-B-B-A over the seeds: a then b for the 1st, 3rd, ... seed, b then a for the others), then
+`rlhf eval experiment=<preset>` samples both final policies on the same held-out prompts with the same per-prompt
+noise (b's as the policy, a's as the reference; fp32, the hf sampler). The table gives each seed's checker
+accuracies, paired difference (b − a) and training wall seconds, then the accuracies per prompt averaged over the
+seeds and their paired difference with a t interval over the prompts: issue 42's "paired by prompt and pooled over
+the seeds". Run it on an otherwise idle machine: the wall seconds are half the answer ("no slower").
+
+    python benchmarks/preset_bench.py --b "ppo.filter_groups=true" --seeds 42,1,2 --workdir W [--out r.json]
+    python benchmarks/preset_bench.py --a "" --b "ppo.mini_batch_size=8 ppo.clip_high=0.28" --name-b clip_high
+
+With `--workdir`, each finished seed is kept in `seed_<s>/paired_seed.json`, and a later call with the same
+settings reads it instead of training that seed again (a run stopped midway, or more seeds added to the pool).
+`engine_bench.py --parity` is this comparison with a = `rollout.engine=hf`, b = `rollout.engine=vllm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, Table, machine_info, write_outputs  # noqa: E402
+
+
+def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str, list[str]], *,
+                    preset: str = "grpo", precision: str = "auto", common: Sequence[str] = (),
+                    workdir: str | None = None, out: str | None = None) -> dict[str, Any]:
+    """Train `experiment=<preset>` with `a`'s and `b`'s overrides (each a (name, overrides) pair) on every seed, judge
+    them paired (see the module docstring), print the table and write it to `out` (JSON and markdown). `common`:
+    overrides of both trainings and the eval (a model, fewer iterations). Returns the pooled paired difference
+    {"mean", "ci95", "prompts", "seeds"} (b − a, checker accuracy)."""
+    import torch
+
+    from rlhf_cli.core.paired import mean_ci95
+
+    (na, oa), (nb, ob) = a, b
+    if na == nb:
+        sys.exit(f"error: the two settings need different names (both {na!r})")
+    settings = {"preset": preset, "precision": precision, "common": list(common), na: oa, nb: ob}
+    work = Path(workdir or tempfile.mkdtemp(prefix="preset_bench_")).resolve()
+    runs: list[dict[str, Any]] = []
+    try:
+        for k, seed in enumerate(seeds):
+            sub, rec = work / f"seed_{seed}", {"seed": seed, "settings": settings}
+            done = sub / "paired_seed.json"
+            kept = json.loads(done.read_text()) if done.is_file() else None
+            if kept is not None and kept.get("settings") == settings:
+                runs.append(kept)  # a seed finished by an earlier call with these settings: read, not re-run
+                print(f"  seed {seed}: read from {done}", file=sys.stderr)
+                continue
+            for name, overrides in ((a, b) if k % 2 == 0 else (b, a)):
+                t0 = time.perf_counter()
+                child(["train-ppo", f"experiment={preset}", *common, *overrides, f"seed={seed}",
+                       f"precision={precision}", f"paths.root={sub / 'runs'}", f"hydra.run.dir={sub / name}"],
+                      sub / f"{name}.log")
+                rec[f"{name}_wall_s"] = time.perf_counter() - t0
+            eval_dir = sub / "eval"
+            child(["eval", f"experiment={preset}", *common, "rollout.engine=hf", f"policy.path={sub / nb / 'final'}",
+                   f"reference.path={sub / na / 'final'}", "precision=fp32", f"seed={seed}",
+                   f"paths.root={sub / 'runs'}", f"hydra.run.dir={eval_dir}"], sub / "eval.log")
+            rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
+            rec["prompts"] = [r["prompt"] for r in rows]
+            rec[nb] = [float(r["policy_correct"]) for r in rows]
+            rec[na] = [float(r["reference_correct"]) for r in rows]
+            rec["eval"] = json.loads((eval_dir / "eval.json").read_text())["results"]
+            done.write_text(json.dumps(rec))
+            runs.append(rec)
+            print(f"  seed {seed} done", file=sys.stderr)
+    finally:
+        if not workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    if any(r["prompts"] != runs[0]["prompts"] for r in runs[1:]):
+        sys.exit("error: the seeds' evals answered different held-out prompts; cannot pair them by prompt")
+    table = Table(ours=nb)
+    table.columns = ("metric", nb, na, f"{nb}/{na}")
+    for r in runs:
+        table.add(f"seed_{r['seed']}_accuracy", f"held-out checker accuracy, seed {r['seed']}",
+                  r["eval"]["policy/accuracy"], r["eval"]["reference/accuracy"], "{:.3f}", ratio=False)
+        table.note(f"  {nb} − {na} (paired), seed {r['seed']}",
+                   f"{r['eval']['accuracy_gain']:+.3f} ± {r['eval']['accuracy_gain_ci95']:.3f}")
+        table.add(f"seed_{r['seed']}_wall_s", f"training wall s, seed {r['seed']}", r[f"{nb}_wall_s"],
+                  r[f"{na}_wall_s"], "{:.0f}")
+    vb, va = torch.tensor([r[nb] for r in runs]).mean(0), torch.tensor([r[na] for r in runs]).mean(0)
+    (mb, cb), (ma, ca) = mean_ci95(vb), mean_ci95(va)
+    n = vb.numel()
+    table.add("accuracy", f"held-out accuracy, {n} prompts x {len(runs)} seeds", mb, ma, "{:.3f}", ratio=False)
+    table.add("accuracy_ci95", f"  ± 95 % (t over the {n} prompts)", cb, ca, "{:.3f}", ratio=False)
+    table.add("wall_s", "training wall s, mean over the seeds", sum(r[f"{nb}_wall_s"] for r in runs) / len(runs),
+              sum(r[f"{na}_wall_s"] for r in runs) / len(runs), "{:.0f}")
+    d, ci = mean_ci95(vb - va)
+    table.note(f"accuracy, {nb} − {na}, by prompt over the {len(runs)} seeds",
+               f"{d:+.3f} ± {ci:.3f} ({d - ci:+.3f} to {d + ci:+.3f})")
+    pooled = {"mean": d, "ci95": ci, "prompts": n, "seeds": len(runs)}
+    table.data["accuracy_diff_by_prompt"] = pooled
+    info = machine_info()
+    header = [f"`rlhf train-ppo experiment={preset}`, {nb} ({' '.join(ob) or 'the preset'}) vs {na} "
+              f"({' '.join(oa) or 'the preset'}), judged paired by `rlhf eval experiment={preset}` (fp32, hf sampler)",
+              f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores; precision {precision}; "
+              f"seeds {', '.join(map(str, seeds))} (A-B-B-A)"]
+    print("\n".join(header + table.lines()))
+    write_outputs(out, header, table, [f"{nb}: {' '.join(ob) or 'the preset'}; {na}: {' '.join(oa) or 'the preset'}"],
+                  {"seeds": [{k: v for k, v in r.items() if k != "prompts"} for r in runs]})
+    return pooled
+
+
+def child(argv: list[str], log: Path) -> None:
+    """`rlhf <argv>` in its own process, output to `log`; exits with the log's tail when it fails."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "rlhf_cli", *argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        sys.exit(f"{tail}\nerror: rlhf {argv[0]} exited with status {proc.returncode} (log: {log})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--a", default="", help="setting A's overrides, one shell-quoted string (default: the preset)")
+    ap.add_argument("--b", required=True, help="setting B's overrides, one shell-quoted string")
+    ap.add_argument("--name-a", default="preset", help="A's name in the table (default: preset)")
+    ap.add_argument("--name-b", default="candidate", help="B's name in the table (default: candidate)")
+    ap.add_argument("--preset", default="grpo", help="the experiment both train (default: grpo)")
+    ap.add_argument("--common", default="", help="overrides of both trainings and the eval (`model=tiny ...`)")
+    ap.add_argument("--precision", default="auto", help="the runs' precision: auto, fp32, bf16-autocast")
+    ap.add_argument("--seeds", default="42,1,2", help="the training seeds, comma-separated")
+    ap.add_argument("--workdir", default=None, help="keep run dirs here (default: a temp dir, removed)")
+    ap.add_argument("--out", default=None, help="also write the table as JSON and markdown")
+    args = ap.parse_args()
+    paired_training([int(x) for x in args.seeds.split(",")], (args.name_a, shlex.split(args.a)),
+                    (args.name_b, shlex.split(args.b)), preset=args.preset, precision=args.precision,
+                    common=shlex.split(args.common), workdir=args.workdir, out=args.out)
+
+
+if __name__ == "__main__":
+    main()
