@@ -134,7 +134,8 @@ def main() -> None:
     ap.add_argument("--name-a", default="preset", help="A's name in the table (default: preset)")
     ap.add_argument("--name-b", default="candidate", help="B's name in the table (default: candidate)")
     ap.add_argument("--preset", default="grpo", help="the experiment both train (default: grpo)")
-    ap.add_argument("--common", default="", help="overrides of both trainings and the eval (`model=tiny ...`)")
+    ap.add_argument("--common", default="", help="overrides of both trainings and the eval, keys both commands read "
+                    "(`model=tiny`, `data.*`); train-ppo's own keys go in --a and --b")
     ap.add_argument("--precision", default="auto", help="the runs' precision: auto, fp32, bf16-autocast")
     ap.add_argument("--seeds", default="42,1,2", help="the training seeds, comma-separated")
     ap.add_argument("--workdir", default=None, help="keep run dirs here (default: a temp dir, removed)")
