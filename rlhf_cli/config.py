@@ -620,7 +620,8 @@ class EvalOptions:
     temperature: float = 0.7
     """Sampling temperature (> 0) of both models; the KL is measured at it."""
     top_p: float = 1.0
-    """Nucleus sampling of both models, in (0, 1]."""
+    """Nucleus sampling of both models, in (0, 1]; the KL then reads the policy's nucleus-renormalised log-probs, as
+    train-ppo's penalty does."""
     num_prompts: int | None = None
     """Evaluate on at most this many prompts/pairs (null = all)."""
     num_samples: int = 8
