@@ -49,12 +49,13 @@ def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str
     (na, oa), (nb, ob) = a, b
     if na == nb:
         sys.exit(f"error: the two settings need different names (both {na!r})")
-    settings = {"preset": preset, "precision": precision, "common": list(common), na: oa, nb: ob}
+    settings = {"preset": preset, "precision": precision, "common": list(common), "a": [na, oa], "b": [nb, ob]}
     work = Path(workdir or tempfile.mkdtemp(prefix="preset_bench_")).resolve()
     runs: list[dict[str, Any]] = []
     try:
         for k, seed in enumerate(seeds):
-            sub, rec = work / f"seed_{seed}", {"seed": seed, "settings": settings}
+            sub = work / f"seed_{seed}"
+            rec: dict[str, Any] = {"seed": seed, "settings": settings, "wall_s": {}, "correct": {}}
             done = sub / "paired_seed.json"
             kept = json.loads(done.read_text()) if done.is_file() else None
             if kept is not None and kept.get("settings") == settings:
@@ -66,15 +67,18 @@ def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str
                 child(["train-ppo", f"experiment={preset}", *common, *overrides, f"seed={seed}",
                        f"precision={precision}", f"paths.root={sub / 'runs'}", f"hydra.run.dir={sub / name}"],
                       sub / f"{name}.log")
-                rec[f"{name}_wall_s"] = time.perf_counter() - t0
+                rec["wall_s"][name] = time.perf_counter() - t0
             eval_dir = sub / "eval"
             child(["eval", f"experiment={preset}", *common, "rollout.engine=hf", f"policy.path={sub / nb / 'final'}",
                    f"reference.path={sub / na / 'final'}", "precision=fp32", f"seed={seed}",
                    f"paths.root={sub / 'runs'}", f"hydra.run.dir={eval_dir}"], sub / "eval.log")
             rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
+            if any(r.get("policy_correct") is None or r.get("reference_correct") is None for r in rows):
+                sys.exit(f"error: experiment={preset}'s held-out prompts have no checker answers: the comparison "
+                         f"reads checker accuracy (eval: {eval_dir})")
             rec["prompts"] = [r["prompt"] for r in rows]
-            rec[nb] = [float(r["policy_correct"]) for r in rows]
-            rec[na] = [float(r["reference_correct"]) for r in rows]
+            rec["correct"] = {nb: [float(r["policy_correct"]) for r in rows],
+                              na: [float(r["reference_correct"]) for r in rows]}
             rec["eval"] = json.loads((eval_dir / "eval.json").read_text())["results"]
             done.write_text(json.dumps(rec))
             runs.append(rec)
@@ -86,20 +90,22 @@ def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str
         sys.exit("error: the seeds' evals answered different held-out prompts; cannot pair them by prompt")
     table = Table(ours=nb)
     table.columns = ("metric", nb, na, f"{nb}/{na}")
+    table.keys = (nb, na)
     for r in runs:
         table.add(f"seed_{r['seed']}_accuracy", f"held-out checker accuracy, seed {r['seed']}",
                   r["eval"]["policy/accuracy"], r["eval"]["reference/accuracy"], "{:.3f}", ratio=False)
         table.note(f"  {nb} − {na} (paired), seed {r['seed']}",
                    f"{r['eval']['accuracy_gain']:+.3f} ± {r['eval']['accuracy_gain_ci95']:.3f}")
-        table.add(f"seed_{r['seed']}_wall_s", f"training wall s, seed {r['seed']}", r[f"{nb}_wall_s"],
-                  r[f"{na}_wall_s"], "{:.0f}")
-    vb, va = torch.tensor([r[nb] for r in runs]).mean(0), torch.tensor([r[na] for r in runs]).mean(0)
+        table.add(f"seed_{r['seed']}_wall_s", f"training wall s, seed {r['seed']}", r["wall_s"][nb],
+                  r["wall_s"][na], "{:.0f}")
+    vb = torch.tensor([r["correct"][nb] for r in runs]).mean(0)
+    va = torch.tensor([r["correct"][na] for r in runs]).mean(0)
     (mb, cb), (ma, ca) = mean_ci95(vb), mean_ci95(va)
     n = vb.numel()
     table.add("accuracy", f"held-out accuracy, {n} prompts x {len(runs)} seeds", mb, ma, "{:.3f}", ratio=False)
     table.add("accuracy_ci95", f"  ± 95 % (t over the {n} prompts)", cb, ca, "{:.3f}", ratio=False)
-    table.add("wall_s", "training wall s, mean over the seeds", sum(r[f"{nb}_wall_s"] for r in runs) / len(runs),
-              sum(r[f"{na}_wall_s"] for r in runs) / len(runs), "{:.0f}")
+    table.add("wall_s", "training wall s, mean over the seeds", sum(r["wall_s"][nb] for r in runs) / len(runs),
+              sum(r["wall_s"][na] for r in runs) / len(runs), "{:.0f}")
     d, ci = mean_ci95(vb - va)
     table.note(f"accuracy, {nb} − {na}, by prompt over the {len(runs)} seeds",
                f"{d:+.3f} ± {ci:.3f} ({d - ci:+.3f} to {d + ci:+.3f})")

@@ -495,8 +495,8 @@ def main(argv: list[str] | None = None) -> None:
     register_configs()
     sys.argv = [f"rlhf {command}", *rest]
     _task_for(command)()
-    if "rlhf_cli.engine" in sys.modules:  # a command that reached the engine (not --help, --cfg)
-        sys.modules["rlhf_cli.engine"].close_distributed()
+    if argv_given is None and "rlhf_cli.engine" in sys.modules:  # the `rlhf` process, about to exit, that reached
+        sys.modules["rlhf_cli.engine"].close_distributed()         # the engine (not --help, --cfg)
     if SWEEP_DIRS:  # the jobs moved no pointer: say where they are and how to compare them
         for d in sorted(SWEEP_DIRS):
             print(f"sweep: {d} (latest_* pointers not moved by sweep jobs); compare its jobs with: "

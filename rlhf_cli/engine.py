@@ -37,7 +37,7 @@ def _has_gpu() -> bool:
     `DS_ACCELERATOR=cpu` on a GPU machine makes DeepSpeed keep every tensor on the CPU; the process group, the
     device and the precision checks must then be the CPU's too (gloo, not NCCL, which takes no CPU tensor).
     """
-    if os.environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu":
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
         return False
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
@@ -97,13 +97,15 @@ def init_distributed() -> None:
 
 
 def close_distributed() -> None:
-    """Leave an NCCL process group at a command's clean end (NCCL warns at exit of every GPU run otherwise).
+    """Leave an NCCL process group at the end of a process's command (NCCL warns at exit of every GPU run otherwise),
+    through DeepSpeed, which drops its own reference to the world group with it (torch's call alone leaves DeepSpeed
+    a destroyed group, and the next engine built in this process fails on it).
 
-    Not on error paths, where a rank must not wait for ranks that may never come; a gloo group (CPU) is left to the
-    process's exit, as it warns of nothing.
+    For a process about to exit (`cli.main` as the `rlhf` command), and never on error paths, where a rank must not
+    wait for ranks that may never come. A gloo group (CPU) is left to the process's exit: it warns of nothing.
     """
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        dist.destroy_process_group()
+        deepspeed.comm.destroy_process_group()
 
 
 def _lone_process_env() -> None:
