@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, Table, machine_info, write_outputs  # noqa: E402
+from _common import Table, check_child, machine_info, run_child, write_outputs  # noqa: E402
 
 
 def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str, list[str]], *,
@@ -55,7 +52,7 @@ def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str
     try:
         for k, seed in enumerate(seeds):
             sub = work / f"seed_{seed}"
-            rec: dict[str, Any] = {"seed": seed, "settings": settings, "wall_s": {}, "correct": {}}
+            rec: dict[str, Any] = {"seed": seed, "settings": settings, "wall_s": {}}
             done = sub / "paired_seed.json"
             kept = json.loads(done.read_text()) if done.is_file() else None
             if kept is not None and kept.get("settings") == settings:
@@ -63,15 +60,13 @@ def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str
                 print(f"  seed {seed}: read from {done}", file=sys.stderr)
                 continue
             for name, overrides in ((a, b) if k % 2 == 0 else (b, a)):
-                t0 = time.perf_counter()
-                child(["train-ppo", f"experiment={preset}", *common, *overrides, f"seed={seed}",
-                       f"precision={precision}", f"paths.root={sub / 'runs'}", f"hydra.run.dir={sub / name}"],
-                      sub / f"{name}.log")
-                rec["wall_s"][name] = time.perf_counter() - t0
+                rec["wall_s"][name] = rlhf(["train-ppo", f"experiment={preset}", *common, *overrides, f"seed={seed}",
+                                            f"precision={precision}", f"paths.root={sub / 'runs'}",
+                                            f"hydra.run.dir={sub / name}"], sub / f"{name}.log")
             eval_dir = sub / "eval"
-            child(["eval", f"experiment={preset}", *common, "rollout.engine=hf", f"policy.path={sub / nb / 'final'}",
-                   f"reference.path={sub / na / 'final'}", "precision=fp32", f"seed={seed}",
-                   f"paths.root={sub / 'runs'}", f"hydra.run.dir={eval_dir}"], sub / "eval.log")
+            rlhf(["eval", f"experiment={preset}", *common, "rollout.engine=hf", f"policy.path={sub / nb / 'final'}",
+                  f"reference.path={sub / na / 'final'}", "precision=fp32", f"seed={seed}",
+                  f"paths.root={sub / 'runs'}", f"hydra.run.dir={eval_dir}"], sub / "eval.log")
             rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
             if any(r.get("policy_correct") is None or r.get("reference_correct") is None for r in rows):
                 sys.exit(f"error: experiment={preset}'s held-out prompts have no checker answers: the comparison "
@@ -122,15 +117,12 @@ def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str
     return pooled
 
 
-def child(argv: list[str], log: Path) -> None:
-    """`rlhf <argv>` in its own process, output to `log`; exits with the log's tail when it fails."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "rlhf_cli", *argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    if proc.returncode:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        sys.exit(f"{tail}\nerror: rlhf {argv[0]} exited with status {proc.returncode} (log: {log})")
+def rlhf(argv: list[str], log: Path) -> float:
+    """`rlhf <argv>` in its own process as a user runs it (`run_child`, no allocator settings of ours), output to
+    `log`; its wall seconds. Exits with the log's tail when it fails."""
+    res = run_child([sys.executable, "-m", "rlhf_cli", *argv], log, allocator_env=False)
+    check_child(f"rlhf {argv[0]}", res)
+    return res.wall_s
 
 
 def main() -> None:
