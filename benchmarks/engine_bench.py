@@ -2,7 +2,8 @@
 
 Needs vLLM in the venv (`make install-vllm`). Each engine runs in its own process (vLLM binds OpenMP threads and
 replaces `torch.set_num_threads` process-wide), in the order A-B-B-A over `--rounds` (hf, vllm, vllm, hf, ...),
-on SmolLM2-135M-Instruct (or `--model tiny`) in the run's precision, at three shapes:
+on SmolLM2-135M-Instruct (or `--model tiny`) in the run's precision, vLLM in the dtype `rollout.engine_dtype`
+gives it (`--engine-dtype`; auto: bf16 under bf16-autocast), at three shapes:
 
     grpo   32 rollouts x 48 new tokens (grpo_bench: 4 prompts x 8 completions), one push before
     ppo    16 rollouts x 32 new tokens (ppo_bench), one push before
@@ -15,6 +16,7 @@ and vllm/hf ratios. The built-in task's prompts, rendered and tokenized by `rlhf
 
     python benchmarks/engine_bench.py                       # bf16-autocast where native, else fp32 (precision=auto)
     python benchmarks/engine_bench.py --precision fp32 --rounds 1 --out results/engine_bench.json
+    python benchmarks/engine_bench.py --engine-dtype fp32   # an fp32 engine beside the bf16-autocast hf sampler
 
 `--parity` answers the other question, whether training on the engine learns as well: for each of `--seeds` it
 trains `rlhf train-ppo experiment=grpo` once per engine (A-B-B-A over the seeds: hf then vllm for the 1st, 3rd,
@@ -49,17 +51,19 @@ from _common import REPO, Table, compose, machine_info, model_label, write_outpu
 SHAPES = {"grpo": (32, 48), "ppo": (16, 32), "eval": (128, 48)}
 
 
-def worker(engine_name: str, model: str, precision: str, workdir: Path) -> dict[str, Any]:
+def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_dtype: str = "auto"
+           ) -> dict[str, Any]:
     """One engine's measurements in this process (see the module docstring)."""
     import torch
 
     from rlhf_cli.data import load_prompt_data
-    from rlhf_cli.engine import resolve_precision
+    from rlhf_cli.engine import resolve_precision, scoring_precision
     from rlhf_cli.models import load_causal_lm
     from rlhf_cli.models.loading import load_tokenizer
     from rlhf_cli.rollout import EngineSettings, Sampling, make_generator
 
-    overrides = [f"model={model}", f"precision={precision}", "data.builtin.ppo_train=256"]
+    overrides = [f"model={model}", f"precision={precision}", "data.builtin.ppo_train=256",
+                 f"rollout.engine_dtype={engine_dtype}"]
     if model == "tiny":
         overrides += ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
     cfg = compose("train_ppo", overrides)
@@ -67,8 +71,9 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path) -> dict[
     tok = load_tokenizer(cfg.model)
     lm = load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tok)  # fp32 weights; autocast does the rest
     prompts = [p["prompt_ids"] for p in load_prompt_data(cfg.data, tok, "train")]
-    gen = make_generator(engine_name, EngineSettings(precision=precision, chunk=32, workdir=workdir,
-                                                     max_model_len=cfg.data.max_prompt_length + 64))
+    gen = make_generator(engine_name, EngineSettings(
+        precision=precision, chunk=32, workdir=workdir, max_model_len=cfg.data.max_prompt_length + 64,
+        engine_dtype=cfg.rollout.engine_dtype, score_precision=scoring_precision(precision, cfg.scoring_precision)))
 
     def sampling(n: int) -> Sampling:
         return Sampling(eos_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id, max_new_tokens=n, temperature=1.0,
@@ -84,7 +89,8 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path) -> dict[
         out = fn(*args)
         return out, time.perf_counter() - t0
 
-    out: dict[str, Any] = {"engine": engine_name, "precision": precision}
+    out: dict[str, Any] = {"engine": engine_name, "precision": precision,
+                           "engine_dtype": str(getattr(gen, "dtype", precision)).removeprefix("torch.")}
     # eval first: a fresh engine pays its start and warm-up, as `rlhf eval` does
     rows, n = SHAPES["eval"]
     batch, seeds = prompts[:rows], list(range(rows))
@@ -119,6 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny (a smoke test of the script)")
     ap.add_argument("--precision", default="auto", help="the run's precision: auto, fp32, bf16-autocast")
+    ap.add_argument("--engine-dtype", default="auto", help="vLLM's rollout.engine_dtype: auto, fp32, bf16")
     ap.add_argument("--rounds", type=int, default=1, help="A-B-B-A rounds (each runs both engines twice)")
     ap.add_argument("--out", default=None, help="also write the table as JSON and markdown")
     ap.add_argument("--parity", action="store_true", help="train experiment=grpo on each engine and judge them paired")
@@ -128,7 +135,8 @@ def main() -> None:
     ap.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.model, args.precision, Path(args.worker_dir))))
+        print("RESULT " + json.dumps(worker(args.worker, args.model, args.precision, Path(args.worker_dir),
+                                            args.engine_dtype)))
         return
     try:
         import vllm  # noqa: F401
@@ -142,7 +150,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
         for i, name in enumerate(order):
             cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--precision", args.precision,
-                   "--worker-dir", str(Path(tmp) / f"{i}-{name}")]
+                   "--engine-dtype", args.engine_dtype, "--worker-dir", str(Path(tmp) / f"{i}-{name}")]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ})
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not line:
@@ -175,7 +183,8 @@ def main() -> None:
                                                             "model.arch.num_key_value_heads=2"]
                                                            if args.model == "tiny" else []))
     precision = results["hf"][0]["precision"]
-    header = [f"sampling engines, hf vs vllm: {model_label(cfg.model)}, {precision}",
+    header = [f"sampling engines, hf vs vllm: {model_label(cfg.model)}, {precision}, "
+              f"vLLM's weights {results['vllm'][0]['engine_dtype']}",
               f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores",
               f"order: {' '.join(order)} (means over {args.rounds * 2} runs per engine)"]
     print("\n".join(header))

@@ -49,6 +49,8 @@ IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 REWARD_SOURCES = ("model", "checker", "function")
 # the sampling engines `rollout.engine` names: rollout.generation.GENERATORS (a test keeps the two equal)
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.generation.resolve_engine
+# the dtypes `rollout.engine_dtype` names: rollout.vllm_engine.engine_dtype resolves `auto`
+ENGINE_DTYPES = ("auto", "fp32", "bf16")
 # the names `logger` takes: `jsonl` and the trackers of runs.TRACKERS (a test keeps the two equal)
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 
@@ -645,6 +647,15 @@ class RolloutConfig:
     A prompt's response depends on the weights, the prompt, its seed and the sampling keys, not on the engine's
     batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention head size vLLM
     serves (32, 64, 80, ...)."""
+    engine_dtype: str = "auto"
+    """The dtype `rollout.engine=vllm` holds its weights and computes in: `fp32`, `bf16`, or `auto`, fp32 under
+    `precision=fp32` and bf16 under `bf16` and `bf16-autocast`. Under bf16-autocast the trainer's scoring passes
+    are fp32 (`scoring_precision=fp32`, the default), so `fp32` samples exactly the distribution they score (the
+    old log-probs to ~1e-6 nats, the greedy probe checking each push), where a bf16 engine differs by bf16's
+    rounding (0.03-0.04 nats/token on SmolLM2: the drift rule watches it, `rollout.is_correction` may weigh it).
+    `auto` takes bf16 there: on the CPU it samples 1.2-1.6x faster than fp32, and `experiment=grpo` learned no
+    better on the fp32 engine (docs/results.md, "Sampling with vLLM"). The `hf` engine samples under `precision`
+    and says once that this does nothing."""
     is_correction: str = "none"
     """train-ppo's engine correction (`core/correction.py`): the sampling engine's log-probs μ of the sampled
     tokens differ from the trainer's π_old at the same weights (other kernels and precision), and each token's
@@ -1065,6 +1076,7 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     _one_of("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
     r = cfg.rollout
     _one_of("rollout.is_correction", r.is_correction, IS_CORRECTIONS)
+    _one_of("rollout.engine_dtype", r.engine_dtype, ENGINE_DTYPES)
     _check(r.is_high > 0, f"rollout.is_high must be > 0 (got {r.is_high})")
     _check(r.is_low is None or 0 <= r.is_low <= r.is_high,
            f"rollout.is_low must be in [0, rollout.is_high={r.is_high}] or null (got {r.is_low})")

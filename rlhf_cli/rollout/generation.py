@@ -23,6 +23,7 @@ implementing `Generator`, one `GENERATORS` entry and one `rollout.engine` value 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from transformers import (
 from rlhf_cli import engine
 from rlhf_cli.data import pad_sequences
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Sampling:
@@ -281,6 +283,10 @@ class EngineSettings:
     """The run dir: an engine with its own copy of the weights (`vllm`) writes its model dir there."""
     kv_cache_gb: int = 2
     """`rollout.kv_cache_gb`: the KV cache of an engine that reserves one (`vllm`), GiB."""
+    engine_dtype: str = "auto"
+    """`rollout.engine_dtype`: the dtype of an engine that holds its own weights (`vllm`; `resolve_dtype`)."""
+    score_precision: str | None = None
+    """The precision of the trainer's scoring passes (`engine.scoring_precision`); None: `precision`."""
     max_model_len: int = 2048
     """The longest prompt + response the engine must hold, tokens."""
 
@@ -293,7 +299,8 @@ def _vllm(settings: EngineSettings) -> Generator:
     from rlhf_cli.rollout.vllm_engine import VLLMGenerator  # vllm is an optional install: imported on use
 
     return VLLMGenerator(settings.precision, settings.chunk, workdir=settings.workdir,
-                         kv_cache_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len)
+                         kv_cache_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
+                         engine_dtype=settings.engine_dtype, score_precision=settings.score_precision)
 
 
 GENERATORS: dict[str, Callable[[EngineSettings], Generator]] = {"hf": _hf, "vllm": _vllm}
@@ -325,6 +332,21 @@ def resolve_engine(name: str, config: Any) -> tuple[str, str]:
     return ("hf", f"auto: {why}") if why else ("vllm", "auto: vLLM is installed and serves this model")
 
 
+ENGINE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""`rollout.engine_dtype`'s values but `auto` (`config.ENGINE_DTYPES`), as torch dtypes."""
+
+
+def resolve_dtype(precision: str, setting: str = "auto") -> torch.dtype:
+    """The dtype an engine with its own copy of the weights (`vllm`) holds them and computes in.
+
+    setting: `rollout.engine_dtype`: `fp32` or `bf16` as named; `auto` fp32 under `precision=fp32`, else bf16
+    (the faster engine: an fp32 one beside bf16-autocast's fp32 scoring passes samples exactly the distribution
+    they score, and learned no better in `experiment=grpo`; docs/results.md, "vLLM: does training on it learn as
+    well?"). Raises KeyError on another setting (config validation refuses it first).
+    """
+    return ENGINE_DTYPES[setting if setting != "auto" else "fp32" if precision == "fp32" else "bf16"]
+
+
 def describe_engine(name: str, config: Any) -> str:
     """`rollout.engine=<name>` as a start table shows it: the engine, and for `auto` why (`resolve_engine`)."""
     used, why = resolve_engine(name, config)
@@ -332,9 +354,13 @@ def describe_engine(name: str, config: Any) -> str:
 
 
 def make_generator(name: str, settings: EngineSettings) -> Generator:
-    """The sampling engine `rollout.engine=<name>`, built from `settings`."""
+    """The sampling engine `rollout.engine=<name>`, built from `settings`. A `rollout.engine_dtype` that the `hf`
+    engine does not read (it samples under the run's precision) is said once."""
     if name not in GENERATORS:
         raise ValueError(f"rollout.engine={name!r} is not one of {', '.join(GENERATORS)}")
+    if name == "hf" and settings.engine_dtype != "auto" and engine.is_main():
+        log.warning("rollout.engine_dtype=%s does nothing with rollout.engine=hf: it samples with the trainer's "
+                    "weights under precision=%s", settings.engine_dtype, settings.precision)
     return GENERATORS[name](settings)
 
 

@@ -126,9 +126,10 @@ class EngineDriftGuard:
     The first iteration's `rollout/engine_logprob_diff_mean` is the baseline (bf16 rounding of the same weights:
     the engine starts from the trainer's). From then on the median of the last `window` iterations' means (of all
     iterations so far while there are fewer; the lower middle of an even count) is compared with it, and more than
-    `factor` times the baseline raises FloatingPointError (the stage aborts the run in one line). In fp32 the probe
-    (`VLLMGenerator.probe`) is the check and this does nothing. After a resume the baseline is the first iteration
-    run.
+    `factor` times the baseline raises FloatingPointError (the stage aborts the run in one line). `active`: False
+    where the engine computes as the scoring passes do (`VLLMGenerator.exact`: both fp32), whose greedy probe
+    (`VLLMGenerator.probe`) is the check; then this does nothing. After a resume the baseline is the first
+    iteration run.
 
     The rule, from measurement (SmolLM2, bf16-autocast, docs/results.md "vLLM: log-prob agreement and the bf16
     drift rule"): one iteration's mean is noisy, as a few tokens carry most of it. Pushed runs of `experiment=grpo`
@@ -142,8 +143,8 @@ class EngineDriftGuard:
     trainer's by `core.nucleus_logits`), so the diff is the same float noise as at `top_p=1`.
     """
 
-    def __init__(self, precision: str, factor: float = 3.0, window: int = 3) -> None:
-        self.active, self.factor, self.window = precision != "fp32", factor, window
+    def __init__(self, active: bool = True, factor: float = 3.0, window: int = 3) -> None:
+        self.active, self.factor, self.window = active, factor, window
         self.baseline: float | None = None
         self.recent: list[float] = []
 

@@ -41,12 +41,9 @@ import torch
 
 from rlhf_cli import engine
 from rlhf_cli.errors import ConfigError
-from rlhf_cli.rollout.generation import Gather, Generation, Sampling, response_mask
+from rlhf_cli.rollout.generation import Gather, Generation, Sampling, resolve_dtype, response_mask
 
 log = logging.getLogger(__name__)
-
-ENGINE_DTYPES = {"fp32": torch.float32, "bf16-autocast": torch.bfloat16, "bf16": torch.bfloat16}
-"""The engine's weight dtype for each `precision`: it samples as the HF engine would under that precision."""
 
 PROBE_PROMPTS = 4
 """How many of the run's first prompts the greedy probe decodes after each push (fp32)."""
@@ -189,10 +186,12 @@ def architecture(config: Any) -> dict[str, Any]:
 class VLLMGenerator:
     """`rollout.engine=vllm`: a vLLM engine in this process, reloaded with the policy's weights before each rollout.
 
-    precision: the run's `precision` (the engine's dtype, `ENGINE_DTYPES`); chunk: unused (vLLM schedules its own
-    batches; the samples do not depend on it); workdir: where the engine's model dir is written (the run dir;
-    deleted by `close`); kv_cache_gb: the KV cache, GiB (`rollout.kv_cache_gb`); max_model_len: the longest
-    prompt + response, tokens; probe: the greedy probe after each push (fp32 only, see `probe`).
+    precision: the run's `precision`; score_precision: its scoring passes' (`engine.scoring_precision`; None:
+    `precision`); engine_dtype: `rollout.engine_dtype` (with precision, the engine's dtype: `resolve_dtype`); chunk:
+    unused (vLLM schedules its own batches; the samples do not depend on it); workdir: where the engine's model
+    dir is written (the run dir; deleted by `close`); kv_cache_gb: the KV cache, GiB (`rollout.kv_cache_gb`);
+    max_model_len: the longest prompt + response, tokens; probe: the greedy probe after each push (where the
+    engine and the trainer's scoring passes are fp32: `exact`; see `probe`).
 
     Weights: the first `update_weights(model)` writes `engine_weights(model)` and the model's config to
     `<workdir>/engine_model/` and starts the engine from it; later calls push the same names through vLLM's
@@ -205,11 +204,16 @@ class VLLMGenerator:
     """
 
     def __init__(self, precision: str, chunk: int = 32, workdir: str | Path | None = None, kv_cache_gb: int = 2,
-                 max_model_len: int = 2048, probe: bool = True) -> None:
+                 max_model_len: int = 2048, probe: bool = True, engine_dtype: str = "auto",
+                 score_precision: str | None = None) -> None:
         if workdir is None:
             raise ValueError("VLLMGenerator needs a workdir (the run dir) for its model dir")
         self.precision, self.chunk = precision, int(chunk)
-        self.dtype = ENGINE_DTYPES[precision]
+        self.score_precision = score_precision or precision
+        self.dtype = resolve_dtype(precision, engine_dtype)
+        self.exact = self.dtype == torch.float32 and self.score_precision == "fp32"
+        """Whether the engine computes as the trainer's scoring passes do (both fp32): its log-probs are the old
+        log-probs to ~1e-6 and the greedy probe checks each push; else the drift rule watches them."""
         self.model_dir = Path(workdir) / "engine_model"
         self.kv_cache_gb, self.max_model_len, self.probe_on = int(kv_cache_gb), int(max_model_len), probe
         self.llm: Any = None
@@ -242,7 +246,7 @@ class VLLMGenerator:
         else:
             self._push(model, gather)
         self.sync_seconds = time.perf_counter() - t0  # the probe, run at the next generate, adds to it
-        self._probe_due = self.probe_on and self.dtype == torch.float32
+        self._probe_due = self.probe_on and self.exact
 
     def _start(self, model: Any, gather: Gather | None) -> None:
         from safetensors.torch import save_file
@@ -351,8 +355,8 @@ class VLLMGenerator:
 
     @torch.no_grad()
     def probe(self, sampling: Sampling) -> None:
-        """The greedy probe, after each push in fp32: the engine decodes the probe prompts greedily, and each of its
-        tokens must be the trainer's greedy token there, with the trainer's log-prob.
+        """The greedy probe, after each push where the engine is `exact`: the engine decodes the probe prompts
+        greedily, and each of its tokens must be the trainer's greedy token there, with the trainer's log-prob.
 
         For every position, the trainer's fp32 log-softmax of the engine's token must be within `PROBE_TOLERANCE`
         of both the trainer's largest (a tie is not a failure) and the engine's own log-prob of it. A stale or
@@ -377,7 +381,9 @@ class VLLMGenerator:
                 tokens = list(out.outputs[0].token_ids)
                 engine_lp = torch.tensor([step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)])
                 ids = torch.tensor([prompt + tokens], device=dev)
-                logp = torch.log_softmax(lm(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1).cpu()
+                with torch.autocast(device_type=dev.type, enabled=False):  # the scoring passes' fp32
+                    logits = lm(input_ids=ids).logits
+                logp = torch.log_softmax(logits[0, len(prompt) - 1:-1].float(), -1).cpu()
                 mine = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
                 gap = torch.maximum(logp.max(-1).values - mine, (engine_lp - mine).abs())
                 if (gap > PROBE_TOLERANCE).any() and failure is None:

@@ -64,6 +64,7 @@ from rlhf_cli.rollout import (
     engine_stats,
     is_correction_stats,
     kl_stats,
+    resolve_dtype,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, abs_path, append_samples, set_status
 from rlhf_cli.stages.common import (
@@ -328,8 +329,11 @@ def run(cfg: Any, run_dir: Path) -> float | None:
 def start_rows(tr: PPOTrainer, sampler: str) -> dict[str, Any]:
     """The rows the start table and the dry run's share: the policy, its size and trained parameters (after
     `build_policy`), the reward, prompts, iterations, batch sizes, estimator, the sampling engine (`sampler`, the
-    one `rollout.engine` resolves to) and precision."""
+    one `rollout.engine` resolves to; vLLM's with its dtype, `rollout.engine_dtype`) and precision."""
     cfg, p = tr.cfg, tr.p
+    if sampler.startswith("vllm"):
+        dtype = resolve_dtype(cfg.precision, cfg.rollout.engine_dtype)
+        sampler = f"{sampler}, {str(dtype).removeprefix('torch.')} weights"
     return {
         "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "trained policy params": tr.trained,
         "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,
@@ -405,7 +409,8 @@ def train_loop(tr: PPOTrainer, ckpts: Checkpoints, metrics: MetricsLogger, start
     progress = Progress(p.iterations, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
-    drift = EngineDriftGuard(tr.cfg.precision)
+    # the greedy probe checks an engine that computes as the scoring passes do (`VLLMGenerator.exact`); else this
+    drift = EngineDriftGuard(active=not getattr(tr.maker.generator, "exact", False))
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):

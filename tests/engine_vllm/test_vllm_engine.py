@@ -252,18 +252,35 @@ def test_auto_samples_with_vllm_where_it_serves_the_model_and_with_hf_elsewhere(
 # ----------------------------------------------------------------------------------------------
 # the stages on the engine
 
+def spy_probes(monkeypatch):
+    """The greedy probes a run makes: a list that each `VLLMGenerator.probe` call appends to, then runs."""
+    calls, probe = [], vllm_engine.VLLMGenerator.probe
+
+    def counted(self, sampling):
+        calls.append(self.dtype)
+        return probe(self, sampling)
+
+    monkeypatch.setattr(vllm_engine.VLLMGenerator, "probe", counted)
+    return calls
+
+
 PPO = ["reward.type=checker", "rollout.engine=vllm", *HEADS, "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4",
        "ppo.micro_batch_size=2", "ppo.max_new_tokens=12", f"ppo.temperature={T}", "ppo.iterations=3",
        "ppo.actor_lr=1e-2"]
 
 
-@pytest.mark.parametrize("estimator,zero", [("gae", "zero0"), ("grpo", "zero0"), ("grpo", "zero3")])
-def test_train_ppo_on_the_engine_keeps_its_logprobs_equal_to_the_trainers(run_stage, estimator, zero):
+@pytest.mark.parametrize("estimator,zero,precision", [("gae", "zero0", "fp32"), ("grpo", "zero0", "fp32"),
+                                                      ("grpo", "zero3", "fp32"), ("grpo", "zero0", "bf16-autocast")])
+def test_train_ppo_on_the_engine_keeps_its_logprobs_equal_to_the_trainers(run_stage, monkeypatch, estimator, zero,
+                                                                           precision):
     """fp32: |engine − trainer| <= 1e-4 every iteration, with a critic (GAE) and without (GRPO), and under ZeRO-3
-    (the push gathers one layer at a time, the sampling none)."""
+    (the push gathers one layer at a time, the sampling none); under bf16-autocast too with an fp32 engine
+    (`rollout.engine_dtype=fp32`), as its scoring passes are. The greedy probe checks the start and every push."""
+    probes = spy_probes(monkeypatch)
     extra = ["ppo.n_samples_per_prompt=4", "ppo.rollout_batch_size=2"] if estimator == "grpo" else []
     _, run_dir, _ = run_stage("train_ppo", [*PPO, f"ppo.advantage_estimator={estimator}", *extra,
-                                            f"deepspeed={zero}"])
+                                            f"deepspeed={zero}", f"precision={precision}", "rollout.engine_dtype=fp32"])
+    assert len(probes) == 3  # the start, then the push before each later iteration
     rows = read_metrics(run_dir)
     diffs = [r["rollout/engine_logprob_diff_max"] for r in rows if "rollout/engine_logprob_diff_max" in r]
     assert len(diffs) == 3 and max(diffs) <= 1e-4, diffs
@@ -286,17 +303,25 @@ def test_the_engine_correction_reads_the_engines_logprobs(run_stage, correction)
         assert r["rollout/is_masked_frac"] == 0.0
 
 
-@pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
-def test_train_ppo_on_the_engine_in_bf16_keeps_its_logprobs_near_the_trainers(run_stage, precision):
-    """bf16 (the engine's weights in bf16, the trainer's under autocast or in bf16): the diff is bf16's rounding,
-    far below a stale engine's, steady over the iterations (the drift guard, `EngineDriftGuard`, lets the run
-    finish), and the fp32 greedy probe is off."""
-    _, run_dir, _ = run_stage("train_ppo", [*PPO, f"precision={precision}", "ppo.iterations=4"])
+@pytest.mark.parametrize("precision,engine_dtype", [("bf16-autocast", "auto"), ("bf16", "auto"),
+                                                    ("fp32", "bf16")])
+def test_train_ppo_on_the_engine_in_bf16_keeps_its_logprobs_near_the_trainers(run_stage, caplog, monkeypatch,
+                                                                               precision, engine_dtype):
+    """A bf16 engine (`rollout.engine_dtype=auto` under bf16-autocast, whose scoring passes are fp32, and under
+    bf16; `bf16` beside an fp32 trainer): the diff is bf16's rounding, far below a stale engine's, steady over the
+    iterations (the drift guard, `EngineDriftGuard`, lets the run finish), and the greedy probe, which asks for the
+    trainer's own log-probs, is off."""
+    probes = spy_probes(monkeypatch)
+    with caplog.at_level("INFO"):
+        _, run_dir, _ = run_stage("train_ppo", [*PPO, f"precision={precision}", "ppo.iterations=4",
+                                                f"rollout.engine_dtype={engine_dtype}"])
+    assert probes == []
     rows = read_metrics(run_dir)
     means = [r["rollout/engine_logprob_diff_mean"] for r in rows if "rollout/engine_logprob_diff_mean" in r]
     assert len(means) == 4 and 0 < max(means) < BF16_DIFF_MEAN, means
     assert max(means) <= 3 * means[0]  # not one iteration at 3x its first: no drift (the guard asks less)
     assert (run_dir / "final" / "config.json").exists()
+    assert [r for r in caplog.records if "vLLM engine up from" in r.getMessage() and "(bfloat16)" in r.getMessage()]
 
 
 def test_eval_on_the_engine_gives_both_sides_the_same_noise(run_stage, tmp_path, model_cfg, tokenizer):

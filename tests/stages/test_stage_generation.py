@@ -28,7 +28,9 @@ from rlhf_cli.rollout import (
     PerRowSampler,
     Sampling,
     describe_engine,
+    generation,
     make_generator,
+    resolve_dtype,
     resolve_engine,
     response_mask,
     rollout_batch,
@@ -278,6 +280,26 @@ def test_the_registry_and_the_config_name_the_same_engines():
         make_generator("bogus", settings)
 
 
+@pytest.mark.parametrize("precision,setting,want", [
+    ("fp32", "auto", torch.float32), ("bf16-autocast", "auto", torch.bfloat16), ("bf16", "auto", torch.bfloat16),
+    ("bf16-autocast", "fp32", torch.float32), ("fp32", "bf16", torch.bfloat16), ("bf16", "fp32", torch.float32)])
+def test_the_engine_dtype_is_the_runs_precision_unless_set(precision, setting, want):
+    assert resolve_dtype(precision, setting) == want
+    assert set(config.ENGINE_DTYPES) == {"auto", *generation.ENGINE_DTYPES}
+
+
+def test_an_engine_dtype_the_hf_engine_does_not_read_is_said_once_and_a_bad_one_refused(caplog):
+    with caplog.at_level("WARNING"):
+        make_generator("hf", EngineSettings(precision="bf16-autocast", chunk=4, engine_dtype="fp32"))
+        make_generator("hf", EngineSettings(precision="bf16-autocast", chunk=4))
+    said = [r.getMessage() for r in caplog.records if "engine_dtype" in r.getMessage()]
+    assert said == ["rollout.engine_dtype=fp32 does nothing with rollout.engine=hf: it samples with the trainer's "
+                    "weights under precision=bf16-autocast"]
+    for command in ("train_ppo", "eval"):
+        with pytest.raises(ConfigError, match="rollout.engine_dtype='fp16' is not one of auto, fp32, bf16"):
+            config.validate_rollout(compose(command, ["model=tiny", "rollout.engine_dtype=fp16"]))
+
+
 @pytest.mark.parametrize("command", ["train_ppo", "eval"])
 def test_vllm_without_a_kv_cache_or_not_installed_is_refused_in_one_line(command, monkeypatch):
     import importlib.util
@@ -368,24 +390,24 @@ def test_engine_weights_are_the_checkpoint_names_with_lora_merged(tiny_causal, t
         torch.testing.assert_close(fresh(input_ids=ids).logits, lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_the_engine_drift_guard_stops_a_stale_bf16_engine_not_a_spike_and_never_an_fp32_run():
+def test_the_engine_drift_guard_stops_a_stale_bf16_engine_not_a_spike_and_never_an_exact_one():
     from rlhf_cli.rollout import EngineDriftGuard
 
     key = "rollout/engine_logprob_diff_mean"
-    guard = EngineDriftGuard("bf16-autocast")
+    guard = EngineDriftGuard()
     guard.check({}, 0)  # an engine without log-probs (hf): nothing to check
     # a pushed run measured on SmolLM2 (experiment=grpo, seed 1): a 3.7x spike at iteration 4, then back
     for it, diff in enumerate([0.022, 0.0291, 0.0332, 0.0819, 0.025, 0.030, 0.0612, 0.024]):
         guard.check({key: diff}, it)
-    stale = EngineDriftGuard("bf16-autocast")  # pushes skipped (docs/results.md): 1.0x, 2.4x, then 3.5x
+    stale = EngineDriftGuard()  # pushes skipped (docs/results.md): 1.0x, 2.4x, then 3.5x
     for it, diff in enumerate([0.029, 0.070, 0.102]):
         stale.check({key: diff}, it)
     with pytest.raises(FloatingPointError, match=r"aborting at iteration 4: .* 0.102 nats/token from the trainer's "
                                                  r"\(median of the last 3 iterations\), > 3x the 0.029"):
         stale.check({key: 0.136}, 3)
-    fp32 = EngineDriftGuard("fp32")
-    for it, diff in enumerate([1e-6, 1.0, 1.0, 1.0]):  # fp32: the greedy probe is the check
-        fp32.check({key: diff}, it)
+    exact = EngineDriftGuard(active=False)
+    for it, diff in enumerate([1e-6, 1.0, 1.0, 1.0]):  # engine and scoring in fp32: the greedy probe is the check
+        exact.check({key: diff}, it)
 
 
 def test_a_policy_and_its_reference_of_one_architecture_share_an_engine(tiny_model_cfg, tokenizer):
