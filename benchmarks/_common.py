@@ -428,8 +428,8 @@ def require_vllm(args: Any) -> None:
 def engine_table(hf: Sequence[dict[str, Any]], vllm: Sequence[dict[str, Any]], unit: str) -> Table:
     """The engine column: ours on `rollout.engine=vllm` against ours on `hf`, from the steady records of
     `ppo_bench.ours_iterations` (per step or iteration, `unit`): generation and engine-sync seconds (the push and,
-    in fp32, the greedy probe), their sum, the whole step, generated tokens/s, and vLLM's mean log-prob gap to the
-    trainer."""
+    with an fp32 engine beside fp32 scoring, the greedy probe), their sum, the whole step, generated tokens/s, and
+    vLLM's mean log-prob gap to the trainer."""
     t = Table("engine column: ours on rollout.engine=vllm vs hf (the same prompts and seeds)")
     t.columns = ("metric", "vllm", "hf", "vllm/hf")
     avg = lambda its, key: mean([x[key] for x in its])  # noqa: E731

@@ -89,16 +89,27 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
         out = fn(*args)
         return out, time.perf_counter() - t0
 
+    def generated(batch: list[list[int]], seeds: list[int], n: int) -> tuple[Any, float, float]:
+        """`gen.generate` timed: (generation, its seconds, the greedy probe's seconds). An exact engine (fp32
+        beside fp32 scoring) probes in the first call after a push and adds it to `sync_seconds`: that is the
+        sync's time, not the generation's."""
+        before = gen.sync_seconds
+        g, t = timed(gen.generate, batch, seeds, sampling(n))
+        probe = gen.sync_seconds - before
+        return g, t - probe, probe
+
     out: dict[str, Any] = {"engine": engine_name, "precision": precision,
                            "engine_dtype": str(getattr(gen, "dtype", precision)).removeprefix("torch.")}
     # eval first: a fresh engine pays its start and warm-up, as `rlhf eval` does
     rows, n = SHAPES["eval"]
     batch, seeds = prompts[:rows], list(range(rows))
     _, start = timed(lambda: gen.update_weights(lm))
-    pol, t_pol = timed(lambda: gen.generate(batch, seeds, sampling(n)))
+    pol, t_pol, probe = generated(batch, seeds, n)
+    start += probe
     nudge()
     _, sync = timed(lambda: gen.update_weights(lm))
-    ref, t_ref = timed(lambda: gen.generate(batch, seeds, sampling(n)))
+    ref, t_ref, probe = generated(batch, seeds, n)
+    sync += probe
     out["eval"] = {"start": start, "generation": t_pol + t_ref, "sync": sync, "total": start + t_pol + sync + t_ref,
                    "tokens": int(pol.mask.sum() + ref.mask.sum())}
     for shape in ("grpo", "ppo"):
@@ -106,7 +117,8 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
         batch, seeds = prompts[rows:2 * rows], list(range(rows))
         nudge()
         _, sync = timed(gen.update_weights, lm)
-        g, t = timed(gen.generate, batch, seeds, sampling(n))
+        g, t, probe = generated(batch, seeds, n)
+        sync += probe
         out[shape] = {"generation": t, "sync": sync, "total": t + sync, "tokens": int(g.mask.sum())}
     gen.close()
     return out
@@ -118,7 +130,8 @@ def parity(args: argparse.Namespace) -> None:
     from preset_bench import paired_training
 
     paired_training([int(x) for x in args.seeds.split(",")], ("hf", ["rollout.engine=hf"]),
-                    ("vllm", ["rollout.engine=vllm"]), precision=args.precision, workdir=args.workdir, out=args.out)
+                    ("vllm", ["rollout.engine=vllm", f"rollout.engine_dtype={args.engine_dtype}"]),
+                    precision=args.precision, workdir=args.workdir, out=args.out)
 
 
 def main() -> None:

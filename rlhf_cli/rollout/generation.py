@@ -276,7 +276,7 @@ class EngineSettings:
     """What `make_generator` builds an engine from: the run's settings every engine may read."""
 
     precision: str
-    """The run's `precision`: the engine samples as the trainer would under it."""
+    """The run's `precision`: `hf` samples under it; `vllm` takes its dtype from it (`resolve_dtype`)."""
     chunk: int
     """Prompts per engine call, where the engine batches itself (`hf`); the samples do not depend on it."""
     workdir: str | Path | None = None
@@ -340,9 +340,9 @@ def resolve_dtype(precision: str, setting: str = "auto") -> torch.dtype:
     """The dtype an engine with its own copy of the weights (`vllm`) holds them and computes in.
 
     setting: `rollout.engine_dtype`: `fp32` or `bf16` as named; `auto` fp32 under `precision=fp32`, else bf16
-    (the faster engine: an fp32 one beside bf16-autocast's fp32 scoring passes samples exactly the distribution
-    they score, and learned no better in `experiment=grpo`; docs/results.md, "vLLM: does training on it learn as
-    well?"). Raises KeyError on another setting (config validation refuses it first).
+    (the faster engine; an fp32 one beside bf16-autocast's fp32 scoring passes samples exactly the distribution
+    they score: docs/results.md, "Sampling with vLLM"). Raises KeyError on another setting (config validation
+    refuses it first).
     """
     return ENGINE_DTYPES[setting if setting != "auto" else "fp32" if precision == "fp32" else "bf16"]
 

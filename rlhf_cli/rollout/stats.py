@@ -127,8 +127,8 @@ class EngineDriftGuard:
     the engine starts from the trainer's). From then on the median of the last `window` iterations' means (of all
     iterations so far while there are fewer; the lower middle of an even count) is compared with it, and more than
     `factor` times the baseline raises FloatingPointError (the stage aborts the run in one line). `active`: False
-    where the engine computes as the scoring passes do (`VLLMGenerator.exact`: both fp32), whose greedy probe
-    (`VLLMGenerator.probe`) is the check; then this does nothing. After a resume the baseline is the first
+    where the engine computes as the scoring passes do and its greedy probe checks each push
+    (`VLLMGenerator.probes`: both fp32); then this does nothing. After a resume the baseline is the first
     iteration run.
 
     The rule, from measurement (SmolLM2, bf16-autocast, docs/results.md "vLLM: log-prob agreement and the bf16
@@ -143,7 +143,7 @@ class EngineDriftGuard:
     trainer's by `core.nucleus_logits`), so the diff is the same float noise as at `top_p=1`.
     """
 
-    def __init__(self, active: bool = True, factor: float = 3.0, window: int = 3) -> None:
+    def __init__(self, *, active: bool = True, factor: float = 3.0, window: int = 3) -> None:
         self.active, self.factor, self.window = active, factor, window
         self.baseline: float | None = None
         self.recent: list[float] = []

@@ -15,7 +15,7 @@ from token ids with one seed per prompt, and takes each new policy through vLLM'
     unservable          why this vLLM cannot sample a model (`rollout.engine=auto` then samples with `hf`)
 
 Exactness (measured on the tiny model and SmolLM2, docs/results.md): in fp32 the engine's log-probs of the sampled
-tokens equal the trainer's to ~1e-6 nats, after any number of pushes. The engine is built with
+tokens equal the trainer's to a few 1e-6 nats, after any number of pushes. The engine is built with
 `logprobs_mode="processed_logprobs"` (log-probs after temperature and top-p, renormalised over the nucleus below
 `top_p=1` as the trainer's are: `core.nucleus_logits`), the model's own `generation_config` set aside
 (`generation_config="vllm"`: no repetition penalty or top-k of the checkpoint's), `skip_tokenizer_init` (ids in,
@@ -46,7 +46,7 @@ from rlhf_cli.rollout.generation import Gather, Generation, Sampling, resolve_dt
 log = logging.getLogger(__name__)
 
 PROBE_PROMPTS = 4
-"""How many of the run's first prompts the greedy probe decodes after each push (fp32)."""
+"""How many of the run's first prompts the greedy probe decodes after each push (`VLLMGenerator.probes`)."""
 PROBE_TOKENS = 8
 """How many greedy tokens the probe decodes per prompt."""
 PROBE_TOLERANCE = 1e-3
@@ -213,7 +213,10 @@ class VLLMGenerator:
         self.dtype = resolve_dtype(precision, engine_dtype)
         self.exact = self.dtype == torch.float32 and self.score_precision == "fp32"
         """Whether the engine computes as the trainer's scoring passes do (both fp32): its log-probs are the old
-        log-probs to ~1e-6 and the greedy probe checks each push; else the drift rule watches them."""
+        log-probs to a few 1e-6 nats, and the greedy probe can check each push."""
+        self.probes = bool(probe) and self.exact
+        """Whether the greedy probe checks each push (`probe` and `exact`); where it does not, train-ppo's drift
+        rule (`EngineDriftGuard`) watches the log-prob diff instead."""
         self.model_dir = Path(workdir) / "engine_model"
         self.kv_cache_gb, self.max_model_len, self.probe_on = int(kv_cache_gb), int(max_model_len), probe
         self.llm: Any = None
@@ -246,7 +249,7 @@ class VLLMGenerator:
         else:
             self._push(model, gather)
         self.sync_seconds = time.perf_counter() - t0  # the probe, run at the next generate, adds to it
-        self._probe_due = self.probe_on and self.exact
+        self._probe_due = self.probes
 
     def _start(self, model: Any, gather: Gather | None) -> None:
         from safetensors.torch import save_file

@@ -409,8 +409,8 @@ def train_loop(tr: PPOTrainer, ckpts: Checkpoints, metrics: MetricsLogger, start
     progress = Progress(p.iterations, COMMAND.name, PROGRESS_KEYS, enabled=engine.is_main(), start=start)
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
-    # the greedy probe checks an engine that computes as the scoring passes do (`VLLMGenerator.exact`); else this
-    drift = EngineDriftGuard(active=not getattr(tr.maker.generator, "exact", False))
+    # the greedy probe checks an engine that computes as the scoring passes do (`VLLMGenerator.probes`); else this
+    drift = EngineDriftGuard(active=not getattr(tr.maker.generator, "probes", False))
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):

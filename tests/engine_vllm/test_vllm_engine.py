@@ -264,6 +264,21 @@ def spy_probes(monkeypatch):
     return calls
 
 
+def spy_drift_guards(monkeypatch):
+    """Whether each `EngineDriftGuard` train-ppo makes is active: a list the stage's constructor call appends to."""
+    from rlhf_cli.stages import ppo as ppo_stage
+
+    made, guard = [], ppo_stage.EngineDriftGuard
+
+    def recording(**kwargs):
+        g = guard(**kwargs)
+        made.append(g.active)
+        return g
+
+    monkeypatch.setattr(ppo_stage, "EngineDriftGuard", recording)
+    return made
+
+
 PPO = ["reward.type=checker", "rollout.engine=vllm", *HEADS, "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4",
        "ppo.micro_batch_size=2", "ppo.max_new_tokens=12", f"ppo.temperature={T}", "ppo.iterations=3",
        "ppo.actor_lr=1e-2"]
@@ -276,11 +291,12 @@ def test_train_ppo_on_the_engine_keeps_its_logprobs_equal_to_the_trainers(run_st
     """fp32: |engine − trainer| <= 1e-4 every iteration, with a critic (GAE) and without (GRPO), and under ZeRO-3
     (the push gathers one layer at a time, the sampling none); under bf16-autocast too with an fp32 engine
     (`rollout.engine_dtype=fp32`), as its scoring passes are. The greedy probe checks the start and every push."""
-    probes = spy_probes(monkeypatch)
+    probes, guards = spy_probes(monkeypatch), spy_drift_guards(monkeypatch)
     extra = ["ppo.n_samples_per_prompt=4", "ppo.rollout_batch_size=2"] if estimator == "grpo" else []
     _, run_dir, _ = run_stage("train_ppo", [*PPO, f"ppo.advantage_estimator={estimator}", *extra,
                                             f"deepspeed={zero}", f"precision={precision}", "rollout.engine_dtype=fp32"])
-    assert len(probes) == 3  # the start, then the push before each later iteration
+    assert probes == [torch.float32] * 3  # the start, then the push before each later iteration
+    assert guards == [False]  # the probe checks the engine: the drift rule stands down
     rows = read_metrics(run_dir)
     diffs = [r["rollout/engine_logprob_diff_max"] for r in rows if "rollout/engine_logprob_diff_max" in r]
     assert len(diffs) == 3 and max(diffs) <= 1e-4, diffs
@@ -311,11 +327,11 @@ def test_train_ppo_on_the_engine_in_bf16_keeps_its_logprobs_near_the_trainers(ru
     bf16; `bf16` beside an fp32 trainer): the diff is bf16's rounding, far below a stale engine's, steady over the
     iterations (the drift guard, `EngineDriftGuard`, lets the run finish), and the greedy probe, which asks for the
     trainer's own log-probs, is off."""
-    probes = spy_probes(monkeypatch)
+    probes, guards = spy_probes(monkeypatch), spy_drift_guards(monkeypatch)
     with caplog.at_level("INFO"):
         _, run_dir, _ = run_stage("train_ppo", [*PPO, f"precision={precision}", "ppo.iterations=4",
                                                 f"rollout.engine_dtype={engine_dtype}"])
-    assert probes == []
+    assert probes == [] and guards == [True]
     rows = read_metrics(run_dir)
     means = [r["rollout/engine_logprob_diff_mean"] for r in rows if "rollout/engine_logprob_diff_mean" in r]
     assert len(means) == 4 and 0 < max(means) < BF16_DIFF_MEAN, means
