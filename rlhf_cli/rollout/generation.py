@@ -44,6 +44,7 @@ from rlhf_cli.data import pad_sequences
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Sampling:
     """The settings of one `Generator.generate` call."""

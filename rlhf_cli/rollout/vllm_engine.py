@@ -191,7 +191,7 @@ class VLLMGenerator:
     unused (vLLM schedules its own batches; the samples do not depend on it); workdir: where the engine's model
     dir is written (the run dir; deleted by `close`); kv_cache_gb: the KV cache, GiB (`rollout.kv_cache_gb`);
     max_model_len: the longest prompt + response, tokens; probe: the greedy probe after each push (where the
-    engine and the trainer's scoring passes are fp32: `exact`; see `probe`).
+    engine and the trainer's scoring passes are fp32: `probes`; see `probe`).
 
     Weights: the first `update_weights(model)` writes `engine_weights(model)` and the model's config to
     `<workdir>/engine_model/` and starts the engine from it; later calls push the same names through vLLM's
@@ -209,16 +209,13 @@ class VLLMGenerator:
         if workdir is None:
             raise ValueError("VLLMGenerator needs a workdir (the run dir) for its model dir")
         self.precision, self.chunk = precision, int(chunk)
-        self.score_precision = score_precision or precision
         self.dtype = resolve_dtype(precision, engine_dtype)
-        self.exact = self.dtype == torch.float32 and self.score_precision == "fp32"
-        """Whether the engine computes as the trainer's scoring passes do (both fp32): its log-probs are the old
-        log-probs to a few 1e-6 nats, and the greedy probe can check each push."""
-        self.probes = bool(probe) and self.exact
-        """Whether the greedy probe checks each push (`probe` and `exact`); where it does not, train-ppo's drift
-        rule (`EngineDriftGuard`) watches the log-prob diff instead."""
+        self.probes = bool(probe) and self.dtype == torch.float32 and (score_precision or precision) == "fp32"
+        """Whether the greedy probe checks each push: asked for (`probe`), and the engine computes as the trainer's
+        scoring passes do (both fp32), so its log-probs are the old log-probs to a few 1e-6 nats. Where it does not,
+        train-ppo's drift rule (`EngineDriftGuard`) watches the log-prob diff instead."""
         self.model_dir = Path(workdir) / "engine_model"
-        self.kv_cache_gb, self.max_model_len, self.probe_on = int(kv_cache_gb), int(max_model_len), probe
+        self.kv_cache_gb, self.max_model_len = int(kv_cache_gb), int(max_model_len)
         self.llm: Any = None
         self.lm: Any = None
         self.names: dict[str, tuple[int, ...]] = {}  # the engine's checkpoint: name -> shape
@@ -358,7 +355,7 @@ class VLLMGenerator:
 
     @torch.no_grad()
     def probe(self, sampling: Sampling) -> None:
-        """The greedy probe, after each push where the engine is `exact`: the engine decodes the probe prompts
+        """The greedy probe, after each push where `probes` holds: the engine decodes the probe prompts
         greedily, and each of its tokens must be the trainer's greedy token there, with the trainer's log-prob.
 
         For every position, the trainer's fp32 log-softmax of the engine's token must be within `PROBE_TOLERANCE`
