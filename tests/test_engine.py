@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from stage_helpers import tokenizer_override
 
 from rlhf_cli import engine
 
@@ -376,5 +377,6 @@ def test_main_given_argv_leaves_the_group(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(engine, "close_distributed", lambda: calls.append(1))
-    cli.main(["train-rm", "experiment=smoke", "rm.max_steps=1", f"paths.root={tmp_path}", "dry_run=true"])
+    cli.main(tokenizer_override(["train-rm", "experiment=smoke", "rm.max_steps=1", f"paths.root={tmp_path}",
+                                 "dry_run=true"]))
     assert calls == []
