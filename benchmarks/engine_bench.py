@@ -3,7 +3,8 @@
 Needs vLLM in the venv (`make install-vllm`). Each engine runs in its own process (vLLM binds OpenMP threads and
 replaces `torch.set_num_threads` process-wide), in the order A-B-B-A over `--rounds` (hf, vllm, vllm, hf, ...),
 on SmolLM2-135M-Instruct (or `--model tiny`) in the run's precision, vLLM in the dtype `rollout.engine_dtype`
-gives it (`--engine-dtype`; auto: bf16 under bf16-autocast), at three shapes:
+gives it (`--engine-dtype`; auto: on the CPU fp32 beside fp32 scoring passes, bf16 beside bf16 ones), at three
+shapes:
 
     grpo   32 rollouts x 48 new tokens (grpo_bench: 4 prompts x 8 completions), one push before
     ppo    16 rollouts x 32 new tokens (ppo_bench), one push before
@@ -11,12 +12,13 @@ gives it (`--engine-dtype`; auto: bf16 under bf16-autocast), at three shapes:
            start and warm-up included (once per run, as an eval pays them)
 
 Per shape: generation seconds (warm, except eval's), sync seconds (the push of the policy's weights after a
-change: vLLM's in-place reload; 0 for hf, which samples from the live module), generated tokens and tokens/s,
+change, vLLM's in-place reload, and the greedy probe after it where the engine is exact; 0 for hf, which samples
+from the live module), the probe's share of the sync, generated tokens and tokens/s,
 and vllm/hf ratios. The built-in task's prompts, rendered and tokenized by `rlhf_cli.data`; seeds per prompt.
 
     python benchmarks/engine_bench.py                       # bf16-autocast where native, else fp32 (precision=auto)
     python benchmarks/engine_bench.py --precision fp32 --rounds 1 --out results/engine_bench.json
-    python benchmarks/engine_bench.py --engine-dtype fp32   # an fp32 engine beside the bf16-autocast hf sampler
+    python benchmarks/engine_bench.py --engine-dtype bf16   # a bf16 engine beside the bf16-autocast hf sampler
 
 `--parity` answers the other question, whether training on the engine learns as well: for each of `--seeds` it
 trains `rlhf train-ppo experiment=grpo` once per engine (A-B-B-A over the seeds: hf then vllm for the 1st, 3rd,
@@ -110,8 +112,8 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
     _, sync = timed(lambda: gen.update_weights(lm))
     ref, t_ref, probe = generated(batch, seeds, n)
     sync += probe
-    out["eval"] = {"start": start, "generation": t_pol + t_ref, "sync": sync, "total": start + t_pol + sync + t_ref,
-                   "tokens": int(pol.mask.sum() + ref.mask.sum())}
+    out["eval"] = {"start": start, "generation": t_pol + t_ref, "sync": sync, "probe": probe,
+                   "total": start + t_pol + sync + t_ref, "tokens": int(pol.mask.sum() + ref.mask.sum())}
     for shape in ("grpo", "ppo"):
         rows, n = SHAPES[shape]
         batch, seeds = prompts[rows:2 * rows], list(range(rows))
@@ -119,7 +121,7 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
         _, sync = timed(gen.update_weights, lm)
         g, t, probe = generated(batch, seeds, n)
         sync += probe
-        out[shape] = {"generation": t, "sync": sync, "total": t + sync, "tokens": int(g.mask.sum())}
+        out[shape] = {"generation": t, "sync": sync, "probe": probe, "total": t + sync, "tokens": int(g.mask.sum())}
     gen.close()
     return out
 
@@ -184,8 +186,10 @@ def main() -> None:
                       mean("hf", shape, "start"), ratio=False)
         table.add(f"{shape}_generation", f"{shape} ({what}): generation, s", mean("vllm", shape, "generation"),
                   mean("hf", shape, "generation"))
-        table.add(f"{shape}_sync", f"{shape}: sync (push), s", mean("vllm", shape, "sync"), mean("hf", shape, "sync"),
-                  ratio=False)
+        table.add(f"{shape}_sync", f"{shape}: sync (push + probe), s", mean("vllm", shape, "sync"),
+                  mean("hf", shape, "sync"), ratio=False)
+        table.add(f"{shape}_probe", f"{shape}: of it, the greedy probe, s", mean("vllm", shape, "probe"),
+                  mean("hf", shape, "probe"), ratio=False)
         table.add(f"{shape}_total", f"{shape}: total, s" + (" (start, both sides, push)" if shape == "eval" else ""),
                   mean("vllm", shape, "total"), mean("hf", shape, "total"))
         table.add(f"{shape}_tps", f"{shape}: generated tokens/s",

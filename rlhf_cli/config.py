@@ -637,26 +637,28 @@ class EvalOptions:
 class RolloutConfig:
     """`rollout.*`: how train-ppo and eval sample responses."""
 
-    engine: str = "hf"
-    """The sampling engine of train-ppo's rollouts and of eval's policy and reference samples: `hf` (default),
-    transformers' `generate` on the live model with one random stream per prompt; `vllm`, a vLLM engine in this
-    process (`make install-vllm`), started from the policy's weights and reloaded with them after every update;
-    `auto`, `vllm` where vLLM is installed and serves the model, else `hf` (said once). `hf` stays the default:
-    vLLM samples 2-3x faster on the CPU, but `experiment=grpo` trained on its bf16 samples reached a lower held-out
-    accuracy (`rollout.engine_dtype=fp32` reached hf's; docs/results.md, "vLLM: does training on it learn as well?").
-    A prompt's response depends on the weights, the prompt, its seed and the sampling keys, not on the engine's
-    batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention head size vLLM
-    serves (32, 64, 80, ...)."""
+    engine: str = "auto"
+    """The sampling engine of train-ppo's rollouts and of eval's policy and reference samples: `auto` (default),
+    `vllm` where vLLM is installed and serves the model, else `hf` (said once); `hf`, transformers' `generate` on
+    the live model with one random stream per prompt; `vllm`, a vLLM engine in this process (`make install-vllm`),
+    started from the policy's weights and reloaded with them after every update. So `auto` samples with vLLM in a
+    venv with `make install-vllm` and with `hf` without it: on the bf16-native CPU, vLLM's engine in the default
+    `rollout.engine_dtype` took 0.68x hf's time at eval's shape and 0.73x at GRPO's (1.08x at PPO's 16 x 32, its
+    push and probe included), and `experiment=grpo` learned as well on it (2 seeds, paired; docs/results.md,
+    "Sampling with vLLM"). A prompt's response depends on the weights, the prompt, its seed and the sampling keys,
+    not on the engine's batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention
+    head size vLLM serves (32, 64, 80, ...)."""
     engine_dtype: str = "auto"
     """The dtype `rollout.engine=vllm` holds its weights and computes in: `fp32`, `bf16`, or `auto`, fp32 under
-    `precision=fp32` and bf16 under `bf16` and `bf16-autocast`. Under bf16-autocast the trainer's scoring passes
-    are fp32 (`scoring_precision=fp32`, the default), so `fp32` samples exactly the distribution they score (the
-    old log-probs to a few 1e-6 nats, the greedy probe checking each push), where a bf16 engine differs by bf16's
-    rounding (0.03-0.04 nats/token on SmolLM2: the drift rule watches it, `rollout.is_correction` may weigh it).
-    `auto` takes bf16 there, the faster engine (SmolLM2, 32 prompts x 48 tokens on the bf16-native CPU: 3.8 s
-    against 6.0 s in fp32); `fp32` is the one `experiment=grpo` learned as well on as on `hf` (2 seeds, paired:
-    -0.023 +- 0.071 held-out accuracy, against bf16's -0.082 +- 0.060; docs/results.md, "Sampling with vLLM").
-    The `hf` engine samples under `precision` and says once that this does nothing."""
+    `precision=fp32`, bf16 on a GPU otherwise, and on the CPU the dtype of the trainer's scoring passes (fp32
+    under bf16-autocast with `scoring_precision=fp32`, the default; bf16 beside bf16 passes). An fp32 engine
+    beside fp32 scoring passes samples exactly the distribution they score (the old log-probs to a few 1e-6
+    nats, the greedy probe checking each push), where a bf16 engine differs by bf16's rounding (0.03-0.04
+    nats/token on SmolLM2: the drift rule watches it, `rollout.is_correction` may weigh it). On the CPU the fp32
+    engine is the one `experiment=grpo` learned as well on as on `hf` (2 seeds, paired: -0.023 +- 0.071 held-out
+    accuracy, against bf16's -0.082 +- 0.060), at some speed (SmolLM2, 32 prompts x 48 tokens on the bf16-native
+    CPU: 6.0 s against bf16's 3.8 s); on a GPU bf16 is the peers' engine and halves its memory. The `hf` engine
+    samples under `precision` and says once that this does nothing."""
     is_correction: str = "none"
     """train-ppo's engine correction (`core/correction.py`): the sampling engine's log-probs μ of the sampled
     tokens differ from the trainer's π_old at the same weights (other kernels and precision), and each token's

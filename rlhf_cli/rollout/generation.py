@@ -337,15 +337,23 @@ ENGINE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """`rollout.engine_dtype`'s values but `auto` (`config.ENGINE_DTYPES`), as torch dtypes."""
 
 
-def resolve_dtype(precision: str, setting: str = "auto") -> torch.dtype:
+def resolve_dtype(precision: str, setting: str = "auto", score_precision: str | None = None,
+                  gpu: bool | None = None) -> torch.dtype:
     """The dtype an engine with its own copy of the weights (`vllm`) holds them and computes in.
 
-    setting: `rollout.engine_dtype`: `fp32` or `bf16` as named; `auto` fp32 under `precision=fp32`, else bf16
-    (the faster engine; an fp32 one beside bf16-autocast's fp32 scoring passes samples exactly the distribution
-    they score: docs/results.md, "Sampling with vLLM"). Raises KeyError on another setting (config validation
-    refuses it first).
+    setting: `rollout.engine_dtype`: `fp32` or `bf16` as named; `auto`: fp32 under `precision=fp32`; on a GPU
+    (`gpu`; None: `torch.cuda.is_available()`, vLLM's own choice of backend) bf16 otherwise, as the peers sample;
+    on the CPU the dtype of the trainer's scoring passes (`score_precision`, `engine.scoring_precision`'s; None:
+    `precision`): fp32 beside bf16-autocast's fp32 passes, where the engine samples exactly the distribution they
+    score and `experiment=grpo` learned as well as on `hf` (docs/results.md, "Sampling with vLLM"), bf16 beside
+    bf16 passes. Raises KeyError on another setting (config validation refuses it first).
     """
-    return ENGINE_DTYPES[setting if setting != "auto" else "fp32" if precision == "fp32" else "bf16"]
+    if setting == "auto":
+        if precision != "fp32" and (torch.cuda.is_available() if gpu is None else gpu):
+            setting = "bf16"
+        else:
+            setting = "fp32" if (score_precision or precision) == "fp32" else "bf16"
+    return ENGINE_DTYPES[setting]
 
 
 def describe_engine(name: str, config: Any) -> str:

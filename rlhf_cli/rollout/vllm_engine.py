@@ -209,7 +209,7 @@ class VLLMGenerator:
         if workdir is None:
             raise ValueError("VLLMGenerator needs a workdir (the run dir) for its model dir")
         self.precision, self.chunk = precision, int(chunk)
-        self.dtype = resolve_dtype(precision, engine_dtype)
+        self.dtype = resolve_dtype(precision, engine_dtype, score_precision)
         self.probes = bool(probe) and self.dtype == torch.float32 and (score_precision or precision) == "fp32"
         """Whether the greedy probe checks each push: asked for (`probe`), and the engine computes as the trainer's
         scoring passes do (both fp32), so its log-probs are the old log-probs to a few 1e-6 nats. Where it does not,
@@ -376,14 +376,18 @@ class VLLMGenerator:
         was_training = lm.training
         lm.eval()
         failure = None
+        rows = [prompt + list(out.outputs[0].token_ids) for prompt, out in zip(self.probe_prompts, outs)]
+        width = max(map(len, rows))
+        # one right-padded forward for every probe prompt: a real token sees only the tokens before it
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=dev)
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=dev)
         try:
+            with torch.no_grad(), torch.autocast(device_type=dev.type, enabled=False):  # the scoring passes' fp32
+                logits = lm(input_ids=ids, attention_mask=mask).logits
             for k, (prompt, out) in enumerate(zip(self.probe_prompts, outs)):
                 tokens = list(out.outputs[0].token_ids)
                 engine_lp = torch.tensor([step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)])
-                ids = torch.tensor([prompt + tokens], device=dev)
-                with torch.autocast(device_type=dev.type, enabled=False):  # the scoring passes' fp32
-                    logits = lm(input_ids=ids).logits
-                logp = torch.log_softmax(logits[0, len(prompt) - 1:-1].float(), -1).cpu()
+                logp = torch.log_softmax(logits[k, len(prompt) - 1:len(prompt) + len(tokens) - 1].float(), -1).cpu()
                 mine = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
                 gap = torch.maximum(logp.max(-1).values - mine, (engine_lp - mine).abs())
                 if (gap > PROBE_TOLERANCE).any() and failure is None:

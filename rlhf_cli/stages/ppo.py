@@ -332,7 +332,7 @@ def start_rows(tr: PPOTrainer, sampler: str) -> dict[str, Any]:
     one `rollout.engine` resolves to; vLLM's with its dtype, `rollout.engine_dtype`) and precision."""
     cfg, p = tr.cfg, tr.p
     if sampler.startswith("vllm"):
-        dtype = resolve_dtype(cfg.precision, cfg.rollout.engine_dtype)
+        dtype = resolve_dtype(cfg.precision, cfg.rollout.engine_dtype, tr.score_precision)
         sampler = f"{sampler}, {str(dtype).removeprefix('torch.')} weights"
     return {
         "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "trained policy params": tr.trained,

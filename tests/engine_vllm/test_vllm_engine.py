@@ -289,12 +289,13 @@ PPO = ["reward.type=checker", "rollout.engine=vllm", *HEADS, "ppo.rollout_batch_
 def test_train_ppo_on_the_engine_keeps_its_logprobs_equal_to_the_trainers(run_stage, monkeypatch, estimator, zero,
                                                                            precision):
     """fp32: |engine − trainer| <= 1e-4 every iteration, with a critic (GAE) and without (GRPO), and under ZeRO-3
-    (the push gathers one layer at a time, the sampling none); under bf16-autocast too with an fp32 engine
-    (`rollout.engine_dtype=fp32`), as its scoring passes are. The greedy probe checks the start and every push."""
+    (the push gathers one layer at a time, the sampling none); under bf16-autocast too, whose scoring passes are
+    fp32, as `rollout.engine_dtype=auto` makes the engine on the CPU. The greedy probe checks the start and every
+    push."""
     probes, guards = spy_probes(monkeypatch), spy_drift_guards(monkeypatch)
     extra = ["ppo.n_samples_per_prompt=4", "ppo.rollout_batch_size=2"] if estimator == "grpo" else []
     _, run_dir, _ = run_stage("train_ppo", [*PPO, f"ppo.advantage_estimator={estimator}", *extra,
-                                            f"deepspeed={zero}", f"precision={precision}", "rollout.engine_dtype=fp32"])
+                                            f"deepspeed={zero}", f"precision={precision}"])
     assert probes == [torch.float32] * 3  # the start, then the push before each later iteration
     assert guards == [False]  # the probe checks the engine: the drift rule stands down
     rows = read_metrics(run_dir)
@@ -319,18 +320,18 @@ def test_the_engine_correction_reads_the_engines_logprobs(run_stage, correction)
         assert r["rollout/is_masked_frac"] == 0.0
 
 
-@pytest.mark.parametrize("precision,engine_dtype", [("bf16-autocast", "auto"), ("bf16", "auto"),
-                                                    ("fp32", "bf16")])
+@pytest.mark.parametrize("precision,extra", [("bf16-autocast", ["rollout.engine_dtype=bf16"]),
+                                             ("bf16-autocast", ["scoring_precision=same"]), ("bf16", []),
+                                             ("fp32", ["rollout.engine_dtype=bf16"])])
 def test_train_ppo_on_the_engine_in_bf16_keeps_its_logprobs_near_the_trainers(run_stage, caplog, monkeypatch,
-                                                                               precision, engine_dtype):
-    """A bf16 engine (`rollout.engine_dtype=auto` under bf16-autocast, whose scoring passes are fp32, and under
-    bf16; `bf16` beside an fp32 trainer): the diff is bf16's rounding, far below a stale engine's, steady over the
-    iterations (the drift guard, `EngineDriftGuard`, lets the run finish), and the greedy probe, which asks for the
-    trainer's own log-probs, is off."""
+                                                                               precision, extra):
+    """A bf16 engine (`rollout.engine_dtype=bf16` beside bf16-autocast's fp32 scoring passes and beside an fp32
+    trainer; `auto` beside bf16 scoring passes: bf16-autocast with `scoring_precision=same`, and bf16): the diff is
+    bf16's rounding, far below a stale engine's, steady over the iterations (the drift guard, `EngineDriftGuard`,
+    lets the run finish), and the greedy probe, which asks for the trainer's own log-probs, is off."""
     probes, guards = spy_probes(monkeypatch), spy_drift_guards(monkeypatch)
     with caplog.at_level("INFO"):
-        _, run_dir, _ = run_stage("train_ppo", [*PPO, f"precision={precision}", "ppo.iterations=4",
-                                                f"rollout.engine_dtype={engine_dtype}"])
+        _, run_dir, _ = run_stage("train_ppo", [*PPO, f"precision={precision}", "ppo.iterations=4", *extra])
     assert probes == [] and guards == [True]
     rows = read_metrics(run_dir)
     means = [r["rollout/engine_logprob_diff_mean"] for r in rows if "rollout/engine_logprob_diff_mean" in r]
