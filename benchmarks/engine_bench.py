@@ -3,8 +3,8 @@
 Needs vLLM in the venv (`make install-vllm`). Each engine runs in its own process (vLLM binds OpenMP threads and
 replaces `torch.set_num_threads` process-wide), in the order A-B-B-A over `--rounds` (hf, vllm, vllm, hf, ...),
 on SmolLM2-135M-Instruct (or `--model tiny`) in the run's precision, vLLM in the dtype `rollout.engine_dtype`
-gives it (`--engine-dtype`; auto: on the CPU fp32 beside fp32 scoring passes, bf16 beside bf16 ones), at three
-shapes:
+gives it (`--engine-dtype`; auto: on the CPU train-ppo's beside its scoring passes' precision, fp32 under the
+default bf16-autocast, and eval's in the run's precision), at three shapes:
 
     grpo   32 rollouts x 48 new tokens (grpo_bench: 4 prompts x 8 completions), one push before
     ppo    16 rollouts x 32 new tokens (ppo_bench), one push before
@@ -13,8 +13,8 @@ shapes:
 
 Per shape: generation seconds (warm, except eval's), sync seconds (the push of the policy's weights after a
 change, vLLM's in-place reload, and the greedy probe after it where the engine is exact; 0 for hf, which samples
-from the live module), the probe's share of the sync, generated tokens and tokens/s,
-and vllm/hf ratios. The built-in task's prompts, rendered and tokenized by `rlhf_cli.data`; seeds per prompt.
+from the live module), the probe's share of the sync, generated tokens and tokens/s, and vllm/hf ratios. The
+built-in task's prompts, rendered and tokenized by `rlhf_cli.data`; seeds per prompt.
 
     python benchmarks/engine_bench.py                       # bf16-autocast where native, else fp32 (precision=auto)
     python benchmarks/engine_bench.py --precision fp32 --rounds 1 --out results/engine_bench.json
@@ -73,9 +73,18 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
     tok = load_tokenizer(cfg.model)
     lm = load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tok)  # fp32 weights; autocast does the rest
     prompts = [p["prompt_ids"] for p in load_prompt_data(cfg.data, tok, "train")]
-    gen = make_generator(engine_name, EngineSettings(
-        precision=precision, chunk=32, workdir=workdir, max_model_len=cfg.data.max_prompt_length + 64,
-        engine_dtype=cfg.rollout.engine_dtype, score_precision=scoring_precision(precision, cfg.scoring_precision)))
+
+    def build(score_precision: str | None) -> Any:
+        """The engine as the commands build it: train-ppo's beside its scoring passes' precision, eval's with
+        none (nothing trains on its samples; `rollout.engine_dtype=auto` gives it the run's precision)."""
+        return make_generator(engine_name, EngineSettings(
+            precision=precision, chunk=32, workdir=workdir, max_model_len=cfg.data.max_prompt_length + 64,
+            engine_dtype=cfg.rollout.engine_dtype, score_precision=score_precision))
+
+    def dtype_of(gen: Any) -> str:
+        return str(getattr(gen, "dtype", precision)).removeprefix("torch.")
+
+    gen = build(None)
 
     def sampling(n: int) -> Sampling:
         return Sampling(eos_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id, max_new_tokens=n, temperature=1.0,
@@ -100,8 +109,7 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
         probe = gen.sync_seconds - before
         return g, t - probe, probe
 
-    out: dict[str, Any] = {"engine": engine_name, "precision": precision,
-                           "engine_dtype": str(getattr(gen, "dtype", precision)).removeprefix("torch.")}
+    out: dict[str, Any] = {"engine": engine_name, "precision": precision, "engine_dtype": dtype_of(gen)}
     # eval first: a fresh engine pays its start and warm-up, as `rlhf eval` does
     rows, n = SHAPES["eval"]
     batch, seeds = prompts[:rows], list(range(rows))
@@ -114,6 +122,12 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
     sync += probe
     out["eval"] = {"start": start, "generation": t_pol + t_ref, "sync": sync, "probe": probe,
                    "total": start + t_pol + sync + t_ref, "tokens": int(pol.mask.sum() + ref.mask.sum())}
+    gen.close()
+    # train-ppo's engine, started and warmed up untimed: grpo and ppo time a push and a warm rollout
+    gen = build(scoring_precision(precision, cfg.scoring_precision))
+    out["train_engine_dtype"] = dtype_of(gen)
+    gen.update_weights(lm)
+    gen.generate(prompts[:8], list(range(8)), sampling(8))
     for shape in ("grpo", "ppo"):
         rows, n = SHAPES[shape]
         batch, seeds = prompts[rows:2 * rows], list(range(rows))
@@ -200,8 +214,8 @@ def main() -> None:
                                                             "model.arch.num_key_value_heads=2"]
                                                            if args.model == "tiny" else []))
     precision = results["hf"][0]["precision"]
-    header = [f"sampling engines, hf vs vllm: {model_label(cfg.model)}, {precision}, "
-              f"vLLM's weights {results['vllm'][0]['engine_dtype']}",
+    header = [f"sampling engines, hf vs vllm: {model_label(cfg.model)}, {precision}, vLLM's weights: eval "
+              f"{results['vllm'][0]['engine_dtype']}, grpo and ppo {results['vllm'][0]['train_engine_dtype']}",
               f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores",
               f"order: {' '.join(order)} (means over {args.rounds * 2} runs per engine)"]
     print("\n".join(header))

@@ -650,8 +650,9 @@ class RolloutConfig:
     head size vLLM serves (32, 64, 80, ...)."""
     engine_dtype: str = "auto"
     """The dtype `rollout.engine=vllm` holds its weights and computes in: `fp32`, `bf16`, or `auto`, fp32 under
-    `precision=fp32`, bf16 on a GPU otherwise, and on the CPU the dtype of the trainer's scoring passes (fp32
-    under bf16-autocast with `scoring_precision=fp32`, the default; bf16 beside bf16 passes). An fp32 engine
+    `precision=fp32`, bf16 on a GPU otherwise, and on the CPU train-ppo's scoring passes' dtype (fp32 under
+    bf16-autocast with `scoring_precision=fp32`, the default; bf16 beside bf16 passes) and eval's precision (its
+    samples are not trained on; the hf sampler samples under it too). An fp32 engine
     beside fp32 scoring passes samples exactly the distribution they score (the old log-probs to a few 1e-6
     nats, the greedy probe checking each push), where a bf16 engine differs by bf16's rounding (0.03-0.04
     nats/token on SmolLM2: the drift rule watches it, `rollout.is_correction` may weigh it). On the CPU the fp32

@@ -343,10 +343,11 @@ def resolve_dtype(precision: str, setting: str = "auto", score_precision: str | 
 
     setting: `rollout.engine_dtype`: `fp32` or `bf16` as named; `auto`: fp32 under `precision=fp32`; on a GPU
     (`gpu`; None: `torch.cuda.is_available()`, vLLM's own choice of backend) bf16 otherwise, as the peers sample;
-    on the CPU the dtype of the trainer's scoring passes (`score_precision`, `engine.scoring_precision`'s; None:
-    `precision`): fp32 beside bf16-autocast's fp32 passes, where the engine samples exactly the distribution they
-    score and `experiment=grpo` learned as well as on `hf` (docs/results.md, "Sampling with vLLM"), bf16 beside
-    bf16 passes. Raises KeyError on another setting (config validation refuses it first).
+    on the CPU the dtype of the scoring passes the samples are trained against (`score_precision`, train-ppo's
+    `engine.scoring_precision`; None where nothing trains on them, as in eval: `precision`): fp32 beside
+    bf16-autocast's fp32 passes, where the engine samples exactly the distribution they score and
+    `experiment=grpo` learned as well as on `hf` (docs/results.md, "Sampling with vLLM"), bf16 beside bf16 passes.
+    Raises KeyError on another setting (config validation refuses it first).
     """
     if setting == "auto":
         if precision != "fp32" and (torch.cuda.is_available() if gpu is None else gpu):

@@ -45,8 +45,10 @@ from rlhf_cli.rollout.generation import Gather, Generation, Sampling, resolve_dt
 
 log = logging.getLogger(__name__)
 
-PROBE_PROMPTS = 4
-"""How many of the run's first prompts the greedy probe decodes after each push (`VLLMGenerator.probes`)."""
+PROBE_PROMPTS = 2
+"""How many of the run's first prompts the greedy probe decodes after each push (`VLLMGenerator.probes`). A stale
+or mis-pushed engine fails on any prompt; each costs the trainer a forward of its prompt (SmolLM2, 2 CPU cores:
+~0.13 s for 50 prompt tokens)."""
 PROBE_TOKENS = 8
 """How many greedy tokens the probe decodes per prompt."""
 PROBE_TOLERANCE = 1e-3
@@ -331,17 +333,23 @@ class VLLMGenerator:
             raise ValueError(f"VLLMGenerator.generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
         if not self.probe_prompts:
             self.probe_prompts = [list(map(int, p)) for p in prompt_ids[:PROBE_PROMPTS]]
-        if self._probe_due:
-            t0 = time.perf_counter()
-            self.probe(sampling)
-            self.sync_seconds += time.perf_counter() - t0
+        requests = [list(map(int, p)) for p in prompt_ids]
         params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_new_tokens, seed=s % (2**63 - 1), logprobs=0,
                                  stop_token_ids=list(sampling.eos_ids), ignore_eos=False, detokenize=False,
                                  skip_special_tokens=False)
                   for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompt_ids], params,
-                                 use_tqdm=False)
+        probing, self._probe_due = self._probe_due, False
+        if probing:  # the probe's greedy requests ride in the same engine call (its batch, not a call of their own)
+            requests += self.probe_prompts
+            params += [SamplingParams(n=1, temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True,
+                                      detokenize=False, logprobs=0)] * len(self.probe_prompts)
+        outs = self.llm.generate([{"prompt_token_ids": r} for r in requests], params, use_tqdm=False)
+        if probing:
+            t0 = time.perf_counter()
+            self.probe(outs[len(prompt_ids):])
+            self.sync_seconds += time.perf_counter() - t0
+            outs = outs[:len(prompt_ids)]
         B, R = len(outs), sampling.max_new_tokens
         responses = torch.full((B, R), sampling.pad_id, dtype=torch.long)
         logprobs = torch.zeros(B, R)
@@ -354,23 +362,16 @@ class VLLMGenerator:
         return Generation(responses, mask, has_eos, logprobs * mask)
 
     @torch.no_grad()
-    def probe(self, sampling: Sampling) -> None:
-        """The greedy probe, after each push where `probes` holds: the engine decodes the probe prompts
-        greedily, and each of its tokens must be the trainer's greedy token there, with the trainer's log-prob.
+    def probe(self, outs: Sequence[Any]) -> None:
+        """The greedy probe, after each push where `probes` holds: `outs`, the engine's greedy decodes of the probe
+        prompts (`PROBE_TOKENS` each, run in the first `generate` after the push), must be the trainer's greedy
+        tokens, with the trainer's log-probs.
 
         For every position, the trainer's fp32 log-softmax of the engine's token must be within `PROBE_TOLERANCE`
         of both the trainer's largest (a tie is not a failure) and the engine's own log-prob of it. A stale or
         mis-pushed engine fails it even where a small change leaves the greedy tokens as they were.
         Raises ConfigError (one line) naming the first mismatch.
         """
-        from vllm import SamplingParams
-
-        self._probe_due = False
-        if not self.probe_prompts:
-            return
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True, detokenize=False,
-                                logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in self.probe_prompts], params, use_tqdm=False)
         lm = self.lm
         dev = next(lm.parameters()).device
         was_training = lm.training
@@ -382,7 +383,7 @@ class VLLMGenerator:
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=dev)
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=dev)
         try:
-            with torch.no_grad(), torch.autocast(device_type=dev.type, enabled=False):  # the scoring passes' fp32
+            with torch.autocast(device_type=dev.type, enabled=False):  # the scoring passes' fp32
                 logits = lm(input_ids=ids, attention_mask=mask).logits
             for k, (prompt, out) in enumerate(zip(self.probe_prompts, outs)):
                 tokens = list(out.outputs[0].token_ids)

@@ -244,8 +244,9 @@ def sample_both(cfg: Any, models: dict[str, Any], prompt_ids: list[list[int]], p
         log.info("rollout.engine=auto samples with %s (%s)", cfg.rollout.engine, why)
     generator = make_generator(cfg.rollout.engine, EngineSettings(
         precision=cfg.precision, chunk=e.generation_batch_size, workdir=run_dir, kv_cache_gb=cfg.rollout.kv_cache_gb,
-        max_model_len=cfg.data.max_prompt_length + e.max_new_tokens, engine_dtype=cfg.rollout.engine_dtype,
-        score_precision=models["score_precision"]))
+        max_model_len=cfg.data.max_prompt_length + e.max_new_tokens, engine_dtype=cfg.rollout.engine_dtype))
+    # no score_precision: nothing trains on eval's samples, so `auto` gives the engine the run's precision, as the
+    # hf sampler samples under it
     sampling = Sampling(eos_ids=models["eos"], pad_id=pad_id, max_new_tokens=e.max_new_tokens,
                         temperature=e.temperature, top_p=e.top_p)
     sampled = {}

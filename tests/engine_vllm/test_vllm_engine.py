@@ -190,11 +190,14 @@ def test_either_of_two_eos_ids_ends_a_response(gen, model_cfg, tokenizer, prompt
     assert bool(cut.has_eos[0]) and bool(cut.has_eos[1])
 
 
-def test_a_prompts_sample_depends_on_its_seed_not_its_batch(gen, model_cfg, tokenizer, prompts):
+def test_a_prompts_sample_depends_on_its_seed_not_its_batch(gen, model_cfg, tokenizer, prompts, monkeypatch):
+    """Alone or in a batch, and in the first call after a push, whose batch carries the greedy probe's requests."""
+    probes = spy_probes(monkeypatch)
     lm = load_causal_lm(model_cfg, seed=5, tokenizer=tokenizer)
     gen.update_weights(lm)
     seeds = [11, 12, 13, 14, 15, 16, 17, 18]
     batch = gen.generate(prompts, seeds, sampling(tokenizer))
+    assert probes == [torch.float32]
     alone = gen.generate(prompts[5:6], seeds[5:6], sampling(tokenizer))
     assert batch.responses[5].tolist() == alone.responses[0].tolist()
     other = gen.generate(prompts, [s + 100 for s in seeds], sampling(tokenizer))
@@ -256,9 +259,9 @@ def spy_probes(monkeypatch):
     """The greedy probes a run makes: a list that each `VLLMGenerator.probe` call appends to, then runs."""
     calls, probe = [], vllm_engine.VLLMGenerator.probe
 
-    def counted(self, sampling):
+    def counted(self, outs):
         calls.append(self.dtype)
-        return probe(self, sampling)
+        return probe(self, outs)
 
     monkeypatch.setattr(vllm_engine.VLLMGenerator, "probe", counted)
     return calls
@@ -341,15 +344,23 @@ def test_train_ppo_on_the_engine_in_bf16_keeps_its_logprobs_near_the_trainers(ru
     assert [r for r in caplog.records if "vLLM engine up from" in r.getMessage() and "(bfloat16)" in r.getMessage()]
 
 
-def test_eval_on_the_engine_gives_both_sides_the_same_noise(run_stage, tmp_path, model_cfg, tokenizer):
+@pytest.mark.parametrize("precision,dtype", [("fp32", "float32"), ("bf16-autocast", "bfloat16")])
+def test_eval_on_the_engine_gives_both_sides_the_same_noise(run_stage, tmp_path, model_cfg, tokenizer, caplog,
+                                                            monkeypatch, precision, dtype):
     """Policy and reference with the same weights: on the engine (reloaded between the sides, the same seed per
-    prompt) they sample the same responses."""
+    prompt) they sample the same responses. Nothing trains on eval's samples, so `rollout.engine_dtype=auto` gives
+    the engine the run's precision: fp32 (probed after its start and the push) or, under bf16-autocast, bf16."""
+    probes = spy_probes(monkeypatch)
     lm = load_causal_lm(model_cfg, seed=0, tokenizer=tokenizer)
     d = tmp_path / "policy"
     lm.save_pretrained(d)
     tokenizer.save_pretrained(d)
-    _, eval_dir, _ = run_stage("eval", ["rollout.engine=vllm", *HEADS, f"policy.path={d}", f"reference.path={d}",
-                                        "reward.type=checker", "data.builtin.ppo_eval=8", "eval.max_new_tokens=12"])
+    with caplog.at_level("INFO"):
+        _, eval_dir, _ = run_stage("eval", ["rollout.engine=vllm", *HEADS, f"policy.path={d}", f"reference.path={d}",
+                                            "reward.type=checker", "data.builtin.ppo_eval=8", "eval.max_new_tokens=12",
+                                            f"precision={precision}"])
+    assert [r for r in caplog.records if "vLLM engine up from" in r.getMessage() and f"({dtype})" in r.getMessage()]
+    assert probes == ([torch.float32] * 2 if dtype == "float32" else [])
     rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
     assert rows and all(r["policy"] == r["reference"] for r in rows)
     assert not (eval_dir / "engine_model").exists()
