@@ -642,8 +642,8 @@ class RolloutConfig:
     `vllm` where vLLM is installed and serves the model, else `hf` (said once); `hf`, transformers' `generate` on
     the live model with one random stream per prompt; `vllm`, a vLLM engine in this process (`make install-vllm`),
     started from the policy's weights and reloaded with them after every update. So `auto` samples with vLLM in a
-    venv with `make install-vllm` and with `hf` without it: on the bf16-native CPU, vLLM's engine in the default
-    `rollout.engine_dtype` took 0.68x hf's time at eval's shape and 0.73x at GRPO's (1.08x at PPO's 16 x 32, its
+    venv with `make install-vllm` and with `hf` without it: on the bf16-native CPU, vLLM in the default
+    `rollout.engine_dtype` took 0.40x hf's time at eval's shape, 0.66x at GRPO's and 0.93x at PPO's 16 x 32 (its
     push and probe included), and `experiment=grpo` learned as well on it (2 seeds, paired; docs/results.md,
     "Sampling with vLLM"). A prompt's response depends on the weights, the prompt, its seed and the sampling keys,
     not on the engine's batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention
