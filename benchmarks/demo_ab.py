@@ -9,7 +9,8 @@ eval.max_new_tokens=32`) runs once on each side as `python -m rlhf_cli ...` with
 in this venv, each side with its own `paths.root`, after an untimed warm-up of each side's caches (`warm_up`). The
 order alternates: before first in odd runs, after first in even ones (`--first after` swaps them), so a steady drift
 of the machine's speed cancels over two runs. Each side runs as its code runs for a user: no allocator environment
-is added (the after side may set its own in-process), and nothing else should run meanwhile.
+is added (the after side may set its own in-process), and nothing else should run meanwhile. Run it in the
+README's venv, without vLLM: with it, `rollout.engine=auto` (the default since 886ae7c) samples a side with vLLM.
 
 The table gives each stage's wall seconds (process start to exit: imports, loading and saving included) per run and
 side, the after/before ratio per run, and the whole demo's over all runs. Same-number checks: each side's

@@ -12,9 +12,10 @@ default bf16-autocast, and eval's in the run's precision), at three shapes:
            start and warm-up included (once per run, as an eval pays them)
 
 Per shape: generation seconds (warm, except eval's), sync seconds (the push of the policy's weights after a
-change, vLLM's in-place reload, and the greedy probe after it where the engine is exact; 0 for hf, which samples
-from the live module), the probe's share of the sync, generated tokens and tokens/s, and vllm/hf ratios. The
-built-in task's prompts, rendered and tokenized by `rlhf_cli.data`; seeds per prompt.
+change, vLLM's in-place reload, and the greedy probe's check after it where the engine is exact; 0 for hf, which
+samples from the live module), the check's share of the sync (the probe's greedy requests ride in the
+generation), generated tokens and tokens/s, and vllm/hf ratios. The built-in task's prompts, rendered and
+tokenized by `rlhf_cli.data`; seeds per prompt.
 
     python benchmarks/engine_bench.py                       # bf16-autocast where native, else fp32 (precision=auto)
     python benchmarks/engine_bench.py --precision fp32 --rounds 1 --out results/engine_bench.json
@@ -202,7 +203,7 @@ def main() -> None:
                   mean("hf", shape, "generation"))
         table.add(f"{shape}_sync", f"{shape}: sync (push + probe), s", mean("vllm", shape, "sync"),
                   mean("hf", shape, "sync"), ratio=False)
-        table.add(f"{shape}_probe", f"{shape}: of it, the greedy probe, s", mean("vllm", shape, "probe"),
+        table.add(f"{shape}_probe", f"{shape}: of it, the probe's check, s", mean("vllm", shape, "probe"),
                   mean("hf", shape, "probe"), ratio=False)
         table.add(f"{shape}_total", f"{shape}: total, s" + (" (start, both sides, push)" if shape == "eval" else ""),
                   mean("vllm", shape, "total"), mean("hf", shape, "total"))

@@ -3,7 +3,8 @@
 For each of `--seeds` it trains `rlhf train-ppo experiment=<preset>` once with the overrides of `--a` and once
 with those of `--b` (A-B-B-A over the seeds: a then b for the 1st, 3rd, ... seed, b then a for the others), then
 `rlhf eval experiment=<preset>` samples both final policies on the same held-out prompts with the same per-prompt
-noise (b's as the policy, a's as the reference; fp32, the hf sampler). The table gives each seed's checker
+noise (b's as the policy, a's as the reference; fp32, the hf sampler). The trainings sample with `hf` too unless
+an override names `rollout.engine`. The table gives each seed's checker
 accuracies, paired difference (b − a) and training wall seconds, then the accuracies per prompt averaged over the
 seeds and their paired difference with a t interval over the prompts: issue 42's "paired by prompt and pooled over
 the seeds". Run it on an otherwise idle machine: the wall seconds are half the answer ("no slower").
@@ -60,8 +61,10 @@ def paired_training(seeds: Sequence[int], a: tuple[str, list[str]], b: tuple[str
                 print(f"  seed {seed}: read from {done}", file=sys.stderr)
                 continue
             for name, overrides in ((a, b) if k % 2 == 0 else (b, a)):
-                rec["wall_s"][name] = rlhf(["train-ppo", f"experiment={preset}", *common, *overrides, f"seed={seed}",
-                                            f"precision={precision}", f"paths.root={sub / 'runs'}",
+                engine = [] if any(o.startswith("rollout.engine=") for o in [*common, *overrides]) else [
+                    "rollout.engine=hf"]  # one sampler for both, in a venv with vLLM too (the default `auto`)
+                rec["wall_s"][name] = rlhf(["train-ppo", f"experiment={preset}", *engine, *common, *overrides,
+                                            f"seed={seed}", f"precision={precision}", f"paths.root={sub / 'runs'}",
                                             f"hydra.run.dir={sub / name}"], sub / f"{name}.log")
             eval_dir = sub / "eval"
             rlhf(["eval", f"experiment={preset}", *common, "rollout.engine=hf", f"policy.path={sub / nb / 'final'}",

@@ -649,17 +649,17 @@ class RolloutConfig:
     not on the engine's batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention
     head size vLLM serves (32, 64, 80, ...)."""
     engine_dtype: str = "auto"
-    """The dtype `rollout.engine=vllm` holds its weights and computes in: `fp32`, `bf16`, or `auto`, fp32 under
-    `precision=fp32`, bf16 on a GPU otherwise, and on the CPU train-ppo's scoring passes' dtype (fp32 under
-    bf16-autocast with `scoring_precision=fp32`, the default; bf16 beside bf16 passes) and eval's precision (its
-    samples are not trained on; the hf sampler samples under it too). An fp32 engine
-    beside fp32 scoring passes samples exactly the distribution they score (the old log-probs to a few 1e-6
-    nats, the greedy probe checking each push), where a bf16 engine differs by bf16's rounding (0.03-0.04
-    nats/token on SmolLM2: the drift rule watches it, `rollout.is_correction` may weigh it). On the CPU the fp32
-    engine is the one `experiment=grpo` learned as well on as on `hf` (2 seeds, paired: -0.023 +- 0.071 held-out
-    accuracy, against bf16's -0.082 +- 0.060), at some speed (SmolLM2, 32 prompts x 48 tokens on the bf16-native
-    CPU: 6.0 s against bf16's 3.8 s); on a GPU bf16 is the peers' engine and halves its memory. The `hf` engine
-    samples under `precision` and says once that this does nothing."""
+    """The dtype `rollout.engine=vllm` holds its weights and computes in: `fp32`, `bf16`, or `auto`, the dtype of
+    the scoring passes its samples are trained against: train-ppo's (fp32 under `precision=fp32` and under
+    bf16-autocast with `scoring_precision=fp32`, the default; bf16 beside bf16 passes), and for eval, whose samples
+    nothing trains on, the run's precision (the hf sampler samples under it too). An fp32 engine beside fp32
+    scoring passes samples exactly the distribution they score (the old log-probs to a few 1e-6 nats, the greedy
+    probe checking each push); a bf16 engine differs by bf16's rounding (0.03-0.04 nats/token on SmolLM2: the
+    drift rule watches it, `rollout.is_correction` may weigh it), and `experiment=grpo` learned less on it on the
+    CPU (2 seeds, paired, against `hf`: -0.082 +- 0.060 held-out accuracy; fp32: -0.023 +- 0.071). `bf16` is the
+    peers' engine on GPUs and halves its memory, but its learning there is unmeasured here; fp32 is slower (SmolLM2,
+    32 prompts x 48 tokens on the bf16-native CPU: 6.0 s against 3.8 s). The `hf` engine samples under
+    `precision` and says once that this does nothing."""
     is_correction: str = "none"
     """train-ppo's engine correction (`core/correction.py`): the sampling engine's log-probs μ of the sampled
     tokens differ from the trainer's π_old at the same weights (other kernels and precision), and each token's
@@ -682,7 +682,8 @@ class RolloutConfig:
     `seq_mask`'s band (IcePop uses [0.5, 5])."""
     kv_cache_gb: int = 2
     """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
-    `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16; the `hf` engine ignores it."""
+    `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16 (half that in fp32); the
+    `hf` engine ignores it."""
 
 
 @dataclass

@@ -310,12 +310,13 @@ optional dependency, is imported only when chosen); `config.ROLLOUT_ENGINES` lis
 the two equal)."""
 
 
-def resolve_engine(name: str, config: Any) -> tuple[str, str]:
+def resolve_engine(name: str, *configs: Any) -> tuple[str, str]:
     """The sampling engine a run uses for `rollout.engine=<name>`, and why, in words.
 
-    name: `hf` or `vllm` (returned as named) or `auto`: `vllm` where vLLM is installed and can sample this model
-    (`vllm_engine.unservable`: its architecture, and on the CPU its attention head size), else `hf`, so one command
-    line runs in a venv with or without the engine. config: the policy's `PretrainedConfig`.
+    name: `hf` or `vllm` (returned as named) or `auto`: `vllm` where vLLM is installed and can sample every model
+    the run samples (`vllm_engine.unservable`: its architecture, and on the CPU its attention head size), else
+    `hf`, so one command line runs in a venv with or without the engine. configs: the `PretrainedConfig` of each
+    model sampled (train-ppo's policy; eval's policy and reference).
     """
     if name != "auto":
         return name, "as set"
@@ -326,40 +327,36 @@ def resolve_engine(name: str, config: Any) -> tuple[str, str]:
     from rlhf_cli.rollout.vllm_engine import unservable
 
     try:
-        why = unservable(config)
+        why = next(filter(None, map(unservable, configs)), None)
     except Exception as e:  # an install whose import fails (a wheel for another torch or CUDA): sample with hf
         first = (str(e).splitlines() or [""])[0]
         return "hf", f"auto: vLLM is installed but does not import ({type(e).__name__}: {first})"
-    return ("hf", f"auto: {why}") if why else ("vllm", "auto: vLLM is installed and serves this model")
+    what = "this model" if len(configs) == 1 else "these models"
+    return ("hf", f"auto: {why}") if why else ("vllm", f"auto: vLLM is installed and serves {what}")
 
 
 ENGINE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """`rollout.engine_dtype`'s values but `auto` (`config.ENGINE_DTYPES`), as torch dtypes."""
 
 
-def resolve_dtype(precision: str, setting: str = "auto", score_precision: str | None = None,
-                  gpu: bool | None = None) -> torch.dtype:
+def resolve_dtype(precision: str, setting: str = "auto", score_precision: str | None = None) -> torch.dtype:
     """The dtype an engine with its own copy of the weights (`vllm`) holds them and computes in.
 
-    setting: `rollout.engine_dtype`: `fp32` or `bf16` as named; `auto`: fp32 under `precision=fp32`; on a GPU
-    (`gpu`; None: `torch.cuda.is_available()`, vLLM's own choice of backend) bf16 otherwise, as the peers sample;
-    on the CPU the dtype of the scoring passes the samples are trained against (`score_precision`, train-ppo's
-    `engine.scoring_precision`; None where nothing trains on them, as in eval: `precision`): fp32 beside
-    bf16-autocast's fp32 passes, where the engine samples exactly the distribution they score and
-    `experiment=grpo` learned as well as on `hf` (docs/results.md, "Sampling with vLLM"), bf16 beside bf16 passes.
-    Raises KeyError on another setting (config validation refuses it first).
+    setting: `rollout.engine_dtype`: `fp32` or `bf16` as named; `auto`: the dtype of the scoring passes the samples
+    are trained against (`score_precision`, train-ppo's `engine.scoring_precision`; None where nothing trains on
+    them, as in eval: `precision`), so fp32 under `precision=fp32` and beside bf16-autocast's fp32 passes, where
+    the engine samples exactly the distribution they score and `experiment=grpo` learned as well as on `hf`
+    (docs/results.md, "Sampling with vLLM"; a bf16 engine there did not), and bf16 beside bf16 passes. Raises
+    KeyError on another setting (config validation refuses it first).
     """
     if setting == "auto":
-        if precision != "fp32" and (torch.cuda.is_available() if gpu is None else gpu):
-            setting = "bf16"
-        else:
-            setting = "fp32" if (score_precision or precision) == "fp32" else "bf16"
+        setting = "fp32" if (score_precision or precision) == "fp32" else "bf16"
     return ENGINE_DTYPES[setting]
 
 
-def describe_engine(name: str, config: Any) -> str:
+def describe_engine(name: str, *configs: Any) -> str:
     """`rollout.engine=<name>` as a start table shows it: the engine, and for `auto` why (`resolve_engine`)."""
-    used, why = resolve_engine(name, config)
+    used, why = resolve_engine(name, *configs)
     return used if why == "as set" else f"{used} ({why})"
 
 

@@ -378,13 +378,14 @@ class VLLMGenerator:
         lm.eval()
         failure = None
         rows = [prompt + list(out.outputs[0].token_ids) for prompt, out in zip(self.probe_prompts, outs)]
-        width = max(map(len, rows))
+        width = max(map(len, rows), default=0)  # no rows (a first call without prompts): nothing to check here
         # one right-padded forward for every probe prompt: a real token sees only the tokens before it
-        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=dev)
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=dev)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=dev)
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=dev)
         try:
-            with torch.autocast(device_type=dev.type, enabled=False):  # the scoring passes' fp32
-                logits = lm(input_ids=ids, attention_mask=mask).logits
+            if rows:
+                with torch.autocast(device_type=dev.type, enabled=False):  # the scoring passes' fp32
+                    logits = lm(input_ids=ids, attention_mask=mask).logits
             for k, (prompt, out) in enumerate(zip(self.probe_prompts, outs)):
                 tokens = list(out.outputs[0].token_ids)
                 engine_lp = torch.tensor([step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)])

@@ -239,7 +239,8 @@ def sample_both(cfg: Any, models: dict[str, Any], prompt_ids: list[list[int]], p
     e = cfg.eval
     # prompt j of the eval (this rank's i-th) samples with seed derive_seed(seed, j) on both sides
     seeds = [derive_seed(cfg.seed, engine.rank() + i * engine.world_size()) for i in range(len(prompt_ids))]
-    cfg.rollout.engine, why = resolve_engine(cfg.rollout.engine, models["policy"].config)  # eval.json: the one used
+    cfg.rollout.engine, why = resolve_engine(cfg.rollout.engine, models["policy"].config,  # eval.json: the one used
+                                             models["reference"].config)
     if why != "as set" and engine.is_main():
         log.info("rollout.engine=auto samples with %s (%s)", cfg.rollout.engine, why)
     generator = make_generator(cfg.rollout.engine, EngineSettings(
@@ -247,6 +248,8 @@ def sample_both(cfg: Any, models: dict[str, Any], prompt_ids: list[list[int]], p
         max_model_len=cfg.data.max_prompt_length + e.max_new_tokens, engine_dtype=cfg.rollout.engine_dtype))
     # no score_precision: nothing trains on eval's samples, so `auto` gives the engine the run's precision, as the
     # hf sampler samples under it
+    if cfg.rollout.engine == "vllm":  # eval.json and the results table: the dtype used
+        cfg.rollout.engine_dtype = "fp32" if generator.dtype == torch.float32 else "bf16"
     sampling = Sampling(eos_ids=models["eos"], pad_id=pad_id, max_new_tokens=e.max_new_tokens,
                         temperature=e.temperature, top_p=e.top_p)
     sampled = {}
@@ -396,9 +399,11 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     seed_everything(cfg.seed)
     policy_path, rm_path, data_note = eval_setup(cfg, run_dir)
     if cfg.dry_run:
-        sampler = {} if policy_path is None else {"sampling engine": cfg.rollout.engine if cfg.rollout.engine != "auto"
-                                                  else describe_engine("auto", AutoConfig.from_pretrained(
-                                                      resolve_hf_dir(str(policy_path))))}
+        sampler = {}
+        if policy_path is not None:  # `auto` decided on the policy and a reference.path's model (the run: both)
+            paths = [str(policy_path)] + ([cfg.reference.path] if cfg.reference.path else [])
+            sampler = {"sampling engine": cfg.rollout.engine if cfg.rollout.engine != "auto" else describe_engine(
+                "auto", *(AutoConfig.from_pretrained(resolve_hf_dir(p)) for p in paths))}
         print_table(f"{COMMAND.name} (dry run): {run_dir}",
                     {"policy": policy_path, "reward_model": rm_path, "data": data_note, **sampler})
         set_status(run_dir, "dry_run") if engine.is_main() else None
@@ -464,7 +469,8 @@ def write_results(cfg: Any, run_dir: Path, results: dict[str, Any]) -> None:
     the report page (a page that cannot be drawn fails nothing: said, with the command that tries again), status
     `finished`, and the verdict line."""
     atomic_write_json(run_dir / "eval.json", {"results": results, "config": OmegaConf.to_container(cfg, resolve=True)})
-    sampler = {"sampling engine": cfg.rollout.engine} if results["mode"] == "policy" else {}
+    engine_name = cfg.rollout.engine + (f", {cfg.rollout.engine_dtype} weights" if cfg.rollout.engine == "vllm" else "")
+    sampler = {"sampling engine": engine_name} if results["mode"] == "policy" else {}
     print_table(COMMAND.name, {**sampler, **{k: v for k, v in results.items() if k not in ("samples", "data")}})
     if results.get("samples"):
         print_summary(console, ["prompt", "policy", "score", "reference", "score"],

@@ -118,9 +118,14 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_updates(gen, model_
 
 
 def test_a_stale_engine_fails_the_greedy_probe(gen, model_cfg, tokenizer, prompts, monkeypatch):
+    """Probe prompts of different lengths (one right-padded forward scores them): the shorter, padded one passes
+    after a real push and fails first after a stale one."""
+    probes = spy_probes(monkeypatch)
     lm = load_causal_lm(model_cfg, seed=1, tokenizer=tokenizer)
     gen.update_weights(lm)
+    gen.probe_prompts = [list(prompts[0]), list(prompts[1]) + list(prompts[0][:7])]
     gen.generate(prompts, list(range(8)), sampling(tokenizer))  # the probe passes after a real push
+    assert probes == [torch.float32]
     with torch.no_grad():
         for p in lm.parameters():
             p.add_(torch.randn_like(p) * 0.01)
@@ -246,6 +251,9 @@ def test_auto_samples_with_vllm_where_it_serves_the_model_and_with_hf_elsewhere(
     unknown = copy.deepcopy(served)
     unknown.architectures = ["NoSuchForCausalLM"]
     assert resolve_engine("auto", unknown) == ("hf", "auto: vLLM has no implementation of NoSuchForCausalLM")
+    # every model the run samples (eval: policy and reference) must be served
+    assert resolve_engine("auto", served, unknown) == resolve_engine("auto", unknown)
+    assert resolve_engine("auto", served, served) == ("vllm", "auto: vLLM is installed and serves these models")
     if vllm_engine.cpu_backend():
         small = load_causal_lm(tiny_model_cfg, seed=0, tokenizer=tokenizer).config  # head size 16
         used, why = resolve_engine("auto", small)
@@ -365,6 +373,23 @@ def test_eval_on_the_engine_gives_both_sides_the_same_noise(run_stage, tmp_path,
     assert rows and all(r["policy"] == r["reference"] for r in rows)
     assert not (eval_dir / "engine_model").exists()
     assert engine.world_size() == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+@pytest.mark.skipif(not vllm_engine.cpu_backend(), reason="the head size the CPU attention cannot serve")
+def test_eval_on_auto_samples_with_hf_where_the_engine_cannot_serve_the_reference(run_stage, tmp_path, model_cfg,
+                                                                                   tiny_model_cfg, tokenizer, caplog):
+    """A policy vLLM serves beside a reference it does not (the tiny model's head size 16 on the CPU): `auto`
+    samples both sides with `hf`, says why once, and eval.json records it."""
+    for name, cfg in (("policy", model_cfg), ("reference", tiny_model_cfg)):
+        load_causal_lm(cfg, seed=0, tokenizer=tokenizer).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    with caplog.at_level("INFO"):
+        _, eval_dir, _ = run_stage("eval", [*HEADS, f"policy.path={tmp_path / 'policy'}", "reward.type=checker",
+                                            f"reference.path={tmp_path / 'reference'}", "data.builtin.ppo_eval=4",
+                                            "eval.max_new_tokens=4"])
+    said = [r.getMessage() for r in caplog.records if "rollout.engine=auto samples with" in r.getMessage()]
+    assert len(said) == 1 and "samples with hf" in said[0] and "head sizes 32, 64" in said[0], said
+    assert json.loads((eval_dir / "eval.json").read_text())["config"]["rollout"]["engine"] == "hf"
 
 
 def test_two_ranks_on_the_engine_match_one_rank(tmp_path):

@@ -280,26 +280,17 @@ def test_the_registry_and_the_config_name_the_same_engines():
         make_generator("bogus", settings)
 
 
-@pytest.mark.parametrize("precision,score_precision,setting,gpu,want", [
-    # auto: fp32 under fp32; on the CPU the scoring passes' dtype; on a GPU bf16 unless precision=fp32
-    ("fp32", "fp32", "auto", False, torch.float32), ("fp32", "fp32", "auto", True, torch.float32),
-    ("bf16-autocast", "fp32", "auto", False, torch.float32), ("bf16-autocast", "fp32", "auto", True, torch.bfloat16),
-    ("bf16-autocast", "bf16-autocast", "auto", False, torch.bfloat16), ("bf16", "bf16", "auto", False, torch.bfloat16),
-    ("bf16", "bf16", "auto", True, torch.bfloat16), ("bf16-autocast", None, "auto", False, torch.bfloat16),
-    # as set, anywhere
-    ("bf16-autocast", "fp32", "bf16", False, torch.bfloat16), ("bf16-autocast", "fp32", "fp32", True, torch.float32),
-    ("fp32", "fp32", "bf16", False, torch.bfloat16), ("bf16", "bf16", "fp32", True, torch.float32)])
-def test_the_engine_dtype_follows_the_scoring_passes_on_the_cpu_and_is_bf16_on_a_gpu(precision, score_precision,
-                                                                                    setting, gpu, want):
-    assert resolve_dtype(precision, setting, score_precision, gpu=gpu) == want
+@pytest.mark.parametrize("precision,score_precision,setting,want", [
+    # auto: the dtype of the scoring passes the samples are trained against (None, as eval: the run's precision)
+    ("fp32", "fp32", "auto", torch.float32), ("bf16-autocast", "fp32", "auto", torch.float32),
+    ("bf16-autocast", "bf16-autocast", "auto", torch.bfloat16), ("bf16", "bf16", "auto", torch.bfloat16),
+    ("bf16-autocast", None, "auto", torch.bfloat16), ("fp32", None, "auto", torch.float32),
+    # as set
+    ("bf16-autocast", "fp32", "bf16", torch.bfloat16), ("fp32", "fp32", "bf16", torch.bfloat16),
+    ("bf16", "bf16", "fp32", torch.float32), ("bf16-autocast", None, "fp32", torch.float32)])
+def test_the_engine_dtype_follows_the_scoring_passes_unless_set(precision, score_precision, setting, want):
+    assert resolve_dtype(precision, setting, score_precision) == want
     assert set(config.ENGINE_DTYPES) == {"auto", *generation.ENGINE_DTYPES}
-
-
-def test_the_engine_dtype_of_auto_follows_the_visible_device(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_dtype("bf16-autocast", "auto", "fp32") == torch.bfloat16
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_dtype("bf16-autocast", "auto", "fp32") == torch.float32
 
 
 def test_an_engine_dtype_the_hf_engine_does_not_read_is_said_once_and_a_bad_one_refused(caplog):
