@@ -354,6 +354,12 @@ def resolve_dtype(precision: str, setting: str = "auto", score_precision: str | 
     return ENGINE_DTYPES[setting]
 
 
+def dtype_setting(dtype: torch.dtype) -> str:
+    """The `rollout.engine_dtype` value naming an engine's dtype (`fp32`, `bf16`), as start tables and eval.json
+    show it. Raises StopIteration for another dtype."""
+    return next(k for k, v in ENGINE_DTYPES.items() if v == dtype)
+
+
 def describe_engine(name: str, *configs: Any) -> str:
     """`rollout.engine=<name>` as a start table shows it: the engine, and for `auto` why (`resolve_engine`)."""
     used, why = resolve_engine(name, *configs)

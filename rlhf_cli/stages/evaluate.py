@@ -55,6 +55,7 @@ from rlhf_cli.rollout import (
     Sampling,
     call_on_every_rank,
     describe_engine,
+    dtype_setting,
     make_generator,
     resolve_engine,
     rollout_batch,
@@ -249,7 +250,7 @@ def sample_both(cfg: Any, models: dict[str, Any], prompt_ids: list[list[int]], p
     # no score_precision: nothing trains on eval's samples, so `auto` gives the engine the run's precision, as the
     # hf sampler samples under it
     if cfg.rollout.engine == "vllm":  # eval.json and the results table: the dtype used
-        cfg.rollout.engine_dtype = "fp32" if generator.dtype == torch.float32 else "bf16"
+        cfg.rollout.engine_dtype = dtype_setting(generator.dtype)
     sampling = Sampling(eos_ids=models["eos"], pad_id=pad_id, max_new_tokens=e.max_new_tokens,
                         temperature=e.temperature, top_p=e.top_p)
     sampled = {}

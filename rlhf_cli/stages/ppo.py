@@ -61,6 +61,7 @@ from rlhf_cli.rollout import (
     PolicyLearner,
     ScoreMixer,
     describe_engine,
+    dtype_setting,
     engine_stats,
     is_correction_stats,
     kl_stats,
@@ -333,7 +334,7 @@ def start_rows(tr: PPOTrainer, sampler: str) -> dict[str, Any]:
     cfg, p = tr.cfg, tr.p
     if sampler.startswith("vllm"):
         dtype = resolve_dtype(cfg.precision, cfg.rollout.engine_dtype, tr.score_precision)
-        sampler = f"{sampler}, {str(dtype).removeprefix('torch.')} weights"
+        sampler = f"{sampler}, {dtype_setting(dtype)} weights"
     return {
         "policy": cfg.model.name, "params (non-embedding)": tr.n_params, "trained policy params": tr.trained,
         "reward": describe_reward(cfg, tr.rm_path), "prompts": len(tr.prompts), "iterations": p.iterations,

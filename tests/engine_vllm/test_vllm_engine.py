@@ -371,6 +371,8 @@ def test_eval_on_the_engine_gives_both_sides_the_same_noise(run_stage, tmp_path,
     assert probes == ([torch.float32] * 2 if dtype == "float32" else [])
     rows = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
     assert rows and all(r["policy"] == r["reference"] for r in rows)
+    used = json.loads((eval_dir / "eval.json").read_text())["config"]["rollout"]
+    assert (used["engine"], used["engine_dtype"]) == ("vllm", "fp32" if dtype == "float32" else "bf16")
     assert not (eval_dir / "engine_model").exists()
     assert engine.world_size() == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 

@@ -290,6 +290,7 @@ def test_the_registry_and_the_config_name_the_same_engines():
     ("bf16", "bf16", "fp32", torch.float32), ("bf16-autocast", None, "fp32", torch.float32)])
 def test_the_engine_dtype_follows_the_scoring_passes_unless_set(precision, score_precision, setting, want):
     assert resolve_dtype(precision, setting, score_precision) == want
+    assert generation.dtype_setting(want) == ("fp32" if want == torch.float32 else "bf16")  # as tables name it
     assert set(config.ENGINE_DTYPES) == {"auto", *generation.ENGINE_DTYPES}
 
 
