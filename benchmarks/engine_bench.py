@@ -63,7 +63,7 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
     from rlhf_cli.engine import resolve_precision, scoring_precision
     from rlhf_cli.models import load_causal_lm
     from rlhf_cli.models.loading import load_tokenizer
-    from rlhf_cli.rollout import EngineSettings, Sampling, make_generator
+    from rlhf_cli.rollout import EngineSettings, Sampling, dtype_setting, make_generator
 
     overrides = [f"model={model}", f"precision={precision}", "data.builtin.ppo_train=256",
                  f"rollout.engine_dtype={engine_dtype}"]
@@ -82,8 +82,8 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
             precision=precision, chunk=32, workdir=workdir, max_model_len=cfg.data.max_prompt_length + 64,
             engine_dtype=cfg.rollout.engine_dtype, score_precision=score_precision))
 
-    def dtype_of(gen: Any) -> str:
-        return str(getattr(gen, "dtype", precision)).removeprefix("torch.")
+    def dtype_of(gen: Any) -> str:  # as `rollout.engine_dtype` names it; hf samples under the run's precision
+        return dtype_setting(gen.dtype) if hasattr(gen, "dtype") else precision
 
     gen = build(None)
 
