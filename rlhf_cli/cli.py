@@ -52,7 +52,7 @@ def usage() -> str:
 def command_help(command: str) -> str:
     """`rlhf <command> --help`: the command's groups with their options, and every key it reads
     (`commands.Command.reads`) with its default and the description written under its field in config.py."""
-    from rlhf_cli.config import CONFIG_GROUPS, field_docs, leaves
+    from rlhf_cli.config import CONFIG_GROUPS, field_docs, first_sentence, leaves
 
     cmd = COMMANDS[command]
     summary, reads = cmd.help, cmd.reads
@@ -74,8 +74,7 @@ def command_help(command: str) -> str:
         if key.split(".")[0] not in reads:
             continue
         shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
-        doc = (docs.get(key) or "").split(". ")[0].rstrip(".")
-        lines.append(f"  {key}={shown}  {doc if len(doc) <= 100 else doc[:99] + '…'}")
+        lines.append(f"  {key}={shown}  {' '.join(first_sentence(docs.get(key)).split())}")
     return "\n".join(lines)
 
 
@@ -148,7 +147,7 @@ def check_sweep(command: str, overrides: list[str], composed: list[Any] | None =
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from rlhf_cli.config import ConfigError
-    from rlhf_cli.overrides import explain_composition_error
+    from rlhf_cli.overrides import check_ignored_keys, explain_composition_error
     from rlhf_cli.preflight import VALIDATORS
     from rlhf_cli.runs import check_writable
 
@@ -170,6 +169,7 @@ def check_sweep(command: str, overrides: list[str], composed: list[Any] | None =
             raise ConfigError(f"sweep job {i} ({varying}): {explain_composition_error(e, job)}; no job was "
                               f"launched") from None
         try:
+            check_ignored_keys(COMMANDS[command], job, cfg)
             VALIDATORS[COMMANDS[command].config_name](cfg, world_size=world)
         except ConfigError as e:
             raise ConfigError(f"sweep job {i} ({varying}): {e}; no job was launched") from None
@@ -198,6 +198,23 @@ def check_composes(command: str, overrides: list[str]) -> Any | None:
         return _compose(command, overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's composition errors
         raise ConfigError(explain_composition_error(e, overrides)) from None
+
+
+def check_before_setup(command: str, cfg: Any) -> None:
+    """The checks of the composed `cfg` that need neither torch nor a model, run before Hydra starts the command so
+    that their one-line errors come in about a second: the command's own validator (`Command.validator`: ranges,
+    choices, batch sizes against `WORLD_SIZE`) and that a local data file it names exists
+    (`config.check_data_files`) and, for a local JSON file, its format, columns and rows (`data.check_rows`: the
+    load's file/row/field line). A resumed run is checked again on its recorded config once Hydra runs it.
+    Raises ConfigError, DataError."""
+    from rlhf_cli.config import check_data_files
+    from rlhf_cli.data.datasets import check_rows
+
+    cmd = COMMANDS[command]
+    cmd.validator(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    check_data_files(cfg)
+    if cmd.rows is not None and not cfg.get("resume"):
+        check_rows(cfg.data, cmd.rows)
 
 
 def resume_overrides(command: str, overrides: list[str], root: str | None = None) -> tuple[list[str], str | None]:
@@ -457,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
         _err(str(e))
         sys.exit(2)
     from rlhf_cli.config import ConfigError, register_configs
-    from rlhf_cli.overrides import check_override_keys
+    from rlhf_cli.errors import DataError
+    from rlhf_cli.overrides import check_ignored_keys, check_override_keys
 
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
@@ -467,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
         _err(f"unknown command '{command}'")
         print(usage(), file=sys.stderr)
         sys.exit(2)
-    if rest and rest[0] in ("--help", "-h"):
+    if any(a in ("--help", "-h") for a in rest):  # anywhere on the line: the registry's help, never Hydra's
         print(command_help(command))
         sys.exit(0)
     try:
@@ -476,6 +494,9 @@ def main(argv: list[str] | None = None) -> None:
             if is_multirun(rest) and not any(o in INFO_FLAGS for o in rest):
                 check_sweep(command, rest, jobs)
             cfg = check_composes(command, rest)  # the command line composed once before Hydra runs it
+            if cfg is not None:
+                check_ignored_keys(COMMANDS[command], rest, cfg)
+                check_before_setup(command, cfg)
             root = str(cfg.paths.root) if cfg is not None else None
             rest, resuming = resume_overrides(command, rest, root)
             adapters = run_trains_adapters(command, cfg, rest, jobs)
@@ -489,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
             print(resuming, file=sys.stderr)
         reuse_freed_memory(command, adapters)  # the run's own mode, now that its config says whether it trains LoRA
         check_output_root(root)
-    except (ConfigError, PermissionError) as e:
+    except (ConfigError, DataError, PermissionError) as e:
         _err(str(e))
         sys.exit(2)
     register_configs()

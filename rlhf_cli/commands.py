@@ -66,6 +66,10 @@ class Command:
     hyper-parameter section (`section`) left out of other runs' report tables."""
     section: str | None = None
     """The config section of its own hyper-parameters (`rm`), if any."""
+    rows: str | None = None
+    """What its `data.path` holds, as the data loaders name it: `pairs`, `prompts` or `demos`; a local JSON file is
+    parsed row by row before anything heavy loads (`data.check_rows`). None: not checked early (eval reads the
+    evaluated model's own data unless told otherwise)."""
     model_paths: tuple[ModelPath, ...] = ()
     """The model paths it loads besides `model.name_or_path`, checked before anything loads."""
     reward_function_always: bool = False
@@ -105,7 +109,7 @@ _ALL = (
         name="train-sft", config_name="train_sft", stage="rlhf_cli.stages.sft", kind="sft", pointer="latest_sft",
         help="fine-tune a causal LM on demonstrations (next-token loss on response tokens only)",
         reads=(*_COMMON, "deepspeed", "sft", "logger", "tracker"), validator=config.validate_sft,
-        trains=True, section="sft",
+        trains=True, section="sft", rows="demos",
         meant={"policy.path": "model.name_or_path", "rm": "sft", "ppo": "sft"},
         headline=(("eval/sft/loss", "held-out loss", -1), ("sft/loss", "loss", -1)),
         metric_prefixes=("sft/", "eval/sft/"),
@@ -117,7 +121,7 @@ _ALL = (
         name="train-rm", config_name="train_rm", stage="rlhf_cli.stages.rm", kind="rm", pointer="latest_rm",
         help="train a reward model (LM + scalar head, Bradley-Terry loss) on preference pairs",
         reads=(*_COMMON, "deepspeed", "rm", "logger", "tracker"), validator=config.validate_rm,
-        trains=True, section="rm",
+        trains=True, section="rm", rows="pairs",
         meant={"policy.path": "model.name_or_path", "reward_model.path": "model.name_or_path", "ppo": "rm"},
         headline=(("eval/rm/accuracy", "held-out acc", 1), ("rm/accuracy", "train acc", 1), ("rm/loss", "loss", -1)),
         metric_prefixes=("rm/", "eval/rm/"),
@@ -128,7 +132,7 @@ _ALL = (
         name="train-dpo", config_name="train_dpo", stage="rlhf_cli.stages.dpo", kind="dpo", pointer="latest_dpo",
         help="optimise a policy directly on preference pairs against its frozen starting weights (DPO, IPO, SLiC)",
         reads=(*_COMMON, "deepspeed", "dpo", "logger", "tracker"), validator=config.validate_dpo,
-        trains=True, section="dpo",
+        trains=True, section="dpo", rows="pairs",
         meant={"policy.path": "model.name_or_path", "reference.path": "model.name_or_path (the reference is the "
                "starting policy)", "rm": "dpo", "ppo": "dpo", "ppo.kl_beta": "dpo.beta"},
         headline=(("eval/dpo/accuracy", "held-out acc", 1), ("eval/dpo/margin", "held-out margin", 1),
@@ -144,7 +148,7 @@ _ALL = (
              "estimator (GRPO, RLOO, REINFORCE++)",
         reads=(*_COMMON, "deepspeed", "ppo", "rollout", "reward", "reward_model", "reference", "logger",
                "tracker"),
-        validator=config.validate_ppo, trains=True, section="ppo",
+        validator=config.validate_ppo, trains=True, section="ppo", rows="prompts",
         model_paths=(
             ModelPath("reward_model.path", "reward", f"set it to a `{{rm}}` {_FROM_RUN} or an HF reward-model dir, "
                                                      "or leave it unset for {root}/latest_rm", needs_model_reward=True),

@@ -28,6 +28,8 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +55,9 @@ ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.generation.resolve_e
 ENGINE_DTYPES = ("auto", "fp32", "bf16")
 # the names `logger` takes: `jsonl` and the trackers of runs.TRACKERS (a test keeps the two equal)
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
+DATA_FILE_TYPES = {".jsonl.gz": "json", ".json.gz": "json", ".jsonl": "json", ".json": "json",
+                   ".parquet": "parquet", ".csv.gz": "csv", ".csv": "csv"}
+"""The local file types `data.path` takes -> the `datasets` builder that reads them."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,6 +258,12 @@ class PathsConfig:
     run resumed from it (to train longer) restarts the optimizer, which it says. No effect under
     deepspeed.zero_stage=3 (its weights are the optimizer's partitions), said once. The start table shows the
     expected checkpoint size; a run whose checkpoint and final/ would not fit in the free space is refused."""
+    typed: dict[str, str] = field(default_factory=dict)
+    """Written by the command, never set by hand: each model path key whose value named a pointer file
+    (`runs/latest_sft`), a run dir or a relative path, as typed and made absolute (`{model.name_or_path:
+    /home/me/runs/latest_sft}`). The key itself holds the absolute dir that value named when the run started
+    (`lineage.resolve_model_paths`), so a later run moving `latest_sft` changes nothing that this run, its resume or
+    its eval reads."""
 
 
 @dataclass
@@ -638,27 +649,24 @@ class RolloutConfig:
     """`rollout.*`: how train-ppo and eval sample responses."""
 
     engine: str = "auto"
-    """The sampling engine of train-ppo's rollouts and of eval's policy and reference samples: `auto` (default),
-    `vllm` where vLLM is installed and serves the model, else `hf` (said once); `hf`, transformers' `generate` on
-    the live model with one random stream per prompt; `vllm`, a vLLM engine in this process (`make install-vllm`),
-    started from the policy's weights and reloaded with them after every update. So `auto` samples with vLLM in a
-    venv with `make install-vllm` and with `hf` without it: on the bf16-native CPU, vLLM in the default
-    `rollout.engine_dtype` took 0.40x hf's time at eval's shape, 0.66x at GRPO's and 0.93x at PPO's 16 x 32 (its
-    push and probe included), and `experiment=grpo` learned as well on it (2 seeds, paired; docs/results.md,
-    "Sampling with vLLM"). A prompt's response depends on the weights, the prompt, its seed and the sampling keys,
-    not on the engine's batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an attention
-    head size vLLM serves (32, 64, 80, ...)."""
+    """The sampling engine of train-ppo's rollouts and of eval's policy and reference samples: `auto` (default), `vllm`
+    where vLLM is installed and serves the model, else `hf` (said once); `hf`, transformers' `generate` on the live
+    model with one random stream per prompt; `vllm`, a vLLM engine in this process (`make install-vllm`), started from
+    the policy's weights and reloaded with them after every update. So `auto` samples with vLLM in a venv with `make
+    install-vllm` and with `hf` without it; its time against hf's and whether `experiment=grpo` learns as well on it:
+    docs/results.md, "Sampling with vLLM". A prompt's response depends on the weights, the prompt, its seed and the
+    sampling keys, not on the engine's batching. `vllm` runs an engine per rank under torchrun, and on the CPU needs an
+    attention head size vLLM serves (32, 64, 80, ...)."""
     engine_dtype: str = "auto"
     """The dtype `rollout.engine=vllm` holds its weights and computes in: `fp32`, `bf16`, or `auto`, the dtype of
     the scoring passes its samples are trained against: train-ppo's (fp32 under `precision=fp32` and under
     bf16-autocast with `scoring_precision=fp32`, the default; bf16 beside bf16 passes), and for eval, whose samples
     nothing trains on, the run's precision (the hf sampler samples under it too). An fp32 engine beside fp32
     scoring passes samples exactly the distribution they score (the old log-probs to a few 1e-6 nats, the greedy
-    probe checking each push); a bf16 engine differs by bf16's rounding (0.03-0.04 nats/token on SmolLM2: the
-    drift rule watches it, `rollout.is_correction` may weigh it), and `experiment=grpo` learned less on it on the
-    CPU (2 seeds, paired, against `hf`: -0.082 +- 0.060 held-out accuracy; fp32: -0.023 +- 0.071). `bf16` is the
-    peers' engine on GPUs and halves its memory, but its learning there is unmeasured here; fp32 is slower (SmolLM2,
-    32 prompts x 48 tokens on the bf16-native CPU: 6.0 s against 3.8 s). The `hf` engine samples under
+    probe checking each push); a bf16 engine differs by bf16's rounding (the drift rule watches it,
+    `rollout.is_correction` may weigh it), and `experiment=grpo` learned less on it on the CPU. `bf16` is the peers'
+    engine on GPUs and halves its memory, but its learning there is unmeasured here; fp32 is slower. The figures:
+    docs/results.md, "Sampling with vLLM". The `hf` engine samples under
     `precision` and says once that this does nothing."""
     is_correction: str = "none"
     """train-ppo's engine correction (`core/correction.py`): the sampling engine's log-probs μ of the sampled
@@ -769,13 +777,13 @@ class RunConfig:
     resume: str | None = None
     """null: new run; `true`: continue the newest unfinished run of this stage in place; or a run dir."""
     logger: list[str] = field(default_factory=lambda: ["jsonl"])
-    """Where train-rm and train-ppo send their metrics (rank 0): `jsonl` (`<run dir>/metrics.jsonl`, always on,
-    also when left out) and any of the trackers `tensorboard` (`<run dir>/tb/`), `wandb`, `mlflow`, `trackio`,
-    e.g. `logger=[jsonl,tensorboard,wandb]`. Each tracker runs through its own library, installed by its extra
-    (`pip install -e '.[wandb]'`; `.[trackers]` installs all four), and gets the metric names and values of
-    metrics.jsonl and the resolved config as the run's parameters. A tracker that is not installed or does not
-    start is reported in one line and the run goes on without it. A resumed run reopens its wandb, mlflow and
-    trackio runs (recorded in `<run dir>/trackers.json`), one line each saying what it did (README: resume)."""
+    """Where a training command (train-sft, train-rm, train-dpo, train-ppo) sends its metrics (rank 0): `jsonl` (`<run
+    dir>/metrics.jsonl`, always on, also when left out) and any of the trackers `tensorboard` (`<run dir>/tb/`),
+    `wandb`, `mlflow`, `trackio`, e.g. `logger=[jsonl,tensorboard,wandb]`. Each tracker runs through its own library,
+    installed by its extra (`pip install -e '.[wandb]'`; `.[trackers]` installs all four), and gets the metric names and
+    values of metrics.jsonl and the resolved config as the run's parameters. A tracker that is not installed or does not
+    start is reported in one line and the run goes on without it. A resumed run reopens its wandb, mlflow and trackio
+    runs (recorded in `<run dir>/trackers.json`), one line each saying what it did (README: resume)."""
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """The trackers' project, run name and group (`tracker.*`)."""
 
@@ -830,6 +838,17 @@ def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
             out.update(leaves(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: node}
+
+
+SENTENCE_END = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=\.)\s+(?=[A-Z(`])")
+"""Where a sentence of a key's docstring ends: a period, then space, then a capital, `(` or a backquote (so `e.g.`,
+`i.e.` and `et al. 2023` do not end one)."""
+
+
+def first_sentence(doc: str | None) -> str:
+    """A docstring's first sentence, its final period dropped: the key's line in `rlhf <command> --help` and in the
+    README's key tables (`scripts/key_table.py`)."""
+    return SENTENCE_END.split((doc or "").strip(), maxsplit=1)[0].rstrip(".")
 
 
 def field_docs(schema: Any = None, prefix: str = "") -> dict[str, str | None]:
@@ -908,6 +927,20 @@ def validate_common(cfg: Any) -> None:
     _check(cfg.paths.keep_checkpoints >= 0,
            "paths.keep_checkpoints must be >= 0 (0 = delete ds/ once final/ is written; "
            f"got {cfg.paths.keep_checkpoints})")
+
+
+def check_data_files(cfg: Any) -> None:
+    """A local `data.path` or `data.eval_path` that does not exist, refused in one line before anything loads: a
+    path that starts with `.`, `/` or `~`, or ends in a data file's suffix (`DATA_FILE_TYPES`); anything else may
+    be a hub dataset name. Raises ConfigError."""
+    for key in ("path", "eval_path"):
+        value = cfg.data.get(key)
+        if not value:
+            continue
+        local = os.path.expanduser(str(value))
+        looks_local = str(value).startswith((".", "/", "~")) or str(value).lower().endswith(tuple(DATA_FILE_TYPES))
+        if looks_local and not os.path.exists(local):
+            raise ConfigError(f"{value}: file not found (data.{key})")
 
 
 def validate_logging(cfg: Any) -> None:

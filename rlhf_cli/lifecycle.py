@@ -38,6 +38,7 @@ from rlhf_cli.config import leaves
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lineage import FILE as LINEAGE_FILE
 from rlhf_cli.lineage import MODEL_FILE as MODEL_LINEAGE_FILE
+from rlhf_cli.lineage import resolve_model_paths
 from rlhf_cli.runs import (
     TRACKER_FILE,
     MetricsLogger,
@@ -90,8 +91,9 @@ def _drop_file_handlers(folder: Path) -> None:
 def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
     """Create the run dir (rank 0), check it is writable, write the resolved config, mark it running.
 
-    `precision=auto` is resolved here (engine.resolve_precision), so every later step and the saved
-    config see the concrete choice.
+    `precision=auto` is resolved here (engine.resolve_precision), and so is every pointer or run dir a model path
+    names (`lineage.resolve_model_paths`: the dir it names now, the value as typed kept in `paths.typed`), so every
+    later step, the saved config and a resume see the concrete choice.
 
     When resuming (`cfg.resume` names this dir) the saved config is kept beside the new one as
     `config.prev.yaml`. Raises PermissionError when the dir cannot be written.
@@ -103,6 +105,14 @@ def prepare_run_dir(cfg: Any, run_dir: Path) -> Path:
         shutil.rmtree(own, ignore_errors=True)  # only Hydra's files for this rank were in it
         _drop_file_handlers(own)  # its log file went with it: a later line of this rank would reopen it and fail
     cfg.precision = engine.resolve_precision(cfg.precision)
+    # every pointer or run dir a model path names, resolved once (rank 0's reading, for every rank)
+    resolved = None
+    if engine.is_main():
+        resolved = {k: OmegaConf.select(cfg, k) for k in resolve_model_paths(cfg, run_dir)}
+        if OmegaConf.select(cfg, "paths.typed") is not None:
+            resolved["paths.typed"] = OmegaConf.to_container(cfg.paths.typed)
+    for key, value in engine.broadcast_object(resolved).items():
+        OmegaConf.update(cfg, key, value, merge=False)
     if engine.is_main():
         check_writable(run_dir)
         cfg_path = run_dir / "config.yaml"

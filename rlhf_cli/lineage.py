@@ -12,7 +12,8 @@ Files (rank 0 writes them):
               "files": [{"path": <absolute>, "sha256": <hex>, "bytes": <int>}, ...]   (none for the built-in task;
                         a hub dataset: {"path": <name>, "split": <split>, "sha256": null}),
               "summary": {"rows_read", "kept": {split: n}, "dropped": {reason: n}, "unused", ...}},
-     "parents": {<role>: {"path": <absolute or hub id>, "stage", "run_dir", "data_files"}}}
+     "parents": {<role>: {"path": <absolute or hub id>, "stage", "run_dir", "data_files",
+                          "typed": <the pointer or run dir it was given as, when it was one>}}}
 
 Roles: `model` (the weights a stage started from), `reference`, `reward_model`, `policy`. A parent that is not
 the output of one of our runs (a hub id, a GGUF file) is recorded by its path alone.
@@ -137,6 +138,11 @@ def record(run_dir: Path, cfg: Any, stage: str, summary: Any, parents: Mapping[s
         "data": {"config": _data_config(cfg.data), "files": files, "summary": summary.to_dict()},
         "parents": {role: p for role, path in parents.items() if (p := parent(path)) is not None},
     }
+    given = OmegaConf.select(cfg, "paths.typed") or {}
+    typed = {abs_path(str(OmegaConf.select(cfg, k))): v for k, v in given.items() if OmegaConf.select(cfg, k)}
+    for entry in rec["parents"].values():  # the pointer or run dir a parent was given as, next to what it named
+        if entry["path"] in typed:
+            entry["typed"] = typed[entry["path"]]
     if write:
         atomic_write_json(Path(run_dir) / FILE, rec)
     return rec
@@ -182,6 +188,97 @@ def recorded_config(model_dir: str | os.PathLike) -> Any | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# model paths: resolved once, at start
+
+MODEL_PATH_KEYS = {"model.name_or_path": "model", "model.tokenizer": "model", "reference.path": "reference",
+                   "reward_model.path": "reward_model", "policy.path": "policy"}
+"""The config keys that name a model (or its tokenizer) -> the lineage role of the model they name."""
+
+
+def resolve_model_path(value: str) -> str:
+    """The model dir `value` names now, absolute: a pointer file's target (`runs/latest_sft`: the `final/` dir it
+    names), a run dir's `final/`, any other local path made absolute; a hub id, a `pkg:` GGUF spec or a path that
+    does not exist unchanged (the loaders and the preflight checks say what is wrong with those)."""
+    p = Path(os.path.expanduser(value))
+    if not p.exists():
+        return value
+    if p.is_file() and p.name.startswith("latest_") and p.stat().st_size <= 4096:  # a pointer file
+        try:
+            target = Path(p.read_text().strip())
+        except (UnicodeDecodeError, ValueError):
+            return str(p.resolve())
+        p = target if target.exists() else p
+    if p.is_dir() and (p / "final" / "config.json").is_file():
+        p = p / "final"
+    return str(p.resolve())
+
+
+def resolve_model_paths(cfg: Any, run_dir: Path | None = None) -> dict[str, str]:
+    """Resolve, in place, every model path key of `cfg` (`MODEL_PATH_KEYS`) that names a pointer file, a run dir
+    or a relative path to the absolute dir it names now (`resolve_model_path`), and record each value as typed
+    (made absolute) in `cfg.paths.typed` (`{"model.name_or_path": "/home/me/runs/latest_sft"}`), so the run's
+    config.yaml, its lineage and an eval of its model read the run it started from even after a later run moves
+    the pointer.
+
+    A resumed run (`cfg.resume`, with `run_dir` the run being continued) keeps what it recorded: the typed values
+    of its config.yaml, and for a pointer recorded before these were resolved (an older run), the run dir its
+    `lineage.json` says that pointer named when the run started. Returns {key: value as typed, absolute} of this
+    call."""
+    typed = dict(OmegaConf.select(cfg, "paths.typed") or {})
+    old = read_run(run_dir) if run_dir is not None and cfg.get("resume") else None
+    found: dict[str, str] = {}
+    for key, role in MODEL_PATH_KEYS.items():
+        value = OmegaConf.select(cfg, key)
+        if not value:
+            continue
+        resolved = _recorded_target(old, role, str(value)) or resolve_model_path(str(value))
+        if resolved != str(value):
+            OmegaConf.update(cfg, key, resolved, merge=False)
+            found[key] = os.path.abspath(os.path.expanduser(str(value)))
+    if run_dir is not None and cfg.get("resume") and (Path(run_dir) / "config.yaml").is_file():
+        recorded = OmegaConf.load(Path(run_dir) / "config.yaml")
+        typed = {**dict(OmegaConf.select(recorded, "paths.typed") or {}), **typed}
+    typed.update(found)
+    if "paths" in cfg:
+        cfg.paths.typed = typed
+    return found
+
+
+def _recorded_target(rec: Mapping[str, Any] | None, role: str, value: str) -> str | None:
+    """The `final/` dir of the run a pointer `value` named when the run of lineage record `rec` started (its parent
+    of `role`), for a record written before model paths were resolved at start; None otherwise."""
+    parent_rec = ((rec or {}).get("parents") or {}).get(role) or {}
+    p = Path(os.path.expanduser(value))
+    if not (p.is_file() and p.name.startswith("latest_")) or parent_rec.get("path") != str(p.resolve()):
+        return None
+    run = parent_rec.get("run_dir")
+    return str(Path(run) / "final") if run and (Path(run) / "final").is_dir() else None
+
+
+def recorded_model_dir(model_dir: str | os.PathLike, roles: Iterable[str], value: str) -> str | None:
+    """The `final/` dir that the pointer `value` named when the run that wrote `model_dir` started, from that run's
+    lineage (its parent of the first of `roles` that records `value`): for records older than model paths resolved
+    at start, whose config names the pointer itself. None when `value` is no pointer or nothing records it."""
+    rec = read(model_dir)
+    return next((d for role in roles if (d := _recorded_target(rec, role, value)) is not None), None)
+
+
+def moved_pointers(model_dir: str | os.PathLike) -> list[str]:
+    """For the model at `model_dir`: one line for each pointer its run was started with (`paths.typed` of its
+    recorded config) that names another model today than the one the run resolved it to, e.g. `runs/latest_sft
+    named .../sft/A/final when this model was trained (model.name_or_path); it now names .../sft/B/final`."""
+    rec_cfg = recorded_config(model_dir)
+    if rec_cfg is None:
+        return []
+    lines = []
+    for key, typed in dict(OmegaConf.select(rec_cfg, "paths.typed") or {}).items():
+        then, now = OmegaConf.select(rec_cfg, key), resolve_model_path(str(typed))
+        if then and now != then and Path(os.path.expanduser(str(typed))).name.startswith("latest_"):
+            lines.append(f"{typed} named {then} when {model_dir} was trained ({key}); it now names {now}")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
 # eval's default data
 
 
@@ -191,13 +288,14 @@ def eval_data(data_cfg: Any, model_dir: str | os.PathLike, given: Iterable[str])
 
     `data_cfg` is the composed section and `given` the keys named on the command line (`data.test_size`, or the
     group `data`). The source is chosen when `data.path` is set (by the command line or an experiment preset) or
-    named on the command line (`data.path=null` asks for the built-in task). Unless it was chosen and differs
-    from the recorded source, the recorded section is used, with the command line's other `data.*` values on
-    top (e.g. `data.test_size=0.2`, or `data.eval_path=<a held-out file>`), so the held-out split is the run's
-    own: same file, seed and rows. A model no run of ours wrote, or an older record whose relative path is not
-    found from here: `data_cfg`. Returns (data section, a line for the
-    console saying which data and why; None when nothing was recorded). A recorded file that changed since
-    is named in that line (its held-out rows may differ).
+    named on the command line (`data.path=null` asks for the built-in task). A chosen file that is not the recorded
+    source is evaluated whole (its `data.eval_path` unless one is set: no training split to hold out of it).
+    Unless it was chosen and differs from the recorded source, the recorded section is used, with the command
+    line's other `data.*` values on top (e.g. `data.test_size=0.2`, or `data.eval_path=<a held-out file>`), so the
+    held-out split is the run's own: same file, seed and rows. A model no run of ours wrote, or an older record
+    whose relative path is not found from here: `data_cfg`. Returns (data section, a line for the console saying
+    which data and why; None when nothing was recorded). A recorded file that changed since is named in that line
+    (its held-out rows may differ).
     """
     rec_cfg = recorded_config(model_dir)
     if rec_cfg is None or "data" not in rec_cfg:
@@ -210,6 +308,10 @@ def eval_data(data_cfg: Any, model_dir: str | os.PathLike, given: Iterable[str])
     chosen = "data" in given or "path" in given or data_cfg.get("path") is not None
     where = recorded.get("path") or "the built-in task"
     if chosen and not _same_path(data_cfg.get("path"), recorded.get("path")):
+        if data_cfg.get("path") and not data_cfg.get("eval_path"):  # not the model's data: all of it is held out
+            data_cfg = OmegaConf.merge(data_cfg, {"eval_path": data_cfg.path})
+            return data_cfg, (f"data: {data_cfg.path} as set, not the model's training data ({where}): all of it is "
+                              f"evaluated (data.eval_path), up to eval.num_prompts")
         return data_cfg, (f"data: {data_cfg.path or 'the built-in task'} as set, not the model's training data "
                           f"({where})")
     relative = [recorded[k] for k in DATA_PATH_KEYS if recorded.get(k) and not Path(str(recorded[k])).is_absolute()

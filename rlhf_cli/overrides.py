@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from rlhf_cli.commands import COMMANDS, Command, by_config
-from rlhf_cli.config import CONFIG_GROUPS, RunConfig, schema_keys
+from rlhf_cli.config import CONFIG_GROUPS, RunConfig, reward_sources, schema_keys
 from rlhf_cli.errors import ConfigError
 
 # sections a shared list of overrides gives every command: where one does nothing, a warning, not an error
@@ -45,6 +47,9 @@ def check_override_keys(command: str, overrides: list[str]) -> list[str]:
         key = ov.split("=", 1)[0]
         if key.startswith(("+", "~", "hydra.", "hydra/")) or "/" in key:
             continue
+        if key == "paths.typed" or key.startswith("paths.typed."):
+            raise ConfigError(f"{key} is written by the command (each model path as typed, before it was resolved); "
+                              f"set the model path key itself")
         known = (key.split("@")[0] in groups or key in keys  # a key under an open dict (deepspeed.extra.*) is fine
                  or any(key.startswith(k + ".") and is_dict for k, is_dict in keys.items()))
         if known:
@@ -54,13 +59,128 @@ def check_override_keys(command: str, overrides: list[str]) -> list[str]:
             continue
         if key in _REPLACED:
             raise ConfigError(_REPLACED[key])
-        mine = [k for k in keys if k.split(".")[0] in cmd.reads]  # the command's own first
-        close = (difflib.get_close_matches(key, mine, n=1, cutoff=0.5)
-                 or difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5))
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        close = closest_key(key, cmd, keys)
+        hint = f"; did you mean '{close}'?" if close else ""
         raise ConfigError(f"unknown config key '{key}' for `{cmd.invocation}`{hint} "
                           f"(`{cmd.invocation} --cfg job` lists every key)")
     return warnings
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A key that the composed config makes do nothing: typed on the command line there, it is refused in one line
+    (`check_ignored_keys`); set by a preset (`experiment=...`), it may stay unread."""
+
+    key: str
+    """The key, or a section whose every key it covers (`model.arch`)."""
+    when: str
+    """The setting that makes it do nothing, as the README's table says it."""
+    applies: Callable[[Any, Command], bool]
+    """Whether the composed config `cfg` of `command` is in that setting."""
+    fix: str
+    """What to type instead."""
+
+
+def _critic_free(cfg: Any, command: Command) -> bool:
+    from rlhf_cli.core import ESTIMATORS  # torch: only when a critic key is typed with train-ppo
+
+    return "ppo" in command.reads and not ESTIMATORS[cfg.ppo.advantage_estimator].needs_critic
+
+
+def _no_model_reward(cfg: Any, command: Command) -> bool:
+    """Whether `command` loads no reward model with `cfg`: it loads one only for a `model` reward source (train-ppo's
+    `ModelPath.needs_model_reward`), or, measuring a policy (`policy.path`), only with `reward.type=model`."""
+    path = next((m for m in command.model_paths if m.key == "reward_model.path"), None)
+    if path is None:
+        return False
+    if path.needs_model_reward:
+        return "model" not in reward_sources(cfg)
+    return "policy" in command.reads and cfg.policy.path is not None and cfg.reward.type != "model"
+
+
+IGNORED: tuple[Ignored, ...] = (
+    Ignored("model.name_or_path", "`model.init=random` (`model=tiny`, `experiment=smoke`): a seeded random model, "
+            "no weights loaded", lambda cfg, c: cfg.model.init == "random",
+            "add `model=hf` to load the model at the path"),
+    Ignored("model.gguf_file", "`model.init=random`, or `model.name_or_path` set (the path is loaded)",
+            lambda cfg, c: cfg.model.init == "random" or cfg.model.name_or_path is not None,
+            "`model=smollm2 model.gguf_file=...` loads a GGUF file"),
+    Ignored("model.arch", "`model.init=pretrained`: the shape is the loaded model's",
+            lambda cfg, c: cfg.model.init != "random", "`model=tiny` builds a random model of that shape"),
+    Ignored("model.lora", "`model.lora.r=0` (no adapters), for every `model.lora.*` key but `r`",
+            lambda cfg, c: not cfg.model.lora.r, "set `model.lora.r` > 0 as well"),
+    Ignored("reward_model.path", "no `model` reward source (`reward.type`, `reward.weights`) in a command that "
+            "trains or measures a policy", lambda cfg, c: _no_model_reward(cfg, c),
+            "add `reward.type=model` (or a `reward.weights.model`)"),
+    Ignored("rm.epochs", "`rm.max_steps` set", lambda cfg, c: cfg.rm.max_steps is not None,
+            "set `rm.max_steps=null` to count epochs"),
+    Ignored("sft.epochs", "`sft.max_steps` set", lambda cfg, c: cfg.sft.max_steps is not None,
+            "set `sft.max_steps=null` to count epochs"),
+    Ignored("dpo.epochs", "`dpo.max_steps` set", lambda cfg, c: cfg.dpo.max_steps is not None,
+            "set `dpo.max_steps=null` to count epochs"),
+    Ignored("ppo.kl_horizon", "`ppo.kl_target=null` (a fixed β)", lambda cfg, c: cfg.ppo.kl_target is None,
+            "set `ppo.kl_target` for the adaptive controller"),
+    *(Ignored(f"ppo.{k}", "a critic-free `ppo.advantage_estimator` (grpo, dr_grpo, rloo, reinforce_pp)",
+              _critic_free, "use `ppo.advantage_estimator=gae`")
+      for k in ("critic", "critic_init", "critic_lr", "c1", "value_clip", "lam")),
+    *(Ignored(f"rollout.{k}", "`rollout.is_correction=none`", lambda cfg, c: cfg.rollout.is_correction == "none",
+              "set `rollout.is_correction` (tis, icepop, seq_mask)") for k in ("is_low", "is_high")),
+)
+"""Every key that a setting makes do nothing, checked against the command line (README: "Keys a setting ignores")."""
+
+
+def check_ignored_keys(command: Command, overrides: Sequence[str], cfg: Any) -> None:
+    """Refuse a key typed in `overrides` that `cfg` (their composition) makes do nothing (`IGNORED`), in one line
+    naming the key, why and what to type instead: `model.name_or_path=runs/latest_sft` under `model=tiny` would
+    train the random init without a word. Keys a preset sets are not checked. Raises ConfigError."""
+    for ov in overrides:
+        if ov.startswith("-") or "=" not in ov or ov.startswith(("+", "~")):
+            continue
+        key = ov.split("=", 1)[0]
+        for rule in IGNORED:
+            covered = key == rule.key or key.startswith(rule.key + ".")
+            if covered and not (rule.key == "model.lora" and key == "model.lora.r") and rule.applies(cfg, command):
+                raise ConfigError(f"{ov} does nothing in `{command.invocation}` with {rule.when}: {rule.fix}")
+
+
+PEER_NAMES = {
+    "clip_range": "ppo.clip", "cliprange": "ppo.clip", "epsilon": "ppo.clip", "eps_clip": "ppo.clip",
+    "clip_ratio": "ppo.clip", "vf_coef": "ppo.c1",
+    "ent_coef": "ppo.c2", "kl_coef": "ppo.kl_beta", "init_kl_coef": "ppo.kl_beta", "num_generations":
+    "ppo.n_samples_per_prompt", "n_samples_per_prompt": "ppo.n_samples_per_prompt", "cliprange_value":
+    "ppo.value_clip", "vf_clip": "ppo.value_clip", "learning_rate": "{section}.lr",
+}
+"""A peer's name for a key (TRL's `PPOConfig`/`GRPOConfig`, OpenRLHF's and veRL's flags) -> ours; `{section}` is the
+command's own section (`learning_rate` -> `rm.lr`; train-ppo's is `ppo.actor_lr`)."""
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest inserted, deleted or replaced characters that turn `a` into `b`."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def closest_key(key: str, cmd: Command, keys: dict[str, bool]) -> str | None:
+    """The key a misspelt `key` most likely meant: ranked by the edit distance of its last component to each of the
+    command's own keys' last components and to the peers' names (`PEER_NAMES`), a key of the same section first on
+    a tie (a misspelt `clip_range`, TRL's name, means `ppo.clip`); within a third of the name's length. Else the
+    closest whole key by `difflib`, the command's own first; None when nothing is close."""
+    section, _, leaf = key.rpartition(".")
+    own = cmd.section or ""
+    lr = f"{own}.lr" if f"{own}.lr" in keys else f"{own}.actor_lr" if f"{own}.actor_lr" in keys else None
+    peers = {name: (lr if target == "{section}.lr" else target) for name, target in PEER_NAMES.items()}
+    mine = [k for k in keys if k.split(".")[0] in cmd.reads]
+    candidates = [(k.rsplit(".", 1)[-1], k) for k in mine] + [(n, t) for n, t in peers.items() if t in keys]
+    scored = sorted((edit_distance(leaf.lower(), name), not k.startswith(section + "."), k) for name, k in candidates)
+    if scored and scored[0][0] <= max(1, len(leaf) // 3):
+        return scored[0][2]
+    close = (difflib.get_close_matches(key, mine, n=1, cutoff=0.5)
+             or difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5))
+    return close[0] if close else None
 
 
 _TYPE_WORDS = {"Float": "a float", "Integer": "an integer"}

@@ -616,6 +616,11 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
 # console progress
 
 
+PROGRESS_LABELS = {"objective/kl": "kl_k1"}
+"""A metric's label in the progress line where its last name part would hide what it is: `objective/kl` is the k1
+estimate, which a small sample can make negative (its k3, `objective/kl_k3`, never is)."""
+
+
 class Progress:
     """A rich progress bar with ETA showing the latest few metrics; silent on ranks other than 0."""
 
@@ -644,7 +649,7 @@ class Progress:
             return
         stats = ""
         if metrics:
-            stats = " ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.keys
+            stats = " ".join(f"{PROGRESS_LABELS.get(k, k.split('/')[-1])}={metrics[k]:.4g}" for k in self.keys
                              if isinstance(metrics.get(k), (int, float)))
         self._p.update(self._task, advance=advance, stats=stats)
         if self._lines:

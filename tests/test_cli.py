@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -510,7 +511,7 @@ def test_sigterm_checkpoints_and_resume_finishes(tmp_path):
     import signal
     import time
 
-    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.max_steps=400", "rm.epochs=50",
+    common = ["experiment=smoke", f"paths.root={tmp_path}", "rm.max_steps=400",
               "rm.log_every=1"]
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli", "train-rm", *common], cwd=REPO, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -565,3 +566,42 @@ def test_the_benchmarks_give_both_tools_the_allocator_of_a_lora_run(monkeypatch)
     assert "GLIBC_TUNABLES" not in C.malloc_env()
     C.compare_under("train-sft", True)
     assert C.malloc_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+
+
+@pytest.mark.parametrize("command, key, meant", [
+    ("train_ppo", "ppo.clip_rang", "ppo.clip"), ("train_ppo", "ppo.clip_range", "ppo.clip"),
+    ("train_ppo", "ppo.cliprange", "ppo.clip"), ("train_ppo", "ppo.vf_coef", "ppo.c1"),
+    ("train_ppo", "ppo.ent_coef", "ppo.c2"), ("train_ppo", "ppo.kl_coef", "ppo.kl_beta"),
+    ("train_ppo", "ppo.num_generations", "ppo.n_samples_per_prompt"),
+    ("train_ppo", "ppo.cliprange_value", "ppo.value_clip"), ("train_ppo", "ppo.learning_rate", "ppo.actor_lr"),
+    ("train_rm", "rm.learning_rate", "rm.lr"), ("train_dpo", "learning_rate", "dpo.lr"),
+    ("train_ppo", "ppo.gama", "ppo.gamma"), ("train_ppo", "ppo.clpi", "ppo.clip")])
+def test_a_misspelt_or_peer_key_is_answered_with_the_key_it_means(command, key, meant):
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.overrides import check_override_keys
+
+    with pytest.raises(ConfigError, match=f"did you mean '{re.escape(meant)}'\\?"):
+        check_override_keys(command, [f"{key}=0.2"])
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data.path=nope.jsonl"], "nope.jsonl: file not found (data.path)"),
+    (["rm.lr=-1"], "rm.lr must be > 0"),
+    (["rm.batch_size=6", "rm.micro_batch_size=4"], "rm.batch_size"),
+    (["model.name_or_path=runs/latest_sft"], "add `model=hf`"),
+    (["rm.lrr=1"], "did you mean 'rm.lr'?"),
+    (["data.path=bad.jsonl"], "bad.jsonl row 2, field 'rejected'"),
+    (["data.path=prompts.jsonl"], "reward-model training needs chosen/rejected pairs")])
+def test_a_bad_path_range_key_or_row_is_refused_before_torch_loads(overrides, says, tmp_path):
+    """The one-line errors that need no model come before torch, DeepSpeed and transformers are imported (they
+    took 9-17 s there, issue 61): counted by what the process imported, not timed."""
+    row = {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go."}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(row) + "\n" + json.dumps({**row, "rejected": 3}) + "\n")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Hi?"}) + "\n")
+    code = ("import sys\nfrom rlhf_cli import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    heavy = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]\n"
+            "    print('exit', e.code, 'imported', heavy, file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code, "train-rm", "experiment=smoke", *overrides], cwd=tmp_path,
+                         env=ENV, capture_output=True, text=True, timeout=120)
+    assert says in out.stderr and "exit 2 imported []" in out.stderr, out.stderr
+    assert not (tmp_path / "runs").exists()

@@ -213,3 +213,21 @@ def test_each_readme_recipe_is_at_most_20_lines():
         if len(lines) > 20:
             long[title] = len(lines)
     assert long == {}, "a recipe is a block and a few lines; details go to the Reference"
+
+
+def ignored_keys_table():
+    """README's table of the keys a setting ignores, rendered from `rlhf_cli.overrides.IGNORED`."""
+    from rlhf_cli.overrides import IGNORED
+
+    rows = ["| key | does nothing with | instead |", "| --- | --- | --- |"]
+    section = lambda key: key + (".*" if key in ("model.arch", "model.lora") else "")  # noqa: E731
+    rows += [f"| `{section(r.key)}` | {r.when} | {r.fix} |" for r in IGNORED]
+    return "\n".join(rows)
+
+
+def test_the_readmes_ignored_keys_table_equals_the_checks():
+    text = (REPO / "README.md").read_text()
+    begin = "<!-- ignored-keys: rendered from rlhf_cli.overrides.IGNORED; tests/test_docs.py checks it -->\n"
+    block = text.split(begin, 1)[1].split("<!-- /ignored-keys -->", 1)[0].strip()
+    assert block == ignored_keys_table(), f"README.md's ignored-keys table is stale; it should read:\n" \
+                                          f"{ignored_keys_table()}"

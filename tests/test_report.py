@@ -495,3 +495,49 @@ def test_metrics_with_a_torn_last_line_reads_the_complete_records(tmp_path, capl
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rm/loss": 0.7}\n{"step": 2, "rm/l\n{"step": 3}\n')
     with pytest.raises(UnreadableFile, match=r"metrics.jsonl, line 2: not a JSON object"):
         load_records(tmp_path)
+
+
+def test_a_tie_for_best_is_marked_on_every_tied_job_and_one_point_jobs_plot_over_the_jobs(tmp_path):
+    from PIL import Image
+
+    sweep = tmp_path / "runs" / "rm" / "sweep-2024-01-01_00-00-00"
+    only = ("rm/loss", "rm/accuracy", "eval/rm/accuracy")
+    for job, lr in (("0", "1e-5"), ("1", "3e-5"), ("2", "2e-5")):  # jobs 0 and 1 end equal
+        records = rm_records(n=1, acc_shift=0.0 if job != "2" else -0.1, only=only)
+        write_run(sweep / job, records, overrides=[f"rm.lr={lr}"])
+    (sweep / "multirun.yaml").write_text("{}\n")
+    _, rows = summary_table(sweep)
+    assert [r[0] for r in rows] == ["0 ★ (tie)", "1 ★ (tie)", "2"]
+    text = build_report(sweep).read_text()
+    assert "class=best" not in text  # a tie highlights no single job
+    png = sweep / "report" / "rm_accuracy.png"
+    assert png.is_file() and Image.open(png).size[0] > 0
+
+
+def test_the_headline_names_the_truncation_share_and_a_critic_that_never_explained_its_returns(tmp_path):
+    from rlhf_cli.report.chain import critic_note, policy_headline
+
+    base = {"kl_k1": -0.007, "kl_k3": 0.02, "kl_k3_ci95": 0.01}
+    cut = policy_headline({**base, "reference/eos_rate": 0.17, "policy/eos_rate": 0.5})[0]
+    assert any("83% of the reference's and 50% of the policy's responses hit the length limit" in s for s in cut)
+    assert not any("length limit" in s for s in policy_headline({**base, "reference/eos_rate": 0.95,
+                                                                 "policy/eos_rate": 0.92})[0])
+    assert any("k1, the training curves' objective/kl" in s for s in cut)  # the KL names both estimators
+    run = write_run(tmp_path / "ppo" / "a", [{"step": i, "val/explained_var": v} for i, v in
+                                              enumerate((-0.8, -0.3, -0.1), 1)])
+    assert "stayed below 0 in all 3 iterations (last -0.10)" in critic_note(run)
+    learned = write_run(tmp_path / "ppo" / "b", [{"step": 1, "val/explained_var": -0.4},
+                                                  {"step": 2, "val/explained_var": 0.2}])
+    assert critic_note(learned) == "" and critic_note(write_run(tmp_path / "grpo", [{"step": 1}])) == ""
+
+
+def test_the_progress_line_names_the_kl_estimator(caplog):
+    import logging
+
+    from rlhf_cli.runs import Progress
+
+    with caplog.at_level(logging.INFO, logger="rlhf_cli.runs"):
+        bar = Progress(2, "ppo", ["objective/scores", "objective/kl"])
+        bar.update(1, {"objective/scores": 1.5, "objective/kl": -0.14})
+        bar.close()
+    assert "scores=1.5 kl_k1=-0.14" in caplog.text  # k1 of a small sample may be negative: named so

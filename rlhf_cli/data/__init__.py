@@ -9,49 +9,32 @@
     check_answer(text, answer), check_answers(texts, answers)   # the built-in task's rule-based reward
 """
 
-from rlhf_cli.data.builtin import (
-    BuiltinProblem,
-    builtin_splits,
-    check_answer,
-    check_answers,
-    checker,
-    parse_answer,
-)
-from rlhf_cli.data.collate import (
-    PackedPairCollator,
-    PackedSFTCollator,
-    PackedTries,
-    PairCollator,
-    PromptCollator,
-    SFTCollator,
-    epoch_order,
-    example_length,
-    pack_tries,
-    pad_sequences,
-    row_width,
-)
-from rlhf_cli.data.datasets import (
-    DataSummary,
-    PreferenceData,
-    PromptData,
-    SFTData,
-    load_preference_data,
-    load_prompt_data,
-    load_sft_data,
-    read_rows,
-)
-from rlhf_cli.data.formats import (
-    DataError,
-    Demo,
-    Keys,
-    Pair,
-    Prompt,
-    detect_format,
-    parse_demo,
-    parse_pair,
-    parse_prompt,
-)
-from rlhf_cli.data.tokenize import Encoder, last_user_turn, pair_budget, truncate_left
+import importlib
+
+# the names below, each imported from its module on first use: `from rlhf_cli.data.formats import ...` and
+# `config`'s checks before a command runs need no torch, which the collators import
+_WHERE = {
+    "BuiltinProblem": "builtin", "builtin_splits": "builtin", "check_answer": "builtin", "check_answers": "builtin",
+    "checker": "builtin", "parse_answer": "builtin",
+    "PackedPairCollator": "collate", "PackedSFTCollator": "collate", "PackedTries": "collate",
+    "PairCollator": "collate", "PromptCollator": "collate", "SFTCollator": "collate", "epoch_order": "collate",
+    "example_length": "collate", "pack_tries": "collate", "pad_sequences": "collate", "row_width": "collate",
+    "DataSummary": "datasets", "PreferenceData": "datasets", "PromptData": "datasets", "SFTData": "datasets",
+    "load_preference_data": "datasets", "load_prompt_data": "datasets", "load_sft_data": "datasets",
+    "read_rows": "datasets", "check_rows": "datasets",
+    "DataError": "formats", "Demo": "formats", "Keys": "formats", "Pair": "formats", "Prompt": "formats",
+    "detect_format": "formats", "parse_demo": "formats", "parse_pair": "formats", "parse_prompt": "formats",
+    "Encoder": "tokenize", "last_user_turn": "tokenize", "pair_budget": "tokenize", "truncate_left": "tokenize",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BuiltinProblem", "DataError", "DataSummary", "Demo", "Encoder", "Keys", "PackedPairCollator", "PackedSFTCollator",
@@ -61,5 +44,5 @@ __all__ = [
     "check_answer", "check_answers", "checker", "detect_format", "epoch_order", "example_length", "pair_budget",
     "last_user_turn",
     "load_preference_data", "load_prompt_data", "pack_tries", "pad_sequences", "parse_answer", "parse_pair",
-    "parse_prompt", "read_rows", "row_width", "truncate_left",
+    "parse_prompt", "read_rows", "row_width", "truncate_left", "check_rows",
 ]

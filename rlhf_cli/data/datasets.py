@@ -53,12 +53,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rlhf_cli.config import DATA_FILE_TYPES
 from rlhf_cli.data import builtin as builtin_task
 from rlhf_cli.data.formats import (
     BAD_JSON,
+    BAD_MESSAGES,
     DUPLICATE_PROMPT,
+    IDENTICAL_AFTER_TRUNCATION,
+    MISSING_FIELD,
+    NO_RESPONSE_LEFT,
+    NOT_STRING,
     PREFERENCE_FORMATS,
     PROMPT_TOO_LONG,
+    RESPONSE_TOO_LONG,
     SFT_FORMATS,
     SKIP_HINT,
     TEMPLATE_ERROR,
@@ -78,8 +85,7 @@ from rlhf_cli.data.tokenize import Encoder, lengths_summary, pair_budget
 
 logger = logging.getLogger(__name__)
 
-LOCAL_BUILDERS = {".jsonl.gz": "json", ".json.gz": "json", ".jsonl": "json", ".json": "json",
-                  ".parquet": "parquet", ".csv.gz": "csv", ".csv": "csv"}
+LOCAL_BUILDERS = DATA_FILE_TYPES
 SPLITS = ("train", "eval")
 
 
@@ -126,8 +132,26 @@ class DataSummary:
 
     __str__ = line
 
+    def drops(self) -> str:
+        """Each drop reason with its count and the key that would keep those rows, most first: `27
+        response_too_long (raise data.max_length=512)`; `no row was dropped` when none was."""
+        if not self.dropped:
+            return "no row was dropped"
+        return "; ".join(f"{n} {reason}" + (f" ({KEEPS[reason]})" if reason in KEEPS else "")
+                         for reason, n in sorted(self.dropped.items(), key=lambda kv: -kv[1]))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+KEEPS = {
+    RESPONSE_TOO_LONG: "raise data.max_length", PROMPT_TOO_LONG: "raise data.max_prompt_length or data.max_length",
+    IDENTICAL_AFTER_TRUNCATION: "raise data.max_length", NO_RESPONSE_LEFT: "raise data.max_length",
+    DUPLICATE_PROMPT: "prompts are deduplicated: repeat them with ppo.n_samples_per_prompt",
+    MISSING_FIELD: "name the columns with data.prompt_key, data.chosen_key, ...",
+    BAD_JSON: "fix the file", NOT_STRING: "fix the file", BAD_MESSAGES: "fix the file",
+}
+"""A drop reason -> the key (or fix) that would keep such rows, for `DataSummary.drops`."""
 
 
 @dataclass
@@ -345,6 +369,22 @@ def read_rows(path: str, split: str = "train") -> tuple[str, list[str], list[dic
         if isinstance(row, _BadRow):
             raise DataError(raw.name, row.detail, row=i, reason=BAD_JSON, hint=SKIP_HINT)
     return raw.name, raw.columns, raw.rows
+
+
+def check_rows(data_cfg: Any, want: str, max_bytes: int = 64 << 20) -> None:
+    """Parse the rows of `data.path` and `data.eval_path` as a command will (`want`: `pairs`, `prompts` or `demos`):
+    its format, columns and every row, with the load's one-line errors (file, row, field), but no tokenizer. For
+    a local JSON or JSON-lines file up to `max_bytes` (read with the json module, no torch): the CLI calls it before
+    anything heavy loads. Other sources (parquet, csv, a dir, a hub dataset) are left to the load. Raises
+    DataError."""
+    for key in DATA_PATH_KEYS_CHECKED:
+        path = data_cfg.get(key)
+        local = os.path.expanduser(str(path)) if path else ""
+        if local and os.path.isfile(local) and _builder(local) == "json" and os.path.getsize(local) <= max_bytes:
+            _parse_source(str(path), data_cfg, want)
+
+
+DATA_PATH_KEYS_CHECKED = ("path", "eval_path")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,10 +33,12 @@ from rlhf_cli.report.read import (
     UnreadableFile,
     config_rows,
     flatten,
+    load_records,
     parse_json,
     parse_jsonl,
     read_config,
     read_rewards,
+    series,
 )
 
 EVAL_FILE = "eval.json"
@@ -147,6 +149,11 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
         out.append(f"On the reward model, the policy {verb} the reference: paired score gain {amount}{wins}.")
     else:
         out.append("No reward model scored these samples, so this eval says nothing about RM score.")
+    cut = [f"{1 - r[f'{side}/eos_rate']:.0%} of the {side}'s" for side in ("reference", "policy")
+           if f"{side}/eos_rate" in r]
+    if any(1 - r.get(f"{side}/eos_rate", 1.0) > TRUNCATED_SHARE for side in ("reference", "policy")):
+        out.append(f"{' and '.join(cut)} responses hit the length limit without an EOS (eval.max_new_tokens): a "
+                   f"gain may be partly a change in how often a response ends.")
     truths = []
     if "accuracy_gain" in r:
         change = _moved(r["accuracy_gain"], r["accuracy_gain_ci95"], "a real gain", "a real loss", "within noise")
@@ -165,7 +172,8 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
                    f"given to {reporter().invocation}): the reward model is the only judge.")
     if "kl_k3" in r:
         out.append(f"The policy spent {r['kl_k3']:.3f} ± {r['kl_k3_ci95']:.3f} nats of KL from the reference per "
-                   f"response (k3 estimator; k1 reads {r['kl_k1']:.3f}).")
+                   f"response (k3 estimator, never negative; k1, the training curves' objective/kl, reads "
+                   f"{r['kl_k1']:.3f}).")
     verdict, line = r.get("reward_hacking"), r.get("headline")
     if not isinstance(verdict, str):  # an eval written before the verdict was read from intervals
         verdict, line = (lambda v: (v.get("reward_hacking"), v.get("headline")))(reward_hacking(r))
@@ -178,6 +186,22 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
     if r.get("warning"):
         out.append(f"Caution: {r['warning']}.")
     return out, alert
+
+
+TRUNCATED_SHARE = 0.10
+"""A side whose responses end without an EOS more often than this has its truncation share in the headline."""
+
+
+def critic_note(run: Path) -> str:
+    """A sentence on a PPO run whose critic never explained its returns (`val/explained_var` below 0 at every
+    logged iteration: its values predict the returns worse than their mean, so GAE's advantages are mostly its
+    noise); "" otherwise, and for a run without a critic."""
+    _, values = series(load_records(run), "val/explained_var")
+    if not values or max(values) >= 0:
+        return ""
+    return (f"Warning: the critic's explained variance stayed below 0 in all {len(values)} iterations (last "
+            f"{values[-1]:.2f}): its values predict the returns worse than their mean, so the advantages were "
+            f"mostly its noise; train longer, raise ppo.critic_lr, or use a critic-free ppo.advantage_estimator.")
 
 
 def rm_headline(r: dict[str, Any]) -> list[str]:
@@ -247,7 +271,8 @@ def _sides(eval_dir: Path, results: dict[str, Any]) -> Section:
         cmd = _made_by(parent)
         run = f"{cmd}: {parent.get('run_dir')}" if cmd else "not a run of ours"
         if results.get(side) is not None:
-            rows.append([what, str(results[side]), run])
+            typed = f" (given as {parent['typed']})" if parent.get("typed") else ""
+            rows.append([what, f"{results[side]}{typed}", run])
     return Section("policy and reference", tables=[Table(["side", "model", "trained by"], rows)])
 
 
@@ -295,7 +320,10 @@ def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
     for i, (stage, run) in enumerate(runs):
         name, panels = stage_panels()[stage]
         images = plot_run(run, out_dir / f"{i}_{stage}_{run.name}", panels=panels, rewards=False)
-        sections.append(Section(f"{name}: {run}", images=images,
+        critic = critic_note(run)
+        if critic and sections:
+            sections[0].alert = " ".join(a for a in (sections[0].alert, critic) if a)
+        sections.append(Section(f"{name}: {run}", images=images, alert=critic,
                                 text="" if images else "this run logged none of these metrics"))
     if not runs:
         sections.append(Section("training runs", text="No training run of ours was found through the recorded "

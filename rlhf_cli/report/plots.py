@@ -48,7 +48,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("throughput_tokens", "throughput (tokens)", ("throughput/tokens_per_s",), "tokens per second"),
     # policy (`rlhf train-ppo`)
     Panel("ppo_score", "RM score and RLHF reward", ("objective/scores", "objective/rlhf_reward"), "per sequence"),
-    Panel("ppo_kl", "KL(policy ‖ reference)", ("objective/kl",), "nats per sequence"),
+    Panel("ppo_kl", "KL(policy ‖ reference): k1 (objective/kl) and k3", ("objective/kl", "objective/kl_k3"),
+          "nats per sequence"),
     Panel("ppo_kl_beta", "KL coefficient β", ("objective/kl_beta",), smooth=False),
     Panel("ppo_entropy", "policy entropy", ("policy/entropy",), "nats per token"),
     Panel("ppo_clipfrac", "clip fraction", ("policy/clipfrac", "val/clipfrac"), "fraction"),
@@ -173,6 +174,18 @@ def plot_jobs(name: str, runs: dict[str, Records], path: Path | str, smooth: boo
     if not drawn:
         return []
     fig, ax = _figure()
+    if all(len(xs) == 1 for _, xs, _ in drawn):  # one value a job: a point per job over the jobs, not a step axis
+        for i, (label, _, ys) in enumerate(drawn):
+            ax.plot([i], ys, "o", color=f"C{i % 10}", markersize=6, label=label)
+        steps = sorted({xs[0] for _, xs, _ in drawn})
+        ax.set_xticks(range(len(drawn)), [label for label, _, _ in drawn], rotation=30, ha="right", fontsize="small")
+        ax.set_xlim(-0.5, len(drawn) - 0.5)
+        ax.set_xlabel("job (its one value, at step " + ", ".join(map(str, steps)) + ")")
+        ax.set_title(name)
+        ax.grid(alpha=0.3, axis="y")
+        fig.subplots_adjust(bottom=0.3)  # room for the slanted job names
+        fig.savefig(path)
+        return [label for label, _, _ in drawn]
     for i, (label, xs, ys) in enumerate(drawn):
         color = f"C{i % 10}"
         if smooth and len(ys) > SMOOTH_ABOVE:

@@ -97,8 +97,11 @@ def summarize(jobs: list[Path]) -> SweepSummary:
         valued = [j for j in jobs if finals[j].get(metric, {}).get("final") is not None]
         valued.sort(key=lambda j: -direction * finals[j][metric]["final"])
         order = valued + [j for j in jobs if j not in valued]
-        best = 0
-        rows[order[0]][0] = f"{order[0].name} ★"
+        top = finals[order[0]][metric]["final"]
+        tied = [j for j in valued if finals[j][metric]["final"] == top]
+        best = 0 if len(tied) == 1 else None  # a tie marks every tied job alike, and highlights none
+        for j in tied:
+            rows[j][0] = f"{j.name} ★" if len(tied) == 1 else f"{j.name} ★ (tie)"
     first, *rest = (configs[j] for j in jobs)
     same = {k: v for k, v in first.items() if all(c.get(k, object()) == v for c in rest)}
     labels = {j: job_label(j, {k: _text(value[j].get(k, "")) for k in swept}) for j in jobs}

@@ -206,7 +206,8 @@ def supervised_data(cfg: Any, run_dir: Any, kind: str, loader: Callable[..., Any
     data = loader(cfg.data, tokenizer, eos_ids=eos)
     lineage.record(run_dir, cfg, kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
     if len(data.train) < batch_size:
-        raise ConfigError(f"only {len(data.train)} training {rows}, fewer than {key}={batch_size}")
+        raise ConfigError(f"only {len(data.train)} training {rows}, fewer than {key}={batch_size}: "
+                          f"{data.summary.drops()}")
     return tokenizer, eos, data
 
 

@@ -160,7 +160,9 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
 def policy_sources(cfg: Any, policy_path: str) -> dict[str, Any]:
     """Where a policy eval's models come from: `policy_dir` (the policy's HF dir), `ref_spec` (the reference's
     model section: `reference.path`, or the one the policy's config.json records) and `ref_seed`, `ref_path` (its
-    name for eval.json) and `rm_path` (`reward_model.path`, or the policy's recorded reward model; may be None).
+    name for eval.json) and `rm_path` (`reward_model.path`, else the reward model the runs compared were trained
+    against, `recorded_reward_model`; may be None). Says in one line each which reward model it took from the
+    lineage, and which pointer the policy's run started from now names another model (the recorded one is used).
 
     Raises:
         ConfigError: no reference recorded in the policy's config.json and no `reference.path`.
@@ -171,10 +173,44 @@ def policy_sources(cfg: Any, policy_path: str) -> dict[str, Any]:
     ref_spec = {"name_or_path": cfg.reference.path} if cfg.reference.path else pconf.get("rlhf_reference_model")
     if ref_spec is None:
         raise ConfigError(f"no reference model recorded in {policy_dir}/config.json: set reference.path=...")
+    notes = lineage.moved_pointers(policy_dir)
+    name = ref_spec.get("name_or_path")
+    if not cfg.reference.path and name:  # a record older than resolved paths names a pointer: the run it named then
+        then = lineage.recorded_model_dir(policy_dir, ("reference", "model"), str(name))
+        if then is not None and then != lineage.resolve_model_path(str(name)):
+            notes.append(f"{name} named {then} when {policy_dir} was trained; it now names "
+                         f"{lineage.resolve_model_path(str(name))}")
+            ref_spec["name_or_path"] = then
+    if notes and engine.is_main():
+        log.warning("the policy's run started from pointers that have moved since: %s; this eval compares against "
+                    "the models it was trained from (reference.path=... to choose another)", "; ".join(notes))
     ref_seed = ref_spec.pop("seed", cfg.seed)
     ref_path = ref_spec.get("name_or_path") or ref_spec.get("gguf_file") or f"{ref_spec.get('name')} (seed {ref_seed})"
+    rm_path = cfg.reward_model.path
+    if rm_path is None:
+        rm_path, whose = recorded_reward_model(policy_dir, ref_spec.get("name_or_path"))
+        if rm_path is not None and cfg.reward.type == "model" and engine.is_main():
+            console.print(f"reward model: {rm_path}, the one the {whose} was trained against (reward_model.path=... "
+                          f"to choose another)", soft_wrap=True, highlight=False)
     return {"policy_dir": policy_dir, "ref_spec": ref_spec, "ref_seed": ref_seed, "ref_path": ref_path,
-            "rm_path": cfg.reward_model.path or pconf.get("rlhf_reward_model_path")}
+            "rm_path": rm_path}
+
+
+def recorded_reward_model(policy_dir: str, reference: str | None) -> tuple[str | None, str]:
+    """(the reward model, whose run) that the compared models' runs were trained against: the policy's (a train-ppo
+    run records it in config.json and in its lineage), else the reference's when it is a model of ours (DPO against
+    RM -> PPO: the PPO run's). (None, "") when neither records one."""
+    for whose, model_dir in (("policy", policy_dir), ("reference", reference)):
+        rec = lineage.read(model_dir) if model_dir else None
+        if rec is None:
+            continue
+        parent = (rec.get("parents") or {}).get("reward_model") or {}
+        config_json = Path(resolve_hf_dir(str(model_dir))) / "config.json"
+        recorded = (json.loads(config_json.read_text()).get("rlhf_reward_model_path") if config_json.is_file()
+                    else None) or parent.get("path")
+        if recorded and Path(recorded).exists():
+            return recorded, f"{whose} ({rec.get('run_dir') or model_dir})"
+    return None, ""
 
 
 def eval_prompts(cfg: Any, tokenizer: Any, run_dir: Path, src: dict[str, Any]) -> list[dict[str, Any]]:
@@ -200,6 +236,9 @@ def eval_prompts(cfg: Any, tokenizer: Any, run_dir: Path, src: dict[str, Any]) -
         raise ConfigError(f"{n} eval prompt(s) for {ws} processes ({why}): each process needs at least one, so run "
                           f"at most {n}" + (" or raise eval.num_prompts" if cut else ""))
     lineage.record(run_dir, cfg, COMMAND.kind, prompts.summary, parents, write=engine.is_main())
+    if n < available and engine.is_main():
+        console.print(f"prompts: the first {n} of the {available} held-out prompts (eval.num_prompts={e.num_prompts})",
+                      soft_wrap=True, highlight=False)
     return prompts[:n][engine.rank()::ws]
 
 
@@ -364,18 +403,20 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 # entry point
 
 
-def default_models(cfg: Any) -> tuple[str | None, str | None]:
+def default_models(cfg: Any, required: bool = True) -> tuple[str | None, str | None]:
     """(policy path, reward-model path) to evaluate: `policy.path` and `reward_model.path` as set; with neither
-    set, the newest model a pointer names (`commands.Command.defaults`: `latest_policy`, else `latest_rm`).
-    Raises ConfigError when there is nothing to evaluate."""
+    set, the newest model's pointer (`commands.Command.defaults`: `latest_policy`, else `latest_rm`), which
+    `prepare_run_dir` resolves and records like a pointer typed on the command line.
+    Raises ConfigError when there is nothing to evaluate (`required`; else (None, None))."""
     chosen = {"policy.path": cfg.policy.path, "reward_model.path": cfg.reward_model.path}
     if all(v is None for v in chosen.values()):
         for key, kind in COMMAND.defaults:
-            target = read_pointer(cfg.paths.root, kind)
-            if target is not None:
-                chosen[key] = str(target)
+            if read_pointer(cfg.paths.root, kind) is not None:
+                chosen[key] = str(Path(cfg.paths.root) / str(by_kind(kind).pointer))
                 break
         else:
+            if not required:
+                return None, None
             keys = ", ".join(f"{key}=..." for key, _ in COMMAND.defaults)
             pointers = " / ".join(str(by_kind(kind).pointer) for _, kind in COMMAND.defaults)
             raise ConfigError(f"nothing to evaluate: set {keys} or run_dir=... (no {pointers} under {cfg.paths.root})")
@@ -396,6 +437,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if cfg.run_dir:  # report of a past run: nothing to train or load
         report_only(cfg, run_dir)
         return None
+    cfg.policy.path, cfg.reward_model.path = default_models(cfg, required=False)  # resolved with the others
     run_dir = prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
     policy_path, rm_path, data_note = eval_setup(cfg, run_dir)
@@ -439,7 +481,7 @@ def report_only(cfg: Any, run_dir: Path) -> None:
             else:
                 columns, rows = summary_table(cfg.run_dir)
                 print_summary(console, columns, rows, title=f"run summary: {cfg.run_dir}")
-            console.print(f"report: {path}")
+            console.print(f"report: {path}", soft_wrap=True, highlight=False)  # one line: copied and pasted
         except (UnreadableFile, FileNotFoundError) as e:  # no run there, or a file of it unparsable: named in e
             error = f"run_dir={cfg.run_dir}: {e}"
     error = engine.broadcast_object(error)  # every rank stops alike, none waits for a rank that failed
@@ -486,7 +528,8 @@ def write_results(cfg: Any, run_dir: Path, results: dict[str, Any]) -> None:
     set_status(run_dir, "finished")
     if results.get("headline"):
         console.print(results["headline"], soft_wrap=True, highlight=False)
-    console.print(f"eval.json: {run_dir / 'eval.json'}\nreport: {report}")
+    console.print(f"eval.json: {run_dir / 'eval.json'}", soft_wrap=True, highlight=False)
+    console.print(f"report: {report}", soft_wrap=True, highlight=False)  # the last line, whole: copied and pasted
 
 
 def _discard_empty_run_dir(run_dir: Path) -> None:

@@ -124,7 +124,7 @@ class PPOTrainer(PolicyLearner):
                         "reward_model": resolve_reward_model(cfg)}, write=engine.is_main())
         if len(self.prompts) < self.p.rollout_batch_size:
             raise ConfigError(f"only {len(self.prompts)} prompts, fewer than "
-                              f"ppo.rollout_batch_size={self.p.rollout_batch_size}")
+                              f"ppo.rollout_batch_size={self.p.rollout_batch_size}: {self.prompts.summary.drops()}")
         missing = sum(x.get("answer") is None for x in self.prompts)
         if "checker" in reward_sources(self.cfg) and missing:
             raise ConfigError(f"the checker reward needs prompts with answers: {missing} of {len(self.prompts)} "
@@ -297,8 +297,10 @@ def run(cfg: Any, run_dir: Path) -> float | None:
             non-finite loss past `ppo.max_bad_steps`), in one line.
     """
     engine.init_distributed()
-    # the run records the reward model it resolved (from latest_rm, when unset), so a resume keeps using it
-    cfg.reward_model.path = abs_path(resolve_reward_model(cfg)) or cfg.reward_model.path
+    # unset, the reward model is latest_rm's: start_run resolves it once with every other pointer, and the run
+    # records the model it named (`paths.typed` the pointer), so a resume and an eval keep using that one
+    if resolve_reward_model(cfg) is not None and cfg.reward_model.path is None:
+        cfg.reward_model.path = str(Path(cfg.paths.root) / by_kind("rm").pointer)
     run_dir = start_run(cfg, run_dir)
     tr = PPOTrainer(cfg, run_dir)
     tr.load_data()

@@ -74,6 +74,7 @@ def test_a_run_records_its_data_file_hash_row_counts_and_parents(chain):
     assert rec["data"]["summary"]["rows_read"] == N_PROMPTS and rec["data"]["summary"]["kept"] == {"train": 24}
     parent = rec["parents"]["reward_model"]
     assert parent == {"path": str((rm_dir / "final").resolve()), "stage": "rm", "run_dir": str(rm_dir.resolve()),
+                      "typed": str(rm_dir),  # reward_model.path named the run dir: recorded beside its final/
                       "data_files": [{"path": str(pairs.resolve()), "sha256": sha256(pairs),
                                       "bytes": pairs.stat().st_size}]}
 
@@ -136,6 +137,7 @@ def test_eval_data_rules(chain):
     other = compose("eval", ["model=tiny", f"data.path={prompts}"]).data
     data, note = lineage.eval_data(other, rm_dir, ["data.path"])
     assert data.path == str(prompts) and "not the model's training data" in note
+    assert data.eval_path == str(prompts) and "all of it is evaluated" in note  # no training split to hold out
     data, note = lineage.eval_data(base, rm_dir, ["data.path"])
     assert data.path is None and note.startswith("data: the built-in task as set")
     # a model no run of ours wrote: the composed data
