@@ -688,6 +688,10 @@ class RolloutConfig:
     is_high: float = 2.0
     """The correction's upper bound on ρ, > 0: `tis`'s cap C (Yao et al. 2025 use 2), the top of `icepop`'s and
     `seq_mask`'s band (IcePop uses [0.5, 5])."""
+    engine_verbose: bool = False
+    """Show the engine's own log (vLLM's warnings and info lines) on the terminal too. Off: it goes to the run's log
+    file (`<run dir>/<command>.log`), and the run says in one line how many warnings vLLM gave and, for each kind,
+    whether it applies (`rollout.vllm_engine.EngineLog`)."""
     kv_cache_gb: int = 2
     """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16 (half that in fp32); the

@@ -290,6 +290,8 @@ class EngineSettings:
     """The precision of the trainer's scoring passes (`engine.scoring_precision`); None: `precision`."""
     max_model_len: int = 2048
     """The longest prompt + response the engine must hold, tokens."""
+    verbose: bool = False
+    """`rollout.engine_verbose`: an engine's own log on the terminal too (`vllm`), not only in the run's log file."""
 
 
 def _hf(settings: EngineSettings) -> Generator:
@@ -301,7 +303,8 @@ def _vllm(settings: EngineSettings) -> Generator:
 
     return VLLMGenerator(settings.precision, settings.chunk, workdir=settings.workdir,
                          kv_cache_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
-                         engine_dtype=settings.engine_dtype, score_precision=settings.score_precision)
+                         engine_dtype=settings.engine_dtype, score_precision=settings.score_precision,
+                         verbose=settings.verbose)
 
 
 GENERATORS: dict[str, Callable[[EngineSettings], Generator]] = {"hf": _hf, "vllm": _vllm}

@@ -45,6 +45,67 @@ from rlhf_cli.rollout.generation import Gather, Generation, Sampling, resolve_dt
 
 log = logging.getLogger(__name__)
 
+
+class EngineLog(logging.Handler):
+    """Where vLLM's own log records (logger `vllm`) go: to the run's log file (the root logger's file handlers:
+    Hydra's `<command>.log`), to the terminal too only with `rollout.engine_verbose=true`, and counted, so that
+    the run says in one line which of its warnings it saw and whether they apply (`summary`). vLLM installs no
+    handler of its own (`VLLM_CONFIGURE_LOGGING=0`, unless the environment sets it). Installed once, at import."""
+
+    KNOWN = (
+        ("disabling chunked prefill", "chunked prefill off on purpose, its outputs checked by the probe and "
+         "rollout/engine_logprob_diff_mean"),
+        ("Tokenizer not available", "ids in and out"), ("Chat template warmup", "ids in and out"),
+        ("Using None for EOS", "ids in and out"), ("Failed to load weights", "rotary has no weights"),
+        ("global random seed", "a seed per request"), ("LD_PRELOAD", "speed only"),
+        ("set_num_threads", "speed only"), ("Triton", "CPU backend"), ("Enforce eager", "CPU backend"),
+        ("Inductor", "CPU backend"), ("Model Runner V2", "CPU backend"), ("SSM cache", "CPU backend"),
+    )
+    """(text in vLLM's warning, why it changes nothing the run samples or trains): chunked prefill is off because a
+    split prefill rewinds a seeded CPU generator; the trainer tokenizes and ends responses at the run's EOS set
+    (`skip_tokenizer_init`); a rotary embedding has no weights to push, and every pushed name and shape is checked;
+    every request carries its own seed (`seeds.derive_seed`); the rest is the CPU backend's speed or features."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.verbose = False
+        self.seen: list[str] = []  # the WARNING+ messages since the last `summary`
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            self.seen.append(record.getMessage().splitlines()[0] if record.getMessage() else "")
+        for handler in logging.getLogger().handlers:  # the run's log file always, the terminal when verbose
+            if (self.verbose or isinstance(handler, logging.FileHandler)) and record.levelno >= handler.level:
+                handler.handle(record)
+
+    def summary(self) -> str | None:
+        """One line on the warnings seen since the last call (None when there were none): how many, where they are,
+        and for each kind whether it applies; a warning this table does not know is quoted for the reader."""
+        seen, self.seen = self.seen, []
+        if not seen:
+            return None
+        verdicts: dict[str, int] = {}
+        unknown: list[str] = []
+        for message in seen:
+            why = next((v for k, v in self.KNOWN if k in message), None)
+            if why is None:
+                unknown.append(message[:100])
+            else:
+                verdicts[why] = verdicts.get(why, 0) + 1
+        where = "above" if self.verbose else "in the run's log file; rollout.engine_verbose=true shows them here"
+        known = ", ".join(f"{why} ({n})" for why, n in verdicts.items())
+        line = f"vLLM gave {len(seen)} warnings ({where})" + (f"; these change nothing sampled: {known}" if known
+                                                               else "")
+        return line + (f"; not known to rlhf, read them: {' | '.join(unknown[:3])}" if unknown else "")
+
+
+ENGINE_LOG = EngineLog()
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records go through ENGINE_LOG, not its own handler
+_vllm_logger = logging.getLogger("vllm")
+_vllm_logger.addHandler(ENGINE_LOG)
+_vllm_logger.propagate = False
+_vllm_logger.setLevel(logging.INFO)
+
 PROBE_PROMPTS = 2
 """How many of the run's first prompts the greedy probe decodes after each push (`VLLMGenerator.probes`). A stale
 or mis-pushed engine fails on any prompt; each costs the trainer a forward of its prompt (SmolLM2, 2 CPU cores:
@@ -207,10 +268,11 @@ class VLLMGenerator:
 
     def __init__(self, precision: str, chunk: int = 32, workdir: str | Path | None = None, kv_cache_gb: int = 2,
                  max_model_len: int = 2048, probe: bool = True, engine_dtype: str = "auto",
-                 score_precision: str | None = None) -> None:
+                 score_precision: str | None = None, verbose: bool = False) -> None:
         if workdir is None:
             raise ValueError("VLLMGenerator needs a workdir (the run dir) for its model dir")
         self.precision, self.chunk = precision, int(chunk)
+        ENGINE_LOG.verbose = bool(verbose)  # vLLM's own log on the terminal too (`rollout.engine_verbose`)
         self.dtype = resolve_dtype(precision, engine_dtype, score_precision)
         self.probes = bool(probe) and self.dtype == torch.float32 and (score_precision or precision) == "fp32"
         """Whether the greedy probe checks each push: asked for (`probe`), and the engine computes as the trainer's
@@ -245,6 +307,9 @@ class VLLMGenerator:
             if engine.is_main():
                 log.info("vLLM engine up from %s (%s) in %.1fs", self.model_dir,
                          str(self.dtype).removeprefix("torch."), self.start_seconds)
+                said = ENGINE_LOG.summary()
+                if said:
+                    log.info("%s", said)
         else:
             self._push(model, gather)
         self.sync_seconds = time.perf_counter() - t0  # the probe, run at the next generate, adds to it

@@ -188,3 +188,37 @@ def test_too_few_rows_names_each_drop_reason_and_the_key_that_keeps_them(tmp_pat
         cli.main(["train-rm", *SMOKE, f"data.path={pairs}", "data.max_length=32", "data.max_prompt_length=16"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "only 0 training pairs" in err and "12 response_too_long (raise data.max_length)" in err
+
+
+def test_the_engines_own_warnings_go_to_the_log_file_and_are_summed_up_in_one_line(tmp_path):
+    import logging
+
+    from rlhf_cli.rollout.vllm_engine import ENGINE_LOG
+
+    root = logging.getLogger()
+    log_file, terminal = logging.FileHandler(tmp_path / "train_ppo.log"), logging.StreamHandler()
+    shown = []
+    terminal.emit = lambda record: shown.append(record.getMessage())
+    root.addHandler(log_file), root.addHandler(terminal)
+    try:
+        ENGINE_LOG.seen.clear()
+        engine_log = logging.getLogger("vllm.engine.arg_utils")
+        engine_log.warning("This model does not officially support disabling chunked prefill. Disabling this "
+                           "manually may cause the engine to crash or produce incorrect outputs.")
+        engine_log.warning("libtcmalloc is not found in LD_PRELOAD.")
+        engine_log.warning("Something new happened.")
+        log_file.flush()
+        assert shown == [] and "may cause the engine to crash" in (tmp_path / "train_ppo.log").read_text()
+        line = ENGINE_LOG.summary()
+        assert line.startswith("vLLM gave 3 warnings (in the run's log file; rollout.engine_verbose=true")
+        assert "chunked prefill off on purpose" in line and "speed only (1)" in line
+        assert "not known to rlhf, read them: Something new happened." in line
+        assert ENGINE_LOG.summary() is None  # said once
+        ENGINE_LOG.verbose = True
+        engine_log.warning("libiomp is not found in LD_PRELOAD.")
+        assert shown == ["libiomp is not found in LD_PRELOAD."]
+    finally:
+        ENGINE_LOG.verbose = False
+        ENGINE_LOG.seen.clear()
+        root.removeHandler(log_file), root.removeHandler(terminal)
+        log_file.close()
