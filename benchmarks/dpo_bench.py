@@ -211,7 +211,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     order = [data.train[j] for b in batches for j in b]
     step_tokens = [sum(2 * len(data.train[j]["prompt_ids"]) + len(data.train[j]["chosen_ids"])
                        + len(data.train[j]["rejected_ids"]) for j in b) for b in batches]
-    schedule = lr_lambda(args.lr_scheduler, int(args.warmup_ratio * args.steps), args.steps)  # as supervised_engine
+    schedule = lr_lambda(args.lr_scheduler, int(args.warmup_ratio * args.steps), args.steps)  # as build_engine
     bf16 = cfg.precision != "fp32"
     N = count_parameters(load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tokenizer))
     prep_s = time.perf_counter() - t0

@@ -206,7 +206,7 @@ def run_sides(args: argparse.Namespace, work: Path, tag: str, overrides: list[st
     o_steps = ours_steps(ours_dir, step_tokens)
     out = {"ours": (ours, {"steps": o_steps, "losses": [s["loss"] for s in o_steps]})}
 
-    schedule = lr_lambda(args.lr_scheduler, int(args.warmup_ratio * steps), steps)  # as supervised_engine
+    schedule = lr_lambda(args.lr_scheduler, int(args.warmup_ratio * steps), steps)  # as build_engine
     rows = [train[j] for b in batches[:steps] for j in b]
     for side, padding_free in (("trl_padded", False), ("trl_padding_free", True)):
         name = f"trl_{'padding_free' if padding_free else 'padded'}{tag}"

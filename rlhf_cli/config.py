@@ -16,9 +16,10 @@ Paper symbols map to config keys (the user's vocabulary) and to the long names u
 
 `validate_*` functions do the range checks that a type system cannot (the command registry,
 `rlhf_cli.commands`, names each command's); they raise `ConfigError`, which the CLI prints as one line (no
-traceback) and exits with status 2. This module imports nothing of the package but its errors and names no
-command; `rlhf_cli.preflight.VALIDATORS` adds the checks of the model paths a config names, and
-`rlhf_cli.overrides` checks the command line's keys against the schema.
+traceback) and exits with status 2. This module imports nothing of the package but its errors and the loss
+families' declared choices (`rlhf_cli.registry`: the values of `ppo.advantage_estimator`, `ppo.policy_loss`,
+`dpo.loss`, `ppo.kl_estimator`), and names no command; `rlhf_cli.preflight.VALIDATORS` adds the checks of the
+model paths a config names, and `rlhf_cli.overrides` checks the command line's keys against the schema.
 """
 
 from __future__ import annotations
@@ -38,13 +39,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from rlhf_cli.errors import ConfigError
+from rlhf_cli.registry import ADVANTAGE_ESTIMATORS, DPO_LOSSES, KL_ESTIMATORS, POLICY_LOSSES
 
 PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 SCORING_PRECISIONS = ("fp32", "same")
-# the names in core.estimators.ESTIMATORS (config.py imports no package code; a test keeps the two equal)
-ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
-# the names in core.losses.POLICY_LOSSES (a test keeps the two equal)
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
 # the engine corrections `rollout.is_correction` names: core.IS_CORRECTIONS (a test keeps the two equal)
 IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
@@ -267,11 +265,14 @@ class PathsConfig:
 
 
 @dataclass
-class RMConfig:
-    """Reward-model training (Bradley-Terry, −log σ(r_w − r_l − m))."""
+class SupervisedConfig:
+    """The keys every supervised stage's section shares (`rm.*`, `sft.*`, `dpo.*`): optimizer, schedule, length,
+    batches and cadence. A training row is a preference pair (`rm`, `dpo`) or a demonstration (`sft`); each
+    section sets its own `lr` and `warmup_ratio` defaults and adds its own keys."""
 
     lr: float = 2e-5
-    """Peak learning rate (AdamW). TRL RewardTrainer default 1e-5 (with LoRA), OpenRLHF 9e-6."""
+    """Peak learning rate (AdamW). TRL's defaults: RewardTrainer 1e-5 (with LoRA), SFTTrainer 2e-5, DPOTrainer
+    1e-6; OpenRLHF's: 9e-6 (RM), 5e-6 (SFT), 5e-7 (DPO)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, >= 0; applied to matrices only (not to biases and norms)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -283,21 +284,31 @@ class RMConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping (L2 norm); 0 disables."""
     epochs: int = 1
-    """Passes over the training pairs (each epoch in a new seeded order); ignored when `rm.max_steps` is set."""
+    """Passes over the training rows (each epoch in a new seeded order); ignored when the section's `max_steps`
+    is set."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides `epochs`); null = run `epochs`."""
     batch_size: int = 16
-    """Pairs per optimizer step across all ranks (global batch)."""
+    """Training rows (pairs or demonstrations) per optimizer step across all ranks (global batch)."""
     micro_batch_size: int = 8
-    """Pairs per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
+    """Rows per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
     eval_batch_size: int = 16
-    """Pairs per forward pass per rank when scoring the held-out pairs."""
+    """Rows per forward pass per rank on the held-out rows (`dpo`: also when precomputing the reference)."""
     eval_every: int = 0
-    """Evaluate every N optimizer steps (0 = only at the end)."""
+    """Held-out figures every N optimizer steps (0 = only at the end): `rm` its loss, accuracy and margin, `sft`
+    its loss and perplexity, `dpo` its loss, implicit rewards, margin and accuracy."""
     save_every: int = 0
     """Write a resumable DeepSpeed checkpoint every N optimizer steps (0 = only at the end)."""
     log_every: int = 1
     """Write a `metrics.jsonl` record every N optimizer steps (and always at the last step)."""
+
+
+@dataclass
+class RMConfig(SupervisedConfig):
+    """Reward-model training (Bradley-Terry, −log σ(r_w − r_l − m))."""
+
+    lr: float = 2e-5  # TRL RewardTrainer 1e-5 (with LoRA), OpenRLHF 9e-6
+    warmup_ratio: float = 0.05
     margin: bool = False
     """Subtract the per-pair margin from column `data.margin_key` inside the sigmoid (Llama-2 style)."""
     center_rewards_coef: float | None = None
@@ -305,49 +316,24 @@ class RMConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(SupervisedConfig):
     """Supervised fine-tuning (train-sft): next-token loss (nats) on response tokens only, the sum of their
     negative log-likelihoods over an optimizer step divided by their count in that step (so the loss does not
     depend on how the step is cut into micro-batches and ranks)."""
 
-    lr: float = 2e-5
-    """Peak learning rate (AdamW). TRL SFTTrainer default 2e-5, OpenRLHF 5e-6."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay, >= 0; applied to matrices only (not to biases and norms)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    """AdamW (β1, β2), each in [0, 1)."""
-    lr_scheduler: str = "cosine"
-    """`cosine`, `linear` or `constant` after warm-up."""
+    lr: float = 2e-5  # TRL SFTTrainer 2e-5, OpenRLHF 5e-6
     warmup_ratio: float = 0.03
-    """Fraction of total optimizer steps of linear warm-up, in [0, 1)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping (L2 norm); 0 disables."""
-    epochs: int = 1
-    """Passes over the training demonstrations (each epoch in a new seeded order); ignored when `sft.max_steps`
-    is set."""
-    max_steps: int | None = None
-    """Stop after this many optimizer steps (overrides `epochs`); null = run `epochs`."""
-    batch_size: int = 16
-    """Demonstrations (rows) per optimizer step across all ranks (global batch)."""
-    micro_batch_size: int = 8
-    """Rows per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
-    eval_batch_size: int = 16
-    """Rows per forward pass per rank on the held-out demonstrations."""
-    eval_every: int = 0
-    """Held-out loss and perplexity every N optimizer steps (0 = only at the end)."""
-    save_every: int = 0
-    """Write a resumable DeepSpeed checkpoint every N optimizer steps (0 = only at the end)."""
-    log_every: int = 1
-    """Write a `metrics.jsonl` record every N optimizer steps (and always at the last step)."""
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(SupervisedConfig):
     """Direct preference optimisation (train-dpo): the policy trained on preference pairs against a frozen
     reference (its starting weights), no reward model and no sampling. The loss of an optimizer step is the mean
     of the per-pair loss over its pairs (`dpo.loss`), plus `dpo.sft_weight` × the chosen responses' NLL per chosen
     token, each summed over the step's micro-batches and ranks and divided by the step's count."""
 
+    lr: float = 5e-7  # TRL DPOTrainer 1e-6, OpenRLHF 5e-7
+    warmup_ratio: float = 0.1
     loss: str = "sigmoid"
     """`sigmoid` (DPO: −log σ(β h), Rafailov et al. 2023 eq. 7), `ipo` ((h − 1/(2β))², Azar et al. 2023 eq. 17,
     h taken per response token as TRL does) or `hinge` (SLiC: max(0, 1 − β h), Zhao et al. 2023), h the
@@ -366,34 +352,6 @@ class DPOConfig:
     reference forward runs during training, and without LoRA no second copy of the weights is held); false
     computes them with each micro-batch from a frozen copy (the policy with its adapters off under LoRA). The
     same numbers either way, to float rounding. TRL's `precompute_ref_log_probs`."""
-    lr: float = 5e-7
-    """Peak learning rate (AdamW). TRL DPOTrainer default 1e-6, OpenRLHF 5e-7."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay, >= 0; applied to matrices only (not to biases and norms)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    """AdamW (β1, β2), each in [0, 1)."""
-    lr_scheduler: str = "cosine"
-    """`cosine`, `linear` or `constant` after warm-up."""
-    warmup_ratio: float = 0.1
-    """Fraction of total optimizer steps of linear warm-up, in [0, 1)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping (L2 norm); 0 disables."""
-    epochs: int = 1
-    """Passes over the training pairs (each epoch in a new seeded order); ignored when `dpo.max_steps` is set."""
-    max_steps: int | None = None
-    """Stop after this many optimizer steps (overrides `epochs`); null = run `epochs`."""
-    batch_size: int = 16
-    """Pairs per optimizer step across all ranks (global batch)."""
-    micro_batch_size: int = 8
-    """Pairs per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
-    eval_batch_size: int = 16
-    """Pairs per forward pass per rank on the held-out pairs (and when precomputing the reference)."""
-    eval_every: int = 0
-    """Held-out loss, implicit rewards, margin and accuracy every N optimizer steps (0 = only at the end)."""
-    save_every: int = 0
-    """Write a resumable DeepSpeed checkpoint every N optimizer steps (0 = only at the end)."""
-    log_every: int = 1
-    """Write a `metrics.jsonl` record every N optimizer steps (and always at the last step)."""
 
 
 @dataclass
@@ -857,15 +815,16 @@ def first_sentence(doc: str | None) -> str:
 
 def field_docs(schema: Any = None, prefix: str = "") -> dict[str, str | None]:
     """Every dotted config key (`ppo.clip`, `model.arch.hidden_size`) -> its description, the attribute
-    docstring written under the field in this file (whitespace folded), or None when it has none (a test
-    keeps that from happening). The one source of field descriptions for tools and tests."""
+    docstring written under the field in this file (whitespace folded; an inherited field's is its base class's:
+    `SupervisedConfig`), or None when it has none (a test keeps that from happening). The one source of field
+    descriptions for tools and tests."""
     docs = _attribute_docs()
     out: dict[str, str | None] = {}
     schema = RunConfig if schema is None else schema
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         key = f"{prefix}{f.name}"
-        out[key] = docs.get((schema.__name__, f.name))
+        out[key] = next((docs[(c.__name__, f.name)] for c in schema.__mro__ if (c.__name__, f.name) in docs), None)
         if dataclasses.is_dataclass(hints[f.name]):
             out.update(field_docs(hints[f.name], key + "."))
     return out
@@ -965,7 +924,8 @@ def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_n
 
 
 def _validate_supervised(prefix: str, r: Any, world_size: int) -> None:
-    """The keys a supervised stage's section shares (`rm.*`, `sft.*`, `dpo.*`): optimizer, schedule, steps, batches."""
+    """The keys a supervised stage's section shares (`SupervisedConfig`: `rm.*`, `sft.*`, `dpo.*`): optimizer,
+    schedule, steps, batches."""
     _check_finite(prefix, r)
     _check(r.lr > 0, f"{prefix}.lr must be > 0 (got {r.lr})")
     _check(0 <= r.warmup_ratio < 1, f"{prefix}.warmup_ratio must be in [0, 1) (got {r.warmup_ratio})")
@@ -1004,7 +964,7 @@ def validate_dpo(cfg: Any, world_size: int = 1) -> None:
     validate_logging(cfg)
     d = cfg.dpo
     _validate_supervised("dpo", d, world_size)
-    _one_of("dpo.loss", d.loss, ("sigmoid", "ipo", "hinge"))
+    _one_of("dpo.loss", d.loss, DPO_LOSSES.names)
     _check(d.beta > 0, f"dpo.beta must be > 0 (got {d.beta})")
     _check(0 <= d.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5) (got {d.label_smoothing})")
     _check(d.label_smoothing == 0 or d.loss == "sigmoid",
@@ -1022,7 +982,7 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.clip > 0, f"ppo.clip (ε) must be > 0 (got {p.clip})")
     _check(p.clip_high is None or p.clip_high > 0, f"ppo.clip_high (ε_high) must be > 0 or null (got {p.clip_high})")
     _check(p.dual_clip is None or p.dual_clip > 1, f"ppo.dual_clip (c) must be > 1 or null (got {p.dual_clip})")
-    _one_of("ppo.policy_loss", p.policy_loss, POLICY_LOSSES)
+    _one_of("ppo.policy_loss", p.policy_loss, POLICY_LOSSES.names)
     _check(p.policy_loss != "cispo" or p.dual_clip is None,
            f"ppo.dual_clip={p.dual_clip} with ppo.policy_loss=cispo: CISPO has no clipped objective to bound (its "
            "weight is capped at 1 + ppo.clip_high); set ppo.dual_clip=null")
@@ -1032,13 +992,15 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.kl_beta >= 0, f"ppo.kl_beta (β) must be >= 0 (got {p.kl_beta})")
     _check(p.kl_target is None or p.kl_target > 0, f"ppo.kl_target must be > 0 or null (got {p.kl_target})")
     _check(p.kl_horizon > 0, f"ppo.kl_horizon must be > 0 (got {p.kl_horizon})")
-    _one_of("ppo.kl_estimator", p.kl_estimator, ("k1", "k2", "k3"))
-    _one_of("ppo.advantage_estimator", p.advantage_estimator, ESTIMATORS)
+    _one_of("ppo.kl_estimator", p.kl_estimator, KL_ESTIMATORS.names)
+    _one_of("ppo.advantage_estimator", p.advantage_estimator, ADVANTAGE_ESTIMATORS.names)
+    critic = ADVANTAGE_ESTIMATORS[p.advantage_estimator].needs_critic
+    critic_free = ", ".join(n for n in ADVANTAGE_ESTIMATORS if not ADVANTAGE_ESTIMATORS[n].needs_critic)
     _one_of("ppo.kl_in", p.kl_in, ("reward", "loss"))
-    _check(p.policy_loss != "gspo" or p.advantage_estimator != "gae",
-           "ppo.policy_loss=gspo with ppo.advantage_estimator=gae: GSPO's sequence ratio is defined for sequence-level "
-           "(group) advantages, not a per-token critic's; use a critic-free estimator (grpo, dr_grpo, rloo, "
-           "reinforce_pp) or ppo.policy_loss=ppo")
+    _check(p.policy_loss != "gspo" or not critic,
+           f"ppo.policy_loss=gspo with ppo.advantage_estimator={p.advantage_estimator}: GSPO's sequence ratio is "
+           "defined for sequence-level (group) advantages, not a per-token critic's; use a critic-free estimator "
+           f"({critic_free}) or ppo.policy_loss=ppo")
     _check(p.kl_in != "loss" or p.kl_estimator != "k1",
            "ppo.kl_in=loss with ppo.kl_estimator=k1: the k1 estimate's gradient is zero in expectation, so the KL "
            "term would add only noise; use ppo.kl_estimator=k3 (GRPO) or k2")
@@ -1067,11 +1029,10 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
            f"ppo.overlong_buffer must be in [0, ppo.max_new_tokens={p.max_new_tokens}] (0 = off; got "
            f"{p.overlong_buffer})")
     _check(p.overlong_penalty >= 0, f"ppo.overlong_penalty must be >= 0 (got {p.overlong_penalty})")
-    _check(not p.filter_groups or (p.advantage_estimator != "gae" and p.n_samples_per_prompt >= 2),
+    _check(not p.filter_groups or (not critic and p.n_samples_per_prompt >= 2),
            f"ppo.filter_groups=true with ppo.advantage_estimator={p.advantage_estimator} and "
            f"ppo.n_samples_per_prompt={p.n_samples_per_prompt}: dynamic sampling drops groups of samples whose scores "
-           "are all equal; it needs a critic-free estimator (grpo, dr_grpo, rloo, reinforce_pp) and "
-           "ppo.n_samples_per_prompt >= 2")
+           f"are all equal; it needs a critic-free estimator ({critic_free}) and ppo.n_samples_per_prompt >= 2")
     _check(p.filter_groups_max_rounds >= 0,
            f"ppo.filter_groups_max_rounds must be >= 0 (0 = no refill; got {p.filter_groups_max_rounds})")
     _one_of("ppo.critic", p.critic, ("separate", "shared"))

@@ -1,5 +1,7 @@
 """README.md's configuration-key tables, rendered from the schema: every key of `rlhf_cli.config.RunConfig`, its
-schema default and the first sentence of the docstring written under its field (`config.field_docs`).
+schema default and the first sentence of the docstring written under its field (`config.field_docs`). The keys the
+supervised sections share (`config.SupervisedConfig`: `sft.*`, `rm.*`, `dpo.*`) are one table, with a default
+column per section; each section's table then holds its own keys only.
 
     python scripts/key_table.py            # print the tables
     python scripts/key_table.py --write    # replace README.md's block between the markers with them
@@ -13,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import re
 import sys
 import typing
 from pathlib import Path
@@ -22,13 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 BEGIN = "<!-- keys: rendered by scripts/key_table.py from rlhf_cli/config.py; do not edit by hand -->"
 END = "<!-- /keys -->"
-SENTENCE_END = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=\.)\s+(?=[A-Z(`])")
-
-
 def first_sentence(doc: str | None) -> str:
-    """A docstring's first sentence, its final period dropped, `|` escaped for a Markdown table cell."""
-    text = SENTENCE_END.split((doc or "").strip(), maxsplit=1)[0].rstrip(".")
-    return text.replace("|", "\\|")
+    """A docstring's first sentence (`config.first_sentence`, as `rlhf <command> --help` shows it), `|` escaped for a
+    Markdown table cell."""
+    from rlhf_cli.config import first_sentence as sentence
+
+    return sentence(doc).replace("|", "\\|")
 
 
 def shown(value) -> str:
@@ -57,27 +57,57 @@ def leaves(obj, prefix: str = ""):
             yield f"{prefix}{f.name}", value
 
 
+def supervised_table(root, docs, sections: list[str]) -> list[str]:
+    """The `####` table of the keys `sections` share (`config.SupervisedConfig`'s fields): each key once, a default
+    column per section, the base class's description."""
+    from rlhf_cli.config import SupervisedConfig
+
+    what = first_sentence(" ".join(SupervisedConfig.__doc__.split())).split(": ", 1)[-1]  # "optimizer, ..."
+    out = [f"#### Supervised optimizer keys ({', '.join(f'`{s}.*`' for s in sections)}): {what}", "",
+           f"| key | {' | '.join(f'`{s}` default' for s in sections)} | meaning |",
+           f"| --- | {' | '.join('---' for _ in sections)} | --- |"]
+    for f in dataclasses.fields(SupervisedConfig):
+        defaults = " | ".join(f"`{shown(getattr(getattr(root, s), f.name))}`" for s in sections)
+        out.append(f"| `{f.name}` | {defaults} | {first_sentence(docs[f'{sections[0]}.{f.name}'])} |")
+    return [*out, ""]
+
+
 def render() -> str:
-    """One `####` table per section of the config (a top-level dataclass field), then one for the top-level keys."""
-    from rlhf_cli.config import RunConfig, field_docs
+    """One `####` table per section of the config (a top-level dataclass field), then one for the top-level keys; the
+    keys the supervised sections share in one table before the first of them, left out of theirs."""
+    from rlhf_cli.config import RunConfig, SupervisedConfig, field_docs
 
     docs = field_docs()
     root = RunConfig()
     hints = typing.get_type_hints(RunConfig)
-    tables, top = [], []
+    supervised = [f.name for f in dataclasses.fields(root) if dataclasses.is_dataclass(hints[f.name])
+                  and issubclass(hints[f.name], SupervisedConfig)]
+    shared = {f.name for f in dataclasses.fields(SupervisedConfig)}
+    out, top = [], []
     for f in dataclasses.fields(root):
         if not dataclasses.is_dataclass(hints[f.name]):
             top.append((f.name, getattr(root, f.name)))
             continue
         rows = list(leaves(getattr(root, f.name), f.name + "."))
-        tables.append((f"`{f.name}`: {first_sentence(docs[f.name])}", rows))
-    tables.append(("Top-level keys", top))
-    out = []
-    for title, rows in tables:
-        out += [f"#### {title}", "", "| key | schema default | meaning |", "| --- | --- | --- |"]
-        out += [f"| `{key}` | `{shown(value)}` | {first_sentence(docs[key])} |" for key, value in rows]
-        out.append("")
+        if f.name in supervised:
+            if f.name == supervised[0]:
+                out += supervised_table(root, docs, supervised)
+            rows = [(key, value) for key, value in rows if key.split(".", 1)[1] not in shared]
+        out += table(f"`{f.name}`: {first_sentence(docs[f.name])}", rows, docs,
+                     "Only the supervised optimizer keys above." if f.name in supervised else "")
+    out += table("Top-level keys", top, docs)
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def table(title: str, rows: list[tuple[str, object]], docs: dict[str, str | None], empty: str = "") -> list[str]:
+    """A `####` table of `rows` (dotted key, default) with the first sentence of each key's description; `empty`
+    stands in for a table without rows."""
+    out = [f"#### {title}", ""]
+    if not rows:
+        return [*out, empty, ""]
+    out += ["| key | schema default | meaning |", "| --- | --- | --- |"]
+    out += [f"| `{key}` | `{shown(value)}` | {first_sentence(docs[key])} |" for key, value in rows]
+    return [*out, ""]
 
 
 def readme_block(text: str) -> str:

@@ -1,10 +1,12 @@
 """The docs' own rules: docs/results.md stays short, and every link into a doc names a heading that exists."""
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
 
 from rlhf_cli.commands import COMMANDS
+from rlhf_cli.config import SupervisedConfig, field_docs
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_MAX_LINES = 300
@@ -119,11 +121,21 @@ def test_the_readmes_key_tables_equal_the_schemas_rendering():
     rendered = key_table.render()
     assert key_table.readme_block((REPO / "README.md").read_text()) == rendered, (
         "README.md's key tables are stale: run `python scripts/key_table.py --write`")
-    from rlhf_cli.config import field_docs
-
-    leaves = [k for k in field_docs() if f"| `{k}` |" in rendered]
+    shared = {f.name for f in dataclasses.fields(SupervisedConfig)}
+    sections = [k.split(".")[0] for k in field_docs() if k.endswith(".lr") and k.split(".")[1] in shared]
+    assert sections == ["sft", "rm", "dpo"]
+    # the keys the supervised sections share, once, with each section's default; each section's own keys in its table
+    head = "#### Supervised optimizer keys (`sft.*`, `rm.*`, `dpo.*`): "
+    assert head in rendered and rendered.index(head) < rendered.index("#### `sft`: ")
+    assert "| `lr` | `2e-05` | `2e-05` | `5e-07` | Peak learning rate (AdamW) |" in rendered
+    assert "| `rm.lr` |" not in rendered and "| `rm.margin` | `false` |" in rendered
+    keys = field_docs()
+    leaves = [k for k in keys if not any(other.startswith(k + ".") for other in keys)]
+    documented = [k for k in leaves if f"| `{k}` |" in rendered
+                  or (k.split(".")[0] in sections and f"| `{k.split('.', 1)[1]}` |" in rendered)]
+    assert documented == leaves and len(leaves) > 100  # every leaf key
     assert "| `ppo.clip` | `0.2` | ε, ratio clip of the surrogate, > 0 |" in rendered
-    assert len(leaves) > 100 and "| `model.arch` |" not in rendered  # every leaf key, no section rows
+    assert "| `model.arch` |" not in rendered  # no section rows
 
 
 SAMPLE = '''# T

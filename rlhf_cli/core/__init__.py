@@ -38,7 +38,7 @@ from rlhf_cli.core.advantages import (
     overlong_penalty,
 )
 from rlhf_cli.core.correction import IS_CORRECTIONS, engine_is_weights, is_bounds
-from rlhf_cli.core.dpo import DPO_LOSSES, PER_TOKEN, dpo_loss, hinge_loss, ipo_loss, sigmoid_loss
+from rlhf_cli.core.dpo import DPO_LOSSES, dpo_loss, hinge_loss, ipo_loss, sigmoid_loss
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats, informative_groups
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
@@ -53,7 +53,6 @@ from rlhf_cli.core.losses import (
     masked_aggregate,
     pairwise_loss,
     policy_loss,
-    ppo_total_loss,
     value_loss,
 )
 from rlhf_cli.core.ops import (
@@ -80,7 +79,6 @@ from rlhf_cli.core.paired import (
 
 __all__ = [
     "DPO_LOSSES",
-    "PER_TOKEN",
     "ESTIMATORS",
     "IS_CORRECTIONS",
     "KEPT_TOKEN_MEANS",
@@ -121,7 +119,6 @@ __all__ = [
     "overlong_penalty",
     "pairwise_loss",
     "policy_loss",
-    "ppo_total_loss",
     "proportion_ci95",
     "reward_hacking",
     "sample_std",

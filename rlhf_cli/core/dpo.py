@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import rlhf_cli.registry as registry
 from rlhf_cli.core.ops import _check_shapes, _compute_dtype
 
 
@@ -49,9 +50,9 @@ def ipo_loss(h: Tensor, beta: float, label_smoothing: float = 0.0) -> Tensor:
         loss = (h - 1 / (2 * beta)) ** 2
 
     ``(B,)`` -> ``(B,)``. :func:`dpo_loss` passes the gap of the per-token log-ratios (each response's log-ratio
-    divided by its token count, :data:`PER_TOKEN`), the form TRL 1.12 uses and reports as the one the IPO
-    authors confirmed their results with; a sum would make the square grow with the responses' length.
-    ``label_smoothing`` must be 0 (IPO has no labels to smooth; `config.validate_dpo` refuses it).
+    divided by its token count; ``registry.DPO_LOSSES`` declares ``ipo`` ``per_token``), the form TRL 1.12 uses and
+    reports as the one the IPO authors confirmed their results with; a sum would make the square grow with the
+    responses' length. ``label_smoothing`` must be 0 (IPO has no labels to smooth; `config.validate_dpo` refuses it).
     """
     if label_smoothing:
         raise ValueError(f"label_smoothing={label_smoothing} is defined for the sigmoid loss only")
@@ -74,12 +75,11 @@ def hinge_loss(h: Tensor, beta: float, label_smoothing: float = 0.0) -> Tensor:
     return torch.relu(1.0 - beta * h)
 
 
-DPO_LOSSES: dict[str, Callable[[Tensor, float, float], Tensor]] = {
-    "sigmoid": sigmoid_loss, "ipo": ipo_loss, "hinge": hinge_loss}
-"""The per-pair losses by the name ``dpo.loss`` gives; each takes ``(h, beta, label_smoothing)``."""
-
-PER_TOKEN = frozenset({"ipo"})
-"""The losses whose gap ``h`` is taken between per-token log-ratios (each response's log-ratio / its tokens)."""
+DPO_LOSSES: dict[str, Callable[[Tensor, float, float], Tensor]] = registry.DPO_LOSSES.bind({
+    "sigmoid": sigmoid_loss, "ipo": ipo_loss, "hinge": hinge_loss})
+"""The per-pair losses by the name ``dpo.loss`` gives (``registry.DPO_LOSSES`` bound to their functions, in its
+order); each takes ``(h, beta, label_smoothing)``. A choice declared ``per_token`` (IPO) gets the gap of the
+per-token log-ratios."""
 
 
 def dpo_loss(
@@ -104,7 +104,7 @@ def dpo_loss(
         loss = sum_i DPO_LOSSES[loss](h_i, beta, eps) / num_pairs
                + sft_weight * sum_i -log pi(y_w,i | x_i) / num_chosen_tokens
 
-    with h_i the log-ratio gap of the module docstring, or for :data:`PER_TOKEN` losses (IPO) the gap of
+    with h_i the log-ratio gap of the module docstring, or for a loss declared ``per_token`` (IPO) the gap of
     (log pi(y|x) - log pi_ref(y|x)) / |y| of each response.
 
     The second term is the negative log-likelihood of the chosen responses per chosen token (Pang et al. 2024,
@@ -123,8 +123,9 @@ def dpo_loss(
             depend on the cut.
         sft_weight: ``dpo.sft_weight`` >= 0; 0 leaves the term out (and ``chosen_tokens`` is not read).
         chosen_tokens: ``(B,)`` each chosen response's token count (needed when ``sft_weight`` > 0 and for
-            :data:`PER_TOKEN` losses).
-        rejected_tokens: ``(B,)`` each rejected response's token count (needed for :data:`PER_TOKEN` losses).
+            losses declared ``per_token``).
+        rejected_tokens: ``(B,)`` each rejected response's token count (needed for losses declared
+            ``per_token``).
         num_chosen_tokens: the divisor of the SFT term; default ``chosen_tokens.sum()`` (pass the step's count
             when cutting a step, as for ``num_pairs``).
 
@@ -139,8 +140,8 @@ def dpo_loss(
 
     Raises:
         ValueError: shape mismatch, an unknown ``loss``, ``beta`` <= 0, ``label_smoothing`` outside [0, 0.5) or
-        set for a loss other than sigmoid, ``sft_weight`` > 0 without ``chosen_tokens``, a :data:`PER_TOKEN`
-        loss without both token counts.
+        set for a loss other than sigmoid, ``sft_weight`` > 0 without ``chosen_tokens``, a loss declared
+        ``per_token`` without both token counts.
     """
     _check_shapes(logprobs_chosen=logprobs_chosen, logprobs_rejected=logprobs_rejected,
                   ref_logprobs_chosen=ref_logprobs_chosen, ref_logprobs_rejected=ref_logprobs_rejected)
@@ -154,7 +155,8 @@ def dpo_loss(
         raise ValueError(f"label_smoothing={label_smoothing} is defined for the sigmoid loss only (loss={loss})")
     if sft_weight and chosen_tokens is None:
         raise ValueError("sft_weight > 0 needs chosen_tokens (each chosen response's token count)")
-    if loss in PER_TOKEN and (chosen_tokens is None or rejected_tokens is None):
+    per_token = registry.DPO_LOSSES[loss].per_token
+    if per_token and (chosen_tokens is None or rejected_tokens is None):
         raise ValueError(f"loss={loss} needs chosen_tokens and rejected_tokens (its gap is per token)")
     dtype = _compute_dtype(logprobs_chosen, logprobs_rejected, ref_logprobs_chosen, ref_logprobs_rejected)
     chosen, rejected = logprobs_chosen.to(dtype), logprobs_rejected.to(dtype)
@@ -164,7 +166,7 @@ def dpo_loss(
     n = torch.as_tensor(float(num_pairs) if num_pairs is not None else float(h.numel()), dtype=dtype,
                         device=h.device).clamp(min=1)
     gap = h
-    if loss in PER_TOKEN:
+    if per_token:
         gap = (chosen_ratio / chosen_tokens.to(h.device, dtype).clamp(min=1)
                - rejected_ratio / rejected_tokens.to(h.device, dtype).clamp(min=1))
     pair_loss = DPO_LOSSES[loss](gap, beta, label_smoothing).sum() / n

@@ -1,4 +1,5 @@
-"""Advantage estimators, by the name `ppo.advantage_estimator` gives: the one place an estimator is registered.
+"""Advantage estimators, by the name `ppo.advantage_estimator` gives: the functions of the choices
+`registry.ADVANTAGE_ESTIMATORS` declares.
 
 Every estimator turns a rollout into per-token advantages and the value targets (returns) under one
 signature::
@@ -19,7 +20,7 @@ signature::
 Both outputs are at least float32, 0 on padding, not whitened: the trainer whitens them over the whole
 rollout when `ppo.whiten_advantages` says so, whose default (null) is the estimator's own `whiten`.
 
-The registered estimators (the README lists them with their papers):
+The estimators (the README lists them with their papers):
 
     gae           GAE(γ, λ) against a learned critic (Schulman et al. 2016)               critic, whitened
     grpo          (s − mean_g) / (std_g + ε), KL reward-to-go (Shao et al. 2024)          n >= 2
@@ -33,18 +34,20 @@ rows), the per-token KL rewards stay as they are, and the advantage of token t i
 reward-to-go from t (OpenRLHF's rule for its rloo / group_norm / reinforce estimators). With γ = 1 and
 `ppo.kl_in=loss` every token of a row gets the row's adjusted score, as in the GRPO paper.
 
-To add an estimator: write its function here (shapes, units, paper and equation in its docstring, a test
-against a hand-computed example and a loop reference), register it with `register`, and add its name to
-`config.ESTIMATORS` (a test checks that the two lists agree).
+To add an estimator: declare it in `registry.ADVANTAGE_ESTIMATORS` (its name and metadata, which `config.py`
+reads), write its function here (shapes, units, paper and equation in its docstring, a test against a
+hand-computed example and a loop reference) and bind it by name in `ESTIMATORS` below (docs/architecture.md,
+"A new loss").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
+import rlhf_cli.registry as registry
 from rlhf_cli.core.advantages import add_at_last_token, compute_gae, discounted_returns
 from rlhf_cli.core.groups import group_adjusted_scores
 
@@ -52,20 +55,12 @@ EstimatorFn = Callable[..., tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
-class AdvantageEstimator:
-    """A registered estimator.
+class AdvantageEstimator(registry.EstimatorChoice):
+    """A bound estimator: its declaration's fields (`registry.EstimatorChoice`: `name`, `needs_critic`,
+    `min_group_size`, `whiten`) and its function `fn(rewards, mask, *, scores, groups, valid, values, gamma, lam)
+    -> (advantages, returns)`."""
 
-    fn: `fn(rewards, mask, *, scores, groups, valid, values, gamma, lam) -> (advantages, returns)`.
-    needs_critic: reads a learned critic's values (the PPO stage builds and trains a critic only then).
-    min_group_size: the fewest samples per prompt it is defined for (`ppo.n_samples_per_prompt`).
-    whiten: whether its advantages are whitened over the rollout by default (`ppo.whiten_advantages=null`).
-    """
-
-    name: str
-    fn: EstimatorFn
-    needs_critic: bool
-    min_group_size: int = 1
-    whiten: bool = True
+    fn: EstimatorFn = field(kw_only=True)
 
     def __call__(self, rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor,
                  values: Tensor | None, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
@@ -75,24 +70,6 @@ class AdvantageEstimator:
                        lam=lam)
 
 
-ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register(name: str, needs_critic: bool, min_group_size: int = 1,
-             whiten: bool = True) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Decorator: add `fn` to ESTIMATORS under `name` (the value of `ppo.advantage_estimator` that selects it).
-    Raises ValueError when the name is taken."""
-
-    def add(fn: EstimatorFn) -> EstimatorFn:
-        if name in ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, min_group_size, whiten)
-        return fn
-
-    return add
-
-
-@register("gae", needs_critic=True)
 def gae(rewards: Tensor, mask: Tensor, *, values: Tensor, gamma: float, lam: float,
         **_: object) -> tuple[Tensor, Tensor]:
     """GAE(γ = `ppo.gamma`, λ = `ppo.lam`) against the critic's values: see `core.compute_gae` (Schulman et al.
@@ -114,7 +91,6 @@ def outcome_advantages(rewards: Tensor, mask: Tensor, scores: Tensor, groups: Te
     return advantages, advantages
 
 
-@register("grpo", needs_critic=False, min_group_size=2, whiten=False)
 def grpo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
          **_: object) -> tuple[Tensor, Tensor]:
     """GRPO (Shao et al. 2024, DeepSeekMath, section 4.1.2, outcome supervision): Â_i = (s_i − mean(s_g)) / (std(s_g)
@@ -123,7 +99,6 @@ def grpo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid
     return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "grpo")
 
 
-@register("dr_grpo", needs_critic=False, min_group_size=2, whiten=False)
 def dr_grpo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
             **_: object) -> tuple[Tensor, Tensor]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective", section 3):
@@ -133,7 +108,6 @@ def dr_grpo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, va
     return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "dr_grpo")
 
 
-@register("rloo", needs_critic=False, min_group_size=2, whiten=False)
 def rloo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
          **_: object) -> tuple[Tensor, Tensor]:
     """RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
@@ -142,7 +116,6 @@ def rloo(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid
     return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "rloo")
 
 
-@register("reinforce_pp", needs_critic=False, min_group_size=1, whiten=True)
 def reinforce_pp(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor, gamma: float,
                  **_: object) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models"):
@@ -150,3 +123,11 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tenso
     advantages over the whole global batch (`whiten=True`), which stands in for the critic. Works with one
     sample per prompt. See `outcome_advantages`."""
     return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "none")
+
+
+ESTIMATORS: dict[str, AdvantageEstimator] = {
+    name: AdvantageEstimator(**vars(registry.ADVANTAGE_ESTIMATORS[name]), fn=fn)
+    for name, fn in registry.ADVANTAGE_ESTIMATORS.bind({
+        "gae": gae, "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp}).items()}
+"""The estimators by the name `ppo.advantage_estimator` gives: `registry.ADVANTAGE_ESTIMATORS` bound to their
+functions, in its order."""

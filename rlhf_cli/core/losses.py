@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import rlhf_cli.registry as registry
 from rlhf_cli.core.ops import (
     _bool_mask,
     _check_shapes,
@@ -354,8 +355,9 @@ def cispo_loss(
     return loss, _policy_stats(loss, flags, log_ratio, ratio, live)
 
 
-POLICY_LOSSES = {"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
-"""The policy losses by the name ``ppo.policy_loss`` gives; each takes :func:`policy_loss`'s arguments."""
+POLICY_LOSSES = registry.POLICY_LOSSES.bind({"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss})
+"""The policy losses by the name ``ppo.policy_loss`` gives (``registry.POLICY_LOSSES`` bound to their functions,
+in its order); each takes :func:`policy_loss`'s arguments."""
 
 
 def value_loss(
@@ -471,8 +473,8 @@ def entropy_bonus(
 ) -> tuple[Tensor, dict[str, float]]:
     """Entropy bonus S (Schulman et al. 2017 eq. 9): mean policy entropy over real tokens.
 
-    A bonus to *maximise*: :func:`ppo_total_loss` subtracts ``c2 * S``. Padded positions
-    never change the bonus; their logits still go through the softmax, so a model that
+    A bonus to *maximise*: the PPO update (`rollout.learner`) subtracts ``ppo.c2`` × S from the policy loss.
+    Padded positions never change the bonus; their logits still go through the softmax, so a model that
     emits ±inf/NaN logits on padding (real models do not) would get NaN gradients there.
 
     Args:
@@ -502,65 +504,6 @@ def entropy_bonus(
     with torch.no_grad():
         stats = _floats({"policy/entropy": masked_mean(per_token, m)})
     return bonus, stats
-
-
-def ppo_total_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    mask: Tensor,
-    clip: float,
-    value_clip: float | None,
-    c1: float,
-    c2: float,
-    num_tokens: float | Tensor | None = None,
-    aggregation: str = "token-mean",
-    num_seqs: float | Tensor | None = None,
-    *,
-    logits: Tensor | None = None,
-    entropy: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """PPO objective of Schulman et al. 2017 eq. 9, negated for minimisation::
-
-        loss = -(L^CLIP - c1 * L^VF + c2 * S) = policy_loss + c1 * value_loss - c2 * entropy_bonus
-
-    for an actor and critic sharing one backward pass. Pass the entropy term as
-    ``logits=`` ``(B, T, V)`` or ``entropy=`` ``(B, T)``; with ``c2 == 0`` both may be
-    omitted (no entropy term, no ``policy/entropy`` stat).
-
-    Args:
-        logprobs, old_logprobs, advantages: as :func:`policy_loss`.
-        values, old_values, returns: as :func:`value_loss`.
-        mask: ``(B, T)``, 1 = real response token, 0 = padding.
-        clip: epsilon (``ppo.clip``).
-        value_clip: value clip range (``ppo.value_clip``) or None.
-        c1: value-loss coefficient (``ppo.c1``).
-        c2: entropy coefficient (``ppo.c2``).
-        num_tokens, aggregation, num_seqs: see the module docstring; shared by all terms.
-        logits, entropy: keyword-only, at most one; see :func:`entropy_bonus`.
-
-    Returns:
-        ``(loss, stats)`` with the union of the stats of the three terms.
-
-    Raises:
-        ValueError: as the three terms; both ``logits`` and ``entropy``; neither while
-        ``c2 != 0``.
-    """
-    agg = {"num_tokens": num_tokens, "aggregation": aggregation, "num_seqs": num_seqs}
-    pg_loss, stats = policy_loss(logprobs, old_logprobs, advantages, mask, clip, **agg)
-    vf_loss, vf_stats = value_loss(values, old_values, returns, mask, value_clip, **agg)
-    loss = pg_loss + c1 * vf_loss
-    stats.update(vf_stats)
-    if logits is None and entropy is None:
-        if c2 != 0:
-            raise ValueError(f"c2={c2} needs the entropy term: pass logits= or entropy=")
-        return loss, stats
-    bonus, ent_stats = entropy_bonus(logits, mask, **agg, entropy=entropy)
-    stats.update(ent_stats)
-    return loss - c2 * bonus, stats
 
 
 def pairwise_loss(

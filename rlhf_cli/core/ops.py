@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+import rlhf_cli.registry as registry
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -256,6 +256,27 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return torch.where(m, whitened, 0.0)
 
 
+def kl_k1(log_ratio: Tensor) -> Tensor:
+    """k1 = −log r = log π − log π_ref (``log_ratio``, any shape, nats): unbiased, high variance, can be < 0."""
+    return log_ratio
+
+
+def kl_k2(log_ratio: Tensor) -> Tensor:
+    """k2 = (log r)² / 2 of ``log_ratio`` = log π − log π_ref: biased (low bias near π_ref), low variance, >= 0."""
+    return 0.5 * log_ratio.square()
+
+
+def kl_k3(log_ratio: Tensor) -> Tensor:
+    """k3 = (r − 1) − log r of ``log_ratio`` = log π − log π_ref: unbiased, low variance, >= 0 (expm1: accurate
+    near r = 1)."""
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+KL_ESTIMATORS = registry.KL_ESTIMATORS.bind({"k1": kl_k1, "k2": kl_k2, "k3": kl_k3})
+"""The per-token KL estimators by the name ``ppo.kl_estimator`` gives (``registry.KL_ESTIMATORS`` bound to their
+functions, in its order); each maps the log-ratio log π − log π_ref to its estimate, elementwise."""
+
+
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", mask: Tensor | None = None) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi, in nats.
 
@@ -279,15 +300,11 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", m
         ValueError: unknown ``estimator``, or shape mismatch.
     """
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+        raise ValueError(f"estimator must be one of {tuple(KL_ESTIMATORS)}, got {estimator!r}")
     _check_shapes(logprobs=logprobs, ref_logprobs=ref_logprobs)
     dtype = _compute_dtype(logprobs, ref_logprobs)
     if mask is not None:
         _check_shapes(logprobs=logprobs, mask=mask)
         logprobs, ref_logprobs = masked_fill_zero(logprobs, mask, dtype), masked_fill_zero(ref_logprobs, mask, dtype)
     log_ratio = logprobs.to(dtype) - ref_logprobs.to(dtype)  # log pi - log pi_ref = -log r
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    return torch.expm1(-log_ratio) + log_ratio  # (r - 1) - log r, accurate near r = 1
+    return KL_ESTIMATORS[estimator](log_ratio)

@@ -1,12 +1,13 @@
 """Small helpers the stages share: console tables, the tokenizer check, and the supervised stages' (train-rm,
-train-sft, train-dpo) shared steps: start, data, start table, dry-run exit, engine and metrics, the optimizer-step
-loop, the step's common figures and the final save. (A run's directory, checkpoints and resume live in
-rlhf_cli/lifecycle.py.)"""
+train-sft, train-dpo) shared steps, `SupervisedTrainer`: start, data, length, start table, dry-run exit, engine
+and metrics, the optimizer-step loop, the final held-out figures and the final save; the step's common figures.
+(A run's directory, checkpoints and resume live in rlhf_cli/lifecycle.py.)"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,77 +102,6 @@ def trained_parameters(model: Any, lora_cfg: Any) -> str:
     return f"{trained / 1e6:.2f}M of {total / 1e6:.1f}M (LoRA r={lora_cfg.r}, alpha={lora_cfg.alpha:g})"
 
 
-def supervised_engine(model: Any, cfg: Any, section: Any, total_steps: int) -> engine.TrainEngine:
-    """The `engine.TrainEngine` of a supervised stage (train-rm, train-sft, train-dpo) from its section's keys
-    (`rm.*`, `sft.*`, `dpo.*`): AdamW (lr, betas, weight decay), the warm-up fraction and schedule over
-    `total_steps`, batch and micro-batch, gradient clipping; `deepspeed.*` and `precision` from the run."""
-    return engine.TrainEngine(
-        model, cfg.deepspeed, cfg.precision, lr=section.lr, train_batch_size=section.batch_size,
-        micro_batch_size=section.micro_batch_size, total_steps=total_steps,
-        warmup_steps=int(section.warmup_ratio * total_steps), scheduler=section.lr_scheduler,
-        weight_decay=section.weight_decay, betas=tuple(section.betas), max_grad_norm=section.max_grad_norm)
-
-
-def supervised_loop(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequence[dict[str, Any]],
-                    step: int, total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, command: Command,
-                    progress_keys: Sequence[str], train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
-                    evaluate: Callable[[], dict[str, float]] | None) -> int:
-    """The optimizer-step loop of a supervised stage (train-sft, train-rm, train-dpo), from `step` (0, or the step a
-    resume loaded) to `total_steps`; returns the last step.
-
-    Each step takes the next `section.batch_size` examples of `train` in the epoch's seeded order
-    (`data.epoch_order` with `(data.seed, seed)`, by length groups of `section.micro_batch_size` when
-    `data.group_by_length`; an epoch is `len(train) // batch_size` steps, its last partial batch dropped), gives
-    this rank its contiguous share to `train_step(examples)`, which runs the micro-batches, the backwards and the
-    engine steps and returns the step's record, to which the loop adds `<section>/epoch` (epochs done, the
-    `command`'s section: `rm/epoch`). Every `section.eval_every` steps (not at the last one: the stage
-    evaluates after the loop) `evaluate()`'s figures join the record; the record is logged every
-    `section.log_every` steps, at the last, and with held-out figures; a checkpoint is written every
-    `section.save_every` steps, and on Ctrl-C (or SIGTERM) before the interrupt goes on: one that arrives during a
-    step lets the step and its record finish first (`lifecycle.deferred_interrupts`), on every rank. The engine is
-    in train mode for every `train_step`."""
-    steps_per_epoch = len(train) // section.batch_size
-    lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
-    progress = Progress(total_steps, command.name, list(progress_keys), enabled=engine.is_main(), start=step)
-    order_epoch, order = -1, []
-    eng.train()
-    stepping = False
-    try:
-        while step < total_steps:
-            epoch, pos = divmod(step, steps_per_epoch)
-            if epoch != order_epoch:
-                order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, section.micro_batch_size)
-                order_epoch = epoch
-            mine = rank_share(train, order, pos, section.batch_size)
-            # a checkpoint mid-step would hold the step's weights under the previous step (or none of its row): a
-            # Ctrl-C/SIGTERM here lets the step and its record finish, then saves it (a second one stops at once,
-            # without a checkpoint)
-            with deferred_interrupts() as pending:
-                stepping = True
-                record = train_step(mine)
-                step += 1
-                record[f"{command.section}/epoch"] = step / steps_per_epoch
-                evaluated = (evaluate is not None and section.eval_every and step % section.eval_every == 0
-                             and step < total_steps)
-                if evaluated:
-                    record.update(evaluate())
-                    eng.train()
-                if step % section.log_every == 0 or step == total_steps or evaluated:  # held-out figures always
-                    metrics.log(step, record)
-                progress.update(1, record)
-                stepping = False
-            if section.save_every and step % section.save_every == 0 and step < total_steps:
-                ckpts.save(step)
-            if engine.all_reduce_sum(torch.tensor(float(bool(pending)))).item() > 0:  # every rank stops together
-                raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        progress.close()
-        save_on_interrupt(ckpts, step, stepping)
-        raise
-    progress.close()
-    return step
-
-
 def rank_share(train: Sequence[dict[str, Any]], order: Sequence[int], pos: int, batch_size: int
                ) -> list[dict[str, Any]]:
     """This rank's contiguous share (`batch_size` / world size examples) of the `pos`-th batch of `batch_size`
@@ -190,67 +120,6 @@ def save_on_interrupt(ckpts: Checkpoints, step: int, stepping: bool) -> None:
         return
     log.warning("interrupted at step %d: saving a checkpoint before exit", step)
     ckpts.save(step)
-
-
-def supervised_data(cfg: Any, run_dir: Any, kind: str, loader: Callable[..., Any], batch_size: int, key: str,
-                    rows: str) -> tuple[Any, tuple[int, ...], Any]:
-    """The data step of a supervised stage (train-sft, train-rm, train-dpo): the tokenizer of `cfg.model`, the
-    run's EOS set (`eos.eos_ids`), `loader(cfg.data, tokenizer, eos_ids=...)`'s split (`data.load_sft_data` or
-    `load_preference_data`) and its lineage record (run-dir `kind`). Returns (tokenizer, the EOS ids, data).
-
-    Raises:
-        ConfigError: fewer training `rows` than one batch (`key`=`batch_size`), in one line.
-    """
-    tokenizer = load_tokenizer(cfg.model)
-    eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends
-    data = loader(cfg.data, tokenizer, eos_ids=eos)
-    lineage.record(run_dir, cfg, kind, data.summary, {"model": model_source(cfg.model)}, write=engine.is_main())
-    if len(data.train) < batch_size:
-        raise ConfigError(f"only {len(data.train)} training {rows}, fewer than {key}={batch_size}: "
-                          f"{data.summary.drops()}")
-    return tokenizer, eos, data
-
-
-def supervised_steps(section: Any, key: str, n_train: int, rows: str) -> tuple[int, int]:
-    """A supervised stage's length: (optimizer steps, rows left out of each epoch). An epoch is
-    `n_train // section.batch_size` steps, its last partial batch dropped (each epoch reshuffles, so other rows sit
-    out; said once, naming `key`); `section.max_steps` overrides `section.epochs` epochs."""
-    steps_per_epoch = n_train // section.batch_size
-    dropped = n_train - steps_per_epoch * section.batch_size
-    if dropped and engine.is_main():
-        log.warning("each epoch trains on %d of %d %s: the last partial batch of %d is dropped (%s=%d; each epoch "
-                    "reshuffles, so different %s sit out)", n_train - dropped, n_train, rows, dropped, key,
-                    section.batch_size, rows)
-    return section.max_steps or steps_per_epoch * section.epochs, dropped
-
-
-def supervised_table(cfg: Any, run_dir: Path, name: str, model: Any, n_params: int, section: Any, data: Any,
-                     total_steps: int, rows: dict[str, Any], precision: str) -> None:
-    """The start table of a supervised stage (also its dry run's): the model, its size `n_params` (non-embedding
-    parameters, counted before any LoRA adapter) and the parameters trained, the stage's own `rows`, batch /
-    micro-batch / world size of `section`, `precision` (the stage's text), the ZeRO stage, the data summary and the
-    checkpoint size plan of a run of `total_steps` optimizer steps saving every `section.save_every`
-    (`lifecycle.checkpoint_plan`)."""
-    print_table(f"{name}: {run_dir}", {
-        "model": cfg.model.name, "params (non-embedding)": n_params,
-        "trained params": trained_parameters(model, cfg.model.lora), **rows,
-        "batch / micro / world": f"{section.batch_size} / {section.micro_batch_size} / {engine.world_size()}",
-        "precision": precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
-        "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, run_dir, total_steps,
-                                           section.save_every),
-    })
-
-
-def supervised_start(model: Any, cfg: Any, section: Any, total_steps: int, run_dir: Path
-                     ) -> tuple[engine.TrainEngine, MetricsLogger, Checkpoints]:
-    """A supervised stage's engine (`supervised_engine`), its metrics logger (`metrics.jsonl` and the trackers of
-    `logger`/`tracker`, rank 0) and its checkpoints (`paths.keep_checkpoints`, `paths.keep_optimizer`); the
-    stage resumes with `ckpts.resume(cfg.resume, metrics)` when it is ready to."""
-    eng = supervised_engine(model, cfg, section, total_steps)
-    metrics = MetricsLogger(run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
-                            config=OmegaConf.to_container(cfg, resolve=True))
-    ckpts = Checkpoints(run_dir, {"": eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
-    return eng, metrics, ckpts
 
 
 def optimizer_stats(eng: engine.TrainEngine, command: Command) -> dict[str, float]:
@@ -273,46 +142,205 @@ def reference_spec(cfg: Any) -> dict[str, Any]:
     return {**OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
 
 
-def supervised_train(eng: engine.TrainEngine, cfg: Any, section: Any, train: Sequence[dict[str, Any]], step: int,
-                     total_steps: int, ckpts: Checkpoints, metrics: MetricsLogger, command: Command,
-                     progress_keys: Sequence[str], train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
-                     evaluate: Callable[[], dict[str, float]] | None) -> tuple[int, dict[str, float]]:
-    """`supervised_loop`, then `evaluate()` once more after the last step, its figures logged at that step.
-    Returns (the last step, the final held-out figures; {} when `evaluate` is None: no held-out examples)."""
-    step = supervised_loop(eng, cfg, section, train, step, total_steps, ckpts, metrics, command, progress_keys,
-                           train_step, evaluate)
-    final_stats = evaluate() if evaluate is not None else {}
-    if final_stats:
-        metrics.log(step, final_stats)
-    return step, final_stats
+@dataclass
+class SupervisedTrainer:
+    """One run of a supervised stage (train-rm, train-sft, train-dpo), as `PPOTrainer` is train-ppo's: the pieces
+    its shared steps read, gathered once: the composed config, the run dir, the stage's `command` (whose `section`,
+    `cfg.rm`, holds the keys of `config.SupervisedConfig`) and what its training `examples` are called in
+    messages ("pairs"). The steps, in the order a stage calls them: `start` → `load_data` → `plan` →
+    `start_table` → `dry_run_exit` → `build_engine` (`eng`, `metrics`, `ckpts`) → `resume` (`step`) → `train`
+    (or `loop`) → `save`."""
 
+    cfg: Any
+    run_dir: Path
+    command: Command
+    examples: str
+    total_steps: int = 0
+    """Optimizer steps of the run (`plan`)."""
+    step: int = 0
+    """Optimizer steps done: 0, the step a resume loaded, the last step after `train`."""
+    eng: engine.TrainEngine | None = None
+    metrics: MetricsLogger | None = None
+    ckpts: Checkpoints | None = None
 
-def save_policy_run(cfg: Any, run_dir: Path, command: Command, eng: engine.TrainEngine, ckpts: Checkpoints,
-                    metrics: MetricsLogger, step: int, tokenizer: Any, final_stats: dict[str, float]) -> None:
-    """`supervised_save` of a stage that trains a policy (train-sft, train-dpo): its `final/` records the starting
-    model (`reference_spec`) that `rlhf eval` compares against; the held-out figures go to `rlhf_eval.json`
-    only (a config key would be carried into the next stage's model)."""
-    supervised_save(cfg, run_dir, command, eng, ckpts, metrics, step, tokenizer,
-                    {"rlhf_stage": command.kind, "rlhf_reference_model": reference_spec(cfg)},
-                    {"eval": final_stats, "steps": step}, final_stats)
+    @classmethod
+    def start(cls, cfg: Any, run_dir: Path, command: Command, examples: str) -> SupervisedTrainer:
+        """The run's first steps (`start_run`: process group, run dir, seeded RNGs)."""
+        return cls(cfg, start_run(cfg, run_dir), command, examples)
 
+    @property
+    def section(self) -> Any:
+        """The command's own config section (`cfg.rm`, `cfg.sft`, `cfg.dpo`)."""
+        return self.cfg[self.command.section]
 
-def supervised_save(cfg: Any, run_dir: Path, command: Command, eng: engine.TrainEngine, ckpts: Checkpoints,
-                    metrics: MetricsLogger, step: int, tokenizer: Any, extra_config: dict[str, Any],
-                    eval_record: dict[str, Any], rows: dict[str, Any]) -> None:
-    """A supervised stage's end: the last checkpoint (`final=True`; without the optimizer state when
-    `paths.keep_optimizer=false`), `final/` in HF format with `extra_config` in its config.json (`models.save_model`;
-    LoRA merged), `final/rlhf_eval.json` (`eval_record`), the pointer of the `command`'s kind
-    (`commands.Command`; `lifecycle.finish_run`), the finish table (`rows`, then the checkpoint and the pointer);
-    then every rank waits and the metrics close."""
-    ckpts.save(step, final=True)
-    final = run_dir / "final"
-    state_dict = eng.consolidated_state_dict()
-    if engine.is_main():
-        save_model(eng.module, state_dict, tokenizer, final, model_source(cfg.model), extra_config=extra_config)
-        atomic_write_json(final / "rlhf_eval.json", eval_record)
-        pointer = finish_run(cfg, run_dir, final, command.kind, steps=step)
-        print_table(f"{command.name} finished", {**rows, "checkpoint": str(final),
-                                         "pointer": str(pointer or "not moved (a sweep job)")})
-    engine.barrier()
-    metrics.close()
+    def load_data(self, loader: Callable[..., Any]) -> tuple[Any, tuple[int, ...], Any]:
+        """The data step: the tokenizer of `cfg.model`, the run's EOS set (`eos.eos_ids`),
+        `loader(cfg.data, tokenizer, eos_ids=...)`'s split (`data.load_sft_data` or `load_preference_data`) and its
+        lineage record (the command's run-dir kind). Returns (tokenizer, the EOS ids, data).
+
+        Raises:
+            ConfigError: fewer training examples than one batch (`<section>.batch_size`), in one line.
+        """
+        cfg, batch_size = self.cfg, self.section.batch_size
+        tokenizer = load_tokenizer(cfg.model)
+        eos = eos_ids(tokenizer, load_generation_config(cfg.model))  # where a response ends
+        data = loader(cfg.data, tokenizer, eos_ids=eos)
+        lineage.record(self.run_dir, cfg, self.command.kind, data.summary, {"model": model_source(cfg.model)},
+                       write=engine.is_main())
+        if len(data.train) < batch_size:
+            raise ConfigError(f"only {len(data.train)} training {self.examples}, fewer than "
+                              f"{self.command.section}.batch_size={batch_size}: {data.summary.drops()}")
+        return tokenizer, eos, data
+
+    def plan(self, n_train: int) -> int:
+        """The run's length (`total_steps`) from `n_train` training examples; returns the examples left out of each
+        epoch. An epoch is `n_train // batch_size` steps, its last partial batch dropped (each epoch reshuffles, so
+        other examples sit out; said once, naming `<section>.batch_size`); `max_steps` overrides `epochs` epochs."""
+        sec, key = self.section, f"{self.command.section}.batch_size"
+        steps_per_epoch = n_train // sec.batch_size
+        dropped = n_train - steps_per_epoch * sec.batch_size
+        if dropped and engine.is_main():
+            log.warning("each epoch trains on %d of %d %s: the last partial batch of %d is dropped (%s=%d; each "
+                        "epoch reshuffles, so different %s sit out)", n_train - dropped, n_train, self.examples,
+                        dropped, key, sec.batch_size, self.examples)
+        self.total_steps = sec.max_steps or steps_per_epoch * sec.epochs
+        return dropped
+
+    def start_table(self, model: Any, n_params: int, data: Any, rows: dict[str, Any], precision: str) -> None:
+        """The start table (also the dry run's): the model, its size `n_params` (non-embedding parameters, counted
+        before any LoRA adapter) and the parameters trained, the stage's own `rows`, batch / micro-batch / world
+        size, `precision` (the stage's text), the ZeRO stage, the data summary and the checkpoint size plan of
+        `total_steps` steps saving every `save_every` (`lifecycle.checkpoint_plan`)."""
+        cfg, sec = self.cfg, self.section
+        print_table(f"{self.command.name}: {self.run_dir}", {
+            "model": cfg.model.name, "params (non-embedding)": n_params,
+            "trained params": trained_parameters(model, cfg.model.lora), **rows,
+            "batch / micro / world": f"{sec.batch_size} / {sec.micro_batch_size} / {engine.world_size()}",
+            "precision": precision, "zero stage": cfg.deepspeed.zero_stage, "data": data.summary,
+            "checkpoint size": checkpoint_plan([model], cfg.paths, cfg.deepspeed.zero_stage, self.run_dir,
+                                               self.total_steps, sec.save_every),
+        })
+
+    def dry_run_exit(self) -> bool:
+        """`dry_run_exit` of this run: True when the stage stops after its start table."""
+        return dry_run_exit(self.cfg, self.run_dir)
+
+    def build_engine(self, model: Any) -> engine.TrainEngine:
+        """The `engine.TrainEngine` of `model` from the section's keys (AdamW's lr, betas and weight decay, the
+        warm-up fraction and schedule over `total_steps`, batch and micro-batch, gradient clipping; `deepspeed.*`
+        and `precision` from the run), the metrics logger (`metrics.jsonl` and the trackers of `logger`/`tracker`,
+        rank 0) and the checkpoints (`paths.keep_checkpoints`, `paths.keep_optimizer`). Returns the engine; the
+        stage resumes (`resume`) when it is ready to."""
+        cfg, sec, total = self.cfg, self.section, self.total_steps
+        self.eng = engine.TrainEngine(
+            model, cfg.deepspeed, cfg.precision, lr=sec.lr, train_batch_size=sec.batch_size,
+            micro_batch_size=sec.micro_batch_size, total_steps=total, warmup_steps=int(sec.warmup_ratio * total),
+            scheduler=sec.lr_scheduler, weight_decay=sec.weight_decay, betas=tuple(sec.betas),
+            max_grad_norm=sec.max_grad_norm)
+        self.metrics = MetricsLogger(self.run_dir, enabled=engine.is_main(), loggers=cfg.logger, tracker=cfg.tracker,
+                                     config=OmegaConf.to_container(cfg, resolve=True))
+        self.ckpts = Checkpoints(self.run_dir, {"": self.eng}, cfg.paths.keep_checkpoints, cfg.paths.keep_optimizer)
+        return self.eng
+
+    def resume(self) -> None:
+        """`resume=`: the checkpoint's weights, optimizer and step (`step`), and its metrics kept up to it."""
+        self.step, _ = self.ckpts.resume(self.cfg.resume, self.metrics)
+
+    def loop(self, train: Sequence[dict[str, Any]], progress_keys: Sequence[str],
+             train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
+             evaluate: Callable[[], dict[str, float]] | None) -> int:
+        """The optimizer-step loop, from `step` (0, or the step a resume loaded) to `total_steps`; returns the last
+        step (also in `step`).
+
+        Each step takes the next `batch_size` examples of `train` in the epoch's seeded order
+        (`data.epoch_order` with `(data.seed, seed)`, by length groups of `micro_batch_size` when
+        `data.group_by_length`; an epoch is `len(train) // batch_size` steps, its last partial batch dropped), gives
+        this rank its contiguous share to `train_step(examples)`, which runs the micro-batches, the backwards and
+        the engine steps and returns the step's record, to which the loop adds `<section>/epoch` (epochs done:
+        `rm/epoch`). Every `eval_every` steps (not at the last one: `train` evaluates after the loop)
+        `evaluate()`'s figures join the record; the record is logged every `log_every` steps, at the last, and with
+        held-out figures; a checkpoint is written every `save_every` steps, and on Ctrl-C (or SIGTERM) before the
+        interrupt goes on: one that arrives during a step lets the step and its record finish first
+        (`lifecycle.deferred_interrupts`), on every rank. The engine is in train mode for every `train_step`."""
+        cfg, sec, eng, total_steps, step = self.cfg, self.section, self.eng, self.total_steps, self.step
+        steps_per_epoch = len(train) // sec.batch_size
+        lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
+        progress = Progress(total_steps, self.command.name, list(progress_keys), enabled=engine.is_main(),
+                            start=step)
+        order_epoch, order = -1, []
+        eng.train()
+        stepping = False
+        try:
+            while step < total_steps:
+                epoch, pos = divmod(step, steps_per_epoch)
+                if epoch != order_epoch:
+                    order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, sec.micro_batch_size)
+                    order_epoch = epoch
+                mine = rank_share(train, order, pos, sec.batch_size)
+                # a checkpoint mid-step would hold the step's weights under the previous step (or none of its row):
+                # a Ctrl-C/SIGTERM here lets the step and its record finish, then saves it (a second one stops at
+                # once, without a checkpoint)
+                with deferred_interrupts() as pending:
+                    stepping = True
+                    record = train_step(mine)
+                    step += 1
+                    record[f"{self.command.section}/epoch"] = step / steps_per_epoch
+                    evaluated = (evaluate is not None and sec.eval_every and step % sec.eval_every == 0
+                                 and step < total_steps)
+                    if evaluated:
+                        record.update(evaluate())
+                        eng.train()
+                    if step % sec.log_every == 0 or step == total_steps or evaluated:  # held-out figures always
+                        self.metrics.log(step, record)
+                    progress.update(1, record)
+                    stepping = False
+                if sec.save_every and step % sec.save_every == 0 and step < total_steps:
+                    self.ckpts.save(step)
+                if engine.all_reduce_sum(torch.tensor(float(bool(pending)))).item() > 0:  # every rank stops together
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            progress.close()
+            save_on_interrupt(self.ckpts, step, stepping)
+            raise
+        progress.close()
+        self.step = step
+        return step
+
+    def train(self, train: Sequence[dict[str, Any]], progress_keys: Sequence[str],
+              train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
+              evaluate: Callable[[], dict[str, float]] | None) -> dict[str, float]:
+        """`loop`, then `evaluate()` once more after the last step, its figures logged at that step. Returns the
+        final held-out figures ({} when `evaluate` is None: no held-out examples)."""
+        step = self.loop(train, progress_keys, train_step, evaluate)
+        final_stats = evaluate() if evaluate is not None else {}
+        if final_stats:
+            self.metrics.log(step, final_stats)
+        return final_stats
+
+    def save(self, tokenizer: Any, extra_config: dict[str, Any], eval_record: dict[str, Any],
+             rows: dict[str, Any]) -> None:
+        """The run's end: the last checkpoint (`final=True`; without the optimizer state when
+        `paths.keep_optimizer=false`), `final/` in HF format with `extra_config` in its config.json
+        (`models.save_model`; LoRA merged), `final/rlhf_eval.json` (`eval_record`), the pointer of the command's kind
+        (`lifecycle.finish_run`), the finish table (`rows`, then the checkpoint and the pointer); then every rank
+        waits and the metrics close."""
+        cfg, step = self.cfg, self.step
+        self.ckpts.save(step, final=True)
+        final = self.run_dir / "final"
+        state_dict = self.eng.consolidated_state_dict()
+        if engine.is_main():
+            save_model(self.eng.module, state_dict, tokenizer, final, model_source(cfg.model),
+                       extra_config=extra_config)
+            atomic_write_json(final / "rlhf_eval.json", eval_record)
+            pointer = finish_run(cfg, self.run_dir, final, self.command.kind, steps=step)
+            print_table(f"{self.command.name} finished", {**rows, "checkpoint": str(final),
+                                                          "pointer": str(pointer or "not moved (a sweep job)")})
+        engine.barrier()
+        self.metrics.close()
+
+    def save_policy(self, tokenizer: Any, final_stats: dict[str, float]) -> None:
+        """`save` of a stage that trains a policy (train-sft, train-dpo): its `final/` records the starting model
+        (`reference_spec`) that `rlhf eval` compares against; the held-out figures go to `rlhf_eval.json` only (a
+        config key would be carried into the next stage's model)."""
+        self.save(tokenizer, {"rlhf_stage": self.command.kind, "rlhf_reference_model": reference_spec(self.cfg)},
+                  {"eval": final_stats, "steps": self.step}, final_stats)

@@ -41,18 +41,7 @@ from rlhf_cli.core import dpo_loss
 from rlhf_cli.data import load_preference_data
 from rlhf_cli.forwards import FrozenWithoutAdapters, pair_collator, pair_logprobs
 from rlhf_cli.models import add_lora, count_parameters, disable_dropout, load_causal_lm, lora_enabled
-from rlhf_cli.stages.common import (
-    dry_run_exit,
-    optimizer_stats,
-    save_policy_run,
-    start_run,
-    supervised_data,
-    supervised_start,
-    supervised_steps,
-    supervised_table,
-    supervised_train,
-    throughput_stats,
-)
+from rlhf_cli.stages.common import SupervisedTrainer, optimizer_stats, throughput_stats
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -150,26 +139,23 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     Raises:
         ConfigError: a bad key or data (fewer training pairs than `dpo.batch_size`), in one line.
     """
-    run_dir = start_run(cfg, run_dir)
-    tokenizer, _, data = supervised_data(cfg, run_dir, COMMAND.kind, load_preference_data, cfg.dpo.batch_size,
-                                         "dpo.batch_size", "pairs")
+    tr = SupervisedTrainer.start(cfg, run_dir, COMMAND, "pairs")
+    tokenizer, _, data = tr.load_data(load_preference_data)
     if cfg.data.margin_key and engine.is_main():
         log.warning("data.margin_key=%s is not read by %s: the DPO losses have no per-pair margin", cfg.data.margin_key,
                     COMMAND.invocation)
     model, n_params, reference_model, what = build_models(cfg, tokenizer)
-    total_steps, _ = supervised_steps(cfg.dpo, "dpo.batch_size", len(data.train), "pairs")
-    start_table(cfg, run_dir, model, n_params, data, total_steps, what)
-    if dry_run_exit(cfg, run_dir):
+    tr.plan(len(data.train))
+    start_table(tr, model, n_params, data, what)
+    if tr.dry_run_exit():
         return None
-    eng, metrics, ckpts = supervised_start(model, cfg, cfg.dpo, total_steps, run_dir)
+    eng = tr.build_engine(model)
     collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
     reference = build_reference(cfg, reference_model if reference_model is not None else eng.module, data, collate)
-    step, _ = ckpts.resume(cfg.resume, metrics)  # after a precomputed reference: from the starting weights
+    tr.resume()  # after a precomputed reference: from the starting weights
     evaluate = partial(heldout_eval, eng, reference, data.eval, collate, cfg) if data.eval else None
-    step_fn = partial(train_step, eng, reference, collate, cfg)
-    step, final_stats = supervised_train(eng, cfg, cfg.dpo, data.train, step, total_steps, ckpts, metrics,
-                                         COMMAND, PROGRESS_KEYS, step_fn, evaluate)
-    save_policy_run(cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer, final_stats)
+    final_stats = tr.train(data.train, PROGRESS_KEYS, partial(train_step, eng, reference, collate, cfg), evaluate)
+    tr.save_policy(tokenizer, final_stats)
     return final_stats.get("eval/dpo/accuracy")
 
 
@@ -190,15 +176,15 @@ def build_models(cfg: Any, tokenizer: Any) -> tuple[Any, int, Any, str]:
     return model, n_params, None, "the starting weights"  # the policy itself, before its first step
 
 
-def start_table(cfg: Any, run_dir: Path, model: Any, n_params: int, data: Any, total_steps: int, what: str) -> None:
-    """train-dpo's start table (`common.supervised_table`): the loss and its options, the reference (`what`, and
+def start_table(tr: SupervisedTrainer, model: Any, n_params: int, data: Any, what: str) -> None:
+    """train-dpo's start table (`SupervisedTrainer.start_table`): the loss and its options, the reference (`what`, and
     whether its log-probs are precomputed), pairs and steps."""
-    dc = cfg.dpo
-    supervised_table(cfg, run_dir, COMMAND.name, model, n_params, dc, data, total_steps, {
+    dc = tr.cfg.dpo
+    tr.start_table(model, n_params, data, {
         "loss": f"{dc.loss} (beta={dc.beta:g}, label_smoothing={dc.label_smoothing:g}, sft_weight={dc.sft_weight:g})",
         "reference": what + (", log-probs precomputed" if dc.precompute_reference else ", with each micro-batch"),
-        "train pairs": len(data.train), "eval pairs": len(data.eval), "optimizer steps": total_steps,
-    }, f"{cfg.precision} (policy, reference and held-out passes alike; scoring_precision not read)")
+        "train pairs": len(data.train), "eval pairs": len(data.eval), "optimizer steps": tr.total_steps,
+    }, f"{tr.cfg.precision} (policy, reference and held-out passes alike; scoring_precision not read)")
 
 
 def build_reference(cfg: Any, model: Any, data: Any, collate: Callable) -> Reference:

@@ -21,21 +21,9 @@ from rlhf_cli.commands import by_stage
 from rlhf_cli.core import pairwise_loss, sample_std
 from rlhf_cli.data import load_preference_data
 from rlhf_cli.forwards import forward_pairs, pair_collator, pair_metrics, score_pairs
-from rlhf_cli.lifecycle import Checkpoints
 from rlhf_cli.models import add_lora, count_parameters, load_scalar_model, lora_enabled, with_scoring_template
-from rlhf_cli.runs import MetricsLogger, atomic_write_json
-from rlhf_cli.stages.common import (
-    dry_run_exit,
-    optimizer_stats,
-    start_run,
-    supervised_data,
-    supervised_loop,
-    supervised_save,
-    supervised_start,
-    supervised_steps,
-    supervised_table,
-    throughput_stats,
-)
+from rlhf_cli.runs import atomic_write_json
+from rlhf_cli.stages.common import SupervisedTrainer, optimizer_stats, throughput_stats
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -51,23 +39,20 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     Raises:
         ConfigError: a bad key or data (fewer training pairs than `rm.batch_size`), in one line.
     """
-    run_dir = start_run(cfg, run_dir)
-    tokenizer, eos, data = supervised_data(cfg, run_dir, COMMAND.kind, load_preference_data, cfg.rm.batch_size,
-                                           "rm.batch_size", "pairs")
+    tr = SupervisedTrainer.start(cfg, run_dir, COMMAND, "pairs")
+    tokenizer, eos, data = tr.load_data(load_preference_data)
     model, n_params = build_model(cfg)
-    total_steps, dropped = supervised_steps(cfg.rm, "rm.batch_size", len(data.train), "pairs")
-    start_table(cfg, run_dir, model, n_params, data, total_steps, dropped)
-    if dry_run_exit(cfg, run_dir):
+    dropped = tr.plan(len(data.train))
+    start_table(tr, model, n_params, data, dropped)
+    if tr.dry_run_exit():
         return None
-    eng, metrics, ckpts = supervised_start(model, cfg, cfg.rm, total_steps, run_dir)
-    step, _ = ckpts.resume(cfg.resume, metrics)
+    eng = tr.build_engine(model)
+    tr.resume()
     collate = pair_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
     evaluate = partial(heldout_metrics, eng, data.eval, tokenizer.pad_token_id, cfg) if data.eval else None
-    step = supervised_loop(eng, cfg, cfg.rm, data.train, step, total_steps, ckpts, metrics, COMMAND,
-                           PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
-    final_stats, score_stats = final_eval(eng, data.eval, tokenizer.pad_token_id, cfg, run_dir, metrics, step)
-    save(cfg, run_dir, eng, ckpts, metrics, step, with_scoring_template(tokenizer, eos), eos, final_stats,
-         score_stats)
+    tr.loop(data.train, PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
+    final_stats, score_stats = final_eval(tr, data.eval, tokenizer.pad_token_id)
+    save(tr, with_scoring_template(tokenizer, eos), eos, final_stats, score_stats)
     return final_stats.get("rm/accuracy")
 
 
@@ -82,13 +67,12 @@ def build_model(cfg: Any) -> tuple[Any, int]:
     return model, n_params
 
 
-def start_table(cfg: Any, run_dir: Path, model: Any, n_params: int, data: Any, total_steps: int,
-                dropped: int) -> None:
-    """train-rm's start table (`common.supervised_table`): pairs, steps, the pairs an epoch drops, and the
+def start_table(tr: SupervisedTrainer, model: Any, n_params: int, data: Any, dropped: int) -> None:
+    """train-rm's start table (`SupervisedTrainer.start_table`): pairs, steps, the pairs an epoch drops, and the
     held-out scoring precision (`scoring_precision`: fp32 under bf16-autocast by default)."""
-    n_train = len(data.train)
-    supervised_table(cfg, run_dir, COMMAND.name, model, n_params, cfg.rm, data, total_steps, {
-        "train pairs": n_train, "eval pairs": len(data.eval), "optimizer steps": total_steps,
+    cfg, n_train = tr.cfg, len(data.train)
+    tr.start_table(model, n_params, data, {
+        "train pairs": n_train, "eval pairs": len(data.eval), "optimizer steps": tr.total_steps,
         "pairs per epoch": f"{n_train - dropped} ({dropped} in a partial batch dropped)" if dropped else n_train,
     }, f"{cfg.precision} (held-out scoring: {engine.scoring_precision(cfg.precision, cfg.scoring_precision)})")
 
@@ -139,36 +123,35 @@ def heldout_metrics(eng: engine.TrainEngine, heldout: Any, pad_id: int, cfg: Any
     return {f"eval/{k}": v for k, v in pair_metrics(*heldout_scores(eng, heldout, pad_id, cfg)).items()}
 
 
-def final_eval(eng: engine.TrainEngine, heldout: Any, pad_id: int, cfg: Any, run_dir: Path, metrics: MetricsLogger,
-               step: int) -> tuple[dict[str, float], tuple[float, float] | None]:
+def final_eval(tr: SupervisedTrainer, heldout: Any, pad_id: int
+               ) -> tuple[dict[str, float], tuple[float, float] | None]:
     """The held-out pairs scored once more after the last step: their `pair_metrics` (logged as `eval/rm/*` at
-    `step`), the scores in `rewards.json` (rank 0), and the (mean, sample std) of all their scores that train-ppo
-    normalises with. Returns (the metrics, (mean, std)); ({}, None) without held-out pairs: nothing is measured,
-    so no normalisation is stored."""
+    the run's last step), the scores in `rewards.json` (rank 0), and the (mean, sample std) of all their scores that
+    train-ppo normalises with. Returns (the metrics, (mean, std)); ({}, None) without held-out pairs: nothing is
+    measured, so no normalisation is stored."""
     if not heldout:
         return {}, None
-    chosen, rejected = heldout_scores(eng, heldout, pad_id, cfg)
+    chosen, rejected = heldout_scores(tr.eng, heldout, pad_id, tr.cfg)
     final_stats = pair_metrics(chosen, rejected)
     both = torch.cat([chosen, rejected])
     score_stats = float(both.mean()), sample_std(both.tolist()) if both.numel() > 1 else 1.0
-    metrics.log(step, {f"eval/{k}": v for k, v in final_stats.items()})
+    tr.metrics.log(tr.step, {f"eval/{k}": v for k, v in final_stats.items()})
     if engine.is_main():
-        atomic_write_json(run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
+        atomic_write_json(tr.run_dir / "rewards.json", {"chosen": chosen.tolist(), "rejected": rejected.tolist()})
     return final_stats, score_stats
 
 
-def save(cfg: Any, run_dir: Path, eng: engine.TrainEngine, ckpts: Checkpoints, metrics: MetricsLogger, step: int,
-         tokenizer: Any, eos: tuple[int, ...], final_stats: dict[str, float],
+def save(tr: SupervisedTrainer, tokenizer: Any, eos: tuple[int, ...], final_stats: dict[str, float],
          score_stats: tuple[float, float] | None) -> None:
-    """`final/` (`common.supervised_save`) with the held-out score statistics train-ppo reads (`rlhf_reward_mean`,
+    """`final/` (`SupervisedTrainer.save`) with the held-out score statistics train-ppo reads (`rlhf_reward_mean`,
     `rlhf_reward_std`; none without held-out pairs), the EOS set, the held-out accuracy, and `rlhf_eval.json`."""
     reward_mean, reward_std = score_stats if score_stats is not None else (None, None)
     stats = {} if reward_mean is None else {"rlhf_reward_mean": reward_mean, "rlhf_reward_std": reward_std}
-    supervised_save(
-        cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer,
+    tr.save(
+        tokenizer,
         {**stats, "rlhf_stage": COMMAND.kind, "eos_token_id": list(eos),
          "rlhf_eval_accuracy": final_stats.get("rm/accuracy")},
-        {"eval": final_stats, "reward_mean": reward_mean, "reward_std": reward_std, "steps": step},
+        {"eval": final_stats, "reward_mean": reward_mean, "reward_std": reward_std, "steps": tr.step},
         {**{f"eval {k}": v for k, v in final_stats.items()},
          "reward mean/std": ("none (no held-out pairs)" if reward_mean is None
                              else f"{reward_mean:.4g} / {reward_std:.4g}")})

@@ -29,18 +29,7 @@ from rlhf_cli.commands import by_stage
 from rlhf_cli.data import load_sft_data
 from rlhf_cli.forwards import response_logprobs, sft_collator
 from rlhf_cli.models import add_lora, count_parameters, load_causal_lm, lora_enabled
-from rlhf_cli.stages.common import (
-    dry_run_exit,
-    optimizer_stats,
-    save_policy_run,
-    start_run,
-    supervised_data,
-    supervised_start,
-    supervised_steps,
-    supervised_table,
-    supervised_train,
-    throughput_stats,
-)
+from rlhf_cli.stages.common import SupervisedTrainer, optimizer_stats, throughput_stats
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -76,21 +65,19 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     Raises:
         ConfigError: a bad key or data (fewer training demonstrations than `sft.batch_size`), in one line.
     """
-    run_dir = start_run(cfg, run_dir)
-    tokenizer, _, data = supervised_data(cfg, run_dir, COMMAND.kind, load_sft_data, cfg.sft.batch_size,
-                                         "sft.batch_size", "demonstrations")
+    tr = SupervisedTrainer.start(cfg, run_dir, COMMAND, "demonstrations")
+    tokenizer, _, data = tr.load_data(load_sft_data)
     model, n_params = build_model(cfg, tokenizer)
-    total_steps, _ = supervised_steps(cfg.sft, "sft.batch_size", len(data.train), "demonstrations")
-    start_table(cfg, run_dir, model, n_params, data, total_steps)
-    if dry_run_exit(cfg, run_dir):
+    tr.plan(len(data.train))
+    start_table(tr, model, n_params, data)
+    if tr.dry_run_exit():
         return None
-    eng, metrics, ckpts = supervised_start(model, cfg, cfg.sft, total_steps, run_dir)
-    step, _ = ckpts.resume(cfg.resume, metrics)
+    eng = tr.build_engine(model)
+    tr.resume()
     collate = sft_collator(eng.module, tokenizer.pad_token_id, cfg.data.packing)
     evaluate = partial(heldout_eval, eng, data.eval, collate, cfg) if data.eval else None
-    step, final_stats = supervised_train(eng, cfg, cfg.sft, data.train, step, total_steps, ckpts, metrics,
-                                         COMMAND, PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
-    save_policy_run(cfg, run_dir, COMMAND, eng, ckpts, metrics, step, tokenizer, final_stats)
+    final_stats = tr.train(data.train, PROGRESS_KEYS, partial(train_step, eng, collate, cfg), evaluate)
+    tr.save_policy(tokenizer, final_stats)
     return final_stats.get("eval/sft/loss")
 
 
@@ -104,12 +91,13 @@ def build_model(cfg: Any, tokenizer: Any) -> tuple[Any, int]:
     return model, n_params
 
 
-def start_table(cfg: Any, run_dir: Path, model: Any, n_params: int, data: Any, total_steps: int) -> None:
-    """train-sft's start table (`common.supervised_table`): demonstrations, steps and response tokens trained on."""
-    supervised_table(cfg, run_dir, COMMAND.name, model, n_params, cfg.sft, data, total_steps, {
+def start_table(tr: SupervisedTrainer, model: Any, n_params: int, data: Any) -> None:
+    """train-sft's start table (`SupervisedTrainer.start_table`): demonstrations, steps and response tokens trained
+    on."""
+    tr.start_table(model, n_params, data, {
         "train demonstrations": len(data.train), "eval demonstrations": len(data.eval),
-        "optimizer steps": total_steps, "train response tokens": response_tokens(data.train),
-    }, cfg.precision)
+        "optimizer steps": tr.total_steps, "train response tokens": response_tokens(data.train),
+    }, tr.cfg.precision)
 
 
 def train_step(eng: engine.TrainEngine, collate: Callable, cfg: Any, mine: list[dict[str, Any]]) -> dict[str, float]:

@@ -1,13 +1,13 @@
-"""Advantage estimators (`core/estimators.py`, `core/groups.py`): one signature, the config's list in step with the
-registry, and each critic-free estimator against a hand-computed case and a loop reference, including flat
-groups, groups of one and masked rows."""
+"""Advantage estimators (`core/estimators.py`, `core/groups.py`): one signature, each bound to its declaration in
+`registry.ADVANTAGE_ESTIMATORS`, and each critic-free estimator against a hand-computed case and a loop reference,
+including flat groups, groups of one and masked rows."""
 
 import math
 
 import pytest
 import torch
 
-from rlhf_cli import config
+from rlhf_cli import config, registry
 from rlhf_cli.core import (
     ESTIMATORS,
     compute_gae,
@@ -16,7 +16,7 @@ from rlhf_cli.core import (
     informative_groups,
     kl_penalized_rewards,
 )
-from rlhf_cli.core.estimators import register
+from rlhf_cli.core.estimators import AdvantageEstimator
 
 CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
@@ -71,8 +71,10 @@ def loop_reference(name, rewards, mask, scores, groups, valid, gamma, eps=1e-6):
     return adv
 
 
-def test_the_config_offers_exactly_the_registered_estimators():
-    assert set(config.ESTIMATORS) == set(ESTIMATORS)
+def test_each_estimator_carries_its_declaration():
+    assert list(ESTIMATORS) == list(registry.ADVANTAGE_ESTIMATORS.names)
+    assert all({**vars(e), "fn": None} == {**vars(registry.ADVANTAGE_ESTIMATORS[n]), "fn": None}
+               for n, e in ESTIMATORS.items())
     assert config.PPOConfig().advantage_estimator == "gae"
     assert [n for n, e in ESTIMATORS.items() if not e.needs_critic] == list(CRITIC_FREE)
     assert {n: e.min_group_size for n, e in ESTIMATORS.items()} == {"gae": 1, "grpo": 2, "dr_grpo": 2, "rloo": 2,
@@ -181,24 +183,17 @@ def test_informative_groups_hand_computed():
         assert bool(kept[rows].any()) == bool(kept[rows].all())
 
 
-def test_a_registered_estimator_is_called_through_the_one_signature(monkeypatch):
-    monkeypatch.setattr("rlhf_cli.core.estimators.ESTIMATORS", dict(ESTIMATORS))
-    from rlhf_cli.core import estimators
-
+def test_a_bound_estimator_is_called_through_the_one_signature():
     seen = {}
 
-    @register("sum_to_go", needs_critic=False)
     def sum_to_go(rewards, mask, *, values, gamma, lam, **rest):
         seen.update(values=values, gamma=gamma, lam=lam, keys=sorted(rest))
         adv = (rewards * mask).flip(1).cumsum(1).flip(1) * mask
         return adv, adv
 
+    estimator = AdvantageEstimator("sum_to_go", fn=sum_to_go)
     rewards, _, mask = rollout(1)
-    adv, _ = estimators.ESTIMATORS["sum_to_go"](rewards, mask, scores=torch.zeros(4), groups=torch.arange(4),
-                                                valid=torch.ones(4, dtype=torch.bool), values=None, gamma=1.0,
-                                                lam=0.5)
+    adv, _ = estimator(rewards, mask, scores=torch.zeros(4), groups=torch.arange(4),
+                       valid=torch.ones(4, dtype=torch.bool), values=None, gamma=1.0, lam=0.5)
     assert seen == {"values": None, "gamma": 1.0, "lam": 0.5, "keys": ["groups", "scores", "valid"]}
     assert torch.allclose(adv[1, 0], rewards[1, :3].sum()) and adv[1, 3:].abs().sum() == 0
-    assert "sum_to_go" not in ESTIMATORS  # the module's table was a copy for this test
-    with pytest.raises(ValueError, match="already registered"):
-        register("gae", needs_critic=True)(sum_to_go)

@@ -15,7 +15,6 @@ from rlhf_cli.core import (
     logprobs_from_logits,
     pairwise_loss,
     policy_loss,
-    ppo_total_loss,
     value_loss,
 )
 
@@ -248,7 +247,7 @@ def test_value_loss_rejects_bad_value_clip():
         value_loss(x, x, x, x, 0.0)
 
 
-# ---------------------------------------------------------------- entropy_bonus / ppo_total_loss
+# ---------------------------------------------------------------- entropy_bonus
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -276,29 +275,6 @@ def test_entropy_bonus_needs_exactly_one_source():
         entropy_bonus(None, torch.ones(1, 2))
     with pytest.raises(ValueError, match="exactly one"):
         entropy_bonus(torch.zeros(1, 2, 3), torch.ones(1, 2), entropy=torch.zeros(1, 2))
-
-
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_ppo_total_loss_is_the_weighted_sum(aggregation):
-    d = rand_ppo_batch(4, 4, 6)
-    pg, pg_stats = policy_loss(
-        d["logprobs"], d["old_logprobs"], d["advantages"], d["mask"], 0.2, aggregation=aggregation
-    )
-    vf, vf_stats = value_loss(d["values"], d["old_values"], d["returns"], d["mask"], 0.3, aggregation=aggregation)
-    ent, ent_stats = entropy_bonus(d["logits"], d["mask"], aggregation=aggregation)
-    args = [d[k] for k in ("logprobs", "old_logprobs", "advantages", "values", "old_values", "returns", "mask")]
-    total, stats = ppo_total_loss(*args, 0.2, 0.3, 0.5, 0.01, aggregation=aggregation, logits=d["logits"])
-    assert total.item() == pytest.approx((pg + 0.5 * vf - 0.01 * ent).item(), abs=1e-12)
-    assert stats == {**pg_stats, **vf_stats, **ent_stats}
-    total_e, _ = ppo_total_loss(
-        *args, 0.2, 0.3, 0.5, 0.01, aggregation=aggregation, entropy=entropy_from_logits(d["logits"])
-    )
-    assert torch.equal(total_e, total)
-    no_ent, stats = ppo_total_loss(*args, 0.2, 0.3, 0.5, 0.0, aggregation=aggregation)
-    assert no_ent.item() == pytest.approx((pg + 0.5 * vf).item(), abs=1e-12)
-    assert set(stats) == POLICY_KEYS | VALUE_KEYS
-    with pytest.raises(ValueError, match="c2"):
-        ppo_total_loss(*args, 0.2, 0.3, 0.5, 0.01)
 
 
 # ---------------------------------------------------------------- pairwise_loss
@@ -350,6 +326,18 @@ def test_pairwise_loss_bf16_within_tolerance_of_fp32():
 # ---------------------------------------------------------------- empty masks
 
 
+def three_terms(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip, value_clip, c1, c2,
+                num_tokens=None, aggregation="token-mean", num_seqs=None, *, logits):
+    """policy_loss + c1 · value_loss − c2 · entropy_bonus, as the update of a shared critic adds them
+    (`rollout.learner.Learner.losses`), with the union of their stats: the properties below hold of the three
+    terms together."""
+    agg = {"num_tokens": num_tokens, "aggregation": aggregation, "num_seqs": num_seqs}
+    pg, stats = policy_loss(logprobs, old_logprobs, advantages, mask, clip, **agg)
+    vf, vf_stats = value_loss(values, old_values, returns, mask, value_clip, **agg)
+    bonus, ent_stats = entropy_bonus(logits, mask, **agg)
+    return pg + c1 * vf - c2 * bonus, {**stats, **vf_stats, **ent_stats}
+
+
 def test_all_zero_mask_gives_zero_loss_with_graph():
     d = rand_ppo_batch(1, 3, 4, dtype=torch.float32)
     mask = torch.zeros(3, 4, dtype=torch.bool)
@@ -358,7 +346,7 @@ def test_all_zero_mask_gives_zero_loss_with_graph():
     logits = d["logits"].clone().requires_grad_(True)
     for aggregation in AGGREGATIONS:
         for num_tokens in (None, 0):
-            loss, stats = ppo_total_loss(
+            loss, stats = three_terms(
                 lp, d["old_logprobs"], d["advantages"], values, d["old_values"], d["returns"], mask,
                 0.2, 0.2, 0.5, 0.01, num_tokens, aggregation, logits=logits,
             )  # fmt: skip
@@ -404,7 +392,7 @@ def test_padding_garbage_changes_no_output(seed, B, T, value, aggregation):
         values = batch["values"].clone().requires_grad_(True)
         logits = batch["logits"].clone().requires_grad_(True)
         args = (lp, batch["old_logprobs"], batch["advantages"], values, batch["old_values"], batch["returns"], mask)
-        loss, stats = ppo_total_loss(*args, 0.2, 0.2, 0.5, 0.01, aggregation=aggregation, logits=logits)
+        loss, stats = three_terms(*args, 0.2, 0.2, 0.5, 0.01, aggregation=aggregation, logits=logits)
         loss.backward()
         return loss, stats, lp.grad, values.grad, logits.grad
 
@@ -436,7 +424,7 @@ def test_micro_batches_with_num_tokens_give_the_full_batch_gradient(seed, B, T, 
         values = d["values"].clone().requires_grad_(True)
         total = 0.0
         for rows in chunks:
-            loss, _ = ppo_total_loss(
+            loss, _ = three_terms(
                 logprobs_from_logits(logits[rows], d["labels"][rows]),
                 d["old_logprobs"][rows], d["advantages"][rows],
                 values[rows], d["old_values"][rows], d["returns"][rows], mask[rows],
@@ -461,12 +449,12 @@ def test_bf16_inputs_within_tolerance_of_fp32(seed, B, T):
 
     def run(dtype):
         args = [d[k].to(dtype) for k in keys] + [d["mask"]]
-        return ppo_total_loss(*args, 0.2, 0.2, 0.5, 0.01, logits=d["logits"].to(dtype))
+        return three_terms(*args, 0.2, 0.2, 0.5, 0.01, logits=d["logits"].to(dtype))
 
     low, low_stats = run(torch.bfloat16)
     upcast = {**d, **{k: d[k].bfloat16().float() for k in keys + ("logits",)}}
     args = [upcast[k] for k in keys] + [d["mask"]]
-    exact, exact_stats = ppo_total_loss(*args, 0.2, 0.2, 0.5, 0.01, logits=upcast["logits"])
+    exact, exact_stats = three_terms(*args, 0.2, 0.2, 0.5, 0.01, logits=upcast["logits"])
     high, high_stats = run(torch.float32)
     assert low.dtype == torch.float32
     assert low.item() == pytest.approx(exact.item(), abs=1e-6)  # bf16 in, float32 math

@@ -16,10 +16,10 @@ from stage_helpers import assert_same_gradients, compose, grads
 from test_stage_ppo import force_eos
 
 from rlhf_cli import engine
-from rlhf_cli.config import POLICY_LOSSES
 from rlhf_cli.core import KEPT_TOKEN_MEANS
 from rlhf_cli.lifecycle import seed_everything
 from rlhf_cli.preflight import VALIDATORS
+from rlhf_cli.registry import POLICY_LOSSES
 from rlhf_cli.rollout.plan import UpdatePlan, update_order
 from rlhf_cli.stages.ppo import PPOTrainer
 
@@ -89,7 +89,7 @@ def accumulated_gradients(tr, exp, weights, monkeypatch):
     return seen, stats
 
 
-@pytest.mark.parametrize("estimator,losses", [("grpo", POLICY_LOSSES), ("gae", ("ppo", "cispo"))])
+@pytest.mark.parametrize("estimator,losses", [("grpo", POLICY_LOSSES.names), ("gae", ("ppo", "cispo"))])
 def test_the_accumulated_gradient_does_not_depend_on_the_micro_batch_cut(tmp_path, monkeypatch, estimator, losses):
     trainers = {micro: build(tmp_path, estimator, micro) for micro in CUTS}
     first = trainers[CUTS[0]]
