@@ -147,7 +147,7 @@ def check_sweep(command: str, overrides: list[str], composed: list[Any] | None =
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from rlhf_cli.config import ConfigError
-    from rlhf_cli.overrides import check_ignored_keys, explain_composition_error
+    from rlhf_cli.overrides import explain_composition_error, ignored_keys
     from rlhf_cli.preflight import VALIDATORS
     from rlhf_cli.runs import check_writable
 
@@ -161,6 +161,7 @@ def check_sweep(command: str, overrides: list[str], composed: list[Any] | None =
     except Exception:  # noqa: BLE001 - a syntax the basic sweeper cannot expand here: Hydra reports it itself
         return 0
     world = int(os.environ.get("WORLD_SIZE", 1))
+    ignored: dict[str, list[str]] = {}  # a key some job's setting ignores -> those jobs' refusals
     for i, job in enumerate(jobs):
         varying = " ".join(o for o in job if not all(o in other for other in jobs))  # what names this job
         try:
@@ -168,14 +169,18 @@ def check_sweep(command: str, overrides: list[str], composed: list[Any] | None =
         except Exception as e:  # noqa: BLE001 - Hydra's composition error (unknown group option, wrong type)
             raise ConfigError(f"sweep job {i} ({varying}): {explain_composition_error(e, job)}; no job was "
                               f"launched") from None
+        for key, why in ignored_keys(COMMANDS[command], job, cfg):
+            ignored.setdefault(key, []).append(why)
         try:
-            check_ignored_keys(COMMANDS[command], job, cfg)
             VALIDATORS[COMMANDS[command].config_name](cfg, world_size=world)
         except ConfigError as e:
             raise ConfigError(f"sweep job {i} ({varying}): {e}; no job was launched") from None
         check_writable(str(cfg.paths.root))  # each job's `paths.root` (`check_output_root` of one run)
         if composed is not None:
             composed.append(cfg)
+    for why in ignored.values():  # a key the sweep makes matter in some of its jobs is no mistake
+        if len(why) == len(jobs):
+            raise ConfigError(f"every sweep job: {why[0]}; no job was launched")
     return len(jobs)
 
 
@@ -202,19 +207,27 @@ def check_composes(command: str, overrides: list[str]) -> Any | None:
 
 def check_before_setup(command: str, cfg: Any) -> None:
     """The checks of the composed `cfg` that need neither torch nor a model, run before Hydra starts the command so
-    that their one-line errors come in about a second: the command's own validator (`Command.validator`: ranges,
-    choices, batch sizes against `WORLD_SIZE`) and that a local data file it names exists
+    that their one-line errors come in about a second: the command's checks (`preflight.VALIDATORS`: ranges,
+    choices, batch sizes against `WORLD_SIZE`, the estimator's group size, `reward.function` loadable, every local
+    model path holding the right kind of model, from its config.json; a reward model set, or `latest_rm` naming
+    one, where train-ppo needs one), that a local data file it names exists
     (`config.check_data_files`) and, for a local JSON file, its format, columns and rows (`data.check_rows`: the
-    load's file/row/field line). A resumed run is checked again on its recorded config once Hydra runs it.
-    Raises ConfigError, DataError."""
+    load's file/row/field line). A resume is not checked here: the command line is not its config, which is checked
+    once Hydra runs it and `resume_config` has restored the record. Raises ConfigError, DataError."""
     from rlhf_cli.config import check_data_files
     from rlhf_cli.data.datasets import check_rows
+    from rlhf_cli.preflight import VALIDATORS, resolve_reward_model
 
+    if cfg.get("resume"):
+        return
     cmd = COMMANDS[command]
-    cmd.validator(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    VALIDATORS[cmd.config_name](cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    needs_rm = any(m.key == "reward_model.path" and m.needs_model_reward for m in cmd.model_paths)
+    if needs_rm and cfg.reward_model.path is None:
+        resolve_reward_model(cfg)  # unset: `latest_rm` must name a reward model, said before any model loads
     check_data_files(cfg)
-    if cmd.rows is not None and not cfg.get("resume"):
-        check_rows(cfg.data, cmd.rows)
+    if cmd.rows is not None:  # prompts are read from data.path alone (train-ppo holds no eval split out)
+        check_rows(cfg.data, cmd.rows, keys=("path",) if cmd.rows == "prompts" else ("path", "eval_path"))
 
 
 def resume_overrides(command: str, overrides: list[str], root: str | None = None) -> tuple[list[str], str | None]:
@@ -474,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
         _err(str(e))
         sys.exit(2)
     from rlhf_cli.config import ConfigError, register_configs
-    from rlhf_cli.errors import DataError
+    from rlhf_cli.errors import DataError, ModelSourceError
     from rlhf_cli.overrides import check_ignored_keys, check_override_keys
 
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -510,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
             print(resuming, file=sys.stderr)
         reuse_freed_memory(command, adapters)  # the run's own mode, now that its config says whether it trains LoRA
         check_output_root(root)
-    except (ConfigError, DataError, PermissionError) as e:
+    except (ConfigError, DataError, ModelSourceError, PermissionError) as e:
         _err(str(e))
         sys.exit(2)
     register_configs()

@@ -720,18 +720,17 @@ class RunConfig:
     where bf16 matmuls are native (bf16 GPUs, CPUs with AVX512-BF16/AMX), else fp32 — on an AVX2-only
     CPU bf16 is emulated and ~25x slower than fp32. The resolved value is written to config.yaml."""
     scoring_precision: str = "fp32"
-    """Precision of the passes whose numbers are measured or enter the RL math: the policy's log-probs (old
-    logprobs and its training forward: one code path, so the first ratio is exactly 1), the reference's
-    ref_logprobs (so the KL penalty, `objective/kl` and eval's KL), and reward-model scores (train-ppo's reward,
-    train-rm's held-out accuracy and reward statistics, `rlhf eval`). `fp32` (default): these run in fp32 under
-    `precision=bf16-autocast`, whose weights are fp32; sampling, a separate critic (`ppo.critic=separate`; a
-    shared one runs in the policy's pass) and train-rm's training forward keep `precision`. `same`: as
-    `precision`. Why (docs/results.md, bf16): after one AdamW step at lr 1e-6, SmolLM2 in bf16 autocast
-    shows a policy-reference KL ~400x the fp32 KL of the same weights (the bf16 rounding of the moved
-    weights, not their movement, and the same noise enters the ratio); and bf16 moves the demo reward
-    model's pair gaps by 0.28 (std) where half its held-out pairs differ by < 0.09, so its accuracy read
-    0.633 instead of 0.672. The cost: these passes at fp32 speed where bf16 is native. No effect under
-    `precision=fp32`; under `precision=bf16` (bf16 weights) they stay bf16, which the run says once."""
+    """Precision of the passes whose numbers are measured or enter the RL math: the policy's log-probs (old logprobs and
+    its training forward: one code path, so the first ratio is exactly 1), the reference's ref_logprobs (so the KL
+    penalty, `objective/kl` and eval's KL), and reward-model scores (train-ppo's reward, train-rm's held-out accuracy
+    and reward statistics, `rlhf eval`). `fp32` (default): these run in fp32 under `precision=bf16-autocast`, whose
+    weights are fp32; sampling, a separate critic (`ppo.critic=separate`; a shared one runs in the policy's pass) and
+    train-rm's training forward keep `precision`. `same`: as `precision`. Why (docs/results.md, "Precision (bf16)"):
+    after one small AdamW step, SmolLM2 in bf16 autocast shows a policy-reference KL orders of magnitude above the
+    fp32 KL of the same weights (the bf16 rounding of the moved weights, not their movement, and the same noise enters
+    the ratio); and bf16 moves the demo reward model's pair gaps by more than half its held-out pairs differ by, which
+    changes its accuracy. The cost: these passes at fp32 speed where bf16 is native. No effect under `precision=fp32`;
+    under `precision=bf16` (bf16 weights) they stay bf16, which the run says once."""
     seed: int = 42
     """Seed of the run: model init, data order, sampling (with `data.seed` for the data order)."""
     dry_run: bool = False

@@ -38,7 +38,7 @@ from rlhf_cli.config import leaves
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.lineage import FILE as LINEAGE_FILE
 from rlhf_cli.lineage import MODEL_FILE as MODEL_LINEAGE_FILE
-from rlhf_cli.lineage import resolve_model_paths
+from rlhf_cli.lineage import MODEL_PATH_KEYS, resolve_model_path, resolve_model_paths
 from rlhf_cli.runs import (
     TRACKER_FILE,
     MetricsLogger,
@@ -149,7 +149,8 @@ def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
       - not given (today's default, or a pointer resolved anew): takes the recorded value, so a recorded
         path is never re-resolved.
     A given value that resolves to the recorded one is the same value: `precision=auto` against the precision
-    it resolved to, a path against the absolute path (or the `final/` dir under it) the run recorded. Keys
+    it resolved to, a path against the absolute path (or the `final/` dir under it) the run recorded, a model path
+    typed as the run was first given it (`paths.typed`: `model.name_or_path=runs/latest_sft` again). Keys
     only one side has (a field added or removed since) keep today's value. Returns the keys that took their
     recorded value.
 
@@ -157,10 +158,12 @@ def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
         ConfigError: one line naming every given key that differs from the record, both values, and the
             keys that may change.
     """
-    recorded = leaves(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True))
+    record = OmegaConf.load(run_dir / "config.yaml")
+    recorded = leaves(OmegaConf.to_container(record, resolve=True))
+    typed = dict(OmegaConf.select(record, "paths.typed") or {})  # each model path as the run was given it
     current = leaves(OmegaConf.to_container(cfg, resolve=True))
     is_given = lambda k: any(k == g or k.startswith(g + ".") for g in given)  # noqa: E731
-    differ = [k for k in recorded if k in current and not _same(k, current[k], recorded[k])]
+    differ = [k for k in recorded if k in current and not _same(k, current[k], recorded[k], typed.get(k))]
     refused = [k for k in differ if is_given(k) and k not in RESUMABLE_KEYS]
     if refused:
         what = "; ".join(f"{k}={current[k]} (recorded: {recorded[k]})" for k in refused)
@@ -176,12 +179,17 @@ def resume_config(cfg: Any, run_dir: Path, given: list[str]) -> list[str]:
                               f"({type(e).__name__}); start a new run") from None
     return kept
 
-def _same(key: str, given: Any, recorded: Any) -> bool:
-    """Whether a command line's value is the recorded one, after the resolution the run applied to it."""
+def _same(key: str, given: Any, recorded: Any, typed: str | None = None) -> bool:
+    """Whether a command line's value is the recorded one, after the resolution the run applied to it: `precision=
+    auto` resolved; a model path (`lineage.MODEL_PATH_KEYS`) typed as the run was first given it (`typed`, its
+    `paths.typed` entry: the same pointer, even if it has moved since) or naming the recorded dir today."""
     if given == recorded:
         return True
     if key == "precision" and isinstance(given, str):
         return engine.resolve_precision(given) == recorded
+    if key in MODEL_PATH_KEYS and isinstance(given, str) and (
+            os.path.abspath(os.path.expanduser(given)) == typed or resolve_model_path(given) == recorded):
+        return True
     if key.endswith("path") and isinstance(given, str) and isinstance(recorded, str):
         a, b = Path(given).expanduser().resolve(), Path(recorded).expanduser().resolve()
         return a == b or a / "final" == b

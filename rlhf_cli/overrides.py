@@ -14,9 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from rlhf_cli.commands import COMMANDS, Command, by_config
 from rlhf_cli.config import CONFIG_GROUPS, RunConfig, reward_sources, schema_keys
 from rlhf_cli.errors import ConfigError
+from rlhf_cli.registry import ADVANTAGE_ESTIMATORS
 
 # sections a shared list of overrides gives every command: where one does nothing, a warning, not an error
 _HARMLESS = ("logger", "tracker")
@@ -82,9 +85,7 @@ class Ignored:
 
 
 def _critic_free(cfg: Any, command: Command) -> bool:
-    from rlhf_cli.core import ESTIMATORS  # torch: only when a critic key is typed with train-ppo
-
-    return "ppo" in command.reads and not ESTIMATORS[cfg.ppo.advantage_estimator].needs_critic
+    return "ppo" in command.reads and not ADVANTAGE_ESTIMATORS[cfg.ppo.advantage_estimator].needs_critic
 
 
 def _no_model_reward(cfg: Any, command: Command) -> bool:
@@ -99,11 +100,15 @@ def _no_model_reward(cfg: Any, command: Command) -> bool:
 
 
 IGNORED: tuple[Ignored, ...] = (
+    *(Ignored(key, "a command that measures `policy.path` against `reference.path`, each loaded from its own dir",
+              lambda cfg, c: "policy" in c.reads,
+              "set `policy.path=...` (and `reference.path=...`)")
+      for key in ("model.name_or_path", "model.gguf_file", "model.init", "model.arch")),
     Ignored("model.name_or_path", "`model.init=random` (`model=tiny`, `experiment=smoke`): a seeded random model, "
             "no weights loaded", lambda cfg, c: cfg.model.init == "random",
             "add `model=hf` to load the model at the path"),
     Ignored("model.gguf_file", "`model.init=random`, or `model.name_or_path` set (the path is loaded)",
-            lambda cfg, c: cfg.model.init == "random" or cfg.model.name_or_path is not None,
+            lambda cfg, c: cfg.model.init == "random" or OmegaConf.select(cfg, "model.name_or_path") is not None,
             "`model=smollm2 model.gguf_file=...` loads a GGUF file"),
     Ignored("model.arch", "`model.init=pretrained`: the shape is the loaded model's",
             lambda cfg, c: cfg.model.init != "random", "`model=tiny` builds a random model of that shape"),
@@ -129,10 +134,10 @@ IGNORED: tuple[Ignored, ...] = (
 """Every key that a setting makes do nothing, checked against the command line (README: "Keys a setting ignores")."""
 
 
-def check_ignored_keys(command: Command, overrides: Sequence[str], cfg: Any) -> None:
-    """Refuse a key typed in `overrides` that `cfg` (their composition) makes do nothing (`IGNORED`), in one line
-    naming the key, why and what to type instead: `model.name_or_path=runs/latest_sft` under `model=tiny` would
-    train the random init without a word. Keys a preset sets are not checked. Raises ConfigError."""
+def ignored_keys(command: Command, overrides: Sequence[str], cfg: Any) -> list[tuple[str, str]]:
+    """(key, the one-line refusal) of each key typed in `overrides` that `cfg` (their composition) makes do nothing
+    (`IGNORED`, its first rule that applies), in command-line order."""
+    out = []
     for ov in overrides:
         if ov.startswith("-") or "=" not in ov or ov.startswith(("+", "~")):
             continue
@@ -140,7 +145,19 @@ def check_ignored_keys(command: Command, overrides: Sequence[str], cfg: Any) -> 
         for rule in IGNORED:
             covered = key == rule.key or key.startswith(rule.key + ".")
             if covered and not (rule.key == "model.lora" and key == "model.lora.r") and rule.applies(cfg, command):
-                raise ConfigError(f"{ov} does nothing in `{command.invocation}` with {rule.when}: {rule.fix}")
+                out.append((key, f"{ov} does nothing in `{command.invocation}` with {rule.when}: {rule.fix}"))
+                break
+    return out
+
+
+def check_ignored_keys(command: Command, overrides: Sequence[str], cfg: Any) -> None:
+    """Refuse a key typed in `overrides` that `cfg` (their composition) makes do nothing (`IGNORED`), in one line
+    naming the key, why and what to type instead: `model.name_or_path=runs/latest_sft` under `model=tiny` would
+    train the random init without a word. Keys a preset sets are not checked; a sweep refuses only a key every job
+    ignores (`cli.check_sweep`). Raises ConfigError."""
+    found = ignored_keys(command, overrides, cfg)
+    if found:
+        raise ConfigError(found[0][1])
 
 
 PEER_NAMES = {
@@ -148,7 +165,7 @@ PEER_NAMES = {
     "clip_ratio": "ppo.clip", "vf_coef": "ppo.c1",
     "ent_coef": "ppo.c2", "kl_coef": "ppo.kl_beta", "init_kl_coef": "ppo.kl_beta", "num_generations":
     "ppo.n_samples_per_prompt", "n_samples_per_prompt": "ppo.n_samples_per_prompt", "cliprange_value":
-    "ppo.value_clip", "vf_clip": "ppo.value_clip", "learning_rate": "{section}.lr",
+    "ppo.value_clip", "vf_clip": "ppo.value_clip", "learning_rate": "{section}.lr", "lr": "{section}.lr",
 }
 """A peer's name for a key (TRL's `PPOConfig`/`GRPOConfig`, OpenRLHF's and veRL's flags) -> ours; `{section}` is the
 command's own section (`learning_rate` -> `rm.lr`; train-ppo's is `ppo.actor_lr`)."""
@@ -166,20 +183,23 @@ def edit_distance(a: str, b: str) -> int:
 
 def closest_key(key: str, cmd: Command, keys: dict[str, bool]) -> str | None:
     """The key a misspelt `key` most likely meant: ranked by the edit distance of its last component to each of the
-    command's own keys' last components and to the peers' names (`PEER_NAMES`), a key of the same section first on
-    a tie (a misspelt `clip_range`, TRL's name, means `ppo.clip`); within a third of the name's length. Else the
-    closest whole key by `difflib`, the command's own first; None when nothing is close."""
+    command's own keys' last components and to the peers' names (`PEER_NAMES`, those naming a key the command
+    reads), a key of the same section first on a tie, then the shorter (a misspelt `clip_range`, TRL's name, means
+    `ppo.clip`); within a third of the name's length. Else the closest whole key by `difflib`, the command's own
+    first; None when nothing is close."""
     section, _, leaf = key.rpartition(".")
     own = cmd.section or ""
     lr = f"{own}.lr" if f"{own}.lr" in keys else f"{own}.actor_lr" if f"{own}.actor_lr" in keys else None
     peers = {name: (lr if target == "{section}.lr" else target) for name, target in PEER_NAMES.items()}
     mine = [k for k in keys if k.split(".")[0] in cmd.reads]
-    candidates = [(k.rsplit(".", 1)[-1], k) for k in mine] + [(n, t) for n, t in peers.items() if t in keys]
-    scored = sorted((edit_distance(leaf.lower(), name), not k.startswith(section + "."), k) for name, k in candidates)
+    candidates = [(k.rsplit(".", 1)[-1], k) for k in mine] + [(n, t) for n, t in peers.items()
+                                                               if t in keys and t.split(".")[0] in cmd.reads]
+    scored = sorted((edit_distance(leaf.lower(), name), not k.startswith(section + "."), len(k), k)
+                    for name, k in candidates)
     if scored and scored[0][0] <= max(1, len(leaf) // 3):
-        return scored[0][2]
-    close = (difflib.get_close_matches(key, mine, n=1, cutoff=0.5)
-             or difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5))
+        return scored[0][3]
+    close = (difflib.get_close_matches(key, mine, n=1, cutoff=0.6)
+             or difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6))
     return close[0] if close else None
 
 

@@ -16,10 +16,10 @@ from omegaconf.errors import MissingMandatoryValue
 
 from rlhf_cli.commands import COMMANDS, Command, by_config, by_kind, quote
 from rlhf_cli.config import reward_sources
-from rlhf_cli.core import ESTIMATORS
 from rlhf_cli.errors import ConfigError, ModelSourceError
 from rlhf_cli.models.checkpoint import model_architectures, require_scalar_model_dir
 from rlhf_cli.models.loading import looks_like_hub_id
+from rlhf_cli.registry import ADVANTAGE_ESTIMATORS
 from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.runs import read_pointer
 
@@ -88,7 +88,7 @@ def resolve_reward_model(cfg: Any) -> str | None:
 def check_estimator(cfg: Any) -> None:
     """`ppo.n_samples_per_prompt` is at least what `ppo.advantage_estimator` is defined for (a group baseline
     needs 2 samples of a prompt). Raises ConfigError."""
-    est, n = ESTIMATORS[cfg.ppo.advantage_estimator], cfg.ppo.n_samples_per_prompt
+    est, n = ADVANTAGE_ESTIMATORS[cfg.ppo.advantage_estimator], cfg.ppo.n_samples_per_prompt
     if n < est.min_group_size:
         raise ConfigError(f"ppo.advantage_estimator={est.name} compares the samples of one prompt: it needs "
                           f"ppo.n_samples_per_prompt >= {est.min_group_size} (got {n}; 4-16 is usual)")

@@ -25,11 +25,12 @@ import math
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlhf_cli.errors import ConfigError, RewardError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -95,4 +96,6 @@ def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[str], comple
         if not math.isfinite(v):
             raise RewardError(f"reward function {name} returned {v} for the completion of data row {rows[i]} "
                               f"({completions[i][:60]!r}): return a finite float per completion")
+    import torch  # here, not at the top: the preflight checks load reward functions before torch
+
     return torch.tensor(values, dtype=torch.float32)

@@ -584,24 +584,31 @@ def test_a_misspelt_or_peer_key_is_answered_with_the_key_it_means(command, key, 
         check_override_keys(command, [f"{key}=0.2"])
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["data.path=nope.jsonl"], "nope.jsonl: file not found (data.path)"),
-    (["rm.lr=-1"], "rm.lr must be > 0"),
-    (["rm.batch_size=6", "rm.micro_batch_size=4"], "rm.batch_size"),
-    (["model.name_or_path=runs/latest_sft"], "add `model=hf`"),
-    (["rm.lrr=1"], "did you mean 'rm.lr'?"),
-    (["data.path=bad.jsonl"], "bad.jsonl row 2, field 'rejected'"),
-    (["data.path=prompts.jsonl"], "reward-model training needs chosen/rejected pairs")])
-def test_a_bad_path_range_key_or_row_is_refused_before_torch_loads(overrides, says, tmp_path):
+@pytest.mark.parametrize("command, overrides, says", [
+    ("train-rm", ["data.path=nope.jsonl"], "nope.jsonl: file not found (data.path)"),
+    ("train-rm", ["rm.lr=-1"], "rm.lr must be > 0"),
+    ("train-rm", ["rm.batch_size=6", "rm.micro_batch_size=4"], "rm.batch_size"),
+    ("train-rm", ["model.name_or_path=runs/latest_sft"], "add `model=hf`"),
+    ("train-rm", ["rm.lrr=1"], "did you mean 'rm.lr'?"),
+    ("train-rm", ["data.path=bad.jsonl"], "bad.jsonl row 2, field 'rejected'"),
+    ("train-rm", ["data.path=prompts.jsonl"], "reward-model training needs chosen/rejected pairs"),
+    ("train-rm", ["model=hf", "model.name_or_path=./no/such/model"], "model.name_or_path=./no/such/model does not"),
+    ("train-ppo", ["reward_model.path=lm_model"], "holds a causal LM (LlamaForCausalLM), not a reward model"),
+    ("train-ppo", [], "no reward model: set reward_model.path"),  # no latest_rm under paths.root
+    ("train-ppo", ["reward.type=checker", "ppo.advantage_estimator=grpo"], "ppo.n_samples_per_prompt >= 2"),
+    ("train-ppo", ["reward.type=function", "reward.function=nope.py:f"], "reward.function=nope.py:f: no file")])
+def test_a_bad_path_range_key_or_row_is_refused_before_torch_loads(command, overrides, says, tmp_path):
     """The one-line errors that need no model come before torch, DeepSpeed and transformers are imported (they
     took 9-17 s there, issue 61): counted by what the process imported, not timed."""
     row = {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go."}
     (tmp_path / "bad.jsonl").write_text(json.dumps(row) + "\n" + json.dumps({**row, "rejected": 3}) + "\n")
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Hi?"}) + "\n")
+    (tmp_path / "lm_model").mkdir()  # a causal LM where a reward model should be
+    (tmp_path / "lm_model" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     code = ("import sys\nfrom rlhf_cli import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    heavy = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]\n"
             "    print('exit', e.code, 'imported', heavy, file=sys.stderr)\n")
-    out = subprocess.run([sys.executable, "-c", code, "train-rm", "experiment=smoke", *overrides], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", code, command, "experiment=smoke", *overrides], cwd=tmp_path,
                          env=ENV, capture_output=True, text=True, timeout=120)
     assert says in out.stderr and "exit 2 imported []" in out.stderr, out.stderr
     assert not (tmp_path / "runs").exists()

@@ -371,20 +371,18 @@ def read_rows(path: str, split: str = "train") -> tuple[str, list[str], list[dic
     return raw.name, raw.columns, raw.rows
 
 
-def check_rows(data_cfg: Any, want: str, max_bytes: int = 64 << 20) -> None:
-    """Parse the rows of `data.path` and `data.eval_path` as a command will (`want`: `pairs`, `prompts` or `demos`):
-    its format, columns and every row, with the load's one-line errors (file, row, field), but no tokenizer. For
-    a local JSON or JSON-lines file up to `max_bytes` (read with the json module, no torch): the CLI calls it before
-    anything heavy loads. Other sources (parquet, csv, a dir, a hub dataset) are left to the load. Raises
-    DataError."""
-    for key in DATA_PATH_KEYS_CHECKED:
+def check_rows(data_cfg: Any, want: str, keys: Sequence[str] = ("path", "eval_path"),
+               max_bytes: int = 64 << 20) -> None:
+    """Parse the rows of the files that `data.<key>` names, for each of `keys` (those the command reads), as the
+    command will (`want`: `pairs`, `prompts` or `demos`): format, columns and every row, with the load's one-line
+    errors (file, row, field), but no tokenizer. For a local JSON or JSON-lines file up to `max_bytes` (read with the
+    json module, no torch): the CLI calls it before anything heavy loads. Other sources (parquet, csv, a dir, a hub
+    dataset) are left to the load. Raises DataError."""
+    for key in keys:
         path = data_cfg.get(key)
         local = os.path.expanduser(str(path)) if path else ""
         if local and os.path.isfile(local) and _builder(local) == "json" and os.path.getsize(local) <= max_bytes:
             _parse_source(str(path), data_cfg, want)
-
-
-DATA_PATH_KEYS_CHECKED = ("path", "eval_path")
 
 
 # ----------------------------------------------------------------------------------------------

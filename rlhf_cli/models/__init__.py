@@ -1,60 +1,35 @@
 """Models: loading (hub id, local dir, GGUF, tiny random), scalar-head reward/value models, LoRA adapters, a policy's
 shared value head (`models/policy.py`), saving (`models/checkpoint.py`) and the trained models' final save
 (`models/final.py`)."""
+import importlib
 
-from rlhf_cli.models.checkpoint import (
-    is_scalar_model_dir,
-    read_score_stats,
-    require_scalar_model_dir,
-    save_hf,
-    with_scoring_template,
-)
-from rlhf_cli.models.final import save_model, save_policy
-from rlhf_cli.models.loading import (
-    ModelSourceError,
-    configure_training,
-    count_parameters,
-    load_causal_lm,
-    load_generation_config,
-    load_tokenizer,
-    resolve_hf_dir,
-    torch_dtype_for,
-    with_attention_fallback,
-)
-from rlhf_cli.models.lora import (
-    ADAPTER_DIR,
-    adapters_disabled,
-    add_lora,
-    has_lora,
-    lora_enabled,
-    merged_state_dict,
-    parameter_counts,
-    save_adapter,
-    without_adapters,
-)
-from rlhf_cli.models.policy import (
-    PolicyWithValueHead,
-    disable_dropout,
-    has_value_head,
-    lm_of,
-    planned_trained_models,
-    unwrap,
-)
-from rlhf_cli.models.scalar import (
-    Float32Head,
-    attention_tokens,
-    custom_mask_support,
-    last_token_index,
-    load_scalar_model,
-    new_scalar_head,
-    response_values,
-    scalar_from_causal_lm,
-    scalar_skeleton,
-    scores_at,
-    sequence_scores,
-    token_values,
-    trunk_hidden,
-)
+# the names below, each imported from its module on first use: the preflight checks read config.json files
+# (`models.checkpoint`) before torch loads, which the model modules import
+_WHERE = {
+    "is_scalar_model_dir": "checkpoint", "read_score_stats": "checkpoint", "require_scalar_model_dir": "checkpoint",
+    "save_hf": "checkpoint", "with_scoring_template": "checkpoint",
+    "save_model": "final", "save_policy": "final",
+    "ModelSourceError": "loading", "configure_training": "loading", "count_parameters": "loading",
+    "load_causal_lm": "loading", "load_generation_config": "loading", "load_tokenizer": "loading",
+    "resolve_hf_dir": "loading", "torch_dtype_for": "loading", "with_attention_fallback": "loading",
+    "ADAPTER_DIR": "lora", "adapters_disabled": "lora", "add_lora": "lora", "has_lora": "lora",
+    "lora_enabled": "lora", "merged_state_dict": "lora", "parameter_counts": "lora", "save_adapter": "lora",
+    "without_adapters": "lora",
+    "PolicyWithValueHead": "policy", "disable_dropout": "policy", "has_value_head": "policy", "lm_of": "policy",
+    "planned_trained_models": "policy", "unwrap": "policy",
+    "Float32Head": "scalar", "attention_tokens": "scalar", "custom_mask_support": "scalar",
+    "last_token_index": "scalar", "load_scalar_model": "scalar", "new_scalar_head": "scalar",
+    "response_values": "scalar", "scalar_from_causal_lm": "scalar", "scalar_skeleton": "scalar",
+    "scores_at": "scalar", "sequence_scores": "scalar", "token_values": "scalar", "trunk_hidden": "scalar",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "ADAPTER_DIR",

@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 class EngineLog(logging.Handler):
     """Where vLLM's own log records (logger `vllm`) go: to the run's log file (the root logger's file handlers:
     Hydra's `<command>.log`), to the terminal too only with `rollout.engine_verbose=true`, and counted, so that
-    the run says in one line which of its warnings it saw and whether they apply (`summary`). vLLM installs no
-    handler of its own (`VLLM_CONFIGURE_LOGGING=0`, unless the environment sets it). Installed once, at import."""
+    the run says in one line which of its warnings it saw and whether they apply (`summary`, after each start and
+    push). Errors always reach the terminal too, and so does everything where no log file is open. vLLM installs
+    no handler of its own (`VLLM_CONFIGURE_LOGGING=0`, unless the environment sets it). Installed once, at import."""
 
     KNOWN = (
         ("disabling chunked prefill", "chunked prefill off on purpose, its outputs checked by the probe and "
@@ -72,10 +73,13 @@ class EngineLog(logging.Handler):
         self.seen: list[str] = []  # the WARNING+ messages since the last `summary`
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno >= logging.WARNING:
+        if logging.WARNING <= record.levelno < logging.ERROR:
             self.seen.append(record.getMessage().splitlines()[0] if record.getMessage() else "")
-        for handler in logging.getLogger().handlers:  # the run's log file always, the terminal when verbose
-            if (self.verbose or isinstance(handler, logging.FileHandler)) and record.levelno >= handler.level:
+        handlers = logging.getLogger().handlers
+        to_file = any(isinstance(h, logging.FileHandler) for h in handlers)  # none: the terminal is all there is
+        loud = self.verbose or record.levelno >= logging.ERROR or not to_file  # errors always reach the terminal
+        for handler in handlers:
+            if (loud or isinstance(handler, logging.FileHandler)) and record.levelno >= handler.level:
                 handler.handle(record)
 
     def summary(self) -> str | None:
@@ -92,7 +96,9 @@ class EngineLog(logging.Handler):
                 unknown.append(message[:100])
             else:
                 verdicts[why] = verdicts.get(why, 0) + 1
-        where = "above" if self.verbose else "in the run's log file; rollout.engine_verbose=true shows them here"
+        to_file = any(isinstance(h, logging.FileHandler) for h in logging.getLogger().handlers)
+        where = ("above" if self.verbose or not to_file
+                 else "in the run's log file; rollout.engine_verbose=true shows them here")
         known = ", ".join(f"{why} ({n})" for why, n in verdicts.items())
         line = f"vLLM gave {len(seen)} warnings ({where})" + (f"; these change nothing sampled: {known}" if known
                                                                else "")
@@ -307,11 +313,11 @@ class VLLMGenerator:
             if engine.is_main():
                 log.info("vLLM engine up from %s (%s) in %.1fs", self.model_dir,
                          str(self.dtype).removeprefix("torch."), self.start_seconds)
-                said = ENGINE_LOG.summary()
-                if said:
-                    log.info("%s", said)
         else:
             self._push(model, gather)
+        said = ENGINE_LOG.summary()  # every rank empties its list; rank 0 says it
+        if said and engine.is_main():
+            log.info("%s", said)
         self.sync_seconds = time.perf_counter() - t0  # the probe, run at the next generate, adds to it
         self._probe_due = self.probes
 

@@ -40,6 +40,7 @@ from rlhf_cli.models import (
     require_scalar_model_dir,
     resolve_hf_dir,
 )
+from rlhf_cli.models.loading import looks_like_hub_id
 from rlhf_cli.report import (
     RESPONSES_FILE,
     UnreadableFile,
@@ -182,8 +183,9 @@ def policy_sources(cfg: Any, policy_path: str) -> dict[str, Any]:
                          f"{lineage.resolve_model_path(str(name))}")
             ref_spec["name_or_path"] = then
     if notes and engine.is_main():
-        log.warning("the policy's run started from pointers that have moved since: %s; this eval compares against "
-                    "the models it was trained from (reference.path=... to choose another)", "; ".join(notes))
+        log.warning("the policy's run started from pointers that have moved since: %s; this eval uses the models it "
+                    "was trained from%s", "; ".join(notes),
+                    "" if cfg.reference.path else " (reference.path=... to choose another)")
     ref_seed = ref_spec.pop("seed", cfg.seed)
     ref_path = ref_spec.get("name_or_path") or ref_spec.get("gguf_file") or f"{ref_spec.get('name')} (seed {ref_seed})"
     rm_path = cfg.reward_model.path
@@ -201,15 +203,15 @@ def recorded_reward_model(policy_dir: str, reference: str | None) -> tuple[str |
     run records it in config.json and in its lineage), else the reference's when it is a model of ours (DPO against
     RM -> PPO: the PPO run's). (None, "") when neither records one."""
     for whose, model_dir in (("policy", policy_dir), ("reference", reference)):
-        rec = lineage.read(model_dir) if model_dir else None
-        if rec is None:
+        local = lineage.resolve_model_path(str(model_dir)) if model_dir else None
+        if local is None or not Path(local).is_dir():
             continue
-        parent = (rec.get("parents") or {}).get("reward_model") or {}
-        config_json = Path(resolve_hf_dir(str(model_dir))) / "config.json"
-        recorded = (json.loads(config_json.read_text()).get("rlhf_reward_model_path") if config_json.is_file()
-                    else None) or parent.get("path")
-        if recorded and Path(recorded).exists():
-            return recorded, f"{whose} ({rec.get('run_dir') or model_dir})"
+        rec = lineage.read(local) or {}
+        config_json = Path(local) / "config.json"
+        recorded = ((json.loads(config_json.read_text()).get("rlhf_reward_model_path") if config_json.is_file()
+                     else None) or ((rec.get("parents") or {}).get("reward_model") or {}).get("path"))
+        if recorded and (Path(recorded).exists() or looks_like_hub_id(recorded)):
+            return recorded, f"{whose} ({rec.get('run_dir') or local})"
     return None, ""
 
 

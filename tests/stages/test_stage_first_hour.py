@@ -119,6 +119,27 @@ def test_resolve_model_paths_records_each_pointer_and_keeps_a_resumed_runs_recor
     lineage.resolve_model_paths(old, run_dir)
     assert old.model.name_or_path == str(a)
 
+    # the first command line again with resume=: the same pointer is the recorded model, though it moved since
+    from rlhf_cli.config import ConfigError
+    from rlhf_cli.lifecycle import resume_config
+
+    again = compose("train_ppo", ["model=hf", f"model.name_or_path={pointer}", "reward.type=checker",
+                                  f"resume={run_dir}"])
+    resume_config(again, run_dir, ["model.name_or_path", "reward.type"])
+    with pytest.raises(ConfigError, match="model.name_or_path"):  # another model is refused, as any changed key
+        resume_config(compose("train_ppo", ["model=hf", f"model.name_or_path={b}", "reward.type=checker"]), run_dir,
+                      ["model.name_or_path"])
+
+
+def test_eval_finds_a_recorded_reward_model_without_lineage_or_on_the_hub(tmp_path):
+    from rlhf_cli.stages.evaluate import recorded_reward_model
+
+    policy = tmp_path / "old_policy"  # written before lineage files existed: its config.json alone
+    policy.mkdir()
+    (policy / "config.json").write_text(json.dumps({"rlhf_reward_model_path": "OpenAssistant/reward-model"}))
+    assert recorded_reward_model(str(policy), None) == ("OpenAssistant/reward-model", f"policy ({policy})")
+    assert recorded_reward_model(str(tmp_path / "gone"), None) == (None, "")
+
 
 def test_dpo_against_ppo_is_judged_by_the_reward_model_of_the_ppo_run(tmp_path, monkeypatch, capsys):
     root = tmp_path / "runs"
@@ -147,6 +168,7 @@ def test_dpo_against_ppo_is_judged_by_the_reward_model_of_the_ppo_run(tmp_path, 
 
 @pytest.mark.parametrize("overrides, says", [
     (["experiment=smoke", "model.name_or_path=runs/latest_sft"], "add `model=hf`"),
+    (["experiment=smoke", "model=hf", "model.gguf_file=x.gguf"], "GGUF file 'x.gguf' does not exist"),  # no ???
     (["model=hf", "model.name_or_path=x", "model.arch.hidden_size=32"], "model.arch.hidden_size=32 does nothing"),
     (["experiment=smoke", "model.lora.alpha=32"], "set `model.lora.r` > 0"),
     (["experiment=smoke", "rm.max_steps=3", "rm.epochs=2"], "rm.epochs=2 does nothing"),
@@ -157,7 +179,25 @@ def test_a_typed_key_the_config_ignores_is_refused_in_one_line(overrides, says, 
         cli.main(["train-rm", *overrides])
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and says in err and len(err.splitlines()) == 1
-    assert not (tmp_path / "runs").exists()  # refused before any run dir
+    assert not (tmp_path / "runs").exists() or "GGUF" in says  # refused before any run dir (the GGUF: at its load)
+
+
+def test_eval_refuses_a_model_key_it_does_not_load(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "experiment=smoke", "model.name_or_path=runs/latest_sft"])
+    assert "set `policy.path=...`" in capsys.readouterr().err
+
+
+def test_a_sweep_refuses_only_a_key_every_job_ignores(tmp_path):
+    from rlhf_cli.config import ConfigError
+
+    root = f"paths.root={tmp_path}"
+    assert cli.check_sweep("train-ppo", ["-m", "ppo.advantage_estimator=gae,grpo", "ppo.n_samples_per_prompt=2",
+                                         "ppo.lam=0.9", "reward.type=checker", root]) == 2
+    with pytest.raises(ConfigError, match="every sweep job: ppo.lam=0.9 does nothing"):
+        cli.check_sweep("train-ppo", ["-m", "ppo.advantage_estimator=grpo,rloo", "ppo.n_samples_per_prompt=2",
+                                      "ppo.lam=0.9", "reward.type=checker", root])
 
 
 def test_the_same_keys_from_a_preset_or_in_their_setting_pass(tmp_path, monkeypatch):
@@ -214,9 +254,18 @@ def test_the_engines_own_warnings_go_to_the_log_file_and_are_summed_up_in_one_li
         assert "chunked prefill off on purpose" in line and "speed only (1)" in line
         assert "not known to rlhf, read them: Something new happened." in line
         assert ENGINE_LOG.summary() is None  # said once
+        engine_log.error("EngineCore failed")  # errors reach the terminal whatever the setting
+        assert shown == ["EngineCore failed"]
         ENGINE_LOG.verbose = True
         engine_log.warning("libiomp is not found in LD_PRELOAD.")
-        assert shown == ["libiomp is not found in LD_PRELOAD."]
+        assert shown[-1] == "libiomp is not found in LD_PRELOAD."
+        ENGINE_LOG.verbose = False
+        kept, root.handlers = root.handlers, [terminal]  # no log file open: the terminal is all there is
+        try:
+            engine_log.warning("Triton is not installed.")
+            assert shown[-1] == "Triton is not installed." and "(above)" in ENGINE_LOG.summary()
+        finally:
+            root.handlers = kept
     finally:
         ENGINE_LOG.verbose = False
         ENGINE_LOG.seen.clear()
