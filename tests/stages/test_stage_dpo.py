@@ -281,7 +281,9 @@ def test_eval_compares_the_dpo_policy_with_a_ppo_policy_and_names_both_sides(tmp
               f"reward_model.path={root / 'latest_rm'}", "eval.num_prompts=8"])
     (eval_dir,) = (root / "eval").iterdir()
     results = json.loads((eval_dir / "eval.json").read_text())["results"]
-    assert results["policy"] == str((dpo_dir / "final").resolve()) and results["reference"] == str(ppo_dir)
+    # both sides as the run dirs they named when the eval started (their final/; issue 61: resolved once)
+    assert results["policy"] == str((dpo_dir / "final").resolve())
+    assert results["reference"] == str((ppo_dir / "final").resolve())
     for key in ("win_rate", "score_gain", "score_gain_ci95", "accuracy_gain", "kl_k3", "reward_hacking", "headline"):
         assert results.get(key) is not None, key
     html = (eval_dir / "report" / "report.html").read_text()
