@@ -100,10 +100,6 @@ def _no_model_reward(cfg: Any, command: Command) -> bool:
 
 
 IGNORED: tuple[Ignored, ...] = (
-    *(Ignored(key, "a command that measures `policy.path` against `reference.path`, each loaded from its own dir",
-              lambda cfg, c: "policy" in c.reads,
-              "set `policy.path=...` (and `reference.path=...`)")
-      for key in ("model.name_or_path", "model.gguf_file", "model.init", "model.arch")),
     Ignored("model.name_or_path", "`model.init=random` (`model=tiny`, `experiment=smoke`): a seeded random model, "
             "no weights loaded", lambda cfg, c: cfg.model.init == "random",
             "add `model=hf` to load the model at the path"),

@@ -182,13 +182,6 @@ def test_a_typed_key_the_config_ignores_is_refused_in_one_line(overrides, says, 
     assert not (tmp_path / "runs").exists() or "GGUF" in says  # refused before any run dir (the GGUF: at its load)
 
 
-def test_eval_refuses_a_model_key_it_does_not_load(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit):
-        cli.main(["eval", "experiment=smoke", "model.name_or_path=runs/latest_sft"])
-    assert "set `policy.path=...`" in capsys.readouterr().err
-
-
 def test_a_sweep_refuses_only_a_key_every_job_ignores(tmp_path):
     from rlhf_cli.config import ConfigError
 
