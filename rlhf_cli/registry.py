@@ -18,6 +18,7 @@ The order of the declarations is the order `config.py`'s errors and the docs lis
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -119,3 +120,16 @@ KL_ESTIMATORS: Registry[Choice] = Registry("ppo.kl_estimator", Choice("k1"), Cho
 
 FAMILIES: tuple[Registry, ...] = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, DPO_LOSSES, KL_ESTIMATORS)
 """Every family, for the test that each is bound in `core/` exactly once."""
+
+
+def lazy_exports(package: str, where: dict[str, str]) -> Callable[[str], object]:
+    """A package's module `__getattr__` (PEP 562) that imports each exported name from its submodule on first use
+    (`where`: {name: submodule of `package`}), so that importing one torch-free submodule of a package (the
+    preflight checks before a command runs) does not import the package's torch-heavy ones."""
+
+    def __getattr__(name: str) -> object:
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+
+    return __getattr__

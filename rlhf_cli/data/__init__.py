@@ -9,7 +9,7 @@
     check_answer(text, answer), check_answers(texts, answers)   # the built-in task's rule-based reward
 """
 
-import importlib
+from rlhf_cli.registry import lazy_exports
 
 # the names below, each imported from its module on first use: `from rlhf_cli.data.formats import ...` and
 # `config`'s checks before a command runs need no torch, which the collators import
@@ -28,12 +28,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _WHERE)
 
 
 __all__ = [

@@ -1,7 +1,8 @@
 """Models: loading (hub id, local dir, GGUF, tiny random), scalar-head reward/value models, LoRA adapters, a policy's
 shared value head (`models/policy.py`), saving (`models/checkpoint.py`) and the trained models' final save
 (`models/final.py`)."""
-import importlib
+
+from rlhf_cli.registry import lazy_exports
 
 # the names below, each imported from its module on first use: the preflight checks read config.json files
 # (`models.checkpoint`) before torch loads, which the model modules import
@@ -24,12 +25,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _WHERE)
 
 __all__ = [
     "ADAPTER_DIR",
