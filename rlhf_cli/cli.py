@@ -212,14 +212,12 @@ def check_before_setup(command: str, cfg: Any) -> None:
     model path holding the right kind of model, from its config.json; a reward model set, or `latest_rm` naming
     one, where train-ppo needs one), that a local data file it names exists
     (`config.check_data_files`) and, for a local JSON file, its format, columns and rows (`data.check_rows`: the
-    load's file/row/field line). A resume is not checked here: the command line is not its config, which is checked
+    load's file/row/field line). `main` skips it for a resume: the command line is not its config, which is checked
     once Hydra runs it and `resume_config` has restored the record. Raises ConfigError, DataError."""
     from rlhf_cli.config import check_data_files
     from rlhf_cli.data.datasets import check_rows
     from rlhf_cli.preflight import VALIDATORS, resolve_reward_model
 
-    if cfg.get("resume"):
-        return
     cmd = COMMANDS[command]
     VALIDATORS[cmd.config_name](cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     needs_rm = any(m.key == "reward_model.path" and m.needs_model_reward for m in cmd.model_paths)
@@ -507,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
             if is_multirun(rest) and not any(o in INFO_FLAGS for o in rest):
                 check_sweep(command, rest, jobs)
             cfg = check_composes(command, rest)  # the command line composed once before Hydra runs it
-            if cfg is not None:
+            if cfg is not None and not cfg.get("resume"):  # a resume is checked on its record, once Hydra runs it
                 check_ignored_keys(COMMANDS[command], rest, cfg)
                 check_before_setup(command, cfg)
             root = str(cfg.paths.root) if cfg is not None else None
