@@ -178,9 +178,9 @@ def policy_sources(cfg: Any, policy_path: str) -> dict[str, Any]:
     name = ref_spec.get("name_or_path")
     if not cfg.reference.path and name:  # a record older than resolved paths names a pointer: the run it named then
         then = lineage.recorded_model_dir(policy_dir, ("reference", "model"), str(name))
-        if then is not None and then != lineage.resolve_model_path(str(name)):
-            notes.append(f"{name} named {then} when {policy_dir} was trained; it now names "
-                         f"{lineage.resolve_model_path(str(name))}")
+        now = lineage.resolve_model_path(str(name)) if then is not None else None
+        if then is not None and then != now:
+            notes.append(f"{name} named {then} when {policy_dir} was trained; it now names {now}")
             ref_spec["name_or_path"] = then
     if notes and engine.is_main():
         log.warning("the policy's run started from pointers that have moved since: %s; this eval uses the models it "
