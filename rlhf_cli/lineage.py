@@ -36,7 +36,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlhf_cli.errors import ConfigError
-from rlhf_cli.runs import abs_path, atomic_write_json
+from rlhf_cli.runs import abs_path, atomic_write_json, pointer_target
 
 FILE = "lineage.json"
 MODEL_FILE = "rlhf_lineage.json"
@@ -156,13 +156,7 @@ def read_run(run_dir: Path) -> dict[str, Any] | None:
 def _model_dir(path: str | os.PathLike) -> Path | None:
     """A local model dir given as itself, its run dir (`final/` under it) or a pointer file."""
     p = Path(os.path.expanduser(str(path)))
-    if p.is_file():  # a pointer file (latest_rm, latest_policy: a small text file naming a dir); else a model file
-        if p.stat().st_size > 4096:
-            return None
-        try:
-            p = Path(p.read_text().strip())
-        except (UnicodeDecodeError, ValueError):
-            return None
+    p = pointer_target(p) or p
     if (p / "final").is_dir():
         p = p / "final"
     return p if p.is_dir() else None
@@ -202,12 +196,8 @@ def resolve_model_path(value: str) -> str:
     p = Path(os.path.expanduser(value))
     if not p.exists():
         return value
-    if p.is_file() and p.name.startswith("latest_") and p.stat().st_size <= 4096:  # a pointer file
-        try:
-            target = Path(p.read_text().strip())
-        except (UnicodeDecodeError, ValueError):
-            return str(p.resolve())
-        p = target if target.exists() else p
+    if (target := pointer_target(p)) is not None and target.exists():
+        p = target
     if p.is_dir() and (p / "final" / "config.json").is_file():
         p = p / "final"
     return str(p.resolve())
@@ -249,7 +239,7 @@ def _recorded_target(rec: Mapping[str, Any] | None, role: str, value: str) -> st
     of `role`), for a record written before model paths were resolved at start; None otherwise."""
     parent_rec = ((rec or {}).get("parents") or {}).get(role) or {}
     p = Path(os.path.expanduser(value))
-    if not (p.is_file() and p.name.startswith("latest_")) or parent_rec.get("path") != str(p.resolve()):
+    if pointer_target(p) is None or parent_rec.get("path") != str(p.resolve()):
         return None
     run = parent_rec.get("run_dir")
     return str(Path(run) / "final") if run and (Path(run) / "final").is_dir() else None
@@ -273,7 +263,7 @@ def moved_pointers(model_dir: str | os.PathLike) -> list[str]:
     lines = []
     for key, typed in dict(OmegaConf.select(rec_cfg, "paths.typed") or {}).items():
         then, now = OmegaConf.select(rec_cfg, key), resolve_model_path(str(typed))
-        if then and now != then and Path(os.path.expanduser(str(typed))).name.startswith("latest_"):
+        if then and now != then and pointer_target(str(typed)) is not None:
             lines.append(f"{typed} named {then} when {model_dir} was trained ({key}); it now names {now}")
     return lines
 

@@ -81,13 +81,29 @@ def write_pointer(root: Path | str, stage: str, final_dir: Path | str) -> Path:
     return pointer
 
 
-def read_pointer(root: Path | str, stage: str) -> Path | None:
-    name = by_kind(stage).pointer
-    pointer = Path(root) / name if name else None
-    if pointer is None or not pointer.is_file():
+POINTER_PREFIX = "latest_"
+"""Every pointer file's name starts with it (`latest_rm`, `latest_sft`, ...: `commands.Command.pointer`)."""
+
+
+def pointer_target(path: Path | str) -> Path | None:
+    """The path a pointer file names (`<root>/latest_sft` holds the absolute path of a `final/` dir), whether or
+    not that path exists now; None when `path` is no pointer file: not a file, not named `latest_*`, over 4 KiB,
+    or not text. The one reader of pointer files: the loaders, lineage and eval all ask it."""
+    p = Path(os.path.expanduser(str(path)))
+    if not (p.name.startswith(POINTER_PREFIX) and p.is_file()) or p.stat().st_size > 4096:
         return None
-    target = Path(pointer.read_text().strip())
-    return target if target.exists() else None
+    try:
+        return Path(p.read_text().strip())
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def read_pointer(root: Path | str, stage: str) -> Path | None:
+    """The existing target of run kind `stage`'s pointer under `root`, or None (no pointer, or its target is
+    gone)."""
+    name = by_kind(stage).pointer
+    target = pointer_target(Path(root) / name) if name else None
+    return target if target is not None and target.exists() else None
 
 
 def check_writable(path: Path | str) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_cli import commands
+from rlhf_cli.runs import POINTER_PREFIX, pointer_target
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_cli"
 
@@ -86,6 +87,7 @@ def test_the_registry_is_consistent():
         assert len(set(values)) == len(values), field
     pointers = [c.pointer for c in commands._ALL if c.pointer]
     assert len(set(pointers)) == len(pointers)
+    assert all(p.startswith(POINTER_PREFIX) for p in pointers)  # runs.pointer_target reads only those
     conf = PACKAGE / "conf"
     for c in commands.COMMANDS.values():
         assert (conf / f"{c.config_name}.yaml").is_file()
@@ -174,3 +176,19 @@ def test_a_new_command_is_one_entry_one_stage_module_and_one_schema(tmp_path, mo
         cli.main(["train-toy", f"paths.root={root}", f"resume={run_dir}"])
     assert exit_.value.code == 2
     assert "the run finished and its DeepSpeed checkpoint in ds/ is gone" in capsys.readouterr().err
+
+
+def test_a_pointer_file_is_read_by_one_rule(tmp_path):
+    """`runs.pointer_target`: a small `latest_*` text file names a path (which may be gone); anything else is no
+    pointer, so a model file or a dir passed where a pointer may stand is never read as one."""
+    final = tmp_path / "sft" / "A" / "final"
+    final.mkdir(parents=True)
+    (tmp_path / "latest_sft").write_text(f"{final}\n")
+    assert pointer_target(tmp_path / "latest_sft") == final
+    (tmp_path / "latest_gone").write_text(f"{tmp_path / 'nowhere'}\n")
+    assert pointer_target(tmp_path / "latest_gone") == tmp_path / "nowhere"  # the caller says it is gone
+    (tmp_path / "notes.txt").write_text(f"{final}\n")
+    (tmp_path / "latest_big").write_text("x" * 5000)
+    (tmp_path / "latest_bin").write_bytes(b"\xff\xfe\x00")
+    for not_a_pointer in ("notes.txt", "latest_big", "latest_bin", "sft", "missing"):
+        assert pointer_target(tmp_path / not_a_pointer) is None, not_a_pointer

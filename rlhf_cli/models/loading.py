@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError, ModelSourceError
+from rlhf_cli.runs import pointer_target
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -139,10 +140,10 @@ def looks_like_hub_id(spec: str) -> bool:
 def resolve_hf_dir(spec: str) -> str:
     """A local HF model dir for `spec`: a run dir (→ its `final/`), a model dir, or a hub id as-is."""
     p = Path(spec).expanduser()
-    if p.is_file() and p.name.startswith("latest_"):  # pointer file
-        p = Path(p.read_text().strip())
-        if not p.exists():
-            raise ModelSourceError(f"pointer '{spec}' names '{p}', which does not exist")
+    if (target := pointer_target(p)) is not None:
+        if not target.exists():
+            raise ModelSourceError(f"pointer '{spec}' names '{target}', which does not exist")
+        p = target
     if p.is_dir():
         if (p / "final" / "config.json").is_file():
             return str(p / "final")
