@@ -650,6 +650,12 @@ class RolloutConfig:
     """Show the engine's own log (vLLM's warnings and info lines) on the terminal too. Off: it goes to the run's log
     file (`<run dir>/<command>.log`), and the run says in one line how many warnings vLLM gave and, for each kind,
     whether it applies (`rollout.vllm_engine.EngineLog`)."""
+    engine_selftest: bool = True
+    """Test the engine's weight push once after it starts (`rollout.engine=vllm`): push the unchanged starting
+    weights back and require the probe prompts' greedy tokens and log-probs the engine gave as loaded (fp32: equal;
+    bf16: within 1e-2 nats), before any rollout. The run says in one line that it passed; a push that maps a weight
+    wrongly stops the run there. Costs one push and two greedy decodes of 2 prompts × 8 tokens per start. The `hf`
+    engine ignores it (it samples from the trainer's own weights)."""
     kv_cache_gb: int = 2
     """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16 (half that in fp32); the

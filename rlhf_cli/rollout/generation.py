@@ -292,6 +292,8 @@ class EngineSettings:
     """The longest prompt + response the engine must hold, tokens."""
     verbose: bool = False
     """`rollout.engine_verbose`: an engine's own log on the terminal too (`vllm`), not only in the run's log file."""
+    selftest: bool = True
+    """`rollout.engine_selftest`: an engine that holds its own weights (`vllm`) tests its push once after it starts."""
 
 
 def _hf(settings: EngineSettings) -> Generator:
@@ -304,7 +306,7 @@ def _vllm(settings: EngineSettings) -> Generator:
     return VLLMGenerator(settings.precision, settings.chunk, workdir=settings.workdir,
                          kv_cache_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
                          engine_dtype=settings.engine_dtype, score_precision=settings.score_precision,
-                         verbose=settings.verbose)
+                         verbose=settings.verbose, selftest=settings.selftest)
 
 
 GENERATORS: dict[str, Callable[[EngineSettings], Generator]] = {"hf": _hf, "vllm": _vllm}

@@ -7,7 +7,8 @@ from token ids with one seed per prompt, and takes each new policy through vLLM'
 `copy_` would leave stale.
 
     VLLMGenerator       the engine behind the `Generator` seam (generation.py): start, `update_weights` (the push),
-                        `generate`, the greedy probe, `close`
+                        `generate`, the push self-test, the greedy probe, `close`
+    fingerprint         a tensor's checksum: which tensors a push changed (`VLLMGenerator.tensors_changed`)
     engine_weights      the (name, tensor) pairs the engine loads: the checkpoint names of the trainer's causal LM,
                         LoRA merged under the base names, tied weights under each name; under ZeRO-3 one layer
                         gathered at a time
@@ -118,6 +119,12 @@ or mis-pushed engine fails on any prompt; each costs the trainer a forward of it
 ~0.13 s for 50 prompt tokens)."""
 PROBE_TOKENS = 8
 """How many greedy tokens the probe decodes per prompt."""
+SELFTEST_TOLERANCE = {torch.float32: 0.0, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+"""Nats, by the engine's dtype: how far the push self-test lets a greedy token's log-prob after the push of the
+unchanged starting weights be from the engine's first load (`VLLMGenerator.selftest`). fp32: not at all (the same
+weights through the same kernels give the same bits); bf16/fp16: about one rounding step of a log-prob near 1 in
+those formats (2^-7), for a backend whose kernels are not bitwise deterministic. Its greedy tokens must be equal in
+every dtype."""
 PROBE_TOLERANCE = 1e-3
 """Nats: a probe token passes when the trainer's log-prob of it is within this of the engine's and of the
 trainer's largest (fp32: the two agree to ~2e-6; a tie between two tokens is not a failure)."""
@@ -145,6 +152,22 @@ def unserved_head_size(config: Any) -> str | None:
             f"(hidden size {config.hidden_size} / {heads} heads)")
 
 
+def transformers_backed(archs: Sequence[str]) -> str | None:
+    """Why a model of these architectures cannot be sampled colocated, or None: vLLM serves every one it holds
+    through its Transformers backend (GPT-NeoX in vLLM 0.32), which decorates transformers' own model classes for
+    its compiler, in place, in this process. The trainer's copy of the model, an instance of the same class made
+    before the engine, then fails in its next forward ("'GPTNeoXModel' object has no attribute 'do_not_compile'",
+    found by the push self-test's probe on the family tests)."""
+    from vllm import ModelRegistry
+
+    held = [a for a in archs if a in set(ModelRegistry.get_supported_archs())]
+    backed = [a for a in held if getattr(ModelRegistry.models[a], "module_name", "").endswith(".transformers")]
+    if not held or len(backed) < len(held):
+        return None
+    return (f"vLLM serves {', '.join(backed)} only through its Transformers backend, which rewrites transformers' "
+            f"own model class in this process and breaks the trainer's copy of the model")
+
+
 def check_head_size(config: Any) -> None:
     """Refuse, in one line, a model whose attention head size vLLM's CPU attention cannot serve
     (`unserved_head_size`). Raises ConfigError naming the keys that set the head size."""
@@ -157,15 +180,19 @@ def check_head_size(config: Any) -> None:
 
 
 def unservable(config: Any) -> str | None:
-    """Why this vLLM cannot sample this model, in words, or None when it can: an architecture vLLM's model registry
-    does not hold, or (on the CPU backend) an attention head size its CPU attention does not serve. `rollout.engine=
-    auto` reads it to fall back to `hf`; config: the causal LM's `PretrainedConfig`."""
+    """Why this vLLM cannot sample this model beside the trainer, in words, or None when it can: an architecture
+    vLLM's model registry does not hold; one it serves only through its Transformers backend (`transformers_backed`);
+    or (on the CPU backend) an attention head size its CPU attention does not serve. `rollout.engine=auto` reads it
+    to fall back to `hf`, and the engine's start refuses such a model in one line; config: the causal LM's
+    `PretrainedConfig`."""
     from vllm import ModelRegistry
 
     archs = list(getattr(config, "architectures", None) or [])
     supported = set(ModelRegistry.get_supported_archs())
     if archs and not any(a in supported for a in archs):
         return f"vLLM has no implementation of {', '.join(archs)}"
+    if (why := transformers_backed(archs)) is not None:
+        return why
     return unserved_head_size(config) if cpu_backend() else None
 
 
@@ -226,6 +253,36 @@ def engine_weight_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
             if "lora_" not in k and ".original_module." not in k}
 
 
+def fingerprint(tensor: torch.Tensor, chunk: int = 1 << 20) -> tuple[int, int]:
+    """A checksum of `tensor`'s values, on its own device, without a copy of it beside the model: the sum of its
+    elements' bit patterns (as integers of the element's width) and their sum weighted by position (mod 65521, plus
+    one), both wrapping in int64. Equal tensors give equal fingerprints; a changed value changes the first (unless
+    another change cancels it exactly) and a permutation of values the second. `chunk`: elements per step (bounds
+    the int64 scratch to 16 MiB)."""
+    bits = tensor.detach().contiguous().reshape(-1)
+    bits = bits.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()])
+    plain = weighted = 0
+    for start in range(0, bits.numel(), chunk):
+        part = bits[start:start + chunk].to(torch.int64)
+        pos = torch.arange(start, start + part.numel(), device=part.device) % 65521 + 1
+        plain += int(part.sum())
+        weighted += int((part * pos).sum())
+    return plain & (2**64 - 1), weighted & (2**64 - 1)
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """{engine weight name: the first name of the tensor it shares} for the names `engine_weights(model)` yields: a
+    tied tensor (`lm_head.weight` sharing `embed_tokens.weight`) maps both names to one, so a push counts it once."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if "lora_" in key or ".original_module." in key:
+            continue
+        name = _base_name(key)
+        out[name] = first.setdefault(id(tensor), name)
+    return out
+
+
 def _base_name(key: str) -> str:
     """A state_dict key under its HF checkpoint name: peft's `.base_layer.` and `.modules_to_save.default.` out."""
     return key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
@@ -252,6 +309,20 @@ def architecture(config: Any) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if not k.startswith(("_", "rlhf_")) and k not in skip}
 
 
+def _holds_modules(worker: Any, names: Sequence[str]) -> list[bool]:
+    """Run in the engine's worker (`LLM.collective_rpc`): for each weight name, whether the engine's model has the
+    module that owns it (`lm_head` for `lm_head.weight`)."""
+    model = worker.get_model()
+    held = []
+    for name in names:
+        try:
+            model.get_submodule(name.rpartition(".")[0])
+            held.append(True)
+        except AttributeError:
+            held.append(False)
+    return held
+
+
 class VLLMGenerator:
     """`rollout.engine=vllm`: a vLLM engine in this process, reloaded with the policy's weights before each rollout.
 
@@ -260,7 +331,8 @@ class VLLMGenerator:
     unused (vLLM schedules its own batches; the samples do not depend on it); workdir: where the engine's model
     dir is written (the run dir; deleted by `close`); kv_cache_gb: the KV cache, GiB (`rollout.kv_cache_gb`);
     max_model_len: the longest prompt + response, tokens; probe: the greedy probe after each push (where the
-    engine and the trainer's scoring passes are fp32: `probes`; see `probe`).
+    engine and the trainer's scoring passes are fp32: `probes`; see `probe`); selftest: the push self-test at the
+    first `generate` after a start (`rollout.engine_selftest`; see `selftest`).
 
     Weights: the first `update_weights(model)` writes `engine_weights(model)` and the model's config to
     `<workdir>/engine_model/` and starts the engine from it; later calls push the same names through vLLM's
@@ -269,12 +341,13 @@ class VLLMGenerator:
     writing the model dir once. A push must carry exactly
     the names of that first checkpoint (vLLM's first load requires every weight of the model) with the same shapes;
     anything else raises. `sync_seconds`: the seconds of the last `update_weights` (the engine's start, or the push)
-    and of the probe after it; `start_seconds` the engine's last start.
+    and of the probe (and the self-test) after it; `start_seconds` the engine's last start. `tensors_changed`: how
+    many of the engine's tensors the last push changed (see `_push`).
     """
 
     def __init__(self, precision: str, chunk: int = 32, workdir: str | Path | None = None, kv_cache_gb: int = 2,
                  max_model_len: int = 2048, probe: bool = True, engine_dtype: str = "auto",
-                 score_precision: str | None = None, verbose: bool = False) -> None:
+                 score_precision: str | None = None, verbose: bool = False, selftest: bool = True) -> None:
         if workdir is None:
             raise ValueError("VLLMGenerator needs a workdir (the run dir) for its model dir")
         self.precision, self.chunk = precision, int(chunk)
@@ -295,6 +368,15 @@ class VLLMGenerator:
         self._probe_due = False
         self._run_group = False
         self.architecture: dict[str, Any] = {}
+        self.selftests = bool(selftest)
+        self._selftest_due = False
+        self._gather: Gather | None = None
+        self.fingerprints: dict[str, tuple[int, int]] = {}  # the engine's weights now: name -> `fingerprint`
+        self.tied: dict[str, str] = {}  # `tied_names` of the model the engine holds
+        self.tensors_changed: int | None = None
+        """How many of the engine's tensors the last push changed (a tied tensor once; a LoRA layer's merged weight
+        once per adapted module), found by `fingerprint`; None after a start, 0 after the self-test's push of the
+        unchanged weights. train-ppo logs it as `rollout/engine_tensors_changed`."""
         self.own_weights = True  # the engine's copy: train-ppo pushes with one layer gathered at a time (ZeRO-3)
 
     # -- weights -------------------------------------------------------------------------------------------
@@ -303,12 +385,13 @@ class VLLMGenerator:
         of another architecture than the engine's: eval's reference may be one) or push them (later calls).
         `gather`: ZeRO-3's (see `engine_weights`), one layer's parameters whole at a time. Raises ValueError when
         the weights' names or shapes differ from the engine's checkpoint."""
-        self.lm = model
+        self.lm, self._gather = model, gather
         t0 = time.perf_counter()
         if self.llm is not None and architecture(model.config) != self.architecture:
             self._shutdown()  # another architecture: its own engine
         if self.llm is None:
             self._start(model, gather)
+            self.tensors_changed, self._selftest_due = None, self.selftests
             self.start_seconds = time.perf_counter() - t0
             if engine.is_main():
                 log.info("vLLM engine up from %s (%s) in %.1fs", self.model_dir,
@@ -326,8 +409,16 @@ class VLLMGenerator:
 
         if cpu_backend():
             check_head_size(model.config)
-        weights = {n: t.contiguous().cpu().clone() for n, t in engine_weights(model, self.dtype, gather)}
+        if (why := transformers_backed(list(getattr(model.config, "architectures", None) or []))) is not None:
+            raise ConfigError(f"rollout.engine=vllm cannot sample this model beside the trainer: {why}; use "
+                              f"rollout.engine=hf (auto does)")
+        self.tied = tied_names(model)
+        # a tied tensor under its first name only, as HF's own checkpoints hold it (vLLM ties the rest itself, and
+        # a model without the second module, Gemma 2's `lm_head`, refuses the name)
+        weights = {n: t.contiguous().cpu().clone() for n, t in engine_weights(model, self.dtype, gather)
+                   if self.tied.get(n, n) == n}
         self.names = {n: tuple(t.shape) for n, t in weights.items()}
+        self.fingerprints = {n: fingerprint(t) for n, t in weights.items()}
         self.architecture = architecture(model.config)
         if engine.is_main():  # the run dir is every rank's: one copy, written before any engine reads it
             if self.model_dir.exists():
@@ -358,25 +449,49 @@ class VLLMGenerator:
                        enforce_eager=cpu_backend(), max_model_len=self.max_model_len, seed=0,
                        enable_prefix_caching=False, enable_chunked_prefill=False,
                        max_num_batched_tokens=max(self.max_model_len, 8192), **kwargs)
+        # a push carries a tied tensor under each name the engine's model has a module for: vLLM's in-place reload
+        # finishes a layer only when its own weight arrives (Llama's `lm_head`), and refuses a name it has no
+        # module for (Gemma 2's)
+        extra = sorted(n for n, first in self.tied.items() if n != first)
+        held = self.llm.collective_rpc(_holds_modules, args=(extra,))[0] if extra else []
+        self.names.update({n: self.names[self.tied[n]] for n, ok in zip(extra, held) if ok})
+
+    def _carried(self, name: str) -> bool:
+        """Whether a push carries weight `name`: any untied weight, and a tied one under each name the engine's
+        model has a module for (see `_start`)."""
+        return name in self.names or self.tied.get(name, name) == name
 
     def _push(self, model: Any, gather: Gather | None) -> None:
         """Stream `engine_weights(model)` into vLLM's reload. Every name and shape is checked against the engine's
         checkpoint twice: all of them from the model's state_dict before any weight moves, and each pushed tensor
         as it goes (the stream raises on a name the engine does not load or a wrong shape; a name never pushed
-        raises after it). Under ZeRO-3 one layer is gathered at a time."""
-        self._check_push(engine_weight_shapes(model))
+        raises after it). Under ZeRO-3 one layer is gathered at a time.
+
+        Each pushed tensor's `fingerprint`, taken as it streams by, against the engine's last gives
+        `tensors_changed`: the tensors whose values differ from the previous push (or the start), a tied tensor
+        counted once."""
+        self.tied = tied_names(model)
+        self._check_push({n: s for n, s in engine_weight_shapes(model).items() if self._carried(n)})
         pushed: dict[str, tuple[int, ...]] = {}
+        prints: dict[str, tuple[int, int]] = {}
 
         def checked() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in engine_weights(model, self.dtype, gather):
+                if not self._carried(name):
+                    continue
                 if self.names.get(name) != tuple(tensor.shape):
                     self._check_push({**self.names, name: tuple(tensor.shape)}, partial=True)
                 pushed[name] = tuple(tensor.shape)
+                prints[name] = fingerprint(tensor)
                 yield name, tensor
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked(),
                                                           "is_checkpoint_format": True})
         self._check_push(pushed)
+        canonical = {n: self.tied.get(n, n) for n in prints}  # a tied tensor under its first name, counted once
+        self.tensors_changed = len({canonical[n] for n, f in prints.items()
+                                    if self.fingerprints.get(canonical[n]) != f})
+        self.fingerprints = {n: f for n, f in prints.items() if canonical[n] == n}
 
     def _check_push(self, got: dict[str, tuple[int, ...]], partial: bool = False) -> None:
         """Raise ValueError naming the pushed names the engine does not load, the engine weights not pushed (unless
@@ -404,6 +519,10 @@ class VLLMGenerator:
             raise ValueError(f"VLLMGenerator.generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
         if not self.probe_prompts:
             self.probe_prompts = [list(map(int, p)) for p in prompt_ids[:PROBE_PROMPTS]]
+        if self._selftest_due:
+            t0 = time.perf_counter()
+            self.selftest()
+            self.sync_seconds += time.perf_counter() - t0
         requests = [list(map(int, p)) for p in prompt_ids]
         params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_new_tokens, seed=s % (2**63 - 1), logprobs=0,
@@ -431,6 +550,54 @@ class VLLMGenerator:
             logprobs[i, :len(ids)] = torch.tensor([step[t].logprob for step, t in zip(completion.logprobs, ids)])
         responses, mask, has_eos = response_mask(responses, sampling.eos_ids, sampling.pad_id)
         return Generation(responses, mask, has_eos, logprobs * mask)
+
+    def _greedy(self, prompts: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
+        """The engine's greedy decodes of `prompts` (`PROBE_TOKENS` each, EOS ignored): (token ids, their
+        log-probs) per prompt."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True, detokenize=False,
+                                logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], [params] * len(prompts),
+                                 use_tqdm=False)
+        decoded = []
+        for out in outs:
+            ids = list(out.outputs[0].token_ids)
+            decoded.append((ids, [float(step[t].logprob) for step, t in zip(out.outputs[0].logprobs, ids)]))
+        return decoded
+
+    def selftest(self) -> None:
+        """The push self-test, once after each start (`rollout.engine_selftest`): the greedy decodes of the probe
+        prompts from the engine as it loaded its model dir, then the same starting weights pushed through
+        `reload_weights` (the path every later update takes) and decoded again. The tokens must be equal and each
+        log-prob within `SELFTEST_TOLERANCE` of its dtype (fp32: equal). It checks the push itself, in any dtype,
+        where the greedy probe (`probe`, fp32 only) checks the engine against the trainer: a push that maps a name
+        to the wrong tensor or packs a fused weight in the wrong order fails it before any rollout. Its push counts
+        `tensors_changed` (0 when the push is sound).
+
+        Raises ConfigError (one line, on every rank: each tests its own engine) naming the first difference."""
+        self._selftest_due = False
+        prompts = self.probe_prompts
+        loaded = self._greedy(prompts)
+        self._push(self.lm, self._gather)
+        pushed = self._greedy(prompts)
+        tolerance = SELFTEST_TOLERANCE.get(self.dtype, 1e-2)
+        failure, worst = None, 0.0
+        for k, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(loaded, pushed)):
+            gaps = [abs(a - b) for a, b in zip(lp_a, lp_b)]
+            worst = max([worst, *gaps])
+            bad = next((t for t, (a, b, g) in enumerate(zip(ids_a, ids_b, gaps)) if a != b or g > tolerance), None)
+            if bad is not None and failure is None:
+                failure = (f"probe prompt {k}, greedy token {bad}: {ids_a[bad]} (log-prob {lp_a[bad]:.6f}) as loaded, "
+                           f"{ids_b[bad]} (log-prob {lp_b[bad]:.6f}) after the push")
+        if engine.all_reduce_sum(torch.tensor([float(failure is not None)])).item() > 0:
+            raise ConfigError(f"rollout.engine=vllm: the push self-test failed: the engine's starting weights, pushed "
+                              f"back unchanged, sample otherwise than as loaded: {failure or 'on another rank'}; the "
+                              f"weight push is broken for this model (rollout.engine=hf samples without it)")
+        if engine.is_main():
+            log.info("vLLM push self-test passed: the starting weights pushed back gave the loaded engine's greedy "
+                     "tokens on %d probe prompt(s), log-probs %s (%d tensor(s) changed)", len(prompts),
+                     "equal" if worst == 0 else f"within {worst:.2g} nats", self.tensors_changed)
 
     @torch.no_grad()
     def probe(self, outs: Sequence[Any]) -> None:

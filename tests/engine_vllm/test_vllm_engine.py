@@ -6,7 +6,9 @@ What they prove (issue 40): the engine's fp32 log-probs equal the trainer's at t
 while the trainer's own log-probs move (a stale engine fails); a push under LoRA carries the merged weights; a push
 with a missing or unknown name raises; the greedy probe catches a stale engine; two EOS ids each end a response;
 a prompt's sample depends on its seed, not its batch; train-ppo (GAE and GRPO) and eval run on the engine, eval's
-two sides with the same noise; the engine's model dir is gone at the end.
+two sides with the same noise; the engine's model dir is gone at the end. Issue 60: the push self-test passes on
+every family the engine serves (and fails on a permuted fused weight); a push counts the tensors it changed (a tied
+one once, a LoRA layer's merged weight once per adapted module).
 """
 
 import copy
@@ -19,6 +21,7 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
+from family_helpers import FAMILIES  # noqa: E402
 from stage_helpers import compose  # noqa: E402
 
 from rlhf_cli import engine  # noqa: E402
@@ -232,6 +235,108 @@ def test_a_model_of_another_architecture_gets_its_own_engine(gen, model_cfg, tok
     out = gen.generate(prompts, list(range(8)), sampling(tokenizer))
     gap, tokens = max_gap(other, prompts, out, tokenizer.pad_token_id)
     assert tokens >= 64 and gap <= 1e-4, gap
+
+
+# ----------------------------------------------------------------------------------------------
+# the push self-test and the changed-tensor count (issue 60)
+
+def fresh_start(gen, lm):
+    """Restart `gen`'s engine from `lm` (as a new run's first `update_weights` does): the self-test is due."""
+    gen._shutdown()
+    gen.update_weights(lm)
+    assert gen._selftest_due and gen.tensors_changed is None
+
+
+def test_the_push_self_test_passes_on_a_sound_push_and_counts_no_change(gen, model_cfg, tokenizer, prompts, caplog):
+    lm = load_causal_lm(model_cfg, seed=8, tokenizer=tokenizer)
+    fresh_start(gen, lm)
+    with caplog.at_level("INFO", logger="rlhf_cli.rollout.vllm_engine"):
+        gen.generate(prompts, list(range(8)), sampling(tokenizer))
+    said = [r.getMessage() for r in caplog.records if "self-test" in r.getMessage()]
+    assert len(said) == 1 and "passed" in said[0] and "log-probs equal" in said[0], said
+    assert gen.tensors_changed == 0 and not gen._selftest_due
+
+
+def test_the_push_self_test_fails_on_a_permuted_fused_weight(gen, model_cfg, tokenizer, prompts, monkeypatch):
+    """The engine loads right, then a push that swaps two rows of a layer's q projection (a fused qkv packed in the
+    wrong order): the self-test stops the run before any rollout, in fp32 where the greedy tokens may still agree."""
+    lm = load_causal_lm(model_cfg, seed=9, tokenizer=tokenizer)
+    fresh_start(gen, lm)
+    real = vllm_engine.engine_weights
+
+    def permuted(model, dtype=None, gather=None):
+        for name, tensor in real(model, dtype, gather):
+            if name == "model.layers.0.self_attn.q_proj.weight":
+                tensor = tensor[[1, 0, *range(2, tensor.shape[0])]]
+            yield name, tensor
+
+    monkeypatch.setattr(vllm_engine, "engine_weights", permuted)
+    with pytest.raises(ConfigError, match="push self-test failed.*probe prompt 0, greedy token 0"):
+        gen.generate(prompts, list(range(8)), sampling(tokenizer))
+    assert gen.tensors_changed == 1  # the permuted tensor, and only it
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+def test_the_push_self_test_passes_on_every_family_the_engine_serves(family, tokenizer, prompts, tmp_path):
+    """Each model family of the family tests at head size 32: a sound push reproduces the loaded engine exactly, and
+    the greedy probe then finds the engine's log-probs equal to the trainer's (Gemma 2: a tied head the engine has
+    no module for, never pushed). A family vLLM serves only through its Transformers backend (GPT-NeoX) is refused
+    in one line before the engine starts, and the trainer's model still runs."""
+    from family_helpers import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(save_tiny(family, tokenizer, tmp_path / family, head_dim=32)).eval()
+    g = make_generator("vllm", EngineSettings(precision="fp32", chunk=4, workdir=tmp_path, max_model_len=256))
+    if vllm_engine.transformers_backed(lm.config.architectures) is not None:
+        assert "Transformers backend" in vllm_engine.unservable(lm.config)
+        with pytest.raises(ConfigError, match="cannot sample this model beside the trainer.*Transformers backend"):
+            g.update_weights(lm)
+        lm(input_ids=torch.tensor([prompts[0]]))
+        return
+    if (why := vllm_engine.unservable(lm.config)) is not None:
+        pytest.skip(why)
+    try:
+        g.update_weights(lm)
+        g.generate(prompts, list(range(8)), sampling(tokenizer, n=8))
+        assert g.tensors_changed == 0
+    finally:
+        g.close()
+
+
+def test_a_push_counts_the_tensors_it_changed_a_tied_one_once(gen, model_cfg, tokenizer, prompts):
+    """After a change of one layer's MLP weight: 1; of the tied embedding (also the LM head): 1; of nothing: 0."""
+    lm = load_causal_lm(model_cfg, seed=10, tokenizer=tokenizer)
+    assert lm.config.tie_word_embeddings
+    gen.update_weights(lm)
+    with torch.no_grad():
+        lm.model.layers[1].mlp.up_proj.weight.add_(1e-3)
+    gen.update_weights(lm)
+    assert gen.tensors_changed == 1
+    with torch.no_grad():
+        lm.model.embed_tokens.weight[5].add_(1e-3)
+    gen.update_weights(lm)
+    assert gen.tensors_changed == 1
+    gen.update_weights(lm)
+    assert gen.tensors_changed == 0
+
+
+def test_a_lora_push_changes_one_merged_weight_per_adapted_module(gen, model_cfg, tokenizer, prompts):
+    """Under LoRA the pushed tensors are merged weights: an optimizer step on the adapters changes exactly the
+    adapted modules' weights."""
+    from rlhf_cli.models.lora import lora_layers
+
+    lm = load_causal_lm(model_cfg, seed=11, tokenizer=tokenizer)
+    lora = compose("train_ppo", ["model=tiny", "model.lora.r=4"]).model.lora
+    add_lora(lm, lora, what="policy")
+    gen.update_weights(lm)
+    trainable = [p for p in lm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    ids = torch.tensor([prompts[0]])
+    loss = lm(input_ids=ids).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    gen.update_weights(lm)
+    assert gen.tensors_changed == len(lora_layers(lm)) > 0
 
 
 def test_a_head_size_the_cpu_attention_cannot_serve_is_refused_in_one_line(tiny_model_cfg, tokenizer, tmp_path):
