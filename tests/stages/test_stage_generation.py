@@ -439,15 +439,17 @@ def test_under_zero3_the_push_gathers_one_layer_at_a_time_and_carries_the_full_w
     """ZeRO-3 (one rank, in process): `engine_weights(..., gather=actor.gathered)` yields every checkpoint name with
     its full, merged weight, equal to the weights gathered all at once, while at most one layer's parameters (a
     LoRA layer's base and adapters: 3) are whole at any yield; `engine_weight_shapes` gives the same names and
-    shapes without gathering; the yielded tensors are copies (they outlive the gather)."""
+    shapes without gathering; the yielded tensors are copies (they outlive the gather). The same run under ZeRO-0
+    pushes the same values (every tensor's `fingerprint` equal)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from test_stage_ppo import build_trainer
 
     from rlhf_cli.models import lm_of
-    from rlhf_cli.rollout.vllm_engine import engine_weight_shapes, engine_weights
+    from rlhf_cli.rollout.vllm_engine import engine_weight_shapes, engine_weights, fingerprint
 
-    tr = build_trainer(tmp_path, ["deepspeed=zero3", "ppo.advantage_estimator=grpo",
-                                  "ppo.n_samples_per_prompt=2", *(["model.lora.r=4"] if lora else [])])
+    common = ["ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=2", *(["model.lora.r=4"] if lora else [])]
+    zero0 = {n: fingerprint(t) for n, t in engine_weights(lm_of(build_trainer(tmp_path / "z0", common).actor.module))}
+    tr = build_trainer(tmp_path, ["deepspeed=zero3", *common])
     lm = lm_of(tr.actor.module)
     params = list(lm.parameters())
     assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)  # partitioned
@@ -465,6 +467,7 @@ def test_under_zero3_the_push_gathers_one_layer_at_a_time_and_carries_the_full_w
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
     assert max(whole_at_yield) <= 3 < len(params)
     assert engine_weight_shapes(lm) == {k: tuple(v.shape) for k, v in want.items()}
+    assert {k: fingerprint(v) for k, v in got.items()} == zero0
     if lora:
         assert not any("lora_" in k or "base_layer" in k for k in got)
 
@@ -481,3 +484,22 @@ def test_a_colocated_engine_on_a_gpu_asks_for_a_share_of_the_memory_the_trainer_
     assert gpu_memory_utilization(0, 140 * gib) == 0.01
     with pytest.raises(ValueError):
         gpu_memory_utilization(1, 0)
+
+
+def test_a_fingerprint_tells_a_changed_or_permuted_tensor_from_an_equal_one():
+    """`vllm_engine.fingerprint` (importable without vllm), which counts the tensors a push changed: equal values
+    give equal prints in any dtype and chunking; one value moved by one ulp, or two values swapped, give others."""
+    from rlhf_cli.rollout.vllm_engine import fingerprint
+
+    w = torch.randn(300, 7, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = w.to(dtype)
+        assert fingerprint(t) == fingerprint(t.clone()) == fingerprint(t, chunk=64)
+        nudged = t.clone()
+        nudged[5, 3] = torch.nextafter(nudged[5, 3].float(), torch.tensor(1e9)).to(dtype) if dtype == torch.float32 \
+            else nudged[5, 3] + nudged[5, 3].abs() * 0.01 + 1e-3
+        swapped = t.clone()
+        swapped[[0, 1]] = t[[1, 0]]
+        assert fingerprint(nudged) != fingerprint(t)
+        plain, weighted = fingerprint(swapped)
+        assert plain == fingerprint(t)[0] and weighted != fingerprint(t)[1]  # a permutation: the weighted sum
