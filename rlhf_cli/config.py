@@ -656,6 +656,10 @@ class RolloutConfig:
     bf16: within 1e-2 nats), before any rollout. The run says in one line that it passed; a push that maps a weight
     wrongly stops the run there. Costs one push and two greedy decodes of 2 prompts × 8 tokens per start. The `hf`
     engine ignores it (it samples from the trainer's own weights)."""
+    sync_timeout_s: float = 600.0
+    """Seconds each weight push, push self-test and greedy probe of `rollout.engine=vllm` may take (> 0). Past it the
+    run stops on every rank with one line naming the rank and the tensor the push had reached, exit status 3, its
+    last checkpoint intact (`resume=true` continues). A push that fails on one rank stops every rank at once."""
     kv_cache_gb: int = 2
     """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16 (half that in fp32); the
@@ -1089,6 +1093,7 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     _check(r.is_low is None or 0 <= r.is_low <= r.is_high,
            f"rollout.is_low must be in [0, rollout.is_high={r.is_high}] or null (got {r.is_low})")
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
+    _check(cfg.rollout.sync_timeout_s > 0, f"rollout.sync_timeout_s must be > 0 (got {cfg.rollout.sync_timeout_s})")
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "
            "\"Sample with vLLM\"), or use rollout.engine=hf")

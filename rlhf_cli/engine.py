@@ -23,6 +23,7 @@ import math
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -176,6 +177,46 @@ def device() -> torch.device:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized() and world_size() > 1:
         dist.barrier()
+
+
+WATCHDOG_EXIT = 3
+"""The exit status of a process a `watchdog` stopped (a stall: not a user's mistake, 2, nor a crash, 1)."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, what: Callable[[], str], on_expiry: Callable[[str], None] | None = None
+             ) -> Iterator[None]:
+    """Bound the block's wall time: if it has not finished after `seconds`, a daemon thread writes one line (rank,
+    `what()` the block was doing, the limit) to stderr, calls `on_expiry(line)` (e.g. the run's status), and ends
+    the process with `WATCHDOG_EXIT`, on this rank; under torchrun the launcher then stops the other ranks.
+
+    Python cannot interrupt a thread stuck in C (a collective, an engine kernel): only the process can end, and no
+    checkpoint is written then, so the last complete one stays as it was. Every rank bounds its own block: a rank
+    waiting in a collective on a stalled one is stopped by its own watchdog as well. `seconds` <= 0: no bound."""
+    if seconds is None or seconds <= 0:
+        yield
+        return
+    done = threading.Event()
+
+    def bite() -> None:
+        if done.wait(seconds):
+            return
+        line = (f"rank {rank()}: {what()} did not finish within {seconds:g} s (rollout.sync_timeout_s): stopping "
+                f"(the last checkpoint is intact; resume=true continues from it)")
+        try:
+            if on_expiry is not None:
+                on_expiry(line)
+        finally:
+            sys.stderr.write(f"error: {line}\n")
+            sys.stderr.flush()
+            os._exit(WATCHDOG_EXIT)
+
+    thread = threading.Thread(target=bite, name="rlhf-watchdog", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:

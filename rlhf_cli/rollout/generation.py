@@ -294,6 +294,8 @@ class EngineSettings:
     """`rollout.engine_verbose`: an engine's own log on the terminal too (`vllm`), not only in the run's log file."""
     selftest: bool = True
     """`rollout.engine_selftest`: an engine that holds its own weights (`vllm`) tests its push once after it starts."""
+    sync_timeout_s: float = 600.0
+    """`rollout.sync_timeout_s`: the bound on each push, self-test and probe of an engine that pushes (`vllm`)."""
 
 
 def _hf(settings: EngineSettings) -> Generator:
@@ -306,7 +308,8 @@ def _vllm(settings: EngineSettings) -> Generator:
     return VLLMGenerator(settings.precision, settings.chunk, workdir=settings.workdir,
                          kv_cache_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
                          engine_dtype=settings.engine_dtype, score_precision=settings.score_precision,
-                         verbose=settings.verbose, selftest=settings.selftest)
+                         verbose=settings.verbose, selftest=settings.selftest,
+                         sync_timeout_s=settings.sync_timeout_s)
 
 
 GENERATORS: dict[str, Callable[[EngineSettings], Generator]] = {"hf": _hf, "vllm": _vllm}

@@ -94,7 +94,8 @@ class ExperienceMaker:
             precision=cfg.precision, chunk=self.p.micro_batch_size * 4, workdir=workdir,
             kv_cache_gb=cfg.rollout.kv_cache_gb, max_model_len=cfg.data.max_prompt_length + self.p.max_new_tokens,
             engine_dtype=cfg.rollout.engine_dtype, score_precision=score_precision,
-            verbose=cfg.rollout.engine_verbose, selftest=cfg.rollout.engine_selftest))
+            verbose=cfg.rollout.engine_verbose, selftest=cfg.rollout.engine_selftest,
+            sync_timeout_s=cfg.rollout.sync_timeout_s))
         """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout; the stage
         closes it (`generator.close()`) when the run ends."""
         self.sampling = Sampling(eos_ids=self.eos_ids, pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,

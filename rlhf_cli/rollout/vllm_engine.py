@@ -332,7 +332,8 @@ class VLLMGenerator:
     dir is written (the run dir; deleted by `close`); kv_cache_gb: the KV cache, GiB (`rollout.kv_cache_gb`);
     max_model_len: the longest prompt + response, tokens; probe: the greedy probe after each push (where the
     engine and the trainer's scoring passes are fp32: `probes`; see `probe`); selftest: the push self-test at the
-    first `generate` after a start (`rollout.engine_selftest`; see `selftest`).
+    first `generate` after a start (`rollout.engine_selftest`; see `selftest`); sync_timeout_s: the bound on each
+    push, self-test and probe (`rollout.sync_timeout_s`; see `_bounded`).
 
     Weights: the first `update_weights(model)` writes `engine_weights(model)` and the model's config to
     `<workdir>/engine_model/` and starts the engine from it; later calls push the same names through vLLM's
@@ -347,7 +348,8 @@ class VLLMGenerator:
 
     def __init__(self, precision: str, chunk: int = 32, workdir: str | Path | None = None, kv_cache_gb: int = 2,
                  max_model_len: int = 2048, probe: bool = True, engine_dtype: str = "auto",
-                 score_precision: str | None = None, verbose: bool = False, selftest: bool = True) -> None:
+                 score_precision: str | None = None, verbose: bool = False, selftest: bool = True,
+                 sync_timeout_s: float = 600.0) -> None:
         if workdir is None:
             raise ValueError("VLLMGenerator needs a workdir (the run dir) for its model dir")
         self.precision, self.chunk = precision, int(chunk)
@@ -369,6 +371,9 @@ class VLLMGenerator:
         self._run_group = False
         self.architecture: dict[str, Any] = {}
         self.selftests = bool(selftest)
+        self.sync_timeout_s = float(sync_timeout_s)
+        self.workdir = Path(workdir)
+        self._doing = ""  # what the engine's bounded step is doing now, for the watchdog's line
         self._selftest_due = False
         self._gather: Gather | None = None
         self.fingerprints: dict[str, tuple[int, int]] = {}  # the engine's weights now: name -> `fingerprint`
@@ -397,7 +402,7 @@ class VLLMGenerator:
                 log.info("vLLM engine up from %s (%s) in %.1fs", self.model_dir,
                          str(self.dtype).removeprefix("torch."), self.start_seconds)
         else:
-            self._push(model, gather)
+            self._push_everywhere(model, gather)
         said = ENGINE_LOG.summary()  # every rank empties its list; rank 0 says it
         if said and engine.is_main():
             log.info("%s", said)
@@ -456,6 +461,41 @@ class VLLMGenerator:
         held = self.llm.collective_rpc(_holds_modules, args=(extra,))[0] if extra else []
         self.names.update({n: self.names[self.tied[n]] for n, ok in zip(extra, held) if ok})
 
+    def _bounded(self, doing: str) -> contextlib.AbstractContextManager[None]:
+        """`engine.watchdog` over one push, self-test or probe: past `rollout.sync_timeout_s` the process writes one
+        line naming the rank and what it was doing (`doing`, and the tensor a push had reached), marks the run
+        failed, and exits; the other ranks' own watchdogs stop them as they wait for it."""
+        self._doing = doing
+
+        def failed(line: str) -> None:
+            if engine.is_main():
+                from rlhf_cli.runs import set_status
+
+                set_status(self.workdir, "failed", reason=line)
+
+        return engine.watchdog(self.sync_timeout_s, lambda: self._doing, failed)
+
+    def _push_everywhere(self, model: Any, gather: Gather | None) -> None:
+        """`_push` under `_bounded`, then every rank learns whether any rank's push failed, so that all stop
+        together: the failing rank raises its error (one line naming the tensor), the others one line saying
+        which ranks failed, instead of waiting for them in their next collective."""
+        failure: Exception | None = None
+        with self._bounded("the weight push"):
+            try:
+                self._push(model, gather)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it before anyone raises
+                failure = e
+            failed = engine.all_gather_object(failure is not None)
+        if failure is not None:
+            if isinstance(failure, ValueError):
+                raise failure
+            raise ConfigError(f"rollout.engine=vllm: rank {engine.rank()}: {self._doing} failed: "
+                              f"{type(failure).__name__}: {failure}") from failure
+        if any(failed):
+            ranks = ", ".join(str(r) for r, f in enumerate(failed) if f)
+            raise ConfigError(f"rollout.engine=vllm: the weight push failed on rank {ranks} (its own line says "
+                              f"why); rank {engine.rank()} stops with it")
+
     def _carried(self, name: str) -> bool:
         """Whether a push carries weight `name`: any untied weight, and a tied one under each name the engine's
         model has a module for (see `_start`)."""
@@ -483,6 +523,7 @@ class VLLMGenerator:
                     self._check_push({**self.names, name: tuple(tensor.shape)}, partial=True)
                 pushed[name] = tuple(tensor.shape)
                 prints[name] = fingerprint(tensor)
+                self._doing = f"the weight push (at tensor {name})"
                 yield name, tensor
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked(),
@@ -537,7 +578,8 @@ class VLLMGenerator:
         outs = self.llm.generate([{"prompt_token_ids": r} for r in requests], params, use_tqdm=False)
         if probing:
             t0 = time.perf_counter()
-            self.probe(outs[len(prompt_ids):])
+            with self._bounded("the greedy probe after the push"):
+                self.probe(outs[len(prompt_ids):])
             self.sync_seconds += time.perf_counter() - t0
             outs = outs[:len(prompt_ids)]
         B, R = len(outs), sampling.max_new_tokens
@@ -578,9 +620,11 @@ class VLLMGenerator:
         Raises ConfigError (one line, on every rank: each tests its own engine) naming the first difference."""
         self._selftest_due = False
         prompts = self.probe_prompts
-        loaded = self._greedy(prompts)
-        self._push(self.lm, self._gather)
-        pushed = self._greedy(prompts)
+        with self._bounded("the push self-test"):
+            loaded = self._greedy(prompts)
+        self._push_everywhere(self.lm, self._gather)
+        with self._bounded("the push self-test"):
+            pushed = self._greedy(prompts)
         tolerance = SELFTEST_TOLERANCE.get(self.dtype, 1e-2)
         failure, worst = None, 0.0
         for k, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(loaded, pushed)):

@@ -288,7 +288,8 @@ def sample_both(cfg: Any, models: dict[str, Any], prompt_ids: list[list[int]], p
     generator = make_generator(cfg.rollout.engine, EngineSettings(
         precision=cfg.precision, chunk=e.generation_batch_size, workdir=run_dir, kv_cache_gb=cfg.rollout.kv_cache_gb,
         max_model_len=cfg.data.max_prompt_length + e.max_new_tokens, engine_dtype=cfg.rollout.engine_dtype,
-        verbose=cfg.rollout.engine_verbose, selftest=cfg.rollout.engine_selftest))
+        verbose=cfg.rollout.engine_verbose, selftest=cfg.rollout.engine_selftest,
+            sync_timeout_s=cfg.rollout.sync_timeout_s))
     # no score_precision: nothing trains on eval's samples, so `auto` gives the engine the run's precision, as the
     # hf sampler samples under it
     if cfg.rollout.engine == "vllm":  # eval.json and the results table: the dtype used

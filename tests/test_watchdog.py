@@ -1,0 +1,90 @@
+"""`rollout.sync_timeout_s`: a push that fails or stalls on one rank stops every rank (issue 60). Run without vLLM:
+the engine's push is replaced by a fault, so what is tested is the bound and the cross-rank rule around it
+(`engine.watchdog`, `VLLMGenerator._push_everywhere`); the engine job injects the same faults into a real push.
+
+One process and two under torchrun (gloo): a failure stops every rank at once, the failing one naming its error and
+the others naming it; a stall is ended by each rank's own watchdog within the bound (exit status 3), the run's
+status marked failed by rank 0.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+TIMEOUT = 4.0
+
+SCRIPT = '''
+import sys, time
+from rlhf_cli import engine
+from rlhf_cli.errors import ConfigError
+from rlhf_cli.rollout.vllm_engine import VLLMGenerator
+
+fault, bad_rank, workdir, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+engine.init_distributed()
+gen = VLLMGenerator("fp32", workdir=workdir, sync_timeout_s=timeout)
+
+def push(model, gather):
+    gen._doing = "the weight push (at tensor model.layers.1.mlp.up_proj.weight)"
+    if engine.rank() == bad_rank:
+        if fault == "fail":
+            raise RuntimeError("injected")
+        time.sleep(60)
+
+gen._push = push
+try:
+    gen._push_everywhere(None, None)
+except ConfigError as e:
+    print(f"rank {engine.rank()} raised: {e}", flush=True)
+    sys.exit(2)
+print(f"rank {engine.rank()} pushed", flush=True)
+'''
+
+
+def run(tmp_path, fault, ranks):
+    script = tmp_path / "push.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, str(script)]
+    if ranks > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}",
+               str(script)]
+    t0 = time.perf_counter()
+    out = subprocess.run([*cmd, fault, str(ranks - 1), str(tmp_path), str(TIMEOUT)], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    return out, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_push_that_fails_on_one_rank_stops_every_rank_at_once_in_one_line(tmp_path, ranks):
+    out, _ = run(tmp_path, "fail", ranks)
+    assert out.returncode != 0
+    said = out.stdout
+    assert (f"rank {ranks - 1} raised: rollout.engine=vllm: rank {ranks - 1}: the weight push (at tensor "
+            f"model.layers.1.mlp.up_proj.weight) failed: RuntimeError: injected") in said, said + out.stderr[-2000:]
+    if ranks == 2:
+        assert "rank 0 raised: rollout.engine=vllm: the weight push failed on rank 1" in said, said
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_stalled_push_stops_every_rank_within_the_bound(tmp_path, ranks):
+    out, seconds = run(tmp_path, "stall", ranks)
+    assert out.returncode != 0 and "pushed" not in out.stdout
+    line = (f"error: rank {ranks - 1}: the weight push (at tensor model.layers.1.mlp.up_proj.weight) did not finish "
+            f"within {TIMEOUT:g} s (rollout.sync_timeout_s)")
+    assert line in out.stderr, out.stderr[-3000:]
+    if ranks == 2:  # rank 0 pushed, then waited for rank 1 in the all-gather: its own watchdog ends it
+        assert "error: rank 0: the weight push (at tensor" in out.stderr
+    else:
+        assert out.returncode == 3
+    assert seconds < TIMEOUT + 40  # the interpreter and torch's import included; the sleep is 60 s
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "failed" and "did not finish" in status["reason"]
