@@ -67,9 +67,9 @@ class Command:
     section: str | None = None
     """The config section of its own hyper-parameters (`rm`), if any."""
     rows: str | None = None
-    """What its `data.path` holds, as the data loaders name it: `pairs`, `prompts` or `demos`; a local JSON file is
-    parsed row by row before anything heavy loads (`data.check_rows`). None: not checked early (eval reads the
-    evaluated model's own data unless told otherwise)."""
+    """What its `data.path` holds, as the data loaders name it: `pairs`, `prompts`, `demos` or `unpaired`; a local
+    JSON file is parsed row by row before anything heavy loads (`data.check_rows`). None: not checked early (eval
+    reads the evaluated model's own data unless told otherwise)."""
     model_paths: tuple[ModelPath, ...] = ()
     """The model paths it loads besides `model.name_or_path`, checked before anything loads."""
     reward_function_always: bool = False
@@ -141,6 +141,20 @@ _ALL = (
         renamed_metrics={"lr": "dpo/lr", "grad_norm": "dpo/grad_norm", "epoch": "dpo/epoch"},  # before issue 39
         report=("direct preference optimisation", ("dpo_loss", "dpo_rewards", "dpo_margin", "dpo_accuracy",
                                                    "dpo_logprobs")),
+    ),
+    Command(
+        name="train-kto", config_name="train_kto", stage="rlhf_cli.stages.kto", kind="kto", pointer="latest_kto",
+        help="optimise a policy on unpaired completions labelled desirable or not against its frozen starting "
+             "weights (KTO)",
+        reads=(*_COMMON, "deepspeed", "kto", "logger", "tracker"), validator=config.validate_kto,
+        trains=True, section="kto", rows="unpaired",
+        meant={"policy.path": "model.name_or_path", "reference.path": "model.name_or_path (the reference is the "
+               "starting policy)", "rm": "kto", "ppo": "kto", "dpo": "kto", "ppo.kl_beta": "kto.beta",
+               "dpo.beta": "kto.beta"},
+        headline=(("eval/kto/loss", "held-out loss", -1), ("eval/kto/rewards_desirable", "held-out reward +", 1),
+                  ("eval/kto/rewards_undesirable", "held-out reward -", -1), ("kto/loss", "loss", -1)),
+        metric_prefixes=("kto/", "eval/kto/"),
+        report=("Kahneman-Tversky optimisation", ("kto_loss", "kto_kl", "kto_rewards", "kto_logprobs")),
     ),
     Command(
         name="train-ppo", config_name="train_ppo", stage="rlhf_cli.stages.ppo", kind="ppo", pointer="latest_policy",

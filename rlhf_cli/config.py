@@ -159,7 +159,9 @@ class DataConfig:
     `hh` (Anthropic `\\n\\nHuman:`/`\\n\\nAssistant:` transcripts), `conversation` (lists of
     {role, content} messages), `prompt` (prompts only, for PPO); for train-sft's demonstrations `completion`
     (prompt/completion strings, or prompt/response) or `messages` (a list of {role, content} messages, the loss on
-    every assistant turn). `auto` tells them apart by their columns."""
+    every assistant turn); for train-kto `unpaired` (prompt/completion/label rows, the label a boolean: true =
+    desirable; train-kto also reads the preference formats, each pair as a desirable and an undesirable row).
+    `auto` tells them apart by their columns."""
     split: str = "train"
     """Split to read from a hub dataset or a local file (local files have only `train`)."""
     eval_path: str | None = None
@@ -189,8 +191,10 @@ class DataConfig:
     """Column of a `prompt`-format dataset given as message lists, and of a `messages`-format SFT dataset
     (a `conversation`'s chosen/rejected columns hold message lists)."""
     completion_key: str = "completion"
-    """Column of the demonstrated response of a `completion`-format SFT dataset (train-sft); a file without it
-    but with a `response` column reads that one."""
+    """Column of the demonstrated response of a `completion`-format SFT dataset (train-sft) and of an `unpaired`
+    row's completion (train-kto); a file without it but with a `response` column reads that one."""
+    label_key: str = "label"
+    """Column of an `unpaired` row's label (train-kto): a boolean, true = the completion is desirable."""
     answer_key: str = "answer"
     """Column with the ground-truth answer, for datasets with a checker."""
     margin_key: str | None = None
@@ -266,9 +270,10 @@ class PathsConfig:
 
 @dataclass
 class SupervisedConfig:
-    """The keys every supervised stage's section shares (`rm.*`, `sft.*`, `dpo.*`): optimizer, schedule, length,
-    batches and cadence. A training row is a preference pair (`rm`, `dpo`) or a demonstration (`sft`); each
-    section sets its own `lr` and `warmup_ratio` defaults and adds its own keys."""
+    """The keys every supervised stage's section shares (`rm.*`, `sft.*`, `dpo.*`, `kto.*`): optimizer, schedule,
+    length, batches and cadence. A training row is a preference pair (`rm`, `dpo`), a demonstration (`sft`) or an
+    unpaired labelled completion (`kto`); each section sets its own `lr` and `warmup_ratio` defaults and adds its own
+    keys."""
 
     lr: float = 2e-5
     """Peak learning rate (AdamW). TRL's defaults: RewardTrainer 1e-5 (with LoRA), SFTTrainer 2e-5, DPOTrainer
@@ -293,10 +298,11 @@ class SupervisedConfig:
     micro_batch_size: int = 8
     """Rows per forward pass per rank; batch_size must be divisible by micro_batch_size × world size."""
     eval_batch_size: int = 16
-    """Rows per forward pass per rank on the held-out rows (`dpo`: also when precomputing the reference)."""
+    """Rows per forward pass per rank on the held-out rows (`dpo`, `kto`: also when precomputing the reference)."""
     eval_every: int = 0
     """Held-out figures every N optimizer steps (0 = only at the end): `rm` its loss, accuracy and margin, `sft`
-    its loss and perplexity, `dpo` its loss, implicit rewards, margin and accuracy."""
+    its loss and perplexity, `dpo` its loss, implicit rewards, margin and accuracy, `kto` its loss, reference point,
+    implicit rewards and log-probs per class."""
     save_every: int = 0
     """Write a resumable DeepSpeed checkpoint every N optimizer steps (0 = only at the end)."""
     log_every: int = 1
@@ -352,6 +358,33 @@ class DPOConfig(SupervisedConfig):
     reference forward runs during training, and without LoRA no second copy of the weights is held); false
     computes them with each micro-batch from a frozen copy (the policy with its adapters off under LoRA). The
     same numbers either way, to float rounding. TRL's `precompute_ref_log_probs`."""
+
+
+@dataclass
+class KTOConfig(SupervisedConfig):
+    """Kahneman-Tversky optimisation (train-kto, Ethayarajh et al. 2024): the policy trained on unpaired completions,
+    each labelled desirable or not, against a frozen reference (its starting weights). The loss of an optimizer step
+    is the mean over its rows of λ_y (1 − σ(β (r − z0))) for a desirable row and λ_y (1 − σ(β (z0 − r))) for an
+    undesirable one, r the row's log-ratio to the reference (nats) and z0 the step's reference point, logged as
+    `kto/kl`: the mean log-ratio of the step's prompts each paired with the previous row's completion (cycled by one),
+    over every rank, with no gradient, clamped at 0 (TRL's KL estimate, computed once per optimizer step); so
+    `kto.batch_size` must be at least 2."""
+
+    lr: float = 5e-7  # TRL KTOTrainer 1e-6 (its docs advise 5e-7 to 5e-6 with beta 0.1), OpenRLHF 5e-7
+    warmup_ratio: float = 0.1
+    beta: float = 0.1
+    """β > 0: how far the policy may move from the reference (larger = closer to it). TRL's default 0.1."""
+    desirable_weight: float = 1.0
+    """λ_D > 0: the weight of a desirable row's loss. With unbalanced classes the paper (eq. 8) advises
+    λ_D n_D / (λ_U n_U) in [1, 4/3]; the run says once when neither weight is in that range, as TRL does."""
+    undesirable_weight: float = 1.0
+    """λ_U > 0: the weight of an undesirable row's loss."""
+    precompute_reference: bool = False
+    """Compute the reference's log-probs once, before the first step, of every training row, of the mismatched
+    pairs of every step's reference point (the steps' orders are seeded, so known in advance) and of the held-out
+    rows (then no reference forward runs during training, and without LoRA no second copy of the weights is held);
+    false computes them with each step from a frozen copy (the policy with its adapters off under LoRA). The same
+    numbers either way, to float rounding. TRL's `precompute_ref_log_probs`."""
 
 
 @dataclass
@@ -707,6 +740,8 @@ class RunConfig:
     """train-rm's optimisation."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """train-dpo's loss, reference and optimisation."""
+    kto: KTOConfig = field(default_factory=KTOConfig)
+    """train-kto's loss, reference and optimisation."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """train-ppo's algorithm and optimisation: group `ppo/`."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -884,7 +919,7 @@ def validate_common(cfg: Any) -> None:
            f"deepspeed.offload_optimizer=true needs deepspeed.zero_stage>=1 (got {cfg.deepspeed.zero_stage})")
     d = cfg.data
     _one_of("data.format", d.format, ("auto", "explicit", "implicit", "hh", "conversation", "prompt", "completion",
-                                      "messages"))
+                                      "messages", "unpaired"))
     _check(d.max_length > 0, f"data.max_length must be > 0 (got {d.max_length})")
     _check(0 < d.max_prompt_length < d.max_length,
            f"data.max_prompt_length ({d.max_prompt_length}) must be > 0 and < data.max_length ({d.max_length})")
@@ -933,7 +968,7 @@ def _check_batches(prefix: str, batch: int, micro: int, world_size: int, batch_n
 
 
 def _validate_supervised(prefix: str, r: Any, world_size: int) -> None:
-    """The keys a supervised stage's section shares (`SupervisedConfig`: `rm.*`, `sft.*`, `dpo.*`): optimizer,
+    """The keys a supervised stage's section shares (`SupervisedConfig`: `rm.*`, `sft.*`, `dpo.*`, `kto.*`): optimizer,
     schedule, steps, batches."""
     _check_finite(prefix, r)
     _check(r.lr > 0, f"{prefix}.lr must be > 0 (got {r.lr})")
@@ -979,6 +1014,18 @@ def validate_dpo(cfg: Any, world_size: int = 1) -> None:
     _check(d.label_smoothing == 0 or d.loss == "sigmoid",
            f"dpo.label_smoothing={d.label_smoothing} applies to dpo.loss=sigmoid only (got dpo.loss={d.loss})")
     _check(d.sft_weight >= 0, f"dpo.sft_weight must be >= 0 (0 = off; got {d.sft_weight})")
+
+
+def validate_kto(cfg: Any, world_size: int = 1) -> None:
+    validate_common(cfg)
+    validate_logging(cfg)
+    k = cfg.kto
+    _validate_supervised("kto", k, world_size)
+    _check(k.batch_size >= 2, f"kto.batch_size must be >= 2 (got {k.batch_size}): the KL reference point pairs each "
+                              "row's prompt with another row's completion of the same optimizer step")
+    _check(k.beta > 0, f"kto.beta must be > 0 (got {k.beta})")
+    _check(k.desirable_weight > 0, f"kto.desirable_weight must be > 0 (got {k.desirable_weight})")
+    _check(k.undesirable_weight > 0, f"kto.undesirable_weight must be > 0 (got {k.undesirable_weight})")
 
 
 def validate_ppo(cfg: Any, world_size: int = 1) -> None:

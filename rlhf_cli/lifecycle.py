@@ -134,6 +134,7 @@ def write_config(cfg: Any, run_dir: Path) -> None:
 RESUMABLE_KEYS = ("rm.max_steps", "rm.epochs", "ppo.iterations", "rm.save_every", "ppo.save_every",
                   "sft.max_steps", "sft.epochs", "sft.save_every", "sft.eval_every", "sft.log_every",
                   "dpo.max_steps", "dpo.epochs", "dpo.save_every", "dpo.eval_every", "dpo.log_every",
+                  "kto.max_steps", "kto.epochs", "kto.save_every", "kto.eval_every", "kto.log_every",
                   "paths.keep_checkpoints", "paths.keep_optimizer", "rm.eval_every", "rm.log_every", "ppo.sample_every",
                   "logger", "tracker.project", "tracker.name", "tracker.group", "tracker.mlflow_tracking_uri", "resume",
                   "dry_run")

@@ -119,6 +119,8 @@ IGNORED: tuple[Ignored, ...] = (
             "set `sft.max_steps=null` to count epochs"),
     Ignored("dpo.epochs", "`dpo.max_steps` set", lambda cfg, c: cfg.dpo.max_steps is not None,
             "set `dpo.max_steps=null` to count epochs"),
+    Ignored("kto.epochs", "`kto.max_steps` set", lambda cfg, c: cfg.kto.max_steps is not None,
+            "set `kto.max_steps=null` to count epochs"),
     Ignored("ppo.kl_horizon", "`ppo.kl_target=null` (a fixed β)", lambda cfg, c: cfg.ppo.kl_target is None,
             "set `ppo.kl_target` for the adaptive controller"),
     *(Ignored(f"ppo.{k}", "a critic-free `ppo.advantage_estimator` (grpo, dr_grpo, rloo, reinforce_pp)",

@@ -112,7 +112,7 @@ SKIP_RECIPE = {
 }
 RUN_RECIPE = {
     "Train on your own data", "SFT, then RM, then PPO on your own files", "Train with LoRA",
-    "DPO on your pairs, then against RM → PPO",
+    "DPO on your pairs, then against RM → PPO", "KTO on thumbs-up / thumbs-down rows",
     "GRPO or RLOO with your own reward function", "Sweep a setting and compare the runs",
     "Evaluate a policy or a reward model", "Try a setting in seconds", "Log to TensorBoard, wandb, mlflow or trackio",
 }
@@ -154,6 +154,8 @@ def fixtures(cwd: Path, files: dict[str, str]) -> None:
         "prompts.jsonl": [{"prompt": q, "answer": s} for q, s in rows],
         "my_prompts.jsonl": [{"prompt": q, "answer": s} for q, s in rows],
         "demos.jsonl": [{"prompt": q, "completion": f"{q[8:-1]} = {s}."} for q, s in rows],
+        "feedback.jsonl": [{"prompt": q, "completion": f"{q[8:-1]} = {s + i % 2}.", "label": i % 2 == 0}
+                           for i, (q, s) in enumerate(rows)],
     }
     for name, items in data.items():
         (cwd / name).write_text("".join(json.dumps(r) + "\n" for r in items))
@@ -168,7 +170,7 @@ def newest(pattern: str, cwd: Path) -> str | None:
 
 def fill(command: str, cwd: Path) -> str:
     """`<run-id>`, `sweep-<time>` and `<job>` filled in from the runs already made under `cwd/runs`."""
-    for stage in ("sft", "rm", "dpo", "ppo", "eval"):
+    for stage in ("sft", "rm", "dpo", "kto", "ppo", "eval"):
         if f"runs/{stage}/sweep-<time>" in command:
             sweep = newest(f"runs/{stage}/sweep-*", cwd)
             command = command.replace(f"runs/{stage}/sweep-<time>", sweep or f"runs/{stage}/sweep-<time>")

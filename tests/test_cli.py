@@ -174,9 +174,9 @@ def test_a_preloaded_allocator_keeps_its_own_settings(monkeypatch):
 
 
 def test_unknown_command_exits_2_with_list():
-    out = rlhf("train-kto")
+    out = rlhf("train-orpo")
     assert out.returncode == 2
-    assert "unknown command 'train-kto'" in out.stderr and "train-ppo" in out.stderr
+    assert "unknown command 'train-orpo'" in out.stderr and "train-ppo" in out.stderr
 
 
 def test_strip_local_rank(monkeypatch):

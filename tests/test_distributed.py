@@ -262,3 +262,27 @@ def test_two_ranks_dpo_under_zero3_match_one_rank(tmp_path, reference):
     assert_same_metrics(one, two, DPO_KEYS)
     (a,), (b,) = (list((tmp_path / d).glob("dpo/*/final")) for d in ("one", "two"))
     assert_same_weights(a, b)
+
+
+KTO_ARGS = ["train-kto", *COMMON, "kto.max_steps=3", "kto.batch_size=8", "kto.micro_batch_size=2", "kto.eval_every=2"]
+KTO_KEYS = ("kto/loss", "kto/kl", "kto/rewards_desirable", "kto/rewards_undesirable", "kto/logprobs_desirable",
+            "kto/grad_norm", "eval/kto/loss", "eval/kto/kl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["frozen copy", "lora, precomputed"])
+def test_two_ranks_kto_under_zero3_match_one_rank(tmp_path, reference):
+    """train-kto on two ZeRO-3 ranks, packed, against one rank, padded (two micro-batches per rank and step): the
+    reference point pairs the prompts of the step's whole batch with the previous row's completion, across the two
+    ranks' shares, and sums its log-ratios over both, so it is one rank's; each rank's loss sums are divided by the
+    step's row count, so the loss and the update are one rank's too."""
+    extra = {"frozen copy": [], "lora, precomputed": ["model.lora.r=4", "kto.lr=1e-2", "kto.precompute_reference=true"]
+             }[reference]
+    launch([*KTO_ARGS, *extra, "deepspeed=zero0", "data.packing=false"], tmp_path / "one")
+    launch([*KTO_ARGS, *extra, "deepspeed=zero3"], tmp_path / "two", ranks=2)
+    one, two = metrics(tmp_path / "one", "kto"), metrics(tmp_path / "two", "kto")
+    assert one[0]["kto/loss"] == pytest.approx(0.5, abs=1e-6) and one[0]["kto/kl"] == 0
+    assert any(r.get("kto/kl", 0) > 0 for r in one)
+    assert_same_metrics(one, two, KTO_KEYS)
+    (a,), (b,) = (list((tmp_path / d).glob("kto/*/final")) for d in ("one", "two"))
+    assert_same_weights(a, b)

@@ -123,11 +123,11 @@ def test_the_readmes_key_tables_equal_the_schemas_rendering():
         "README.md's key tables are stale: run `python scripts/key_table.py --write`")
     shared = {f.name for f in dataclasses.fields(SupervisedConfig)}
     sections = [k.split(".")[0] for k in field_docs() if k.endswith(".lr") and k.split(".")[1] in shared]
-    assert sections == ["sft", "rm", "dpo"]
+    assert sections == ["sft", "rm", "dpo", "kto"]
     # the keys the supervised sections share, once, with each section's default; each section's own keys in its table
-    head = "#### Supervised optimizer keys (`sft.*`, `rm.*`, `dpo.*`): "
+    head = "#### Supervised optimizer keys (`sft.*`, `rm.*`, `dpo.*`, `kto.*`): "
     assert head in rendered and rendered.index(head) < rendered.index("#### `sft`: ")
-    assert "| `lr` | `2e-05` | `2e-05` | `5e-07` | Peak learning rate (AdamW) |" in rendered
+    assert "| `lr` | `2e-05` | `2e-05` | `5e-07` | `5e-07` | Peak learning rate (AdamW) |" in rendered
     assert "| `rm.lr` |" not in rendered and "| `rm.margin` | `false` |" in rendered
     keys = field_docs()
     leaves = [k for k in keys if not any(other.startswith(k + ".") for other in keys)]

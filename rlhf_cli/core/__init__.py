@@ -1,5 +1,5 @@
 """Pure-torch RLHF math: per-token ops, KL-shaped rewards, GAE, estimators, PPO/RM losses, direct preference
-(DPO/IPO/SLiC) losses, KL control, paired statistics of evaluations.
+(DPO/IPO/SLiC) losses, KTO's loss and reference point, KL control, paired statistics of evaluations.
 
 Imports only torch. Shapes: ``B`` batch, ``T`` response length (right-padded), ``V``
 vocabulary; ``mask`` ``(B, T)`` is 1 on real response tokens (EOS included), 0 on padding,
@@ -26,6 +26,9 @@ p (nucleus, Holtzman et al.)  ``top_p`` / ``ppo.top_p``   ``top_p``
 beta (DPO), tau (IPO)         ``beta`` / ``dpo.beta``     TRL ``beta``
 epsilon (cDPO label noise)    ``label_smoothing`` / ``dpo.label_smoothing``  ``label_smoothing`` (TRL < 1)
 alpha (RPO's NLL weight)      ``sft_weight`` / ``dpo.sft_weight``  ``rpo_alpha`` (TRL < 1)
+beta (KTO)                    ``beta`` / ``kto.beta``     TRL ``beta``
+lambda_D, lambda_U (KTO)      ``kto.desirable_weight``, ``kto.undesirable_weight``  TRL ``desirable_weight``
+z0 (KTO reference point)      ``kl`` (``kto/kl``)         TRL ``kl``
 ============================  ==========================  ==========================
 """
 
@@ -42,6 +45,7 @@ from rlhf_cli.core.dpo import DPO_LOSSES, dpo_loss, hinge_loss, ipo_loss, sigmoi
 from rlhf_cli.core.estimators import ESTIMATORS, AdvantageEstimator, outcome_advantages
 from rlhf_cli.core.groups import group_adjusted_scores, group_stats, informative_groups
 from rlhf_cli.core.kl_controllers import AdaptiveKLController, FixedKLController
+from rlhf_cli.core.kto import kl_completion_index, kl_reference_point, kto_loss
 from rlhf_cli.core.losses import (
     KEPT_TOKEN_MEANS,
     KEPT_TOKENS,
@@ -95,6 +99,9 @@ __all__ = [
     "discounted_returns",
     "engine_is_weights",
     "dpo_loss",
+    "kl_completion_index",
+    "kl_reference_point",
+    "kto_loss",
     "entropy_bonus",
     "entropy_from_logits",
     "group_adjusted_scores",

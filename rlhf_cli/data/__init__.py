@@ -3,6 +3,7 @@
     load_preference_data(data_cfg, tokenizer, splits=("train", "eval")) -> PreferenceData
     load_prompt_data(data_cfg, tokenizer, split="train") -> PromptData
     load_sft_data(data_cfg, tokenizer, splits=("train", "eval")) -> SFTData
+    load_unpaired_data(data_cfg, tokenizer, splits=("train", "eval")) -> UnpairedData
     PairCollator(pad_id), PackedPairCollator(pad_id, attention_tokens), PromptCollator(pad_id)
     SFTCollator(pad_id), PackedSFTCollator(pad_id, attention_tokens)
     epoch_order(n, seeds, epoch, lengths, group_size)
@@ -21,9 +22,11 @@ _WHERE = {
     "example_length": "collate", "pack_tries": "collate", "pad_sequences": "collate", "row_width": "collate",
     "DataSummary": "datasets", "PreferenceData": "datasets", "PromptData": "datasets", "SFTData": "datasets",
     "load_preference_data": "datasets", "load_prompt_data": "datasets", "load_sft_data": "datasets",
+    "UnpairedData": "datasets", "load_unpaired_data": "datasets",
     "read_rows": "datasets", "check_rows": "datasets",
     "DataError": "formats", "Demo": "formats", "Keys": "formats", "Pair": "formats", "Prompt": "formats",
     "detect_format": "formats", "parse_demo": "formats", "parse_pair": "formats", "parse_prompt": "formats",
+    "Unpaired": "formats", "parse_unpaired": "formats",
     "Encoder": "tokenize", "last_user_turn": "tokenize", "pair_budget": "tokenize", "truncate_left": "tokenize",
 }
 
@@ -40,4 +43,5 @@ __all__ = [
     "last_user_turn",
     "load_preference_data", "load_prompt_data", "pack_tries", "pad_sequences", "parse_answer", "parse_pair",
     "parse_prompt", "read_rows", "row_width", "truncate_left", "check_rows",
+    "Unpaired", "UnpairedData", "load_unpaired_data", "parse_unpaired",
 ]

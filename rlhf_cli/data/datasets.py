@@ -5,6 +5,7 @@ Entry points:
     load_preference_data(data_cfg, tokenizer, splits=("train", "eval")) -> PreferenceData
     load_prompt_data(data_cfg, tokenizer, split="train") -> PromptData (a list of prompt dicts)
     load_sft_data(data_cfg, tokenizer) -> SFTData (demonstrations, train-sft)
+    load_unpaired_data(data_cfg, tokenizer) -> UnpairedData (labelled completions, train-kto)
 
 Steps, in order:
   1. read     `data.path` (local .json/.jsonl/.jsonl.gz/.parquet/.csv via `datasets`, or a hub name with
@@ -16,7 +17,8 @@ Steps, in order:
               caps each file). Prompt data drops duplicate prompts first.
   4. tokenise see tokenize.py (chat template, exact prompt/response boundary, EOS, left truncation)
 
-Every row is accounted for in the summary: rows_read = sum(kept) + sum(dropped) + unused.
+Every row is accounted for in the summary: rows_read = sum(kept) + sum(dropped) + unused (train-kto reads a
+preference pair as two rows: each of them counts).
 
 Hostile input, decided once:
   - A row the file gets wrong is INVALID: a JSON-lines line that is not UTF-8, not JSON or not an object
@@ -69,19 +71,23 @@ from rlhf_cli.data.formats import (
     SFT_FORMATS,
     SKIP_HINT,
     TEMPLATE_ERROR,
+    UNPAIRED_FORMATS,
     DataError,
     Demo,
     Keys,
     Pair,
     Prompt,
     RowError,
+    Unpaired,
     detect_format,
     parse_demo,
     parse_pair,
     parse_prompt,
+    parse_unpaired,
     required_columns,
 )
 from rlhf_cli.data.tokenize import Encoder, lengths_summary, pair_budget
+from rlhf_cli.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -374,10 +380,10 @@ def read_rows(path: str, split: str = "train") -> tuple[str, list[str], list[dic
 def check_rows(data_cfg: Any, want: str, keys: Sequence[str] = ("path", "eval_path"),
                max_bytes: int = 64 << 20) -> None:
     """Parse the rows of the files that `data.<key>` names, for each of `keys` (those the command reads), as the
-    command will (`want`: `pairs`, `prompts` or `demos`): format, columns and every row, with the load's one-line
-    errors (file, row, field), but no tokenizer. For a local JSON or JSON-lines file up to `max_bytes` (read with the
-    json module, no torch): the CLI calls it before anything heavy loads. Other sources (parquet, csv, a dir, a hub
-    dataset) are left to the load. Raises DataError."""
+    command will (`want`: `pairs`, `prompts`, `demos` or `unpaired`): format, columns and every row, with the load's
+    one-line errors (file, row, field), but no tokenizer. For a local JSON or JSON-lines file up to `max_bytes` (read
+    with the json module, no torch): the CLI calls it before anything heavy loads. Other sources (parquet, csv, a dir,
+    a hub dataset) are left to the load. Raises DataError."""
     for key in keys:
         path = data_cfg.get(key)
         local = os.path.expanduser(str(path)) if path else ""
@@ -390,7 +396,8 @@ def check_rows(data_cfg: Any, want: str, keys: Sequence[str] = ("path", "eval_pa
 
 
 def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
-    """Read and validate one source; `want` is `pairs`, `prompts` or `demos` (train-sft)."""
+    """Read and validate one source; `want` is `pairs`, `prompts`, `demos` (train-sft) or `unpaired` (train-kto: a
+    file whose valid rows are all of one label is refused, naming the label column)."""
     keys = Keys.from_cfg(data_cfg)
     raw = _read(path, data_cfg.split)
     name, columns, rows = raw.name, raw.columns, raw.rows
@@ -402,15 +409,20 @@ def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
             raise DataError(name, rows[0].detail, row=1, reason=BAD_JSON, hint=SKIP_HINT)
         raise DataError(name, f"no valid rows: all {len(rows)} rows are skipped as {BAD_JSON}")
     fmt = (data_cfg.format if data_cfg.format != "auto"
-           else detect_format(columns, records, keys, name, sft=want == "demos"))
+           else detect_format(columns, records, keys, name, sft=want == "demos", unpaired=want == "unpaired"))
     if want == "pairs" and fmt not in PREFERENCE_FORMATS:
-        held = "demonstrations (supervised fine-tuning)" if fmt in SFT_FORMATS else "prompts only"
+        held = ("demonstrations (supervised fine-tuning)" if fmt in SFT_FORMATS else
+                "unpaired labelled completions (KTO)" if fmt == "unpaired" else "prompts only")
         raise DataError(name, f"format '{fmt}' holds {held}; reward-model training needs chosen/rejected "
                               f"pairs (data.format one of {', '.join(PREFERENCE_FORMATS)} or auto)")
     if want == "demos" and fmt not in SFT_FORMATS:
         held = "preference pairs" if fmt in PREFERENCE_FORMATS else "prompts"
         raise DataError(name, f"format '{fmt}' holds {held}; supervised fine-tuning needs demonstrations "
                               f"(data.format one of {', '.join(SFT_FORMATS)} or auto)")
+    if want == "unpaired" and fmt not in UNPAIRED_FORMATS:
+        held = "demonstrations (no label)" if fmt in SFT_FORMATS else "prompts"
+        raise DataError(name, f"format '{fmt}' holds {held}; KTO needs labelled completions (data.format one of "
+                              f"{', '.join(UNPAIRED_FORMATS)} or auto)")
     key_cfg = dataclasses.replace(keys, margin=None) if want == "prompts" else keys
     missing = required_columns(fmt, key_cfg, columns)
     if missing:
@@ -427,6 +439,10 @@ def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
             elif want == "demos":
                 item = parse_demo(row, fmt, keys)
                 item.row = i
+            elif want == "unpaired":
+                item = parse_unpaired(row, fmt, keys)
+                for u in item:
+                    u.row = i
             else:
                 item = (i, parse_prompt(row, fmt, keys))
         except RowError as e:
@@ -436,11 +452,27 @@ def _parse_source(path: str, data_cfg: Any, want: str) -> _Parsed:
                 raise DataError(name, detail, row=i, field=e.field, reason=e.reason, hint=SKIP_HINT) from None
             dropped[e.reason] += 1
             continue
-        items.append(item)
+        if want == "unpaired":
+            items.extend(item)
+        else:
+            items.append(item)
     if not items:
         counts = ", ".join(f"{v} {k}" for k, v in sorted(dropped.items()))
         raise DataError(name, f"no valid rows: all {len(rows)} rows are skipped ({counts})")
+    if want == "unpaired":
+        check_classes(items, name, keys.label)
     return _Parsed(name, fmt, len(rows), items, dropped)
+
+
+def check_classes(items: Sequence[Unpaired], source: str, label_key: str) -> None:
+    """Refuse unpaired rows that are all of one label (train-kto): KTO weighs desirable against undesirable
+    completions, and its reference point alone would be the only other term (TRL only warns of its weights here).
+    Raises DataError naming the source and the label column."""
+    labels = {u.desirable for u in items}
+    if len(labels) == 1:
+        which = "desirable (true)" if labels == {True} else "undesirable (false)"
+        raise DataError(source, f"all {len(items)} valid rows are {which}: KTO needs both desirable and undesirable "
+                                f"completions in a file", field=label_key)
 
 
 def _dedupe_prompts(parsed: _Parsed) -> None:
@@ -564,10 +596,21 @@ def builtin_demo(p: builtin_task.BuiltinProblem, row: int) -> Demo:
     return Demo(prompt=builtin_prompt(p), response=" " + p.chosen, later=[], row=row)
 
 
+def builtin_unpaired(p: builtin_task.BuiltinProblem, row: int, seed: int) -> Unpaired:
+    """A built-in problem as one unpaired row (train-kto): its correct or its wrong reply, drawn from `seed` and the
+    row with even odds, labelled by the task's checker (desirable where the reply's final number is the answer).
+    One row per problem, so no two rows share a prompt."""
+    reply = p.chosen if random.Random(derive_seed(seed, row)).random() < 0.5 else p.rejected
+    return Unpaired(prompt=builtin_prompt(p), completion=" " + reply,
+                    desirable=builtin_task.check_answer(reply, p.answer) == 1.0, row=row)
+
+
 def _builtin_source(data_cfg: Any, split: str, want: str) -> _Parsed:
     problems = builtin_task.builtin_splits(data_cfg.builtin)[split]
     if want == "pairs":
         items = [builtin_pair(p, i) for i, p in enumerate(problems, 1)]
+    elif want == "unpaired":
+        items = [builtin_unpaired(p, i, data_cfg.builtin.seed) for i, p in enumerate(problems, 1)]
     elif want == "demos":
         items = [builtin_demo(p, i) for i, p in enumerate(problems, 1)]
     else:
@@ -733,6 +776,67 @@ def load_sft_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLI
     summary.lengths = lengths_summary(lengths)
     logger.info(summary.line())
     return SFTData(train=out["train"], eval=out["eval"], summary=summary)
+
+
+@dataclass
+class UnpairedData:
+    """Tokenised unpaired rows (train-kto): `train` and `eval` lists of examples
+
+        prompt_ids      list[int]  rendered prompt (truncated to fit: `Encoder.fit_prompt`)
+        completion_ids  list[int]  the completion, ending in exactly one EOS
+        label           bool       True = desirable
+        row             int        1-based row in the source (a preference pair's two rows share it; split index for
+                                   the built-in task)
+    """
+
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    summary: DataSummary
+
+
+def load_unpaired_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLITS,
+                       eos_ids: Sequence[int] = ()) -> UnpairedData:
+    """Load, validate, split and tokenise unpaired labelled completions for train-kto (`data.format` `unpaired`, a
+    preference format whose pairs become a desirable and an undesirable row each, or `auto`); `data.path=null`
+    uses the built-in task's problems, one reply each labelled by its checker (`builtin_unpaired`; rm_train, held
+    out: rm_eval). Split, shuffle and caps as `load_preference_data`, decided on source rows (a pair's two rows stay
+    in one split); a completion longer than `data.max_length` is dropped (`response_too_long`), a prompt truncated
+    to fit beside it. Raises DataError for unusable data (one line naming the file, row and field), also for a file
+    whose rows are all of one label. `eos_ids`: the model's EOS set (`eos.eos_ids`)."""
+    _check_splits(splits)
+    encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt, eos_ids)
+    if data_cfg.path is None:
+        chosen, sources, unused = _builtin_select(data_cfg, "unpaired", {"train": "rm_train", "eval": "rm_eval"},
+                                                  splits)
+    else:
+        chosen, sources, unused = _select(data_cfg, lambda p: _parse_source(p, data_cfg, "unpaired"), splits)
+    summary = _summary(sources, encoder)
+    summary.unused = unused
+    out: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
+    lengths: list[int] = []
+    drops: Counter = Counter(summary.dropped)
+    for split, rows in chosen.items():
+        keep, _, segments = _render(encoder, [(u.row, u.prompt) for u in rows], data_cfg, drops, summary.source)
+        rows = [rows[i] for i in keep]
+        prompt_ids = encoder.encode_segments(segments)
+        completion_ids = encoder.encode_responses([u.completion for u in rows])
+        for u, p_ids, c_ids in zip(rows, prompt_ids, completion_ids):
+            lengths.append(len(p_ids) + len(c_ids))
+            if len(c_ids) > data_cfg.max_length:
+                drops[RESPONSE_TOO_LONG] += 1
+                continue
+            fitted = encoder.fit_prompt(u.prompt, p_ids, min(data_cfg.max_prompt_length,
+                                                            data_cfg.max_length - len(c_ids)))
+            if fitted is None:
+                drops[PROMPT_TOO_LONG] += 1
+                continue
+            summary.truncated += fitted != p_ids
+            out[split].append({"prompt_ids": fitted, "completion_ids": c_ids, "label": u.desirable, "row": u.row})
+        summary.kept[split] = len(out[split])
+    summary.dropped = dict(drops)
+    summary.lengths = lengths_summary(lengths)
+    logger.info(summary.line())
+    return UnpairedData(train=out["train"], eval=out["eval"], summary=summary)
 
 
 def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> PromptData:

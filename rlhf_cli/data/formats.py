@@ -20,10 +20,14 @@ Formats (`data.format`, detected when `auto`; column names from `data.*_key`):
                   a message list and the completion a one-message assistant list (TRL's conversational form)
     messages      SFT demonstrations: a `messages` list of {role, content} with at least one assistant turn;
                   every assistant turn is trained on (distinct from `conversation`, a preference format)
+    unpaired      KTO rows: prompt / completion strings (as `completion`) and a boolean label (true = the
+                  completion is desirable); train-kto reads a preference format too, each pair as two rows
+                  (TRL's `unpair_preference_dataset`): prompt + chosen labelled true, prompt + rejected false
 
 Detection (`auto`) reads the columns: chosen/rejected make a preference format, prompt/messages a prompt format;
 train-sft's loader asks for demonstrations (`detect_format(..., sft=True)`): a `messages` column is `messages`,
-prompt with completion (or response) is `completion`.
+prompt with completion (or response) is `completion`; train-kto's asks for unpaired rows (`unpaired=True`): prompt,
+completion (or response) and label make `unpaired`, chosen/rejected a preference format.
 
 Raw vs chat form: a response's raw form is the exact text that follows the raw prompt (e.g. HH's
 " Sure, ..." after "Assistant:"), so raw prompt + raw response reproduces the source text. The chat form
@@ -46,9 +50,11 @@ from typing import Any
 
 from rlhf_cli.errors import DataError
 
-FORMATS = ("explicit", "implicit", "hh", "conversation", "prompt", "completion", "messages")
+FORMATS = ("explicit", "implicit", "hh", "conversation", "prompt", "completion", "messages", "unpaired")
 PREFERENCE_FORMATS = ("explicit", "implicit", "hh", "conversation")
 SFT_FORMATS = ("completion", "messages")
+UNPAIRED_FORMATS = ("unpaired", *PREFERENCE_FORMATS)
+"""What train-kto reads: unpaired rows, or preference pairs split into two rows each."""
 RESPONSE_FALLBACK = "response"
 """The response column a `completion`-format file may have instead of `data.completion_key`."""
 
@@ -71,6 +77,8 @@ IDENTICAL_RESPONSES = "identical_responses"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 PREFIX_MISMATCH = "prefix_mismatch"
 BAD_MARGIN = "bad_margin"
+BAD_LABEL = "bad_label"
+"""An `unpaired` row whose label is not a boolean (train-kto)."""
 INVALID_UNICODE = "invalid_unicode"
 # reasons a valid row is dropped later (tokenisation / selection)
 RESPONSE_TOO_LONG = "response_too_long"
@@ -134,6 +142,17 @@ class Demo:
     """1-based row number in the source."""
 
 
+@dataclass
+class Unpaired:
+    """An unpaired row (train-kto): the prompt, one completion in raw form, and whether it is desirable."""
+
+    prompt: Prompt
+    completion: str
+    desirable: bool
+    row: int = 0
+    """1-based row number in the source (a preference pair's two rows share it)."""
+
+
 @dataclass(frozen=True)
 class Keys:
     """Column names, from `data.*_key` (the defaults live in config.DataConfig only: build with `from_cfg`)."""
@@ -145,12 +164,13 @@ class Keys:
     answer: str
     margin: str | None
     completion: str = "completion"
+    label: str = "label"
 
     @classmethod
     def from_cfg(cls, data_cfg: Any) -> Keys:
         return cls(prompt=data_cfg.prompt_key, chosen=data_cfg.chosen_key, rejected=data_cfg.rejected_key,
                    messages=data_cfg.messages_key, answer=data_cfg.answer_key, margin=data_cfg.margin_key,
-                   completion=data_cfg.completion_key)
+                   completion=data_cfg.completion_key, label=data_cfg.label_key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,11 +198,20 @@ def completion_column(keys: Keys, columns: Any) -> str:
 
 
 def detect_format(columns: Sequence[str], rows: Sequence[dict[str, Any]], keys: Keys, source: str,
-                  sft: bool = False) -> str:
+                  sft: bool = False, unpaired: bool = False) -> str:
     """Guess the format from the column names and the first rows' value types; `sft`: the loader wants
     demonstrations (train-sft), so a `messages` column is `messages` and prompt + completion (or response) is
-    `completion`. Raises DataError."""
+    `completion`; `unpaired`: it wants unpaired rows (train-kto), so prompt + completion (or response) + label is
+    `unpaired`, and chosen/rejected a preference format. Raises DataError."""
     cols = set(columns)
+    if unpaired:
+        if keys.prompt in cols and completion_column(keys, cols) in cols and keys.label in cols:
+            return "unpaired"
+        if not (keys.chosen in cols and keys.rejected in cols):
+            raise DataError(source, f"cannot read unpaired rows from the columns {sorted(cols)}: expected "
+                                    f"'{keys.prompt}' + '{keys.completion}' + '{keys.label}' for data.format=unpaired, "
+                                    f"or preference pairs ('{keys.chosen}'/'{keys.rejected}'); set data.format and "
+                                    f"data.prompt_key/completion_key/label_key")
     if sft:
         if keys.messages in cols:
             return "messages"
@@ -218,6 +247,8 @@ def required_columns(fmt: str, keys: Keys, columns: Sequence[str]) -> list[str]:
         need = [] if (keys.prompt in columns or keys.messages in columns) else [keys.prompt]
     elif fmt == "completion":
         need = [keys.prompt, completion_column(keys, columns)]
+    elif fmt == "unpaired":
+        need = [keys.prompt, completion_column(keys, columns), keys.label]
     elif fmt == "messages":
         need = [keys.messages]
     else:
@@ -480,10 +511,35 @@ def parse_demo(row: dict[str, Any], fmt: str, keys: Keys) -> Demo:
     return demo
 
 
+def _label(row: dict[str, Any], key: str) -> bool:
+    value = row.get(key)
+    if value is None:
+        raise RowError(key, MISSING_FIELD, "missing or null")
+    if not isinstance(value, bool):
+        raise RowError(key, BAD_LABEL, f"the label must be a boolean (true = desirable, false = undesirable), got "
+                                       f"{value!r:.40} ({type(value).__name__})")
+    return value
+
+
+def parse_unpaired(row: dict[str, Any], fmt: str, keys: Keys) -> list[Unpaired]:
+    """One source row -> its validated unpaired rows (train-kto): one for `unpaired` (prompt and completion as a
+    `completion` row's, the label a boolean), two for a preference format (the chosen completion desirable, the
+    rejected one not: TRL's `unpair_preference_dataset`). Raises RowError naming the field and reason."""
+    if fmt == "unpaired":
+        demo = _parse_completion(row, keys)
+        out = [Unpaired(demo.prompt, demo.response, _label(row, keys.label))]
+    else:
+        pair = _PARSERS[fmt](row, keys, True)
+        out = [Unpaired(pair.prompt, pair.chosen, True), Unpaired(pair.prompt, pair.rejected, False)]
+    for u in out:
+        u.prompt.answer = row.get(keys.answer)
+    return out
+
+
 def parse_prompt(row: dict[str, Any], fmt: str, keys: Keys) -> Prompt:
     """The prompt of one row of any format (responses of preference and demonstration rows are not validated;
     a `messages` row's prompt is its messages but a last assistant one, as a `prompt` row's message list)."""
-    if fmt == "completion":
+    if fmt in ("completion", "unpaired"):
         prompt = _completion_prompt(row, keys)
     elif fmt in ("prompt", "messages"):
         if fmt == "messages" or (row.get(keys.prompt) is None and keys.messages in row):

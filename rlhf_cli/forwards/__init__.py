@@ -6,6 +6,7 @@ forwards over preference pairs, padded or packed.
     scoring.py   reward-model scores of sequences and of preference pairs, the pair collator for a model, pair metrics
     pairs.py     a causal LM's summed response log-probs of each pair's chosen and rejected (DPO and its kin)
     sft.py       a causal LM's log-probs of demonstrations' response tokens (train-sft), padded or packed
+    unpaired.py  a causal LM's summed completion log-probs of unpaired rows (train-kto), padded or packed
     training.py  the training forward of one micro-batch (`Forward`, with its graph): PPO's update, and the rollout's
                  forwards of the update's first micro-batches
     packing.py   `data.packing` for rollouts: a group's shared prompt computed once, sequences packed into rows; the
@@ -34,12 +35,14 @@ from rlhf_cli.forwards.policy import (
 from rlhf_cli.forwards.scoring import batched_scores, forward_pairs, pair_collator, pair_metrics, score_pairs
 from rlhf_cli.forwards.sft import response_logprobs, sft_collator
 from rlhf_cli.forwards.training import Forward, training_forward
+from rlhf_cli.forwards.unpaired import completion_logprobs, unpaired_collator
 
 __all__ = [
     "Forward",
     "FrozenWithoutAdapters",
     "PackedRollout",
     "batched_scores",
+    "completion_logprobs",
     "critic_values",
     "forward_pairs",
     "pack_rollout",
@@ -53,6 +56,7 @@ __all__ = [
     "sequence_kl",
     "sft_collator",
     "training_forward",
+    "unpaired_collator",
     "use_packing",
     "packing_probe",
 ]

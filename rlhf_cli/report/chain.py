@@ -289,7 +289,7 @@ def _made_by(parent: dict[str, Any]) -> str | None:
     return {c.kind: c.invocation for c in COMMANDS.values()}.get(parent.get("stage"))
 
 
-RLHF_STAGES = ("ppo", "dpo")
+RLHF_STAGES = ("ppo", "dpo", "kto")
 """The stages whose policy is an RLHF result: a reference trained by one of them makes an eval a comparison of two
 RLHF policies (an SFT run's policy is a starting point, and the question stays "did RLHF help?")."""
 

@@ -42,8 +42,16 @@ PANELS: tuple[Panel, ...] = (
     Panel("dpo_margin", "DPO reward margin", ("dpo/margin",), "chosen - rejected"),
     Panel("dpo_accuracy", "DPO pairwise accuracy", ("dpo/accuracy",), "fraction margin > 0"),
     Panel("dpo_logprobs", "policy log-probs", ("dpo/logprobs_chosen", "dpo/logprobs_rejected"), "nats per response"),
-    Panel("lr", "learning rate", ("sft/lr", "rm/lr", "dpo/lr"), smooth=False),
-    Panel("grad_norm", "gradient norm (before clipping)", ("sft/grad_norm", "rm/grad_norm", "dpo/grad_norm")),
+    # Kahneman-Tversky optimisation (`rlhf train-kto`), held-out overlaid
+    Panel("kto_loss", "KTO loss", ("kto/loss",), "per row"),
+    Panel("kto_kl", "KTO reference point z0", ("kto/kl",), "nats per sequence"),
+    Panel("kto_rewards", "KTO implicit rewards", ("kto/rewards_desirable", "kto/rewards_undesirable"),
+          "β log π/π_ref"),
+    Panel("kto_logprobs", "policy log-probs", ("kto/logprobs_desirable", "kto/logprobs_undesirable"),
+          "nats per completion"),
+    Panel("lr", "learning rate", ("sft/lr", "rm/lr", "dpo/lr", "kto/lr"), smooth=False),
+    Panel("grad_norm", "gradient norm (before clipping)", ("sft/grad_norm", "rm/grad_norm", "dpo/grad_norm",
+                                                           "kto/grad_norm")),
     Panel("throughput_pairs", "throughput (pairs)", ("throughput/pairs_per_s",), "pairs per second"),
     Panel("throughput_tokens", "throughput (tokens)", ("throughput/tokens_per_s",), "tokens per second"),
     # policy (`rlhf train-ppo`)

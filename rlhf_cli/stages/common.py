@@ -1,6 +1,6 @@
 """Small helpers the stages share: console tables, the tokenizer check, and the supervised stages' (train-rm,
-train-sft, train-dpo) shared steps, `SupervisedTrainer`: start, data, length, start table, dry-run exit, engine
-and metrics, the optimizer-step loop, the final held-out figures and the final save; the step's common figures.
+train-sft, train-dpo, train-kto) shared steps, `SupervisedTrainer`: start, data, length, start table, dry-run exit,
+engine and metrics, the optimizer-step loop, the final held-out figures and the final save; the step's common figures.
 (A run's directory, checkpoints and resume live in rlhf_cli/lifecycle.py.)"""
 
 from __future__ import annotations
@@ -102,13 +102,23 @@ def trained_parameters(model: Any, lora_cfg: Any) -> str:
     return f"{trained / 1e6:.2f}M of {total / 1e6:.1f}M (LoRA r={lora_cfg.r}, alpha={lora_cfg.alpha:g})"
 
 
-def rank_share(train: Sequence[dict[str, Any]], order: Sequence[int], pos: int, batch_size: int
-               ) -> list[dict[str, Any]]:
+class RankShare(list):
+    """This rank's examples of an optimizer step (a list), with the step's whole batch: `batch`, every rank's
+    share in order, and `start`, the index in it of this share's first example (for a loss that pairs examples
+    across the step, as train-kto's reference point does)."""
+
+    def __init__(self, mine: Sequence[dict[str, Any]], batch: Sequence[dict[str, Any]], start: int) -> None:
+        super().__init__(mine)
+        self.batch, self.start = list(batch), start
+
+
+def rank_share(train: Sequence[dict[str, Any]], order: Sequence[int], pos: int, batch_size: int) -> RankShare:
     """This rank's contiguous share (`batch_size` / world size examples) of the `pos`-th batch of `batch_size`
     examples of `train` in the epoch's `order` (indices into `train`)."""
-    batch_idx = order[pos * batch_size:(pos + 1) * batch_size]
+    batch = [train[j] for j in order[pos * batch_size:(pos + 1) * batch_size]]
     per_rank = batch_size // engine.world_size()
-    return [train[j] for j in batch_idx[engine.rank() * per_rank:(engine.rank() + 1) * per_rank]]
+    start = engine.rank() * per_rank
+    return RankShare(batch[start:start + per_rank], batch, start)
 
 
 def save_on_interrupt(ckpts: Checkpoints, step: int, stepping: bool) -> None:
@@ -144,9 +154,9 @@ def reference_spec(cfg: Any) -> dict[str, Any]:
 
 @dataclass
 class SupervisedTrainer:
-    """One run of a supervised stage (train-rm, train-sft, train-dpo), as `PPOTrainer` is train-ppo's: the pieces
-    its shared steps read, gathered once: the composed config, the run dir, the stage's `command` (whose `section`,
-    `cfg.rm`, holds the keys of `config.SupervisedConfig`) and what its training `examples` are called in
+    """One run of a supervised stage (train-rm, train-sft, train-dpo, train-kto), as `PPOTrainer` is train-ppo's: the
+    pieces its shared steps read, gathered once: the composed config, the run dir, the stage's `command` (whose
+    `section`, `cfg.rm`, holds the keys of `config.SupervisedConfig`) and what its training `examples` are called in
     messages ("pairs"). The steps, in the order a stage calls them: `start` → `load_data` → `plan` →
     `start_table` → `dry_run_exit` → `build_engine` (`eng`, `metrics`, `ckpts`) → `resume` (`step`) → `train`
     (or `loop`) → `save`."""
@@ -170,7 +180,7 @@ class SupervisedTrainer:
 
     @property
     def section(self) -> Any:
-        """The command's own config section (`cfg.rm`, `cfg.sft`, `cfg.dpo`)."""
+        """The command's own config section (`cfg.rm`, `cfg.sft`, `cfg.dpo`, `cfg.kto`)."""
         return self.cfg[self.command.section]
 
     def load_data(self, loader: Callable[..., Any]) -> tuple[Any, tuple[int, ...], Any]:
@@ -246,6 +256,26 @@ class SupervisedTrainer:
         """`resume=`: the checkpoint's weights, optimizer and step (`step`), and its metrics kept up to it."""
         self.step, _ = self.ckpts.resume(self.cfg.resume, self.metrics)
 
+    def epoch_order(self, train: Sequence[dict[str, Any]], epoch: int) -> list[int]:
+        """The seeded order of `train` (indices) in epoch `epoch`: `data.epoch_order` with `(data.seed, seed)`, by
+        length groups of `micro_batch_size` when `data.group_by_length`; the same on every rank and on resume."""
+        cfg, sec = self.cfg, self.section
+        lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
+        return epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, sec.micro_batch_size)
+
+    def step_batches(self, train: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """Every optimizer step's whole batch (all ranks' shares, in order) of the run's `total_steps`, as `loop`
+        will take them: for work a stage does once before the first step (train-kto's precomputed reference)."""
+        per_epoch = len(train) // self.section.batch_size
+        orders: dict[int, list[int]] = {}
+        out = []
+        for step in range(self.total_steps):
+            epoch, pos = divmod(step, per_epoch)
+            if epoch not in orders:
+                orders = {epoch: self.epoch_order(train, epoch)}
+            out.append(rank_share(train, orders[epoch], pos, self.section.batch_size).batch)
+        return out
+
     def loop(self, train: Sequence[dict[str, Any]], progress_keys: Sequence[str],
              train_step: Callable[[list[dict[str, Any]]], dict[str, float]],
              evaluate: Callable[[], dict[str, float]] | None) -> int:
@@ -257,14 +287,14 @@ class SupervisedTrainer:
         `data.group_by_length`; an epoch is `len(train) // batch_size` steps, its last partial batch dropped), gives
         this rank its contiguous share to `train_step(examples)`, which runs the micro-batches, the backwards and
         the engine steps and returns the step's record, to which the loop adds `<section>/epoch` (epochs done:
-        `rm/epoch`). Every `eval_every` steps (not at the last one: `train` evaluates after the loop)
-        `evaluate()`'s figures join the record; the record is logged every `log_every` steps, at the last, and with
-        held-out figures; a checkpoint is written every `save_every` steps, and on Ctrl-C (or SIGTERM) before the
-        interrupt goes on: one that arrives during a step lets the step and its record finish first
-        (`lifecycle.deferred_interrupts`), on every rank. The engine is in train mode for every `train_step`."""
-        cfg, sec, eng, total_steps, step = self.cfg, self.section, self.eng, self.total_steps, self.step
+        `rm/epoch`); the share is a `RankShare`, which also holds the step's whole batch. Every `eval_every` steps
+        (not at the last one: `train` evaluates after the loop) `evaluate()`'s figures join the record; the record
+        is logged every `log_every` steps, at the last, and with held-out figures; a checkpoint is written every
+        `save_every` steps, and on Ctrl-C (or SIGTERM) before the interrupt goes on: one that arrives during a step
+        lets the step and its record finish first (`lifecycle.deferred_interrupts`), on every rank. The engine is in
+        train mode for every `train_step`."""
+        sec, eng, total_steps, step = self.section, self.eng, self.total_steps, self.step
         steps_per_epoch = len(train) // sec.batch_size
-        lengths = [example_length(ex) for ex in train] if cfg.data.group_by_length else None
         progress = Progress(total_steps, self.command.name, list(progress_keys), enabled=engine.is_main(),
                             start=step)
         order_epoch, order = -1, []
@@ -274,7 +304,7 @@ class SupervisedTrainer:
             while step < total_steps:
                 epoch, pos = divmod(step, steps_per_epoch)
                 if epoch != order_epoch:
-                    order = epoch_order(len(train), (cfg.data.seed, cfg.seed), epoch, lengths, sec.micro_batch_size)
+                    order = self.epoch_order(train, epoch)
                     order_epoch = epoch
                 mine = rank_share(train, order, pos, sec.batch_size)
                 # a checkpoint mid-step would hold the step's weights under the previous step (or none of its row):
@@ -339,8 +369,8 @@ class SupervisedTrainer:
         self.metrics.close()
 
     def save_policy(self, tokenizer: Any, final_stats: dict[str, float]) -> None:
-        """`save` of a stage that trains a policy (train-sft, train-dpo): its `final/` records the starting model
-        (`reference_spec`) that `rlhf eval` compares against; the held-out figures go to `rlhf_eval.json` only (a
-        config key would be carried into the next stage's model)."""
+        """`save` of a stage that trains a policy (train-sft, train-dpo, train-kto): its `final/` records the starting
+        model (`reference_spec`) that `rlhf eval` compares against; the held-out figures go to `rlhf_eval.json` only
+        (a config key would be carried into the next stage's model)."""
         self.save(tokenizer, {"rlhf_stage": self.command.kind, "rlhf_reference_model": reference_spec(self.cfg)},
                   {"eval": final_stats, "steps": self.step}, final_stats)
