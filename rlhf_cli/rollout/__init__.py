@@ -13,8 +13,9 @@
     learner.py      `PolicyLearner`: the update on one `Experience` (minibatches, losses, backward, steps)
     vllm_engine.py  `rollout.engine=vllm`: the vLLM engine behind the seam (the one module importing vllm)
     generation.py   the sampling-engine seam (`Generator`: prompt ids + one seed per prompt + `Sampling` ->
-                    `Generation`), its HF engine (`HFGenerator`: per-row sampling inside HF `generate`), the
-                    registry `GENERATORS` (`rollout.engine`), the cut at the first EOS, the rollout batch layout
+                    `Generation`), its HF engine (`HFGenerator`: per-row sampling inside HF `generate`), the cut
+                    at the first EOS, the rollout batch layout
+    engines.py      the engines' registry `GENERATORS` (`rollout.engine`), `make_generator`, `resolve_engine`
     scores.py       `ScoreMixer`: the run's sequence score, one source or a weighted sum (model, checker, function)
     stats.py        whitening, explained variance and the rollout's KL statistics over all ranks
 
@@ -27,21 +28,17 @@ action mask (B, R) marks the tokens the policy sampled: every loss, KL, advantag
 loss mask built from it), never the attention mask's response columns (`episodes.py`).
 """
 
+from rlhf_cli.rollout.engines import GENERATORS, EngineSettings, describe_engine, make_generator, resolve_engine
 from rlhf_cli.rollout.episodes import EpisodeRunner, Episodes, SingleTurnRunner, join_episodes
 from rlhf_cli.rollout.experience import Experience
 from rlhf_cli.rollout.generation import (
-    GENERATORS,
-    EngineSettings,
     Generation,
     Generator,
     HFGenerator,
     PerRowSampler,
     Sampling,
-    describe_engine,
     dtype_setting,
-    make_generator,
     resolve_dtype,
-    resolve_engine,
     response_mask,
     rollout_batch,
     sample_responses,

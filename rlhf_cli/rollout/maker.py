@@ -32,9 +32,10 @@ from rlhf_cli.forwards import (
     use_packing,
 )
 from rlhf_cli.models import attention_tokens, has_value_head, lm_of
+from rlhf_cli.rollout.engines import EngineSettings, make_generator, resolve_engine
 from rlhf_cli.rollout.episodes import Episodes, SingleTurnRunner
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.generation import EngineSettings, Sampling, make_generator, resolve_engine
+from rlhf_cli.rollout.generation import Sampling
 from rlhf_cli.rollout.plan import UpdatePlan
 from rlhf_cli.rollout.prompts import PromptSource, Round, filter_groups
 from rlhf_cli.rollout.scores import ScoreMixer
@@ -73,7 +74,7 @@ class ExperienceMaker:
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
         self.engine_name, why = resolve_engine(cfg.rollout.engine, lm_of(actor.module).config)
-        """The sampling engine this run uses (`rollout.engine`, `auto` resolved: `generation.resolve_engine`)."""
+        """The sampling engine this run uses (`rollout.engine`, `auto` resolved: `engines.resolve_engine`)."""
         if why != "as set" and engine.is_main():
             log.info("rollout.engine=%s samples with %s (%s)", cfg.rollout.engine, self.engine_name, why)
         if cfg.rollout.is_correction != "none" and self.engine_name == "hf" and engine.is_main():
