@@ -10,7 +10,7 @@
                         response]` the stages score and train on
     join_rollout_batches  several rollout batches as one (`ppo.filter_groups`' rounds)
     response_mask       the cut at the first EOS (any id of `eos_ids`)
-    sample_responses    the one-call form of `HFGenerator` + `rollout_batch` (benchmarks, tests)
+    sample_responses    the one-call form of `HFGenerator` + `rollout_batch` (tests)
 
 An engine takes token ids and gives token ids: tokenizing and detokenizing stay with the caller. Each prompt
 has its own seed, and its response depends only on (the weights, its prompt, its seed, the sampling settings),
