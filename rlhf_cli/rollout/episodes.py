@@ -37,8 +37,9 @@ class Episodes(NamedTuple):
                                        token budget cut it)
     engine_logprobs  (B, R) float32    the sampling engine's log-probs of the sampled tokens (0 elsewhere), on
                      | None            the ids' device; None when the engine gives none (`hf`)
-    score            (B,) float32      the episode's own score, given by what ran it (an environment's reward);
-                     | None            None: the run's `ScoreMixer` scores the text
+    score            (B,) float32      the episode's own score, where what ran it gives one (an environment's
+                     | None            reward); None: the run's `ScoreMixer` scores the text (`SingleTurnRunner`
+                                       gives none, and the maker reads none yet)
     turns            (B,) long         the policy's turns in each episode (1 for a single-turn episode)
     """
 
