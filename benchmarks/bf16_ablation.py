@@ -107,16 +107,17 @@ def configurations(device: Any) -> dict[str, tuple[Any | None, str, bool]]:
 # the measurement
 
 
-def small_update(policy: Any, ids: Any, am: Any, P: int, temperature: float, lr: float, steps: int, seed: int) -> None:
-    """`steps` AdamW steps (PPO's betas) on −Σ A·log π with A ~ N(0, 1) per sequence: PPO's first update at
-    ratio 1, whose step per weight is about `lr` whatever the gradient's scale."""
+def small_update(policy: Any, ep: Any, temperature: float, lr: float, steps: int, seed: int) -> None:
+    """`steps` AdamW steps (PPO's betas) on −Σ A·log π over the sampled tokens of the episodes `ep`
+    (`rollout.Episodes`) with A ~ N(0, 1) per sequence: PPO's first update at ratio 1, whose step per weight is
+    about `lr` whatever the gradient's scale."""
     import torch
 
     from rlhf_cli.core import logprobs_from_logits
 
+    ids, am, P, mask = ep.input_ids, ep.attention_mask, ep.P, ep.action_mask
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(ids.shape[0], generator=g)
-    mask = am[:, P:].float()
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     policy.train()
@@ -130,9 +131,10 @@ def small_update(policy: Any, ids: Any, am: Any, P: int, temperature: float, lr:
     policy.eval()
 
 
-def measure(policy: Any, reference: Any, ids: Any, am: Any, P: int, temperature: float,
-            autocast_dtype: Any | None, weight_dtype: str, head_fp32: bool) -> dict[str, Any]:
-    """Per-token log-probs of both models (B, R) float32, per-sequence k1 and exact KL (B,), seconds."""
+def measure(policy: Any, reference: Any, ep: Any, temperature: float, autocast_dtype: Any | None,
+            weight_dtype: str, head_fp32: bool) -> dict[str, Any]:
+    """Per-token log-probs of both models (B, R) float32 on the episodes `ep` (`rollout.Episodes`), per-sequence
+    k1 and exact KL (B,) over the sampled tokens, seconds."""
     import torch
 
     from rlhf_cli.core import logprobs_from_logits
@@ -140,7 +142,7 @@ def measure(policy: Any, reference: Any, ids: Any, am: Any, P: int, temperature:
     dtype = getattr(torch, weight_dtype)
     pol = policy if dtype is torch.float32 else copy.deepcopy(policy).to(dtype)
     ref = reference if dtype is torch.float32 else copy.deepcopy(reference).to(dtype)
-    mask = am[:, P:].float()
+    ids, am, P, mask = ep.input_ids, ep.attention_mask, ep.P, ep.action_mask
     labels = ids[:, P:]
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -162,7 +164,7 @@ def main() -> None:
     from rlhf_cli import engine
     from rlhf_cli.data import load_prompt_data
     from rlhf_cli.models import disable_dropout, load_causal_lm, load_tokenizer
-    from rlhf_cli.rollout import sample_responses
+    from rlhf_cli.rollout import HFGenerator, Sampling, SingleTurnRunner
     from rlhf_cli.seeds import derive_seed
 
     C.quiet()
@@ -174,21 +176,23 @@ def main() -> None:
     reference = disable_dropout(load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tokenizer)).to(device).eval()
     reference.requires_grad_(False)
     policy = copy.deepcopy(reference).requires_grad_(True)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    sampling = Sampling(eos_ids=(tokenizer.eos_token_id,), pad_id=tokenizer.pad_token_id,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0)
+
+    def sample(lm: Any, seeds: list[int]) -> Any:  # one fp32 episode per prompt (`rollout.Episodes`)
+        generator = HFGenerator("fp32")
+        generator.update_weights(lm)
+        return SingleTurnRunner().run(prompts, seeds, generator, sampling)
 
     # PPO's first update, on responses of the reference (policy == reference before it)
-    seeds = [derive_seed(args.seed, 0, k) for k in range(len(prompts))]
-    ids, am, P, _ = sample_responses(reference, prompts, pad, eos, args.max_new_tokens, args.temperature, 1.0,
-                                     "fp32", seeds=seeds)
-    small_update(policy, ids, am, P, args.temperature, args.lr, args.steps, args.seed)
+    ep = sample(reference, [derive_seed(args.seed, 0, k) for k in range(len(prompts))])
+    small_update(policy, ep, args.temperature, args.lr, args.steps, args.seed)
     moved = [(p.detach() - q).abs() for p, q in zip(policy.parameters(), reference.parameters())]
     flipped = sum(int((p.detach().bfloat16() != q.bfloat16()).sum()) for p, q in zip(policy.parameters(),
                                                                                       reference.parameters()))
     n_weights = sum(p.numel() for p in policy.parameters())
     # the measured responses: sampled from the updated policy in fp32 (PPO's rollout of iteration 2)
-    seeds = [derive_seed(args.seed, 1, k) for k in range(len(prompts))]
-    ids, am, P, _ = sample_responses(policy, prompts, pad, eos, args.max_new_tokens, args.temperature, 1.0,
-                                     "fp32", seeds=seeds)
+    ep = sample(policy, [derive_seed(args.seed, 1, k) for k in range(len(prompts))])
 
     configs = configurations(device)
     if args.configs:
@@ -197,10 +201,10 @@ def main() -> None:
         if unknown:
             sys.exit(f"error: unknown --configs {unknown}; choose from {list(configs)}")
         configs = {"fp32": configs["fp32"], **{c: configs[c] for c in wanted}}
-    measure(policy, reference, ids, am, P, args.temperature, None, "float32", False)  # warm-up, untimed
+    measure(policy, reference, ep, args.temperature, None, "float32", False)  # warm-up, untimed
     results: dict[str, dict[str, Any]] = {}
     for name, (ac, wd, head) in configs.items():
-        results[name] = measure(policy, reference, ids, am, P, args.temperature, ac, wd, head)
+        results[name] = measure(policy, reference, ep, args.temperature, ac, wd, head)
         print(f"  measured {name} ({results[name]['seconds']:.1f} s)", file=sys.stderr)
 
     truth = results["fp32"]

@@ -184,15 +184,19 @@ def fp32_kl(policy_path: str, reference_path: str, prompts: list[dict[str, Any]]
 
     from rlhf_cli.engine import device
     from rlhf_cli.forwards import sequence_kl
-    from rlhf_cli.rollout import sample_responses
+    from rlhf_cli.rollout import HFGenerator, Sampling, SingleTurnRunner
     from rlhf_cli.seeds import derive_seed
 
     policy, reference = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).to(device()).eval()
                          for p in (policy_path, reference_path))
     seeds = [derive_seed(seed, 10**6, k) for k in range(len(prompts))]
-    ids, am, P, _ = sample_responses(policy, prompts, pad_id, eos_id, max_new_tokens, temperature, 1.0, "fp32",
-                                     chunk=8, seeds=seeds)
-    return float(sequence_kl(policy, reference, ids, am, P, temperature, 8, "fp32")["k1"].mean())
+    generator = HFGenerator("fp32", chunk=8)
+    generator.update_weights(policy)
+    sampling = Sampling(eos_ids=(eos_id,), pad_id=pad_id, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_p=1.0)
+    ep = SingleTurnRunner().run(prompts, seeds, generator, sampling)
+    return float(sequence_kl(policy, reference, ep.input_ids, ep.attention_mask, ep.action_mask, temperature, 8,
+                             "fp32")["k1"].mean())
 
 
 def iteration_prompts(prompts: list[dict[str, Any]], iterations: int, rollout: int,

@@ -47,8 +47,8 @@ SCORING_PRECISIONS = ("fp32", "same")
 IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
 REWARD_SOURCES = ("model", "checker", "function")
-# the sampling engines `rollout.engine` names: rollout.generation.GENERATORS (a test keeps the two equal)
-ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.generation.resolve_engine
+# the sampling engines `rollout.engine` names: rollout.engines.GENERATORS (a test keeps the two equal)
+ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.engines.resolve_engine
 # the dtypes `rollout.engine_dtype` names: rollout.generation.resolve_dtype resolves `auto`
 ENGINE_DTYPES = ("auto", "fp32", "bf16")
 # the names `logger` takes: `jsonl` and the trackers of runs.TRACKERS (a test keeps the two equal)

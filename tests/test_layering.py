@@ -150,3 +150,18 @@ def test_every_module_imports():
     assert {"rlhf_cli.stages.evaluate", "rlhf_cli.forwards.policy", "rlhf_cli.lifecycle"} <= set(names)
     for name in names:
         importlib.import_module(name)
+
+
+def test_no_rollout_module_imports_one_that_imports_it():
+    """The rollout modules import one another without a circle (function-local imports included): the engine
+    seam (`generation.py`) imports no engine, the registry (`engines.py`) imports the engines."""
+    rollout = PACKAGE / "rollout"
+    graph = {f"rlhf_cli.rollout.{p.stem}": {n for n in imports(p) if n.startswith("rlhf_cli.rollout.")}
+             for p in rollout.glob("*.py") if p.stem != "__init__"}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
+
+    circles = sorted(m for m in graph if reaches(m, m))
+    assert circles == [], "rollout modules on an import circle"
+    assert "rlhf_cli.rollout.vllm_engine" not in graph["rlhf_cli.rollout.generation"]

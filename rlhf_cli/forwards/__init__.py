@@ -17,10 +17,11 @@ It sits between the components (`core/` math, `models/`, `data/`, `engine.py`) a
 `disable_dropout`) and the trained models' final save are `models/`'s.
 
 Rollout batch layout: `[prompt | response]`, prompts left-padded to P columns, responses right-padded to R columns,
-the response mask ending at the first EOS (inclusive). logits at column P-1+t predict response token t;
-values[:, t] is the critic's head at the same column (see models/scalar.py). With `data.packing` the forwards
-run packed (packing.py) and read their outputs back into this layout. Pair batches are `data.PairCollator`'s and
-`data.PackedPairCollator`'s (`pair_collator` picks one for a model).
+the response ending at the first EOS (inclusive); which response tokens count is the caller's action mask (B, R)
+(`rollout.Episodes.action_mask`), never sliced out of the attention mask. logits at column P-1+t predict
+response token t; values[:, t] is the critic's head at the same column (see models/scalar.py). With
+`data.packing` the forwards run packed (packing.py) and read their outputs back into this layout. Pair batches
+are `data.PairCollator`'s and `data.PackedPairCollator`'s (`pair_collator` picks one for a model).
 """
 
 from rlhf_cli.forwards.packing import PackedRollout, pack_rollout, packing_probe, use_packing

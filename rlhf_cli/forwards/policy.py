@@ -97,25 +97,27 @@ def policy_forward(
 
 
 @torch.no_grad()
-def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                temperature: float, batch_size: int, precision: str,
+def sequence_kl(policy: Any, reference: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                action_mask: torch.Tensor, temperature: float, batch_size: int, precision: str,
                 estimators: Sequence[str] = ("k1",), packing: bool = False,
                 top_p: float = 1.0) -> dict[str, torch.Tensor]:
     """KL(policy ‖ reference) per sequence, nats: {estimator: (B,) float32}, the per-token estimate (`core.
-    kl_estimate`) summed over each response's real tokens, on tokens the policy sampled at `temperature`. With
-    `top_p` < 1 the policy's log-probs are its nucleus-renormalised ones (`policy_forward`), the reference's its
-    whole softmax: KL(π_p ‖ π_ref), as train-ppo's penalty reads it.
+    kl_estimate`) summed over the tokens the policy sampled, at `temperature`. With `top_p` < 1 the policy's
+    log-probs are its nucleus-renormalised ones (`policy_forward`), the reference's its whole softmax:
+    KL(π_p ‖ π_ref), as train-ppo's penalty reads it.
 
-    input_ids, attention_mask: (B, P+R) laid out as `policy_forward` reads them; both models run `batch_size`
-    rows at a time under `engine.autocast(precision)`, packed or not as `packing` says.
+    input_ids, attention_mask: (B, P+R) laid out as `policy_forward` reads them; action_mask: (B, R) float, 1 = a
+    token the policy sampled (`rollout.Episodes.action_mask`), whose R gives P; both models run `batch_size` rows
+    at a time under `engine.autocast(precision)`, packed or not as `packing` says.
     """
+    prompt_len = input_ids.shape[1] - action_mask.shape[1]
     out: dict[str, list[torch.Tensor]] = {k: [] for k in estimators}
     for i in range(0, input_ids.shape[0], batch_size):
         ids, am = input_ids[i:i + batch_size], attention_mask[i:i + batch_size]
         with engine.autocast(precision):
             lp, _, _ = policy_forward(policy, ids, am, prompt_len, temperature, packing=packing, top_p=top_p)
             ref_lp, _, _ = policy_forward(reference, ids, am, prompt_len, temperature, packing=packing)
-        mask = am[:, prompt_len:].float()
+        mask = action_mask[i:i + batch_size].float()
         for k in estimators:
             out[k].append((kl_estimate(lp, ref_lp, k) * mask).sum(1))
     return {k: torch.cat(v) for k, v in out.items()}

@@ -329,7 +329,7 @@ def response_values(
     at column `response_start` (P >= 1). values[:, t] = V(state before response token t) = the head
     output at position P-1+t, the position whose logits give that token's log-prob. Entries whose
     response token is padding are 0 only if position P-1+t is padding too; mask them with the
-    response mask `attention_mask[:, P:]`.
+    rollout's action mask (`rollout.Episodes.action_mask`, 1 = a token the policy sampled).
     """
     if not 1 <= response_start < input_ids.shape[1]:
         raise ValueError(f"response_start={response_start} must be in [1, T={input_ids.shape[1]})")

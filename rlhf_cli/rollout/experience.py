@@ -17,12 +17,13 @@ class Experience:
     """One rollout batch on one rank. B rows, P prompt columns, R response columns."""
 
     input_ids: torch.Tensor  # (B, P+R) long, [left-padded prompt | right-padded response]
-    attention_mask: torch.Tensor  # (B, P+R) long, 1 = real token
-    loss_mask: torch.Tensor  # (B, R) float, 1 = real response token (EOS included) that enters the loss
+    attention_mask: torch.Tensor  # (B, P+R) long, 1 = real token (what a position may attend to)
+    action_mask: torch.Tensor  # (B, R) float, 1 = a token the policy sampled (EOS included; `Episodes.action_mask`)
+    loss_mask: torch.Tensor  # (B, R) float, 1 = a sampled token that enters the loss (action_mask × the row counts)
     old_logprobs: torch.Tensor  # (B, R) float32, log π_old(a_t|s_t) at temperature, 0 on padding (see `plan`)
     ref_logprobs: torch.Tensor  # (B, R) float32, log π_ref(a_t|s_t) at temperature
     values: torch.Tensor  # (B, R) float32, old V(s_t)
-    rewards: torch.Tensor  # (B, R) float32, −β·kl_t plus the score at the last real token
+    rewards: torch.Tensor  # (B, R) float32, −β·kl_t plus the score at the last sampled token
     advantages: torch.Tensor  # (B, R) float32, GAE (whitened if ppo.whiten_advantages)
     returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
     scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
@@ -63,4 +64,5 @@ class Experience:
 
     @property
     def prompt_len(self) -> int:
-        return self.input_ids.shape[1] - self.loss_mask.shape[1]
+        """P, the prompt columns: the ids' columns before the R of the action mask."""
+        return self.input_ids.shape[1] - self.action_mask.shape[1]

@@ -5,20 +5,20 @@
     Generator           the protocol an engine implements: `generate(prompt_ids, seeds, sampling)` and
                         `update_weights(model)`
     HFGenerator         `rollout.engine=hf`: HF `generate` with one random stream per prompt (`PerRowSampler`)
-    GENERATORS          {`rollout.engine` value: engine builder, imported on use}; `make_generator(name,
-                        EngineSettings)` builds one; `resolve_engine` turns `auto` into one of them
+    resolve_dtype       the dtype of an engine holding its own weights (`rollout.engine_dtype`)
     rollout_batch       prompt ids + a `Generation` -> the rollout batch `[left-padded prompt | right-padded
                         response]` the stages score and train on
     join_rollout_batches  several rollout batches as one (`ppo.filter_groups`' rounds)
     response_mask       the cut at the first EOS (any id of `eos_ids`)
-    sample_responses    the one-call form of `HFGenerator` + `rollout_batch` (benchmarks, tests)
+    sample_responses    the one-call form of `HFGenerator` + `rollout_batch` (tests)
 
 An engine takes token ids and gives token ids: tokenizing and detokenizing stay with the caller. Each prompt
 has its own seed, and its response depends only on (the weights, its prompt, its seed, the sampling settings),
 never on the batch it is in, the chunk size or the world size: two models given the same seeds sample with
 the same noise (the eval pairs its policy and reference samples on this). A new engine is one class
-implementing `Generator`, one `GENERATORS` entry and one `rollout.engine` value (`config.ROLLOUT_ENGINES`):
-`vllm` is `rollout/vllm_engine.py`.
+implementing `Generator`, one entry of the registry `engines.GENERATORS` and one `rollout.engine` value
+(`config.ROLLOUT_ENGINES`): `vllm` is `rollout/vllm_engine.py`. This module imports no engine of its own
+(`engines.py` builds them), so an engine's module may import it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -117,6 +116,11 @@ class Generator(Protocol):
 
     own_weights: bool
     """The engine samples from its own copy of the weights (see the contract)."""
+
+    probes: bool
+    """The engine checks each push itself (a greedy probe against the trainer's forward: `VLLMGenerator.probe`),
+    where it computes as the trainer's scoring passes do; train-ppo's bf16 drift guard (`stats.EngineDriftGuard`)
+    then stays off. False for an engine that samples from the live module (`hf`): nothing to drift."""
 
     def update_weights(self, model: Any, gather: Gather | None = None) -> None:
         ...
@@ -222,6 +226,7 @@ class HFGenerator:
         self.lm: Any = None
         self.sync_seconds = 0.0  # nothing is copied
         self.own_weights = False  # samples from the live module: under ZeRO-3, inside the full weights' gather
+        self.probes = False  # nothing is pushed, so nothing to check
 
     def update_weights(self, model: Any, gather: Gather | None = None) -> None:
         """Sample from `model` (a causal LM) from now on: the module itself, nothing is copied (`gather` unused)."""
@@ -272,77 +277,6 @@ class HFGenerator:
         return Generation(responses, mask, has_eos, None)
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """What `make_generator` builds an engine from: the run's settings every engine may read."""
-
-    precision: str
-    """The run's `precision`: `hf` samples under it; `vllm` takes its dtype from it (`resolve_dtype`)."""
-    chunk: int
-    """Prompts per engine call, where the engine batches itself (`hf`); the samples do not depend on it."""
-    workdir: str | Path | None = None
-    """The run dir: an engine with its own copy of the weights (`vllm`) writes its model dir there."""
-    kv_cache_gb: int = 2
-    """`rollout.kv_cache_gb`: the KV cache of an engine that reserves one (`vllm`), GiB."""
-    engine_dtype: str = "auto"
-    """`rollout.engine_dtype`: the dtype of an engine that holds its own weights (`vllm`; `resolve_dtype`)."""
-    score_precision: str | None = None
-    """The precision of the trainer's scoring passes (`engine.scoring_precision`); None: `precision`."""
-    max_model_len: int = 2048
-    """The longest prompt + response the engine must hold, tokens."""
-    verbose: bool = False
-    """`rollout.engine_verbose`: an engine's own log on the terminal too (`vllm`), not only in the run's log file."""
-    selftest: bool = True
-    """`rollout.engine_selftest`: an engine that holds its own weights (`vllm`) tests its push once after it starts."""
-    sync_timeout_s: float = 600.0
-    """`rollout.sync_timeout_s`: the bound on each push, self-test and probe of an engine that pushes (`vllm`)."""
-
-
-def _hf(settings: EngineSettings) -> Generator:
-    return HFGenerator(settings.precision, settings.chunk)
-
-
-def _vllm(settings: EngineSettings) -> Generator:
-    from rlhf_cli.rollout.vllm_engine import VLLMGenerator  # vllm is an optional install: imported on use
-
-    return VLLMGenerator(settings.precision, settings.chunk, workdir=settings.workdir,
-                         kv_cache_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
-                         engine_dtype=settings.engine_dtype, score_precision=settings.score_precision,
-                         verbose=settings.verbose, selftest=settings.selftest,
-                         sync_timeout_s=settings.sync_timeout_s)
-
-
-GENERATORS: dict[str, Callable[[EngineSettings], Generator]] = {"hf": _hf, "vllm": _vllm}
-"""{`rollout.engine` value: the function building that engine from `EngineSettings`} (an engine's module, and its
-optional dependency, is imported only when chosen); `config.ROLLOUT_ENGINES` lists the same names (a test keeps
-the two equal)."""
-
-
-def resolve_engine(name: str, *configs: Any) -> tuple[str, str]:
-    """The sampling engine a run uses for `rollout.engine=<name>`, and why, in words.
-
-    name: `hf` or `vllm` (returned as named) or `auto`: `vllm` where vLLM is installed and can sample every model
-    the run samples (`vllm_engine.unservable`: its architecture, and on the CPU its attention head size), else
-    `hf`, so one command line runs in a venv with or without the engine. configs: the `PretrainedConfig` of each
-    model sampled (train-ppo's policy; eval's policy and reference).
-    """
-    if name != "auto":
-        return name, "as set"
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return "hf", "auto: vLLM is not installed (`make install-vllm`)"
-    from rlhf_cli.rollout.vllm_engine import unservable
-
-    try:
-        why = next(filter(None, map(unservable, configs)), None)
-    except Exception as e:  # an install whose import fails (a wheel for another torch or CUDA): sample with hf
-        first = (str(e).splitlines() or [""])[0]
-        return "hf", f"auto: vLLM is installed but does not import ({type(e).__name__}: {first})"
-    what = "this model" if len(configs) == 1 else "these models"
-    return ("hf", f"auto: {why}") if why else ("vllm", f"auto: vLLM is installed and serves {what}")
-
-
 ENGINE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """`rollout.engine_dtype`'s values but `auto` (`config.ENGINE_DTYPES`), as torch dtypes."""
 
@@ -366,23 +300,6 @@ def dtype_setting(dtype: torch.dtype) -> str:
     """The `rollout.engine_dtype` value naming an engine's dtype (`fp32`, `bf16`), as start tables and eval.json
     show it. Raises StopIteration for another dtype."""
     return next(k for k, v in ENGINE_DTYPES.items() if v == dtype)
-
-
-def describe_engine(name: str, *configs: Any) -> str:
-    """`rollout.engine=<name>` as a start table shows it: the engine, and for `auto` why (`resolve_engine`)."""
-    used, why = resolve_engine(name, *configs)
-    return used if why == "as set" else f"{used} ({why})"
-
-
-def make_generator(name: str, settings: EngineSettings) -> Generator:
-    """The sampling engine `rollout.engine=<name>`, built from `settings`. A `rollout.engine_dtype` that the `hf`
-    engine does not read (it samples under the run's precision) is said once."""
-    if name not in GENERATORS:
-        raise ValueError(f"rollout.engine={name!r} is not one of {', '.join(GENERATORS)}")
-    if name == "hf" and settings.engine_dtype != "auto" and engine.is_main():
-        log.warning("rollout.engine_dtype=%s does nothing with rollout.engine=hf: it samples with the trainer's "
-                    "weights under precision=%s", settings.engine_dtype, settings.precision)
-    return GENERATORS[name](settings)
 
 
 def sample_responses(

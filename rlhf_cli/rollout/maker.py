@@ -1,7 +1,9 @@
-"""The rollout half of a PPO iteration (OpenRLHF's experience maker): prompts → sampled responses (a group of
-`ppo.n_samples_per_prompt` per prompt) → scores → no-grad passes (old logprobs, ref_logprobs, values when there
-is a critic) → per-token rewards → advantages and returns (`ppo.advantage_estimator`), as one `Experience` per
-rank, with the rollout's statistics.
+"""The rollout half of a PPO iteration (OpenRLHF's experience maker), an orchestrator of its pieces:
+prompts and seeds (`prompts.PromptSource`; `ppo.filter_groups`' rounds, `prompts.filter_groups`) → episodes
+(`episodes.EpisodeRunner` sampling with the run's engine, a group of `ppo.n_samples_per_prompt` per prompt) →
+scores (`scores.ScoreMixer` and the per-row score rules) → the no-grad passes (old logprobs, ref_logprobs, values
+when there is a critic; here, over the update's micro-batches) → per-token rewards, advantages and returns
+(`shaping.shape`), as one `Experience` per rank, with the rollout's statistics.
 
 Precision: sampling and a separate critic run in `precision`; the policy's and the reference's log-prob
 passes and the reward model in the one `scoring_precision` gives (see config.py, `scoring_precision`).
@@ -10,7 +12,6 @@ passes and the reward model in the one `scoring_precision` gives (see config.py,
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -18,15 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import (
-    ESTIMATORS,
-    add_at_last_token,
-    group_stats,
-    informative_groups,
-    kl_penalized_rewards,
-    overlong_penalty,
-)
-from rlhf_cli.data import epoch_order
+from rlhf_cli.core import ESTIMATORS, group_stats, overlong_penalty
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import (
     Forward,
@@ -39,19 +32,15 @@ from rlhf_cli.forwards import (
     use_packing,
 )
 from rlhf_cli.models import attention_tokens, has_value_head, lm_of
+from rlhf_cli.rollout.engines import EngineSettings, make_generator, resolve_engine
+from rlhf_cli.rollout.episodes import Episodes, SingleTurnRunner
 from rlhf_cli.rollout.experience import Experience
-from rlhf_cli.rollout.generation import (
-    EngineSettings,
-    Sampling,
-    join_rollout_batches,
-    make_generator,
-    resolve_engine,
-    rollout_batch,
-)
+from rlhf_cli.rollout.generation import Sampling
 from rlhf_cli.rollout.plan import UpdatePlan
+from rlhf_cli.rollout.prompts import PromptSource, Round, filter_groups
 from rlhf_cli.rollout.scores import ScoreMixer
-from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl, whiten_across_ranks
-from rlhf_cli.seeds import derive_seed
+from rlhf_cli.rollout.shaping import shape
+from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +62,9 @@ class ExperienceMaker:
                  critic: Any, score_mixer: ScoreMixer, kl_ctl: Any, score_precision: str,
                  plan: Callable[[int, torch.Tensor], UpdatePlan], workdir: Any = None) -> None:
         self.cfg, self.p = cfg, cfg.ppo
-        self.tokenizer, self.prompts = tokenizer, prompts
+        self.tokenizer = tokenizer
+        self.source = PromptSource(cfg, prompts)
+        """Which prompts each generation round samples, with which seeds and group ids."""
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids(tokenizer, lm_of(actor.module).generation_config)
         """Every id that ends a response (`eos.eos_ids`): sampling stops at the first, the masks and `has_eos` read
@@ -83,7 +74,7 @@ class ExperienceMaker:
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
         self.engine_name, why = resolve_engine(cfg.rollout.engine, lm_of(actor.module).config)
-        """The sampling engine this run uses (`rollout.engine`, `auto` resolved: `generation.resolve_engine`)."""
+        """The sampling engine this run uses (`rollout.engine`, `auto` resolved: `engines.resolve_engine`)."""
         if why != "as set" and engine.is_main():
             log.info("rollout.engine=%s samples with %s (%s)", cfg.rollout.engine, self.engine_name, why)
         if cfg.rollout.is_correction != "none" and self.engine_name == "hf" and engine.is_main():
@@ -98,11 +89,11 @@ class ExperienceMaker:
             sync_timeout_s=cfg.rollout.sync_timeout_s))
         """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout; the stage
         closes it (`generator.close()`) when the run ends."""
+        self.runner = SingleTurnRunner()
+        """How an episode runs (`episodes.EpisodeRunner`): one response per prompt."""
         self.sampling = Sampling(eos_ids=self.eos_ids, pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
                                  temperature=self.p.temperature, top_p=self.p.top_p)
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
-        self._order: list[int] = []  # prompt order of data epoch `_order_epoch` (prompt_batch)
-        self._order_epoch: int | None = None
         self.pass_seconds = {"reward": 0.0, "reference": 0.0, "policy": 0.0, "critic": 0.0, "packing": 0.0}
         """Seconds of the last rollout's scoring, by pass: `reward` (reward model and functions), `reference`,
         `policy` (the old log-probs; 0 when the plan is on-policy), `critic` (a separate critic) and `packing`
@@ -112,66 +103,23 @@ class ExperienceMaker:
 
     def prompt_batch(self, iteration: int,
                      round_: int = 0) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
-        """This rank's rows of an iteration's generation round: their prompts, sampling seeds and group ids.
+        """This rank's rows of an iteration's generation round: their prompts, sampling seeds and group ids
+        (`PromptSource.batch`)."""
+        return self.source.batch(iteration, round_)
 
-        Prompts: round 0 (every iteration's, and the only one without `ppo.filter_groups`) takes a seeded walk
-        through epochs of shuffled prompts (the same on every rank), `ppo.rollout_batch_size` (M) per iteration; an
-        extra round r >= 1 of `ppo.filter_groups` takes M prompts of its own seeded permutation of all prompts,
-        (data.seed, seed, iteration, r), those of round 0 last (so they repeat only when fewer than 2M prompts
-        exist); the walk is not advanced. Each prompt is repeated `ppo.n_samples_per_prompt` (G) times in a row; a
-        rank takes whole groups. The round's k-th prompt is the iteration's (r·M + k)-th: its group id, and the
-        seed of its sample j is one per (run seed, iteration, (r·M + k)·G + j), so every sample has its own stream
-        and a response is the same whatever the world size.
-        """
-        M, G = self.p.rollout_batch_size, self.p.n_samples_per_prompt
-        idx = self._walk(iteration)
-        if round_ > 0:
-            first = set(idx)
-            perm = epoch_order(len(self.prompts), (self.cfg.data.seed, self.cfg.seed, iteration), round_)
-            idx = ([i for i in perm if i not in first] + [i for i in perm if i in first])[:M]
-        per_rank, offset = M // engine.world_size(), round_ * M
-        ks = range(engine.rank() * per_rank, (engine.rank() + 1) * per_rank)
-        prompts = [self.prompts[idx[k]] for k in ks for _ in range(G)]
-        seeds = [derive_seed(self.cfg.seed, iteration, (offset + k) * G + j) for k in ks for j in range(G)]
-        groups = torch.tensor([offset + k for k in ks for _ in range(G)], dtype=torch.long)
-        return prompts, seeds, groups
-
-    def _walk(self, iteration: int) -> list[int]:
-        """The prompt indices of an iteration's round 0: positions iteration·M ... (iteration + 1)·M − 1 of the
-        walk through epochs of shuffled prompts (`data.epoch_order` seeded by (data.seed, seed, epoch)), M =
-        `ppo.rollout_batch_size`."""
-        n, M = len(self.prompts), self.p.rollout_batch_size
-        idx = []
-        for k in range(iteration * M, (iteration + 1) * M):
-            epoch, pos = divmod(k, n)
-            if epoch != self._order_epoch:
-                self._order, self._order_epoch = epoch_order(n, (self.cfg.data.seed, self.cfg.seed), epoch), epoch
-            idx.append(self._order[pos])
-        return idx
-
-    def generate(self, prompts: list[dict[str, Any]], seeds: Sequence[int], push: bool = True,
-                 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
-        """Sample one response per prompt with the current policy, one seed per prompt (`self.generator`).
-        Returns the rollout batch: input_ids (B, P+R), attention_mask (B, P+R), P, has_eos (B,)
-        (`generation.rollout_batch`), and the engine's log-probs of the response tokens (B, R) float32 on the
-        batch's device, or None when the engine gives none (`hf`). `push=False`: the engine already holds these
+    def generate(self, prompts: list[dict[str, Any]], seeds: Sequence[int], push: bool = True) -> Episodes:
+        """Run one episode per prompt with the current policy, one seed per prompt (`self.runner` sampling with
+        `self.generator`): the `Episodes` on the batch's device. `push=False`: the engine already holds these
         weights (a later generation round of one iteration), none are pushed."""
-        prompt_ids = [x["prompt_ids"] for x in prompts]
         lm = lm_of(self.actor.module)
         if self.generator.own_weights:  # ZeRO-3: one layer gathered at a time for the push, none while sampling
             if push:
                 self.generator.update_weights(lm, gather=self.actor.gathered)
-            generation = self.generator.generate(prompt_ids, seeds, self.sampling)
-        else:
-            with self.actor.gathered_params():  # ZeRO-3: the full weights, for the engine to sample from
-                if push:
-                    self.generator.update_weights(lm)
-                generation = self.generator.generate(prompt_ids, seeds, self.sampling)
-        input_ids, attention_mask, P, has_eos = rollout_batch(prompt_ids, generation, self.pad_id)
-        engine_logprobs = None
-        if generation.logprobs is not None:
-            engine_logprobs = generation.logprobs[:, :input_ids.shape[1] - P].float().to(input_ids.device)
-        return input_ids, attention_mask, P, has_eos, engine_logprobs
+            return self.runner.run(prompts, seeds, self.generator, self.sampling)
+        with self.actor.gathered_params():  # ZeRO-3: the full weights, for the engine to sample from
+            if push:
+                self.generator.update_weights(lm)
+            return self.runner.run(prompts, seeds, self.generator, self.sampling)
 
     def rollout_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                        plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
@@ -266,7 +214,7 @@ class ExperienceMaker:
         `ppo.kl_check_rows` rollout rows computed in fp32 at the rollout's weights, and `objective/kl_check`, the
         reported KL of the same rows (`stats.response_kl`). Only when the scoring passes run under bf16 autocast
         (`scoring_precision=same`), which keeps the plan off-policy (`plan.fold_settings`); else {}."""
-        input_ids, attention_mask, P = exp.input_ids, exp.attention_mask, exp.prompt_len
+        input_ids, attention_mask, action_mask = exp.input_ids, exp.attention_mask, exp.action_mask
         k = min(self.p.kl_check_rows, input_ids.shape[0])
         if k == 0 or self.score_precision != "bf16-autocast":
             return {}
@@ -274,79 +222,35 @@ class ExperienceMaker:
         # the first k rows packed together, a layout other than the rollout's micro-batches: in fp32 that moves
         # the KL by float rounding (~1e-6 nats), far below the bf16 noise this check measures
         with self.reference.on_device() as reference:  # the weights are fp32 under bf16-autocast
-            kl_fp32 = sequence_kl(self.actor.module, reference, input_ids[:k], attention_mask[:k], P,
+            kl_fp32 = sequence_kl(self.actor.module, reference, input_ids[:k], attention_mask[:k], action_mask[:k],
                                   self.p.temperature, k, "fp32", packing=exp.plan.packed, top_p=self.p.top_p)["k1"]
         return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
 
     def sample(self, prompts: list[dict[str, Any]], seeds: Sequence[int], groups: torch.Tensor,
-               push: bool = True) -> _Round:
-        """One generation round: sample (`generate`; `push=False` in an iteration's later rounds), score
-        (`score_mixer`), then the score rules that act per row: `ppo.truncated=penalize`'s missing-EOS penalty and the
-        overlong shaping (`core.overlong_penalty`). Which rows count in a group baseline (`valid`): those that
-        ended with EOS under `ppo.truncated=mask`, else all."""
+               push: bool = True) -> Round:
+        """One generation round: run the episodes (`generate`; `push=False` in an iteration's later rounds), score
+        them (`score_mixer`), then the score rules that act per row: `ppo.truncated=penalize`'s missing-EOS penalty
+        and the overlong shaping (`core.overlong_penalty`, on the sampled tokens). Which rows count in a group
+        baseline (`valid`): those that ended with EOS under `ppo.truncated=mask`, else all."""
         p = self.p
         t0 = time.perf_counter()
-        input_ids, attention_mask, P, has_eos, engine_logprobs = self.generate(prompts, seeds, push=push)
+        episodes = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
-        raw, score, source_means = self.score_mixer(input_ids, attention_mask, P, prompts)
-        t2 = _clock(input_ids.device)
-        response_mask = attention_mask[:, P:].float()
+        raw, score, source_means = self.score_mixer(episodes.input_ids, episodes.attention_mask, episodes.P, prompts)
+        t2 = _clock(episodes.input_ids.device)
         if p.truncated == "penalize":
-            score = score - p.missing_eos_penalty * (~has_eos).float()
-        overlong = overlong_penalty(response_mask.sum(1), p.max_new_tokens, p.overlong_buffer, p.overlong_penalty)
+            score = score - p.missing_eos_penalty * (~episodes.has_eos).float()
+        overlong = overlong_penalty(episodes.action_mask.sum(1), p.max_new_tokens, p.overlong_buffer,
+                                    p.overlong_penalty)
         score = score + overlong.to(score.dtype)  # DAPO's soft overlong punishment; 0 with ppo.overlong_buffer=0
-        valid = has_eos if p.truncated == "mask" else torch.ones_like(has_eos)
-        return _Round(prompts, groups.to(score.device), input_ids, attention_mask, P, has_eos, engine_logprobs, raw,
-                      score, overlong, valid, source_means, t1 - t0, t2 - t1)
-
-    def filter_groups(self, iteration: int, first: _Round) -> tuple[_Round | None, list[_Round], dict[str, float]]:
-        """DAPO's dynamic sampling (`ppo.filter_groups`; Yu et al. 2025, sec. 3.2): keep the groups of `first`
-        whose scores vary (`core.informative_groups`) and sample further rounds (`prompt_batch(iteration, r)`)
-        while any rank holds fewer than its share of `ppo.rollout_batch_size` groups, for at most
-        `ppo.filter_groups_max_rounds` extra rounds (every rank runs the same rounds: sampling may be collective).
-        Every rank then keeps its first k kept groups in round order, k the fewest any rank has (capped at its
-        share), rounded down to whole minibatches (`ppo.mini_batch_size` completions over all ranks: the optimizer
-        steps after a fixed number of micro-batches, so a partial minibatch would carry its gradient into the next
-        iteration's step); every rank's update then has the same shape. Returns (the kept rows as one round, or
-        None when k = 0; every round sampled; `groups/dropped_frac`, `groups/extra_rounds`, `groups/kept_frac`)."""
-        p, G = self.p, self.p.n_samples_per_prompt
-        share = p.rollout_batch_size // engine.world_size()
-        mini_rows = p.mini_batch_size // engine.world_size()
-        unit = mini_rows // math.gcd(G, mini_rows)  # the fewest groups that fill whole minibatches
-        rounds, kept = [first], [informative_groups(first.score, first.groups, first.valid)]
-        while True:
-            n_kept = sum(int(k.sum()) for k in kept) // G  # whole groups are kept or dropped
-            short = engine.all_reduce_sum(torch.tensor(float(n_kept < share))).item() > 0
-            if not short or len(rounds) > p.filter_groups_max_rounds:
-                break
-            prompts, seeds, groups = self.prompt_batch(iteration, len(rounds))
-            rounds.append(self.sample(prompts, seeds, groups, push=False))
-            kept.append(informative_groups(rounds[-1].score, rounds[-1].groups, rounds[-1].valid))
-        fewest = min(engine.all_gather_object(min(n_kept, share)))
-        k = fewest - fewest % unit
-        sampled = len(rounds) * share
-        stats = {"groups/dropped_frac": (sampled - n_kept) / sampled, "groups/extra_rounds": float(len(rounds) - 1),
-                 "groups/kept_frac": k / share}
-        if k == 0:
-            if engine.is_main():
-                log.warning("iteration %d trains nothing: %s in %d round(s) (ppo.filter_groups=true, "
-                            "ppo.filter_groups_max_rounds=%d)", iteration + 1,
-                            "every group sampled has equal scores" if fewest == 0 else
-                            f"{fewest} group(s) with varied scores kept, fewer than the {unit} × "
-                            f"ppo.n_samples_per_prompt={G} completions of a minibatch (ppo.mini_batch_size="
-                            f"{p.mini_batch_size})", len(rounds), p.filter_groups_max_rounds)
-            return None, rounds, stats
-        rows, left = [], k * G  # the first k kept groups, in round order (a group's rows are adjacent)
-        for keep in kept:
-            idx = keep.nonzero().flatten()[:left]
-            rows.append(idx)
-            left -= len(idx)
-        return join_rounds(rounds, rows, self.pad_id), rounds, stats
+        valid = episodes.has_eos if p.truncated == "mask" else torch.ones_like(episodes.has_eos)
+        return Round(prompts, groups.to(score.device), episodes, raw, score, overlong, valid, source_means, t1 - t0,
+                     t2 - t1)
 
     def make_experience(self, iteration: int) -> tuple[Experience | None, dict[str, float], dict[str, Any]]:
         """One iteration's rollout on this rank: sample and score (`sample`; with `ppo.filter_groups`, more rounds
-        until the batch holds informative groups, `filter_groups`), the passes by the update's plan
-        (`rollout_passes`), shaping (`shape`). Returns the `Experience` (carrying the plan; None when
+        until the batch holds informative groups, `prompts.filter_groups`), the passes by the update's plan
+        (`rollout_passes`), shaping (`shaping.shape`). Returns the `Experience` (carrying the plan; None when
         `ppo.filter_groups` kept no group: the iteration trains nothing), the rollout's statistics (means over
         ranks; its KL statistics come after the update, `stats.kl_stats`) and a few samples (prompts, responses,
         raw scores) for the log. The statistics of the sampled responses (`objective/scores`, `reward/*`,
@@ -355,17 +259,22 @@ class ExperienceMaker:
         p = self.p
         prompts, seeds, groups = self.prompt_batch(iteration)
         first = self.sample(prompts, seeds, groups)
-        batch, rounds, filter_stats = (self.filter_groups(iteration, first) if p.filter_groups
-                                       else (first, [first], {}))
+        if p.filter_groups:
+            def next_round(r: int) -> Round:
+                return self.sample(*self.prompt_batch(iteration, r), push=False)
+
+            batch, rounds, filter_stats = filter_groups(p, iteration, first, next_round, self.pad_id)
+        else:
+            batch, rounds, filter_stats = first, [first], {}
         gen_seconds = sum(r.gen_seconds for r in rounds) - self.generator.sync_seconds
-        gen_tokens = float(sum(r.attention_mask[:, r.P:].sum() for r in rounds))
-        lengths = first.attention_mask[:, first.P:].float().sum(1)
+        gen_tokens = float(sum(r.episodes.action_mask.sum() for r in rounds))
+        lengths = first.episodes.action_mask.sum(1)
         stats = {
             "objective/scores": first.raw.mean().item(),
             "objective/scores_norm": first.score.mean().item(),
             "objective/kl_beta": self.kl_ctl.value,
             "response/length_mean": lengths.mean().item(),
-            "response/eos_frac": first.has_eos.float().mean().item(),
+            "response/eos_frac": first.episodes.has_eos.float().mean().item(),
             **({"reward/overlong_penalty": first.overlong.mean().item()} if p.overlong_buffer else {}),
             "time/generation": gen_seconds,
             "time/engine_sync": self.generator.sync_seconds,  # the engine's start, push and probe (vllm; hf: 0)
@@ -376,7 +285,8 @@ class ExperienceMaker:
         if p.n_samples_per_prompt > 1:
             stats.update(group_metrics(first.score, first.groups, first.valid))
         samples = {"prompts": [x.get("prompt_text", "") for x in first.prompts[:3]],
-                   "responses": self.tokenizer.batch_decode(first.input_ids[:3, first.P:], skip_special_tokens=True),
+                   "responses": self.tokenizer.batch_decode(first.episodes.input_ids[:3, first.episodes.P:],
+                                                            skip_special_tokens=True),
                    "scores": first.raw[:3].tolist()}
         reward_seconds = sum(r.reward_seconds for r in rounds)
         if batch is None:  # ppo.filter_groups kept nothing (said once, in filter_groups)
@@ -386,27 +296,30 @@ class ExperienceMaker:
         stats.update(exp_stats)
         return exp, engine.reduce_stats(stats), samples
 
-    def experience(self, iteration: int, batch: _Round, reward_seconds: float) -> tuple[Experience, dict[str, float]]:
+    def experience(self, iteration: int, batch: Round, reward_seconds: float) -> tuple[Experience, dict[str, float]]:
         """The `Experience` of the rows trained on (`batch`): the passes by the update's plan (`rollout_passes`),
-        shaping (`shape`), and their statistics (this rank's; `advantages/*`, `val/*`, `time/scoring*`, the bf16 KL
-        check). reward_seconds: the reward passes' seconds of every round."""
-        input_ids, attention_mask, P, groups = batch.input_ids, batch.attention_mask, batch.P, batch.groups
+        shaping (`shaping.shape`), and their statistics (this rank's; `advantages/*`, `val/*`, `time/scoring*`, the
+        bf16 KL check). reward_seconds: the reward passes' seconds of every round."""
+        ep, groups = batch.episodes, batch.groups
         t1 = time.perf_counter()
         self.pass_seconds = {"reward": reward_seconds, "reference": 0.0, "policy": 0.0, "critic": 0.0,
                              "packing": 0.0}
-        response_mask = attention_mask[:, P:].float()
         plan = self.plan(iteration, groups)  # the update's, computed once: the passes run over its micro-batches
-        old_logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(input_ids, attention_mask, P,
-                                                                                    plan)
+        old_logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(ep.input_ids, ep.attention_mask,
+                                                                                    ep.P, plan)
         t2 = time.perf_counter()
         carried_seconds = sum(fwd.seconds for fwd in forwards.values())
-        loss_mask = response_mask * batch.valid.float()[:, None]
-        beta = self.kl_ctl.value
-        rewards, advantages, returns = self.shape(batch.score, old_logprobs, ref_logprobs, values, response_mask,
-                                                  loss_mask, batch.valid, groups, beta)
-        exp = Experience(input_ids, attention_mask, loss_mask, old_logprobs, ref_logprobs,
-                         values if values is not None else torch.zeros_like(old_logprobs), rewards, advantages,
-                         returns, batch.score, groups, layouts, forwards, plan, batch.engine_logprobs)
+        loss_mask = ep.action_mask * batch.valid.float()[:, None]  # the sampled tokens of the rows that count
+        rewards, advantages, returns = shape(
+            self.p, self.estimator, self.whiten, self.kl_ctl.value, score=batch.score, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, values=values, action_mask=ep.action_mask, loss_mask=loss_mask,
+            valid=batch.valid, groups=groups)
+        exp = Experience(
+            input_ids=ep.input_ids, attention_mask=ep.attention_mask, action_mask=ep.action_mask, loss_mask=loss_mask,
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            values=values if values is not None else torch.zeros_like(old_logprobs), rewards=rewards,
+            advantages=advantages, returns=returns, scores=batch.score, groups=groups, layouts=layouts,
+            forwards=forwards, plan=plan, engine_logprobs=ep.engine_logprobs)
         stats = {
             **self.advantage_stats(advantages, loss_mask, iteration),
             "time/scoring": reward_seconds + t2 - t1 - carried_seconds,  # the carried forwards count in time/training
@@ -414,7 +327,7 @@ class ExperienceMaker:
             **self.kl_fp32_check(exp),  # the rollout's other KL statistics come after the update (`kl_stats`)
         }
         if values is not None:
-            stats["val/values_mean"] = ((values * response_mask).sum() / response_mask.sum().clamp(min=1)).item()
+            stats["val/values_mean"] = ((values * ep.action_mask).sum() / ep.action_mask.sum().clamp(min=1)).item()
             stats["val/explained_var"] = explained_variance_across_ranks(values, returns, loss_mask)
         return exp, stats
 
@@ -428,68 +341,6 @@ class ExperienceMaker:
                         "with EOS within ppo.max_new_tokens=%d)", iteration + 1, self.p.max_new_tokens)
         return {"advantages/mean": (adv_sums[0] / adv_sums[2].clamp(min=1)).item(),
                 "advantages/abs_mean": (adv_sums[1] / adv_sums[2].clamp(min=1)).item()}
-
-    def shape(self, score: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-              values: torch.Tensor | None, response_mask: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
-              groups: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-token rewards (B, R) float32: −β·kl_t plus the score (B,) at the last real token with
-        `ppo.kl_in=reward`, the score alone with `loss` (β·KL is then a loss term); then (advantages, returns)
-        (B, R) by `ppo.advantage_estimator`, the advantages whitened over `loss_mask`'s tokens of all ranks when
-        `ppo.whiten_advantages` (or the estimator's default) says so. old_logprobs, ref_logprobs: (B, R) float32;
-        response_mask: (B, R), 1 = real response token (EOS included); loss_mask: (B, R), its tokens that enter the
-        loss; valid: (B,) bool, rows that count in a group baseline; groups: (B,) long group ids."""
-        p = self.p
-        if p.kl_in == "reward":
-            rewards = kl_penalized_rewards(score, old_logprobs, ref_logprobs, response_mask, beta, p.kl_estimator)
-        else:  # β·KL is a loss term (PolicyLearner.losses): the reward is the score alone
-            rewards = add_at_last_token(torch.zeros_like(old_logprobs), response_mask, score)
-        advantages, returns = self.estimator(rewards, response_mask, scores=score, groups=groups, valid=valid,
-                                             values=values, gamma=p.gamma, lam=p.lam)
-        if self.whiten:
-            advantages = whiten_across_ranks(advantages, loss_mask)
-        return rewards, advantages, returns
-
-
-class _Round(NamedTuple):
-    """One generation round on this rank (`ExperienceMaker.sample`), B rows: prompts (B dicts), groups (B,) long,
-    input_ids / attention_mask (B, P+R), P, has_eos (B,) bool, engine_logprobs (B, R) or None, raw (B,) the raw
-    score, score (B,) the score the advantages see (normalised, penalties, overlong shaping), overlong (B,) its
-    overlong part, valid (B,) bool, source_means (`reward/<source>`), gen_seconds and reward_seconds."""
-
-    prompts: list[dict[str, Any]]
-    groups: torch.Tensor
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    P: int
-    has_eos: torch.Tensor
-    engine_logprobs: torch.Tensor | None
-    raw: torch.Tensor
-    score: torch.Tensor
-    overlong: torch.Tensor
-    valid: torch.Tensor
-    source_means: dict[str, float]
-    gen_seconds: float
-    reward_seconds: float
-
-
-def join_rounds(rounds: Sequence[_Round], rows: Sequence[torch.Tensor], pad_id: int) -> _Round:
-    """The rows `rows[i]` (long indices) of each round `rounds[i]`, in order, as one round
-    (`generation.join_rollout_batches`: one [left-padded prompt | right-padded response] layout; the engine's
-    log-probs padded with 0 to its response width). Timings are summed; source_means are the first round's."""
-    parts = [(r, i.to(r.input_ids.device)) for r, i in zip(rounds, rows) if len(i)]
-    input_ids, attention_mask, P = join_rollout_batches(
-        [(r.input_ids[i], r.attention_mask[i], r.P) for r, i in parts], pad_id)
-    R = input_ids.shape[1] - P
-    engine_logprobs = None
-    if parts[0][0].engine_logprobs is not None:
-        engine_logprobs = torch.cat([torch.nn.functional.pad(r.engine_logprobs[i], (0, R))[:, :R] for r, i in parts])
-
-    def cat(name: str) -> torch.Tensor:
-        return torch.cat([getattr(r, name)[i] for r, i in parts])
-
-    return _Round([r.prompts[j] for r, i in parts for j in i.tolist()], cat("groups"), input_ids, attention_mask, P,
-                  cat("has_eos"), engine_logprobs, cat("raw"), cat("score"), cat("overlong"), cat("valid"),
-                  rounds[0].source_means, sum(r.gen_seconds for r in rounds), sum(r.reward_seconds for r in rounds))
 
 
 class _ChunkPasses(NamedTuple):

@@ -1,6 +1,6 @@
 """The run's sequence score (`ScoreMixer`): one source (`reward.type`) or a weighted sum of several
 (`reward.weights`), scored on each rank's own rows. A score is one number per sequence; the per-token rewards
-the estimators take are built from it later (`ExperienceMaker.shape`).
+the estimators take are built from it later (`shaping.shape`).
 
     sources   model     the reward model's score (normalised with its held-out mean/std when
                         `ppo.normalize_reward` and the checkpoint stores them)

@@ -57,38 +57,38 @@ def explained_variance_across_ranks(values: torch.Tensor, returns: torch.Tensor,
 
 def response_kl(exp: Experience) -> torch.Tensor:
     """(B,) float32: the k1 KL of each rollout row to the reference, summed over its response tokens (nats per
-    sequence), from `exp.old_logprobs` and `exp.ref_logprobs` (Schulman 2020's k1 = log π − log π_ref)."""
-    response_mask = exp.attention_mask[:, exp.prompt_len:].float()
-    return (kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") * response_mask).sum(1)
+    sequence), from `exp.old_logprobs` and `exp.ref_logprobs` (Schulman 2020's k1 = log π − log π_ref), over the
+    tokens the policy sampled (`exp.action_mask`)."""
+    return (kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") * exp.action_mask).sum(1)
 
 
 def kl_stats(exp: Experience, beta: float) -> dict[str, float]:
     """The rollout's KL statistics, means over all ranks' rows: `objective/kl` (k1, nats/seq), `objective/kl_k3`,
     `objective/rlhf_reward` (score − β·KL, β = `beta`) and `objective/entropy_sampled` (−Σ log π of the sampled
-    tokens, nats/seq). Run after the update in every case: an on-policy plan's old log-probs come from it
-    (`UpdatePlan.on_policy`); otherwise the update leaves them as the rollout computed them."""
-    response_mask = exp.attention_mask[:, exp.prompt_len:].float()
+    tokens, nats/seq), each over the tokens the policy sampled (`exp.action_mask`). Run after the update in every
+    case: an on-policy plan's old log-probs come from it (`UpdatePlan.on_policy`); otherwise the update leaves them
+    as the rollout computed them."""
+    action_mask = exp.action_mask
     kl_seq = response_kl(exp)
     k3 = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k3")
     return engine.reduce_stats({
         "objective/kl": kl_seq.mean().item(),
-        "objective/kl_k3": (k3 * response_mask).sum(1).mean().item(),
+        "objective/kl_k3": (k3 * action_mask).sum(1).mean().item(),
         "objective/rlhf_reward": (exp.scores - beta * kl_seq).mean().item(),
-        "objective/entropy_sampled": (-(exp.old_logprobs * response_mask).sum(1)).mean().item(),
+        "objective/entropy_sampled": (-(exp.old_logprobs * action_mask).sum(1)).mean().item(),
     })
 
 
 def engine_stats(exp: Experience) -> dict[str, float]:
     """How far the sampling engine's log-probs are from the trainer's, over all ranks' response tokens:
-    `rollout/engine_logprob_diff_mean` and `rollout/engine_logprob_diff_max`, |engine − trainer| in nats per token
-    (`Experience.engine_logprobs` against `Experience.old_logprobs`, both after temperature). {} when the engine gives
-    no log-probs (`rollout.engine=hf`). Run after the update (an on-policy plan's old log-probs come from it).
-    A stale engine (weights not pushed) shows here as a diff that grows with every update."""
+    `rollout/engine_logprob_diff_mean` and `rollout/engine_logprob_diff_max`, |engine − trainer| in nats per
+    sampled token (`Experience.engine_logprobs` against `Experience.old_logprobs`, both after temperature). {} when
+    the engine gives no log-probs (`rollout.engine=hf`). Run after the update (an on-policy plan's old log-probs
+    come from it). A stale engine (weights not pushed) shows here as a diff that grows with every update."""
     if exp.engine_logprobs is None:
         return {}
-    response_mask = exp.attention_mask[:, exp.prompt_len:].float()
-    diff = (exp.engine_logprobs - exp.old_logprobs).abs() * response_mask
-    sums = engine.all_reduce_sum(torch.stack([diff.sum(), response_mask.sum()]))
+    diff = (exp.engine_logprobs - exp.old_logprobs).abs() * exp.action_mask
+    sums = engine.all_reduce_sum(torch.stack([diff.sum(), exp.action_mask.sum()]))
     top = max(engine.all_gather_object(float(diff.max()) if diff.numel() else 0.0))
     return {"rollout/engine_logprob_diff_mean": (sums[0] / sums[1].clamp(min=1)).item(),
             "rollout/engine_logprob_diff_max": top}

@@ -53,13 +53,14 @@ from rlhf_cli.report import (
 from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.rollout import (
     EngineSettings,
+    Episodes,
     Sampling,
+    SingleTurnRunner,
     call_on_every_rank,
     describe_engine,
     dtype_setting,
     make_generator,
     resolve_engine,
-    rollout_batch,
 )
 from rlhf_cli.runs import atomic_write_json, atomic_write_text, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
@@ -130,10 +131,12 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     tokenizer = load_tokenizer(_model_cfg(src["policy_dir"], cfg.model))
     mine = eval_prompts(cfg, tokenizer, run_dir, src)
     models = load_eval_models(cfg, src, tokenizer)
-    sampled = sample_both(cfg, models, [x["prompt_ids"] for x in mine], tokenizer.pad_token_id, run_dir)
+    sampled = sample_both(cfg, models, mine, tokenizer.pad_token_id, run_dir)
     scores = {}
     if models["reward_model"] is not None:  # both sides in one pass: a prompt's two samples share its computation
-        scores = side_by_side_scores(models["reward_model"], sampled["policy"][:3], sampled["reference"][:3],
+        pol_ep, ref_ep = sampled["policy"], sampled["reference"]
+        scores = side_by_side_scores(models["reward_model"], (pol_ep.input_ids, pol_ep.attention_mask, pol_ep.P),
+                                     (ref_ep.input_ids, ref_ep.attention_mask, ref_ep.P),
                                      tokenizer.pad_token_id, e.batch_size, models["score_precision"],
                                      cfg.data.packing, models["eos"])
     rows = [side_values(cfg, models, tokenizer, mine, who, sampled[who], scores.get(who))
@@ -272,15 +275,15 @@ def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str,
             "eos": eos_ids(tokenizer, policy.generation_config)}
 
 
-def sample_both(cfg: Any, models: dict[str, Any], prompt_ids: list[list[int]], pad_id: int, run_dir: Path
-                ) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]:
-    """Each side's responses to this rank's prompts from one generator (`rollout.engine`), with one noise stream
-    per prompt shared by policy and reference (common random numbers): the same samples whatever the world size,
-    and identical responses wherever the two models agree. Returns {"policy": ..., "reference": ...}, each
-    `rollout_batch`'s (input_ids (N, P+R), attention_mask (N, P+R), P, has_eos (N,))."""
+def sample_both(cfg: Any, models: dict[str, Any], prompts: list[dict[str, Any]], pad_id: int, run_dir: Path
+                ) -> dict[str, Episodes]:
+    """Each side's episodes on this rank's prompt rows (`prompts`, with `prompt_ids`) from one generator
+    (`rollout.engine`) and one runner (`SingleTurnRunner`), with one noise stream per prompt shared by policy and
+    reference (common random numbers): the same samples whatever the world size, and identical responses wherever
+    the two models agree. Returns {"policy": ..., "reference": ...}, each N `Episodes`."""
     e = cfg.eval
     # prompt j of the eval (this rank's i-th) samples with seed derive_seed(seed, j) on both sides
-    seeds = [derive_seed(cfg.seed, engine.rank() + i * engine.world_size()) for i in range(len(prompt_ids))]
+    seeds = [derive_seed(cfg.seed, engine.rank() + i * engine.world_size()) for i in range(len(prompts))]
     cfg.rollout.engine, why = resolve_engine(cfg.rollout.engine, models["policy"].config,  # eval.json: the one used
                                              models["reference"].config)
     if why != "as set" and engine.is_main():
@@ -289,35 +292,34 @@ def sample_both(cfg: Any, models: dict[str, Any], prompt_ids: list[list[int]], p
         precision=cfg.precision, chunk=e.generation_batch_size, workdir=run_dir, kv_cache_gb=cfg.rollout.kv_cache_gb,
         max_model_len=cfg.data.max_prompt_length + e.max_new_tokens, engine_dtype=cfg.rollout.engine_dtype,
         verbose=cfg.rollout.engine_verbose, selftest=cfg.rollout.engine_selftest,
-            sync_timeout_s=cfg.rollout.sync_timeout_s))
+        sync_timeout_s=cfg.rollout.sync_timeout_s))
     # no score_precision: nothing trains on eval's samples, so `auto` gives the engine the run's precision, as the
     # hf sampler samples under it
     if cfg.rollout.engine == "vllm":  # eval.json and the results table: the dtype used
         cfg.rollout.engine_dtype = dtype_setting(generator.dtype)
     sampling = Sampling(eos_ids=models["eos"], pad_id=pad_id, max_new_tokens=e.max_new_tokens,
                         temperature=e.temperature, top_p=e.top_p)
-    sampled = {}
+    sampled, runner = {}, SingleTurnRunner()
     try:
         for who in ("policy", "reference"):  # one engine, the same seeds on both sides
             generator.update_weights(models[who])
-            sampled[who] = rollout_batch(prompt_ids, generator.generate(prompt_ids, seeds, sampling), pad_id)
+            sampled[who] = runner.run(prompts, seeds, generator, sampling)
     finally:
         generator.close()
     return sampled
 
 
 def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dict[str, Any]], who: str,
-                sampled: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor], score: torch.Tensor | None
-                ) -> dict[str, Any]:
+                sampled: Episodes, score: torch.Tensor | None) -> dict[str, Any]:
     """One side's per-prompt values of this rank's prompts `mine` (`who`: policy or reference; `sampled`: its
-    `rollout_batch`): `text`, `length` (response tokens), `eos` (1.0 = ended in EOS), `tokens`, and where measured
+    `Episodes`): `text`, `length` (sampled tokens), `eos` (1.0 = ended in EOS), `tokens` (the sampled ids), and
+    where measured
     `score` (the reward model's, given), `correct` (the checker, when every prompt has an answer), `function`
     (`reward.function`); the policy's KL(policy ‖ reference) `kl_k1`, `kl_k3` (nats per sequence) on its own
     samples, temperature-scaled, the policy's log-probs renormalised over its nucleus under `eval.top_p` < 1."""
-    ids, am, P, has_eos = sampled
+    ids, am, P, mask = sampled.input_ids, sampled.attention_mask, sampled.P, sampled.action_mask
     texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
-    mask = am[:, P:].float()
-    out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": has_eos.float(),
+    out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": sampled.has_eos.float(),
                            "tokens": [tuple(r[m.bool()].tolist()) for r, m in zip(ids[:, P:].cpu(), mask.cpu())]}
     if score is not None:
         out["score"] = score
@@ -327,8 +329,9 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
         out["function"] = call_on_every_rank({"function": (cfg.reward.function, models["function"])}, texts,
                                              mine)["function"]
     if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
-        kl = sequence_kl(models["policy"], models["reference"], ids, am, P, cfg.eval.temperature, cfg.eval.batch_size,
-                         models["score_precision"], ("k1", "k3"), packing=cfg.data.packing, top_p=cfg.eval.top_p)
+        kl = sequence_kl(models["policy"], models["reference"], ids, am, mask, cfg.eval.temperature,
+                         cfg.eval.batch_size, models["score_precision"], ("k1", "k3"), packing=cfg.data.packing,
+                         top_p=cfg.eval.top_p)
         out["kl_k1"], out["kl_k3"] = kl["k1"], kl["k3"]
     return out
 
@@ -365,7 +368,7 @@ def side_by_side_scores(model: Any, policy: tuple[torch.Tensor, torch.Tensor, in
     first tokens its two samples share are computed once, and a sequence both models sampled is scored once (an
     exact tie).
 
-    policy, reference: (input_ids (N, P+R), attention_mask (N, P+R), P) as `rollout_batch` returns them, the
+    policy, reference: (input_ids (N, P+R), attention_mask (N, P+R), P) of their `Episodes`, the
     same prompts in the same order (R may differ: the narrower side is right-padded). `eos`: the EOS set, a
     response's closing id read as its first (`batched_scores`)."""
     (a_ids, a_am, P), (b_ids, b_am, Pb) = policy, reference

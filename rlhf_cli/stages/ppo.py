@@ -413,7 +413,7 @@ def train_loop(tr: PPOTrainer, ckpts: Checkpoints, metrics: MetricsLogger, start
     done = start  # iterations complete: the weights of a checkpoint taken now
     updating = False
     # the greedy probe checks an engine that computes as the scoring passes do (`VLLMGenerator.probes`); else this
-    drift = EngineDriftGuard(active=not getattr(tr.maker.generator, "probes", False))
+    drift = EngineDriftGuard(active=not tr.maker.generator.probes)
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):

@@ -201,7 +201,7 @@ def fake_sampling(monkeypatch, tiny_dirs, tokenizer):
     """Replace eval's sampling engine (`rollout.engine=hf`) with one answering `fixed_responses`; returns
     {role: (prompt ids, responses)} as filled. The rollout batch is built from its answers as from any engine's."""
     import rlhf_cli.stages.evaluate as evaluate
-    from rlhf_cli.rollout import Generation, generation, response_mask
+    from rlhf_cli.rollout import Generation, engines, response_mask
 
     seen, loaded = {}, []
     load_prompt_data = evaluate.load_prompt_data
@@ -232,7 +232,7 @@ def fake_sampling(monkeypatch, tiny_dirs, tokenizer):
             return Generation(*response_mask(ids, sampling.eos_ids, sampling.pad_id), None)
 
     monkeypatch.setattr(evaluate, "load_prompt_data", spy_load_prompt_data)
-    monkeypatch.setitem(generation.GENERATORS, "hf", lambda settings: FixedGenerator())
+    monkeypatch.setitem(engines.GENERATORS, "hf", lambda settings: FixedGenerator())
     return seen
 
 

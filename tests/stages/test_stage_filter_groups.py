@@ -159,9 +159,9 @@ def test_the_rounds_engine_logprobs_follow_their_rows_into_the_joined_batch(tmp_
     real = tr.maker.generate
 
     def with_engine_logprobs(prompts, seeds, push=True):
-        input_ids, attention_mask, P, has_eos, _ = real(prompts, seeds, push=push)
-        mask = attention_mask[:, P:].float()
-        return input_ids, attention_mask, P, has_eos, -(input_ids[:, P:] % 7 + 1).float() * mask
+        episodes = real(prompts, seeds, push=push)
+        P, mask = episodes.P, episodes.action_mask
+        return episodes._replace(engine_logprobs=-(episodes.input_ids[:, P:] % 7 + 1).float() * mask)
 
     monkeypatch.setattr(tr.maker, "generate", with_engine_logprobs)
     exp, _, _ = tr.maker.make_experience(0)
