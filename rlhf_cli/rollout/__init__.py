@@ -49,6 +49,7 @@ from rlhf_cli.rollout.plan import UpdatePlan, update_order
 from rlhf_cli.rollout.scores import ScoreMixer, call_on_every_rank
 from rlhf_cli.rollout.stats import (
     EngineDriftGuard,
+    PushGuard,
     engine_stats,
     explained_variance_across_ranks,
     is_correction_stats,
@@ -59,6 +60,7 @@ from rlhf_cli.rollout.stats import (
 __all__ = [
     "GENERATORS",
     "EngineDriftGuard",
+    "PushGuard",
     "EngineSettings",
     "EpisodeRunner",
     "Episodes",

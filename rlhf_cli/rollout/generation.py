@@ -117,6 +117,11 @@ class Generator(Protocol):
     own_weights: bool
     """The engine samples from its own copy of the weights (see the contract)."""
 
+    tensors_changed: int | None
+    """How many of the engine's tensors its last push changed (`VLLMGenerator.tensors_changed`); None for an engine
+    that samples from the live module (`hf`) and after a start. train-ppo logs it and stops on 0 after a step
+    (`stats.PushGuard`)."""
+
     probes: bool
     """The engine checks each push itself (a greedy probe against the trainer's forward: `VLLMGenerator.probe`),
     where it computes as the trainer's scoring passes do; train-ppo's bf16 drift guard (`stats.EngineDriftGuard`)
@@ -227,6 +232,7 @@ class HFGenerator:
         self.sync_seconds = 0.0  # nothing is copied
         self.own_weights = False  # samples from the live module: under ZeRO-3, inside the full weights' gather
         self.probes = False  # nothing is pushed, so nothing to check
+        self.tensors_changed = None  # nor counted
 
     def update_weights(self, model: Any, gather: Gather | None = None) -> None:
         """Sample from `model` (a causal LM) from now on: the module itself, nothing is copied (`gather` unused)."""

@@ -120,6 +120,35 @@ def is_correction_stats(exp: Experience, mode: str, low: float | None, high: flo
             "rollout/is_masked_frac": (sums[0] / sums[1].clamp(min=1)).item()}
 
 
+class PushGuard:
+    """Stops a run whose weight push changed no tensor of the engine after an optimizer step (issue 60), and gives
+    the iteration's `rollout/engine_tensors_changed`.
+
+    `check(changed, iteration)` reads the engine's count for the push made before this iteration's rollout
+    (`Generator.tensors_changed`: None for an engine that samples from the live module, or after a start without
+    the self-test; 0 for the self-test's push of the starting weights, so the first row after a start reports 0).
+    Zero after an iteration that stepped raises FloatingPointError (the stage aborts the run in one line): the
+    policy did not move (`ppo.actor_lr=1e-30` shows it) or the push reached nothing. `stepped(trained)` after each
+    update: False exempts the next push, for an iteration with nothing to train (`ppo.filter_groups`) or with a
+    skipped step (`ppo.max_bad_steps`); a start or resume begins exempt."""
+
+    def __init__(self) -> None:
+        self.last_stepped = False
+
+    def check(self, changed: int | None, iteration: int) -> dict[str, float]:
+        if changed is None:
+            return {}
+        if changed == 0 and self.last_stepped:
+            raise FloatingPointError(
+                f"aborting at iteration {iteration + 1}: the weight push before its rollout changed no tensor of the "
+                f"engine after iteration {iteration}'s optimizer step: the policy did not move (ppo.actor_lr too "
+                f"small to change a weight?) or the push reached nothing (rollout.engine=vllm)")
+        return {"rollout/engine_tensors_changed": float(changed)}
+
+    def stepped(self, trained: bool) -> None:
+        self.last_stepped = bool(trained)
+
+
 class EngineDriftGuard:
     """Stops a run whose engine drifted from the trainer in bf16, where the greedy probe cannot judge.
 

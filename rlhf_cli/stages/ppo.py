@@ -59,6 +59,7 @@ from rlhf_cli.rollout import (
     EngineDriftGuard,
     ExperienceMaker,
     PolicyLearner,
+    PushGuard,
     ScoreMixer,
     describe_engine,
     dtype_setting,
@@ -414,16 +415,20 @@ def train_loop(tr: PPOTrainer, ckpts: Checkpoints, metrics: MetricsLogger, start
     updating = False
     # the greedy probe checks an engine that computes as the scoring passes do (`VLLMGenerator.probes`); else this
     drift = EngineDriftGuard(active=not tr.maker.generator.probes)
+    pushes = PushGuard()  # a push that changed nothing after a step stops the run (vllm: `tensors_changed`)
     record: dict[str, float] = {}
     try:
         for it in range(start, p.iterations):
             exp, roll_stats, samples = tr.maker.make_experience(it)
+            roll_stats.update(pushes.check(tr.maker.generator.tensors_changed, it))
+            bad_steps = tr.bad_steps
             # a checkpoint mid-iteration would hold its weights under the previous step (or half of them): a
             # Ctrl-C/SIGTERM from here to `done` lets the update and its bookkeeping (KL controller, metrics row)
             # finish, then saves step it + 1 (a second one stops at once, without a checkpoint)
             with deferred_interrupts() as pending:
                 updating = True
                 record = learn(tr, exp, roll_stats, it, drift)
+                pushes.stepped(exp is not None and tr.bad_steps == bad_steps)
                 del exp  # its tensors and packed layouts are not held through the next rollout
                 metrics.log(it + 1, record)
                 if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:

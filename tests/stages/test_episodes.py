@@ -33,7 +33,7 @@ class Scripted:
     """A generator answering fixed responses (B, max_new_tokens) with fixed engine log-probs, cut at the first EOS
     as every engine cuts them."""
 
-    own_weights, sync_seconds, probes = False, 0.0, False
+    own_weights, sync_seconds, probes, tensors_changed = False, 0.0, False, None
 
     def __init__(self, raw: list[list[int]], logprobs: bool = True) -> None:
         self.raw, self.logprobs = torch.tensor(raw), logprobs

@@ -503,3 +503,21 @@ def test_a_fingerprint_tells_a_changed_or_permuted_tensor_from_an_equal_one():
         assert fingerprint(nudged) != fingerprint(t)
         plain, weighted = fingerprint(swapped)
         assert plain == fingerprint(t)[0] and weighted != fingerprint(t)[1]  # a permutation: the weighted sum
+
+
+def test_a_push_that_changed_nothing_after_a_step_stops_the_run():
+    """`stats.PushGuard`: the count is logged; 0 after an iteration that stepped aborts (one line); 0 after a start,
+    an iteration with nothing to train or a skipped step does not; an engine without a count logs nothing."""
+    from rlhf_cli.rollout import PushGuard
+
+    g = PushGuard()
+    assert g.check(None, 0) == {}  # hf: nothing pushed
+    assert g.check(0, 0) == {"rollout/engine_tensors_changed": 0.0}  # the self-test's push after a start
+    g.stepped(True)
+    assert g.check(30, 1) == {"rollout/engine_tensors_changed": 30.0}
+    g.stepped(False)  # nothing trained (filter_groups) or a skipped step
+    assert g.check(0, 2) == {"rollout/engine_tensors_changed": 0.0}
+    g.stepped(True)
+    with pytest.raises(FloatingPointError, match=r"aborting at iteration 4: the weight push before its rollout "
+                                                 r"changed no tensor of the engine after iteration 3's optimizer step"):
+        g.check(0, 3)
