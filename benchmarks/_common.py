@@ -467,6 +467,19 @@ def on_engine(overrides: list[str], name: str) -> list[str]:
     return [*(o for o in overrides if not o.startswith("rollout.engine=")), f"rollout.engine={name}"]
 
 
+def supervised_overrides(section: str, args: Any, work: Path) -> list[str]:
+    """The keys every supervised comparison sets alike (`config.SupervisedConfig`, under `section`: rm, sft, dpo,
+    kto): the batch and micro-batch, AdamW's lr, betas and weight decay, the schedule, clipping, no evaluation or
+    checkpoint during the run, the seed and the run root under `work`; from the options each benchmark names alike
+    (`--batch-size`, `--micro-batch-size`, `--lr`, `--betas`, ...)."""
+    s = section
+    return [f"{s}.batch_size={args.batch_size}", f"{s}.micro_batch_size={args.micro_batch_size}",
+            f"{s}.lr={args.lr}", f"{s}.betas=[{args.betas[0]},{args.betas[1]}]",
+            f"{s}.weight_decay={args.weight_decay}", f"{s}.warmup_ratio={args.warmup_ratio}",
+            f"{s}.lr_scheduler={args.lr_scheduler}", f"{s}.max_grad_norm={args.max_grad_norm}", f"{s}.eval_every=0",
+            f"{s}.save_every=0", f"seed={args.seed}", f"paths.root={work / 'runs'}"]
+
+
 def packing_override(args: Any) -> str:
     """Ours' `data.packing=...` override for `--packing`."""
     return f"data.packing={str(args.packing == 'on').lower()}"

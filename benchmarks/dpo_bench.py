@@ -195,12 +195,8 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     init = C.policy_dir(base.model, args.seed, work)
     # ours loads the model config's weights (the GGUF's de-quantised cache, or the seeded random init): those in `init`
     overrides = [f"model={args.model}", *select_pairs(args, work), f"precision={args.precision}",
-                 f"dpo.batch_size={B}", f"dpo.micro_batch_size={m}", f"dpo.max_steps={args.steps}",
-                 f"dpo.lr={args.lr}", f"dpo.beta={args.beta}", f"dpo.betas=[{args.betas[0]},{args.betas[1]}]",
-                 f"dpo.weight_decay={args.weight_decay}", f"dpo.warmup_ratio={args.warmup_ratio}",
-                 f"dpo.lr_scheduler={args.lr_scheduler}", f"dpo.max_grad_norm={args.max_grad_norm}",
+                 f"dpo.max_steps={args.steps}", f"dpo.beta={args.beta}", *C.supervised_overrides("dpo", args, work),
                  f"dpo.precompute_reference={str(args.precompute == 'on').lower()}", f"dpo.eval_batch_size={m}",
-                 "dpo.eval_every=0", "dpo.save_every=0", f"seed={args.seed}", f"paths.root={work / 'runs'}",
                  C.packing_override(args)]
     cfg = C.compose("train_dpo", overrides)
     tokenizer = load_tokenizer(cfg.model)

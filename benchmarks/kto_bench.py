@@ -220,13 +220,10 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     base = C.compose("train_kto", [f"model={args.model}", f"seed={args.seed}"])
     init = C.policy_dir(base.model, args.seed, work)
     overrides = [f"model={args.model}", *unpaired_files(args, work), f"precision={args.precision}",
-                 f"kto.batch_size={B}", f"kto.micro_batch_size={m}", f"kto.max_steps={args.steps}",
-                 f"kto.lr={args.lr}", f"kto.beta={args.beta}", f"kto.desirable_weight={args.desirable_weight}",
-                 f"kto.undesirable_weight={args.undesirable_weight}", f"kto.betas=[{args.betas[0]},{args.betas[1]}]",
-                 f"kto.weight_decay={args.weight_decay}", f"kto.warmup_ratio={args.warmup_ratio}",
-                 f"kto.lr_scheduler={args.lr_scheduler}", f"kto.max_grad_norm={args.max_grad_norm}",
-                 f"kto.eval_batch_size={m}", "kto.eval_every=0", "kto.save_every=0", f"seed={args.seed}",
-                 f"paths.root={work / 'runs'}", C.packing_override(args)]
+                 f"kto.max_steps={args.steps}", f"kto.beta={args.beta}",
+                 f"kto.desirable_weight={args.desirable_weight}", f"kto.undesirable_weight={args.undesirable_weight}",
+                 *C.supervised_overrides("kto", args, work),
+                 f"kto.eval_batch_size={m}", C.packing_override(args)]
     cfg = C.compose("train_kto", overrides)
     tokenizer = load_tokenizer(cfg.model)
     tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one

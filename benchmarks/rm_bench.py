@@ -227,12 +227,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     base = C.compose("train_rm", [f"model={args.model}", f"seed={args.seed}"])
     init = C.save_reward_model_init(base.model, args.seed, work / "rm_init")
     overrides = ["model=hf", f"model.name_or_path={init['path']}", *select_pairs(args, work),
-                 f"precision={args.precision}",
-                 f"rm.batch_size={B}", f"rm.micro_batch_size={m}", f"rm.max_steps={args.steps}", f"rm.lr={args.lr}",
-                 f"rm.betas=[{args.betas[0]},{args.betas[1]}]", f"rm.weight_decay={args.weight_decay}",
-                 f"rm.warmup_ratio={args.warmup_ratio}", f"rm.lr_scheduler={args.lr_scheduler}",
-                 f"rm.max_grad_norm={args.max_grad_norm}", "rm.eval_every=0", "rm.save_every=0",
-                 f"seed={args.seed}", f"paths.root={work / 'runs'}",
+                 f"precision={args.precision}", f"rm.max_steps={args.steps}", *C.supervised_overrides("rm", args, work),
                  C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args)]
     cfg = C.compose("train_rm", overrides)
     tokenizer = load_tokenizer(cfg.model)

@@ -302,11 +302,7 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     # the GGUF's de-quantised cache holds weights only: both tools read the one tokenizer saved here
     load_tokenizer(base.model).save_pretrained(work / "tokenizer")
     overrides = ["model=hf", f"model.name_or_path={init_dir}", f"model.tokenizer={work / 'tokenizer'}",
-                 f"sft.batch_size={B}", f"sft.micro_batch_size={m}", f"sft.lr={args.lr}",
-                 f"sft.betas=[{args.betas[0]},{args.betas[1]}]", f"sft.weight_decay={args.weight_decay}",
-                 f"sft.warmup_ratio={args.warmup_ratio}", f"sft.lr_scheduler={args.lr_scheduler}",
-                 f"sft.max_grad_norm={args.max_grad_norm}", "sft.eval_every=0", "sft.save_every=0",
-                 f"seed={args.seed}", f"paths.root={work / 'runs'}", C.packing_override(args), *C.lora_overrides(args)]
+                 *C.supervised_overrides("sft", args, work), C.packing_override(args), *C.lora_overrides(args)]
     cfg = C.compose("train_sft", [*overrides, f"precision={args.precision}", f"sft.max_steps={args.steps}"])
     tokenizer = load_tokenizer(cfg.model)
     train = load_sft_data(cfg.data, tokenizer, eos_ids=eos_ids(tokenizer, load_generation_config(cfg.model))).train

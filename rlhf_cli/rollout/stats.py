@@ -128,9 +128,10 @@ class PushGuard:
     (`Generator.tensors_changed`: None for an engine that samples from the live module, or after a start without
     the self-test; 0 for the self-test's push of the starting weights, so the first row after a start reports 0).
     Zero after an iteration that stepped raises FloatingPointError (the stage aborts the run in one line): the
-    policy did not move (`ppo.actor_lr=1e-30` shows it) or the push reached nothing. `stepped(trained)` after each
-    update: False exempts the next push, for an iteration with nothing to train (`ppo.filter_groups`) or with a
-    skipped step (`ppo.max_bad_steps`); a start or resume begins exempt."""
+    policy did not move (a learning rate of 0) or the push reached nothing. `stepped(trained)` after each update:
+    False exempts the next push, for an iteration with nothing to train (`ppo.filter_groups`), with a skipped step
+    (`ppo.max_bad_steps`), or whose last step had a zero gradient (every advantage 0: GRPO's flat groups without
+    `ppo.filter_groups`; Adam then moves nothing); a start or resume begins exempt."""
 
     def __init__(self) -> None:
         self.last_stepped = False
@@ -141,8 +142,8 @@ class PushGuard:
         if changed == 0 and self.last_stepped:
             raise FloatingPointError(
                 f"aborting at iteration {iteration + 1}: the weight push before its rollout changed no tensor of the "
-                f"engine after iteration {iteration}'s optimizer step: the policy did not move (ppo.actor_lr too "
-                f"small to change a weight?) or the push reached nothing (rollout.engine=vllm)")
+                f"engine after iteration {iteration}'s optimizer step: the policy did not move (a learning rate of "
+                f"0?) or the push reached nothing (rollout.engine=vllm)")
         return {"rollout/engine_tensors_changed": float(changed)}
 
     def stepped(self, trained: bool) -> None:

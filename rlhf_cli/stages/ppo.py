@@ -428,7 +428,7 @@ def train_loop(tr: PPOTrainer, ckpts: Checkpoints, metrics: MetricsLogger, start
             with deferred_interrupts() as pending:
                 updating = True
                 record = learn(tr, exp, roll_stats, it, drift)
-                pushes.stepped(exp is not None and tr.bad_steps == bad_steps)
+                pushes.stepped(exp is not None and tr.bad_steps == bad_steps and record.get("policy/grad_norm") != 0)
                 del exp  # its tensors and packed layouts are not held through the next rollout
                 metrics.log(it + 1, record)
                 if engine.is_main() and p.sample_every and (it + 1) % p.sample_every == 0:
