@@ -1140,7 +1140,8 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     _check(r.is_low is None or 0 <= r.is_low <= r.is_high,
            f"rollout.is_low must be in [0, rollout.is_high={r.is_high}] or null (got {r.is_low})")
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
-    _check(cfg.rollout.sync_timeout_s > 0, f"rollout.sync_timeout_s must be > 0 (got {cfg.rollout.sync_timeout_s})")
+    _check(0 < cfg.rollout.sync_timeout_s < math.inf,
+           f"rollout.sync_timeout_s must be a finite number of seconds > 0 (got {cfg.rollout.sync_timeout_s})")
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "
            "\"Sample with vLLM\"), or use rollout.engine=hf")

@@ -181,19 +181,24 @@ def barrier() -> None:
 
 WATCHDOG_EXIT = 3
 """The exit status of a process a `watchdog` stopped (a stall: not a user's mistake, 2, nor a crash, 1)."""
+WATCHDOG_GRACE = 5.0
+"""Seconds a stopping `watchdog` gives its `on_expiry` (writing the run's status) before the process ends."""
 
 
 @contextlib.contextmanager
 def watchdog(seconds: float, what: Callable[[], str], on_expiry: Callable[[str], None] | None = None
              ) -> Iterator[None]:
     """Bound the block's wall time: if it has not finished after `seconds`, a daemon thread writes one line (rank,
-    `what()` the block was doing, the limit) to stderr, calls `on_expiry(line)` (e.g. the run's status), and ends
-    the process with `WATCHDOG_EXIT`, on this rank; under torchrun the launcher then stops the other ranks.
+    `what()` the block was doing, the limit) to stderr, gives `on_expiry(line)` (e.g. the run's status) at most
+    `WATCHDOG_GRACE` seconds in a thread of its own (a hung disk cannot keep the process alive; an error in it is
+    ignored), and ends the process with `WATCHDOG_EXIT`, on this rank; under torchrun the launcher then stops the
+    other ranks.
 
     Python cannot interrupt a thread stuck in C (a collective, an engine kernel): only the process can end, and no
     checkpoint is written then, so the last complete one stays as it was. Every rank bounds its own block: a rank
-    waiting in a collective on a stalled one is stopped by its own watchdog as well. `seconds` <= 0: no bound."""
-    if seconds is None or seconds <= 0:
+    waiting on a stalled one in a collective is stopped by its own watchdog as well. `seconds` must be finite;
+    <= 0: no bound."""
+    if seconds <= 0:
         yield
         return
     done = threading.Event()
@@ -203,13 +208,17 @@ def watchdog(seconds: float, what: Callable[[], str], on_expiry: Callable[[str],
             return
         line = (f"rank {rank()}: {what()} did not finish within {seconds:g} s (rollout.sync_timeout_s): stopping "
                 f"(the last checkpoint is intact; resume=true continues from it)")
-        try:
-            if on_expiry is not None:
-                on_expiry(line)
-        finally:
-            sys.stderr.write(f"error: {line}\n")
-            sys.stderr.flush()
-            os._exit(WATCHDOG_EXIT)
+        sys.stderr.write(f"error: {line}\n")
+        sys.stderr.flush()
+        if on_expiry is not None:
+            def expire() -> None:
+                with contextlib.suppress(Exception):
+                    on_expiry(line)
+
+            helper = threading.Thread(target=expire, name="rlhf-watchdog-expiry", daemon=True)
+            helper.start()
+            helper.join(WATCHDOG_GRACE)
+        os._exit(WATCHDOG_EXIT)
 
     thread = threading.Thread(target=bite, name="rlhf-watchdog", daemon=True)
     thread.start()

@@ -93,9 +93,10 @@ def pointer_target(path: Path | str) -> Path | None:
     if not (p.name.startswith(POINTER_PREFIX) and p.is_file()) or p.stat().st_size > 4096:
         return None
     try:
-        return Path(p.read_text().strip())
+        text = p.read_text().strip()
     except (UnicodeDecodeError, ValueError):
         return None
+    return Path(text) if text else None  # an empty file names nothing (`Path("")` would be the current dir)
 
 
 def read_pointer(root: Path | str, stage: str) -> Path | None:

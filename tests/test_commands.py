@@ -190,5 +190,6 @@ def test_a_pointer_file_is_read_by_one_rule(tmp_path):
     (tmp_path / "notes.txt").write_text(f"{final}\n")
     (tmp_path / "latest_big").write_text("x" * 5000)
     (tmp_path / "latest_bin").write_bytes(b"\xff\xfe\x00")
-    for not_a_pointer in ("notes.txt", "latest_big", "latest_bin", "sft", "missing"):
+    (tmp_path / "latest_empty").write_text("\n")
+    for not_a_pointer in ("notes.txt", "latest_big", "latest_bin", "latest_empty", "sft", "missing"):
         assert pointer_target(tmp_path / not_a_pointer) is None, not_a_pointer

@@ -23,7 +23,6 @@ TIMEOUT = 4.0
 SCRIPT = '''
 import sys, time
 from rlhf_cli import engine
-from rlhf_cli.errors import ConfigError
 from rlhf_cli.rollout.vllm_engine import VLLMGenerator
 
 fault, bad_rank, workdir, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
@@ -40,7 +39,46 @@ def push(model, gather):
 gen._push = push
 try:
     gen._push_everywhere(None, None)
-except ConfigError as e:
+except (ValueError, RuntimeError) as e:
+    print(f"rank {engine.rank()} raised: {e}", flush=True)
+    sys.exit(2)
+print(f"rank {engine.rank()} pushed", flush=True)
+'''
+
+
+PARTIAL = '''
+import contextlib, sys
+import torch, torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+from rlhf_cli import engine
+from rlhf_cli.rollout.vllm_engine import VLLMGenerator, engine_weight_shapes, tied_names
+
+_, bad_rank, workdir, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+engine.init_distributed()
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+@contextlib.contextmanager
+def gather(params):  # ZeRO-3's per-layer gather is a collective: every rank must make each one
+    dist.barrier()
+    yield
+
+
+class Engine:  # vLLM's reload that stops reading part-way on one rank (an OOM, say)
+    def collective_rpc(self, method, kwargs):
+        for i, _ in enumerate(kwargs["weights_iterator"]):
+            if i == 2 and engine.rank() == bad_rank:
+                raise MemoryError("injected")
+
+
+gen = VLLMGenerator("fp32", workdir=workdir, sync_timeout_s=timeout)
+gen.llm, gen.tied, gen.dtype = Engine(), tied_names(model), torch.float32
+gen.names = {n: s for n, s in engine_weight_shapes(model).items() if gen.tied[n] == n}
+try:
+    gen._push_everywhere(model, gather)
+except (ValueError, RuntimeError) as e:
     print(f"rank {engine.rank()} raised: {e}", flush=True)
     sys.exit(2)
 print(f"rank {engine.rank()} pushed", flush=True)
@@ -49,7 +87,7 @@ print(f"rank {engine.rank()} pushed", flush=True)
 
 def run(tmp_path, fault, ranks):
     script = tmp_path / "push.py"
-    script.write_text(SCRIPT)
+    script.write_text(PARTIAL if fault == "partial" else SCRIPT)
     cmd = [sys.executable, str(script)]
     if ranks > 1:
         with socket.socket() as s:
@@ -88,3 +126,15 @@ def test_a_stalled_push_stops_every_rank_within_the_bound(tmp_path, ranks):
     assert seconds < TIMEOUT + 40  # the interpreter and torch's import included; the sleep is 60 s
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["state"] == "failed" and "did not finish" in status["reason"]
+
+
+def test_a_push_that_fails_part_way_under_zero3_still_joins_every_gather_and_stops_every_rank(tmp_path):
+    """Two ranks whose push gathers one layer at a time with a collective (ZeRO-3's): rank 1's engine stops reading
+    after two tensors. Its rank runs the rest of the stream unpushed, so rank 0's later gathers are met, and both
+    stop at once in one line each, well within the bound (no watchdog)."""
+    out, seconds = run(tmp_path, "partial", 2)
+    said = out.stdout
+    assert "rank 1 raised: rollout.engine=vllm: rank 1: the weight push (at tensor" in said, said + out.stderr[-3000:]
+    assert "failed: MemoryError: injected" in said
+    assert "rank 0 raised: rollout.engine=vllm: the weight push failed on rank 1" in said, said
+    assert "did not finish" not in out.stderr

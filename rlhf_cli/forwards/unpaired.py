@@ -27,10 +27,12 @@ def unpaired_collator(model: Any, pad_id: int, packing: bool, completion_key: st
 
     def collate(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         demos = []
-        for ex in rows:
+        for i, ex in enumerate(rows):
             prompt, completion = list(ex["prompt_ids"]), list(ex[completion_key])
             if not completion or not prompt:
-                raise ValueError("an unpaired row needs a prompt token and a completion token")
+                empty = "prompt_ids" if not prompt else completion_key
+                raise ValueError(f"unpaired row {i} of the batch has no {empty} (the data loader keeps only rows "
+                                 f"with a prompt and a completion token)")
             demos.append({"input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion)})
         batch = inner(demos)
         batch["completion_lengths"] = torch.tensor([len(ex[completion_key]) for ex in rows], dtype=torch.long)

@@ -43,6 +43,7 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.rollout.generation import Gather, Generation, Sampling, resolve_dtype, response_mask
+from rlhf_cli.runs import set_status
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +324,15 @@ def _holds_modules(worker: Any, names: Sequence[str]) -> list[bool]:
     return held
 
 
+def greedy_params() -> Any:
+    """vLLM's sampling settings of the probe's and the self-test's greedy decodes: `PROBE_TOKENS` tokens, EOS
+    ignored, ids out, the log-probs of the two likeliest tokens at each position."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=1, temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True, detokenize=False,
+                          logprobs=2)
+
+
 class VLLMGenerator:
     """`rollout.engine=vllm`: a vLLM engine in this process, reloaded with the policy's weights before each rollout.
 
@@ -469,8 +479,6 @@ class VLLMGenerator:
 
         def failed(line: str) -> None:
             if engine.is_main():
-                from rlhf_cli.runs import set_status
-
                 set_status(self.workdir, "failed", reason=line)
 
         return engine.watchdog(self.sync_timeout_s, lambda: self._doing, failed)
@@ -485,16 +493,18 @@ class VLLMGenerator:
                 self._push(model, gather)
             except Exception as e:  # noqa: BLE001 - every rank must hear of it before anyone raises
                 failure = e
+                # said at once, in case a peer never reaches the all-gather and the watchdog ends the run
+                log.error("rank %d: %s failed: %s: %s", engine.rank(), self._doing, type(e).__name__, e)
             failed = engine.all_gather_object(failure is not None)
         if failure is not None:
-            if isinstance(failure, ValueError):
+            if isinstance(failure, ValueError):  # a push that does not fit the engine: names, shapes
                 raise failure
-            raise ConfigError(f"rollout.engine=vllm: rank {engine.rank()}: {self._doing} failed: "
-                              f"{type(failure).__name__}: {failure}") from failure
+            raise RuntimeError(f"rollout.engine=vllm: rank {engine.rank()}: {self._doing} failed: "
+                               f"{type(failure).__name__}: {failure}") from failure
         if any(failed):
             ranks = ", ".join(str(r) for r, f in enumerate(failed) if f)
-            raise ConfigError(f"rollout.engine=vllm: the weight push failed on rank {ranks} (its own line says "
-                              f"why); rank {engine.rank()} stops with it")
+            raise RuntimeError(f"rollout.engine=vllm: the weight push failed on rank {ranks} (its own line says "
+                               f"why); rank {engine.rank()} stops with it")
 
     def _carried(self, name: str) -> bool:
         """Whether a push carries weight `name`: any untied weight, and a tied one under each name the engine's
@@ -514,9 +524,10 @@ class VLLMGenerator:
         self._check_push({n: s for n, s in engine_weight_shapes(model).items() if self._carried(n)})
         pushed: dict[str, tuple[int, ...]] = {}
         prints: dict[str, tuple[int, int]] = {}
+        source = engine_weights(model, self.dtype, gather)
 
         def checked() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in engine_weights(model, self.dtype, gather):
+            for name, tensor in source:
                 if not self._carried(name):
                     continue
                 if self.names.get(name) != tuple(tensor.shape):
@@ -526,8 +537,15 @@ class VLLMGenerator:
                 self._doing = f"the weight push (at tensor {name})"
                 yield name, tensor
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked(),
-                                                          "is_checkpoint_format": True})
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked(),
+                                                              "is_checkpoint_format": True})
+        except BaseException:
+            # the engine stopped reading part-way: run the rest of the stream unpushed, so that under ZeRO-3 this
+            # rank still joins every later layer's gather its peers make
+            for _ in source:
+                pass
+            raise
         self._check_push(pushed)
         canonical = {n: self.tied.get(n, n) for n in prints}  # a tied tensor under its first name, counted once
         self.tensors_changed = len({canonical[n] for n, f in prints.items()
@@ -573,8 +591,7 @@ class VLLMGenerator:
         probing, self._probe_due = self._probe_due, False
         if probing:  # the probe's greedy requests ride in the same engine call (its batch, not a call of their own)
             requests += self.probe_prompts
-            params += [SamplingParams(n=1, temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True,
-                                      detokenize=False, logprobs=0)] * len(self.probe_prompts)
+            params += [greedy_params()] * len(self.probe_prompts)
         outs = self.llm.generate([{"prompt_token_ids": r} for r in requests], params, use_tqdm=False)
         if probing:
             t0 = time.perf_counter()
@@ -593,48 +610,71 @@ class VLLMGenerator:
         responses, mask, has_eos = response_mask(responses, sampling.eos_ids, sampling.pad_id)
         return Generation(responses, mask, has_eos, logprobs * mask)
 
-    def _greedy(self, prompts: Sequence[Sequence[int]]) -> list[tuple[list[int], list[float]]]:
-        """The engine's greedy decodes of `prompts` (`PROBE_TOKENS` each, EOS ignored): (token ids, their
-        log-probs) per prompt."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True, detokenize=False,
-                                logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], [params] * len(prompts),
+    def _greedy(self, prompts: Sequence[Sequence[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+        """The engine's greedy decodes of `prompts` (`greedy_params`): per prompt, the token ids and, per position,
+        {token id: log-prob} of the two likeliest tokens."""
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], [greedy_params()] * len(prompts),
                                  use_tqdm=False)
-        decoded = []
-        for out in outs:
-            ids = list(out.outputs[0].token_ids)
-            decoded.append((ids, [float(step[t].logprob) for step, t in zip(out.outputs[0].logprobs, ids)]))
-        return decoded
+        return [(list(out.outputs[0].token_ids),
+                 [{int(t): float(lp.logprob) for t, lp in step.items()} for step in out.outputs[0].logprobs])
+                for out in outs]
 
     def selftest(self) -> None:
         """The push self-test, once after each start (`rollout.engine_selftest`): the greedy decodes of the probe
         prompts from the engine as it loaded its model dir, then the same starting weights pushed through
-        `reload_weights` (the path every later update takes) and decoded again. The tokens must be equal and each
-        log-prob within `SELFTEST_TOLERANCE` of its dtype (fp32: equal). It checks the push itself, in any dtype,
-        where the greedy probe (`probe`, fp32 only) checks the engine against the trainer: a push that maps a name
-        to the wrong tensor or packs a fused weight in the wrong order fails it before any rollout. Its push counts
-        `tensors_changed` (0 when the push is sound).
+        `reload_weights` (the path every later update takes) and decoded again. Each token's log-prob must be
+        within `SELFTEST_TOLERANCE` of its dtype (fp32: equal) and the tokens equal, but where bf16 rounding flips
+        a near tie (both runs' top two within the tolerance: the rest of that decode is not compared). It checks the
+        push itself, in any dtype, where the greedy probe (`probe`, fp32 only) checks the engine against the
+        trainer: a push that maps a name to the wrong tensor or packs a fused weight in the wrong order fails it
+        before any rollout. Its push counts `tensors_changed` (0 when the push is sound).
 
-        Raises ConfigError (one line, on every rank: each tests its own engine) naming the first difference."""
+        Raises ConfigError (one line, on every rank: each tests its own engine) naming the first difference, and
+        RuntimeError when a decode fails (every rank stops with it)."""
         self._selftest_due = False
         prompts = self.probe_prompts
-        with self._bounded("the push self-test"):
-            loaded = self._greedy(prompts)
-        self._push_everywhere(self.lm, self._gather)
-        with self._bounded("the push self-test"):
-            pushed = self._greedy(prompts)
         tolerance = SELFTEST_TOLERANCE.get(self.dtype, 1e-2)
-        failure, worst = None, 0.0
-        for k, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(loaded, pushed)):
-            gaps = [abs(a - b) for a, b in zip(lp_a, lp_b)]
-            worst = max([worst, *gaps])
-            bad = next((t for t, (a, b, g) in enumerate(zip(ids_a, ids_b, gaps)) if a != b or g > tolerance), None)
-            if bad is not None and failure is None:
-                failure = (f"probe prompt {k}, greedy token {bad}: {ids_a[bad]} (log-prob {lp_a[bad]:.6f}) as loaded, "
-                           f"{ids_b[bad]} (log-prob {lp_b[bad]:.6f}) after the push")
-        if engine.all_reduce_sum(torch.tensor([float(failure is not None)])).item() > 0:
+        failure, error, worst = None, None, 0.0
+        with self._bounded("the push self-test"):
+            try:
+                loaded = self._greedy(prompts)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it before anyone raises
+                error = e
+            errors = engine.all_gather_object(error is not None)
+        if not any(errors):
+            self._push_everywhere(self.lm, self._gather)
+            with self._bounded("the push self-test"):
+                try:
+                    pushed = self._greedy(prompts)
+                    for k, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(loaded, pushed)):
+                        for t, (a, b) in enumerate(zip(ids_a, ids_b)):
+                            if a != b:
+                                tie = (tolerance > 0 and b in lp_a[t] and a in lp_b[t]
+                                       and abs(lp_a[t][a] - lp_a[t][b]) <= tolerance
+                                       and abs(lp_b[t][b] - lp_b[t][a]) <= tolerance)
+                                if not tie and failure is None:
+                                    failure = (f"probe prompt {k}, greedy token {t}: {a} as loaded, {b} after the "
+                                               f"push (log-probs {lp_a[t][a]:.6f} and {lp_b[t][b]:.6f})")
+                                break
+                            gap = abs(lp_a[t][a] - lp_b[t][b])
+                            worst = max(worst, gap)
+                            if gap > tolerance and failure is None:
+                                failure = (f"probe prompt {k}, greedy token {t}: {a}, log-prob {lp_a[t][a]:.6f} as "
+                                           f"loaded, {lp_b[t][b]:.6f} after the push")
+                except Exception as e:  # noqa: BLE001
+                    error = e
+                verdicts = engine.all_gather_object((error is not None, failure is not None))
+            errors = [e for e, _ in verdicts]
+            failed = [f for _, f in verdicts]
+        else:
+            failed = []
+        if error is not None:
+            raise RuntimeError(f"rollout.engine=vllm: rank {engine.rank()}: the push self-test's greedy decode "
+                               f"failed: {type(error).__name__}: {error}") from error
+        if any(errors):
+            raise RuntimeError(f"rollout.engine=vllm: the push self-test failed on rank "
+                               f"{', '.join(str(r) for r, e in enumerate(errors) if e)} (its own line says why)")
+        if any(failed):
             raise ConfigError(f"rollout.engine=vllm: the push self-test failed: the engine's starting weights, pushed "
                               f"back unchanged, sample otherwise than as loaded: {failure or 'on another rank'}; the "
                               f"weight push is broken for this model (rollout.engine=hf samples without it)")
