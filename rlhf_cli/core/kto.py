@@ -14,7 +14,8 @@ expectation is the mean over every row of an optimizer step, both classes togeth
 
 The reference point z0 is the paper's estimate of KL(pi || pi_ref) (sec. 4.1, "Implementation"): over a batch of
 n rows, row i's prompt x_i is paired with the previous row's completion y_{i-1} (cycled: row 0 takes y_{n-1};
-TRL's rotation of the completions by one), and::
+TRL's rotation of the completions by one; a previous row with x_i's own prompt, the other half of a split
+preference pair, is passed over: :func:`kl_completion_index`), and::
 
     z0 = max(0, mean_i [log pi(y_{i-1}|x_i) - log pi_ref(y_{i-1}|x_i)])
 
@@ -30,6 +31,8 @@ second unpaired loss (TRL's ``apo_zero_unpaired``) would make it a ``Registry("k
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,13 +40,25 @@ from torch import Tensor
 from rlhf_cli.core.ops import _check_shapes, _compute_dtype
 
 
-def kl_completion_index(n: int) -> Tensor:
+def kl_completion_index(n: int, prompts: Sequence[Hashable] | None = None) -> Tensor:
     """``(n,)`` long: the row whose completion row i's prompt is paired with for the reference point,
-    ``(i - 1) mod n`` (TRL's ``[y_n, y_1, ..., y_{n-1}]``). Raises ValueError for n < 2 (no mismatched pair)."""
+    ``(i - 1) mod n`` (TRL's ``[y_n, y_1, ..., y_{n-1}]``). With ``prompts`` (one key per row, e.g. its prompt
+    ids as a tuple), the nearest earlier row, cycled, whose prompt differs from row i's, so that the two rows a
+    preference pair is split into never pair with each other when they sit side by side (a length-grouped order
+    puts them there); rows that share no prompt get TRL's rule, and a row whose prompt every row shares keeps the
+    previous row. Raises ValueError for n < 2 (no mismatched pair)."""
     if n < 2:
         raise ValueError(f"the KL reference point needs at least 2 rows to pair a prompt with another row's "
                          f"completion (got {n})")
-    return (torch.arange(n) - 1) % n
+    if prompts is None:
+        return (torch.arange(n) - 1) % n
+    if len(prompts) != n:
+        raise ValueError(f"kl_completion_index: {len(prompts)} prompts for {n} rows")
+    index = []
+    for i in range(n):
+        j = next(((i - d) % n for d in range(1, n) if prompts[(i - d) % n] != prompts[i]), (i - 1) % n)
+        index.append(j)
+    return torch.tensor(index, dtype=torch.long)
 
 
 def kl_reference_point(logratio_sum: Tensor, count: float) -> Tensor:

@@ -71,10 +71,10 @@ CLASS_KEYS = {True: ("kto/rewards_desirable", "kto/logprobs_desirable"),
 
 def with_kl_completions(rows: Sequence[dict[str, Any]], max_length: int) -> list[dict[str, Any]]:
     """`rows` (a step's whole batch, or the held-out rows) each with `kl_ids`, the completion its prompt is paired
-    with for the reference point: the previous row's (cycled, `core.kl_completion_index`), its first
+    with for the reference point: the previous row's with another prompt (cycled, `core.kl_completion_index`), its first
     `max_length` − prompt tokens (TRL's collator cuts a sequence at `max_length`), and `key`, the identities of the
     two rows it came from (the precomputed reference's table key)."""
-    prev = kl_completion_index(len(rows)).tolist()
+    prev = kl_completion_index(len(rows), [tuple(ex["prompt_ids"]) for ex in rows]).tolist()
     return [{**ex, "kl_ids": list(rows[j]["completion_ids"][:max_length - len(ex["prompt_ids"])]),
              "key": (id(ex), id(rows[j]))} for ex, j in zip(rows, prev)]
 

@@ -96,6 +96,10 @@ def test_kl_pairs_each_prompt_with_the_previous_rows_completion():
     """TRL's rotation (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}); a single row has no mismatched pair."""
     assert kl_completion_index(4).tolist() == [3, 0, 1, 2]
     assert kl_completion_index(2).tolist() == [1, 0]
+    assert kl_completion_index(4, ["a", "b", "c", "d"]).tolist() == [3, 0, 1, 2]  # no shared prompt: TRL's rule
+    # a preference pair split into two rows side by side (b, b): each pairs with an earlier row of another prompt
+    assert kl_completion_index(4, ["a", "b", "b", "c"]).tolist() == [3, 0, 0, 2]
+    assert kl_completion_index(3, ["a", "a", "a"]).tolist() == [2, 0, 1]  # one prompt only: the previous row
     with pytest.raises(ValueError, match="at least 2 rows"):
         kl_completion_index(1)
     with pytest.raises(ValueError, match="at least one"):
