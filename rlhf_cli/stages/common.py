@@ -5,6 +5,7 @@ engine and metrics, the optimizer-step loop, the final held-out figures and the 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from rlhf_cli.commands import Command
 from rlhf_cli.data import epoch_order, example_length
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
+from rlhf_cli.forwards import FrozenWithoutAdapters
 from rlhf_cli.lifecycle import (
     Checkpoints,
     checkpoint_plan,
@@ -31,8 +33,13 @@ from rlhf_cli.lifecycle import (
     seed_everything,
 )
 from rlhf_cli.models import (
+    add_lora,
+    count_parameters,
+    disable_dropout,
+    load_causal_lm,
     load_generation_config,
     load_tokenizer,
+    lora_enabled,
     parameter_counts,
     resolve_hf_dir,
     save_model,
@@ -374,3 +381,21 @@ class SupervisedTrainer:
         (a config key would be carried into the next stage's model)."""
         self.save(tokenizer, {"rlhf_stage": self.command.kind, "rlhf_reference_model": reference_spec(self.cfg)},
                   {"eval": final_stats, "steps": self.step}, final_stats)
+
+
+def policy_and_reference(cfg: Any, tokenizer: Any, precompute_reference: bool) -> tuple[Any, int, Any, str]:
+    """A preference stage's policy and frozen reference (train-dpo, train-kto): the policy (dropout off: the first
+    step's policy is the reference; LoRA adapters when `model.lora.r` > 0) and its reference: under LoRA the policy
+    with its adapters off; with `precompute_reference` (`dpo.`/`kto.precompute_reference`) None (the policy itself,
+    before its first step); else a frozen copy. Returns (policy, its non-embedding parameters before any adapter,
+    the reference model or None, what the reference is, for the start table)."""
+    model = disable_dropout(load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer))
+    n_params = count_parameters(model)
+    if lora_enabled(cfg.model.lora):
+        add_lora(model, cfg.model.lora, what="policy")
+        return (model, n_params, FrozenWithoutAdapters(model, cfg.precision).module,
+                "the policy with its LoRA adapters off")
+    if not precompute_reference:  # a second copy only when neither LoRA nor precomputing spares it
+        return (model, n_params, engine.FrozenModel(copy.deepcopy(model), cfg.precision).module,
+                "a frozen copy of the starting weights")
+    return model, n_params, None, "the starting weights"  # the policy itself, before its first step

@@ -25,7 +25,6 @@ every `dpo.eval_every` steps and checkpoints → final held-out statistics → `
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -39,9 +38,8 @@ from rlhf_cli import engine
 from rlhf_cli.commands import by_stage
 from rlhf_cli.core import dpo_loss
 from rlhf_cli.data import load_preference_data
-from rlhf_cli.forwards import FrozenWithoutAdapters, pair_collator, pair_logprobs
-from rlhf_cli.models import add_lora, count_parameters, disable_dropout, load_causal_lm, lora_enabled
-from rlhf_cli.stages.common import SupervisedTrainer, optimizer_stats, throughput_stats
+from rlhf_cli.forwards import pair_collator, pair_logprobs
+from rlhf_cli.stages.common import SupervisedTrainer, optimizer_stats, policy_and_reference, throughput_stats
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -144,7 +142,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     if cfg.data.margin_key and engine.is_main():
         log.warning("data.margin_key=%s is not read by %s: the DPO losses have no per-pair margin", cfg.data.margin_key,
                     COMMAND.invocation)
-    model, n_params, reference_model, what = build_models(cfg, tokenizer)
+    model, n_params, reference_model, what = policy_and_reference(cfg, tokenizer, cfg.dpo.precompute_reference)
     tr.plan(len(data.train))
     start_table(tr, model, n_params, data, what)
     if tr.dry_run_exit():
@@ -157,23 +155,6 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     final_stats = tr.train(data.train, PROGRESS_KEYS, partial(train_step, eng, reference, collate, cfg), evaluate)
     tr.save_policy(tokenizer, final_stats)
     return final_stats.get("eval/dpo/accuracy")
-
-
-def build_models(cfg: Any, tokenizer: Any) -> tuple[Any, int, Any, str]:
-    """The policy (dropout off: the first step's policy is the reference; LoRA adapters when `model.lora.r` > 0)
-    and its frozen reference: under LoRA the policy with its adapters off, with `dpo.precompute_reference` None
-    (the policy itself, before its first step), else a frozen copy. Returns (policy, its non-embedding parameters
-    before any adapter, the reference model or None, what the reference is, for the start table)."""
-    model = disable_dropout(load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer))
-    n_params = count_parameters(model)
-    if lora_enabled(cfg.model.lora):
-        add_lora(model, cfg.model.lora, what="policy")
-        return (model, n_params, FrozenWithoutAdapters(model, cfg.precision).module,
-                "the policy with its LoRA adapters off")
-    if not cfg.dpo.precompute_reference:  # a second copy only when neither LoRA nor precomputing spares it
-        return (model, n_params, engine.FrozenModel(copy.deepcopy(model), cfg.precision).module,
-                "a frozen copy of the starting weights")
-    return model, n_params, None, "the starting weights"  # the policy itself, before its first step
 
 
 def start_table(tr: SupervisedTrainer, model: Any, n_params: int, data: Any, what: str) -> None:

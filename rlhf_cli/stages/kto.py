@@ -35,7 +35,6 @@ every `kto.eval_every` steps and checkpoints → final held-out statistics → `
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -51,14 +50,12 @@ from rlhf_cli.core import kl_completion_index, kl_reference_point, kto_loss
 from rlhf_cli.data import load_unpaired_data
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import (
-    FrozenWithoutAdapters,
     completion_logprobs,
     pair_collator,
     pair_logprobs,
     unpaired_collator,
 )
-from rlhf_cli.models import add_lora, count_parameters, disable_dropout, load_causal_lm, lora_enabled
-from rlhf_cli.stages.common import RankShare, SupervisedTrainer, optimizer_stats, throughput_stats
+from rlhf_cli.stages.common import RankShare, SupervisedTrainer, optimizer_stats, policy_and_reference, throughput_stats
 
 log = logging.getLogger(__name__)
 COMMAND = by_stage(__name__)  # this stage's entry in the command registry (its name, run-dir kind, pointer)
@@ -211,7 +208,7 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     advice = weight_advice(int(good.sum()), int((~good).sum()), cfg.kto.desirable_weight, cfg.kto.undesirable_weight)
     if advice and engine.is_main():
         log.warning(advice)
-    model, n_params, reference_model, what = build_models(cfg, tokenizer)
+    model, n_params, reference_model, what = policy_and_reference(cfg, tokenizer, cfg.kto.precompute_reference)
     tr.plan(len(data.train))
     start_table(tr, model, n_params, data, what, int(good.sum()))
     if tr.dry_run_exit():
@@ -229,23 +226,6 @@ def run(cfg: Any, run_dir: Path) -> float | None:
                            evaluate)
     tr.save_policy(tokenizer, final_stats)
     return final_stats.get("eval/kto/loss")
-
-
-def build_models(cfg: Any, tokenizer: Any) -> tuple[Any, int, Any, str]:
-    """The policy (dropout off: the first step's policy is the reference; LoRA adapters when `model.lora.r` > 0)
-    and its frozen reference: under LoRA the policy with its adapters off, with `kto.precompute_reference` None
-    (the policy itself, before its first step), else a frozen copy. Returns (policy, its non-embedding parameters
-    before any adapter, the reference model or None, what the reference is, for the start table)."""
-    model = disable_dropout(load_causal_lm(cfg.model, cfg.precision, cfg.seed, tokenizer=tokenizer))
-    n_params = count_parameters(model)
-    if lora_enabled(cfg.model.lora):
-        add_lora(model, cfg.model.lora, what="policy")
-        return (model, n_params, FrozenWithoutAdapters(model, cfg.precision).module,
-                "the policy with its LoRA adapters off")
-    if not cfg.kto.precompute_reference:  # a second copy only when neither LoRA nor precomputing spares it
-        return (model, n_params, engine.FrozenModel(copy.deepcopy(model), cfg.precision).module,
-                "a frozen copy of the starting weights")
-    return model, n_params, None, "the starting weights"  # the policy itself, before its first step
 
 
 def start_table(tr: SupervisedTrainer, model: Any, n_params: int, data: Any, what: str, n_desirable: int) -> None:
