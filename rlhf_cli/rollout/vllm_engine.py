@@ -324,6 +324,31 @@ def _holds_modules(worker: Any, names: Sequence[str]) -> list[bool]:
     return held
 
 
+def selftest_verdict(loaded: Sequence[tuple[list[int], list[dict[int, float]]]],
+                     pushed: Sequence[tuple[list[int], list[dict[int, float]]]], tolerance: float
+                     ) -> tuple[str | None, float]:
+    """The push self-test's comparison of two greedy decodes of the same prompts (`VLLMGenerator._greedy`: ids and
+    top-2 log-probs per position), as loaded and after the push: (the first difference in words or None, the
+    largest log-prob gap in nats). A token's log-prob may move by `tolerance`; a flipped token passes only as a near
+    tie (both runs' top two within `tolerance`; never at 0), and the rest of that decode is not compared."""
+    failure, worst = None, 0.0
+    for k, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(loaded, pushed)):
+        for t, (a, b) in enumerate(zip(ids_a, ids_b)):
+            if a != b:
+                tie = (tolerance > 0 and b in lp_a[t] and a in lp_b[t] and abs(lp_a[t][a] - lp_a[t][b]) <= tolerance
+                       and abs(lp_b[t][b] - lp_b[t][a]) <= tolerance)
+                if not tie and failure is None:
+                    failure = (f"probe prompt {k}, greedy token {t}: {a} as loaded, {b} after the push (log-probs "
+                               f"{lp_a[t][a]:.6f} and {lp_b[t][b]:.6f})")
+                break
+            gap = abs(lp_a[t][a] - lp_b[t][b])
+            worst = max(worst, gap)
+            if gap > tolerance and failure is None:
+                failure = (f"probe prompt {k}, greedy token {t}: {a}, log-prob {lp_a[t][a]:.6f} as loaded, "
+                           f"{lp_b[t][b]:.6f} after the push")
+    return failure, worst
+
+
 def greedy_params() -> Any:
     """vLLM's sampling settings of the probe's and the self-test's greedy decodes: `PROBE_TOKENS` tokens, EOS
     ignored, ids out, the log-probs of the two likeliest tokens at each position."""
@@ -645,22 +670,7 @@ class VLLMGenerator:
             self._push_everywhere(self.lm, self._gather)
             with self._bounded("the push self-test"):
                 try:
-                    pushed = self._greedy(prompts)
-                    for k, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(loaded, pushed)):
-                        for t, (a, b) in enumerate(zip(ids_a, ids_b)):
-                            if a != b:
-                                tie = (tolerance > 0 and b in lp_a[t] and a in lp_b[t]
-                                       and abs(lp_a[t][a] - lp_a[t][b]) <= tolerance
-                                       and abs(lp_b[t][b] - lp_b[t][a]) <= tolerance)
-                                if not tie and failure is None:
-                                    failure = (f"probe prompt {k}, greedy token {t}: {a} as loaded, {b} after the "
-                                               f"push (log-probs {lp_a[t][a]:.6f} and {lp_b[t][b]:.6f})")
-                                break
-                            gap = abs(lp_a[t][a] - lp_b[t][b])
-                            worst = max(worst, gap)
-                            if gap > tolerance and failure is None:
-                                failure = (f"probe prompt {k}, greedy token {t}: {a}, log-prob {lp_a[t][a]:.6f} as "
-                                           f"loaded, {lp_b[t][b]:.6f} after the push")
+                    failure, worst = selftest_verdict(loaded, self._greedy(prompts), tolerance)
                 except Exception as e:  # noqa: BLE001
                     error = e
                 verdicts = engine.all_gather_object((error is not None, failure is not None))

@@ -521,3 +521,18 @@ def test_a_push_that_changed_nothing_after_a_step_stops_the_run():
     with pytest.raises(FloatingPointError, match=r"aborting at iteration 4: the weight push before its rollout "
                                                  r"changed no tensor of the engine after iteration 3's optimizer step"):
         g.check(0, 3)
+
+
+def test_the_self_tests_verdict_passes_equal_decodes_and_a_bf16_near_tie_only():
+    """`vllm_engine.selftest_verdict` (importable without vllm): equal decodes pass with gap 0; a log-prob moved past
+    the tolerance fails; a flipped near tie passes at bf16's tolerance and fails at fp32's 0."""
+    from rlhf_cli.rollout.vllm_engine import selftest_verdict
+
+    loaded = [([5, 7], [{5: -0.10, 6: -2.0}, {7: -0.50, 8: -0.505}])]
+    assert selftest_verdict(loaded, loaded, 0.0) == (None, 0.0)
+    moved = [([5, 7], [{5: -0.13, 6: -2.0}, {7: -0.50, 8: -0.505}])]
+    failure, worst = selftest_verdict(loaded, moved, 1e-2)
+    assert failure.startswith("probe prompt 0, greedy token 0: 5, log-prob -0.100000 as loaded") and worst > 0.029
+    flipped = [([5, 8], [{5: -0.10, 6: -2.0}, {8: -0.501, 7: -0.503}])]
+    assert selftest_verdict(loaded, flipped, 1e-2)[0] is None
+    assert "greedy token 1: 7 as loaded, 8 after the push" in selftest_verdict(loaded, flipped, 0.0)[0]
