@@ -619,6 +619,20 @@ def _builtin_source(data_cfg: Any, split: str, want: str) -> _Parsed:
                    Counter())
 
 
+def _chosen_rows(data_cfg: Any, kind: str, splits: Sequence[str], encoder: Encoder
+                 ) -> tuple[dict[str, list[Any]], DataSummary, Counter]:
+    """The rows of `kind` ("pairs", "demos", "unpaired") a supervised loader reads per split: from `data.path`'s
+    sources, or the built-in rm_train / rm_eval splits when it is null; with the data summary (its unused rows
+    set) and the drop counter the loader adds its own reasons to."""
+    if data_cfg.path is None:
+        chosen, sources, unused = _builtin_select(data_cfg, kind, {"train": "rm_train", "eval": "rm_eval"}, splits)
+    else:
+        chosen, sources, unused = _select(data_cfg, lambda p: _parse_source(p, data_cfg, kind), splits)
+    summary = _summary(sources, encoder)
+    summary.unused = unused
+    return chosen, summary, Counter(summary.dropped)
+
+
 def _builtin_select(data_cfg: Any, want: str, names: dict[str, str], splits: Sequence[str]
                     ) -> tuple[dict[str, list[Any]], list[_Parsed], int]:
     out, sources, unused = {}, [], 0
@@ -646,15 +660,9 @@ def load_preference_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str]
     """
     _check_splits(splits)
     encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt, eos_ids)
-    if data_cfg.path is None:
-        chosen, sources, unused = _builtin_select(data_cfg, "pairs", {"train": "rm_train", "eval": "rm_eval"}, splits)
-    else:
-        chosen, sources, unused = _select(data_cfg, lambda p: _parse_source(p, data_cfg, "pairs"), splits)
-    summary = _summary(sources, encoder)
-    summary.unused = unused
+    chosen, summary, drops = _chosen_rows(data_cfg, "pairs", splits, encoder)
     out: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
     lengths: list[int] = []
-    drops: Counter = Counter(summary.dropped)
     for split, pairs in chosen.items():
         out[split] = _tokenize_pairs(pairs, encoder, data_cfg, drops, lengths, summary)
         summary.kept[split] = len(out[split])
@@ -741,15 +749,9 @@ def load_sft_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] = SPLI
     (`eos.eos_ids`): a response whose text ends in the text of any of them ends there (`Encoder`)."""
     _check_splits(splits)
     encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt, eos_ids)
-    if data_cfg.path is None:
-        chosen, sources, unused = _builtin_select(data_cfg, "demos", {"train": "rm_train", "eval": "rm_eval"}, splits)
-    else:
-        chosen, sources, unused = _select(data_cfg, lambda p: _parse_source(p, data_cfg, "demos"), splits)
-    summary = _summary(sources, encoder)
-    summary.unused = unused
+    chosen, summary, drops = _chosen_rows(data_cfg, "demos", splits, encoder)
     out: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
     lengths: list[int] = []
-    drops: Counter = Counter(summary.dropped)
     for split, demos in chosen.items():
         keep, _, segments = _render(encoder, [(d.row, d.prompt) for d in demos], data_cfg, drops, summary.source)
         demos = [demos[i] for i in keep]
@@ -805,16 +807,9 @@ def load_unpaired_data(data_cfg: Any, tokenizer: Any, *, splits: Sequence[str] =
     whose rows are all of one label. `eos_ids`: the model's EOS set (`eos.eos_ids`)."""
     _check_splits(splits)
     encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt, eos_ids)
-    if data_cfg.path is None:
-        chosen, sources, unused = _builtin_select(data_cfg, "unpaired", {"train": "rm_train", "eval": "rm_eval"},
-                                                  splits)
-    else:
-        chosen, sources, unused = _select(data_cfg, lambda p: _parse_source(p, data_cfg, "unpaired"), splits)
-    summary = _summary(sources, encoder)
-    summary.unused = unused
+    chosen, summary, drops = _chosen_rows(data_cfg, "unpaired", splits, encoder)
     out: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
     lengths: list[int] = []
-    drops: Counter = Counter(summary.dropped)
     for split, rows in chosen.items():
         keep, _, segments = _render(encoder, [(u.row, u.prompt) for u in rows], data_cfg, drops, summary.source)
         rows = [rows[i] for i in keep]
