@@ -600,6 +600,12 @@ class RewardConfig:
     """Sum several sources, e.g. `reward.weights={model:1.0,checker:0.5}`: the score is Σ weight × source
     score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.
     All null (the default) = `reward.type` alone, weight 1."""
+    max_unscorable_frac: float = 0.5
+    """In [0, 1]. A source may leave a completion unscored (a reward function returning None or NaN): that row
+    gets advantage 0 and no weight in the loss, and is left out of group baselines, whitening, `ppo.filter_groups`
+    and every `reward/*` and `objective/scores*` mean (counted in `reward/unscorable_frac`); under
+    `reward.weights` a row any source leaves unscored is unscored. A generation round with a larger fraction
+    unscored (over all ranks) stops the run in one line; 1 never stops."""
 
 
 @dataclass
@@ -1121,6 +1127,8 @@ def validate_reward(cfg: Any) -> None:
         _check(w is None or math.isfinite(w), f"reward.weights.{key} must be a finite number (got {w!r})")
     sources = reward_sources(cfg)
     _check(any(w != 0 for w in sources.values()), f"reward.weights={dict(sources)} gives every source weight 0")
+    _check(0 <= r.max_unscorable_frac <= 1,
+           f"reward.max_unscorable_frac must be in [0, 1] (got {r.max_unscorable_frac})")
     if "function" in sources:
         _check(bool(r.function), "the reward source `function` needs reward.function=<module or file.py>:<callable>")
     if r.function:

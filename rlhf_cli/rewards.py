@@ -10,8 +10,11 @@ The calling convention is TRL's (`GRPOTrainer(reward_funcs=...)`), so a TRL rewa
 
 prompts and completions are lists of str (the prompt as the model saw it, chat template included; the decoded
 completion without special tokens); `answer` is the list of the rows' answers (`data.answer_key`, or the
-built-in task's), None where a row has none. It must return one finite float per completion; anything else
-raises RewardError naming the function and the data row, so a run never trains on it.
+built-in task's), None where a row has none. It returns one float per completion, or None (or NaN) for a
+completion it cannot score: that row is *unscorable* (advantage 0, no weight in the loss, left out of every
+reward statistic and counted in `reward/unscorable_frac`; `reward.max_unscorable_frac` stops a run with too many,
+see `rollout/maker.py`). Anything else (an exception, the wrong count, a non-number, ±inf) raises RewardError
+naming the function and the data row, so a run never trains on it.
 
 The built-in checker is such a function: `rlhf_cli.data.builtin:checker`.
 """
@@ -70,13 +73,14 @@ def load_reward_function(spec: str, key: str = "reward.function") -> RewardFn:
 
 def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[str], completions: Sequence[str],
                          answers: Sequence[Any], rows: Sequence[Any]) -> torch.Tensor:
-    """`fn(prompts, completions, answer=answers)` checked: (B,) float32 scores.
+    """`fn(prompts, completions, answer=answers)` checked: (B,) float32 scores, NaN where the function returned
+    None or NaN (an unscorable completion).
 
     `name` is how messages name the function (the `reward.function` spec); `rows[i]` is completion i's data
     row number (1-based) for messages.
 
     Raises:
-        RewardError: the function raised, returned something that is not B numbers, or a non-finite number.
+        RewardError: the function raised, returned something that is not B numbers (None allowed), or ±inf.
     """
     n = len(completions)
     try:
@@ -85,17 +89,18 @@ def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[str], comple
         raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} (scoring {n} completions, "
                           f"the first of data row {rows[0] if rows else '?'})") from None
     try:
-        values = [float(v) for v in out]
+        values = [math.nan if v is None else float(v) for v in out]
     except (TypeError, ValueError):
         raise RewardError(f"reward function {name} returned {type(out).__name__} {str(out)[:80]!r}, not a list of "
-                          f"{n} floats") from None
+                          f"{n} floats (None for a completion it cannot score)") from None
     if len(values) != n:
         raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions "
                           f"(data rows {rows[0]}..{rows[-1]}): return one float per completion")
     for i, v in enumerate(values):
-        if not math.isfinite(v):
+        if math.isinf(v):
             raise RewardError(f"reward function {name} returned {v} for the completion of data row {rows[i]} "
-                              f"({completions[i][:60]!r}): return a finite float per completion")
+                              f"({completions[i][:60]!r}): return a finite float per completion, or None for one "
+                              f"it cannot score")
     import torch  # here, not at the top: the preflight checks load reward functions before torch
 
     return torch.tensor(values, dtype=torch.float32)

@@ -185,10 +185,12 @@ def policy_eval_stats(policy: dict[str, Any], reference: dict[str, Any],
     model's held-out score std, which `score_gain_rm_std` is in units of (None, or ≤ 1e-6: not given).
 
     Returns `<side>/length_mean`, `<side>/eos_rate`, `<side>/score_mean` and `_ci95` (t interval half-width),
-    `<side>/accuracy` with its Wilson `_ci95_low`/`_ci95_high`, `<side>/function_mean` and `_ci95`; the paired
-    figures (the interval of the per-prompt difference leaves out the variance the two sides share, such as
-    prompt difficulty): `win_rate` (ties half) with its Wilson interval, `score_gain`, `accuracy_gain`,
-    `function_gain` each with `_ci95`, `score_gain_rm_std`; the `reward_hacking` verdict and `headline`; and
+    `<side>/accuracy` with its Wilson `_ci95_low`/`_ci95_high`, `<side>/function_mean` and `_ci95` (over the
+    completions it scored: NaN in `function` is an unscorable one) and `<side>/function_unscorable` (their count);
+    the paired figures (the interval of the per-prompt difference leaves out the variance the two sides share,
+    such as prompt difficulty): `win_rate` (ties half) with its Wilson interval, `score_gain`, `accuracy_gain`,
+    `function_gain` each with `_ci95` (`function_gain` over the prompts both sides' samples were scored on),
+    `score_gain_rm_std`; the `reward_hacking` verdict and `headline`; and
     `kl_k1`, `kl_k3` with `_ci95`. A figure whose values a side lacks is left out.
 
     Raises:
@@ -204,8 +206,10 @@ def policy_eval_stats(policy: dict[str, Any], reference: dict[str, Any],
         if "correct" in t:
             (results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95_low"],
              results[f"{name}/accuracy_ci95_high"]) = proportion_ci95(t["correct"].float())
-        if "function" in t:
-            results[f"{name}/function_mean"], results[f"{name}/function_ci95"] = mean_ci95(t["function"])
+        if "function" in t:  # NaN: a completion the function could not score, left out
+            scored = ~t["function"].isnan()
+            results[f"{name}/function_mean"], results[f"{name}/function_ci95"] = mean_ci95(t["function"][scored])
+            results[f"{name}/function_unscorable"] = int((~scored).sum())
     if "score" in policy:
         results["win_rate"] = win_rate(policy["score"], reference["score"])
         results["win_rate_ci95_low"], results["win_rate_ci95_high"] = wilson_ci95(results["win_rate"],
@@ -218,7 +222,8 @@ def policy_eval_stats(policy: dict[str, Any], reference: dict[str, Any],
         gain = policy["correct"].float() - reference["correct"].float()
         results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(gain)
     if "function" in policy:
-        results["function_gain"], results["function_gain_ci95"] = mean_ci95(policy["function"] - reference["function"])
+        gain = policy["function"] - reference["function"]
+        results["function_gain"], results["function_gain_ci95"] = mean_ci95(gain[~gain.isnan()])  # both scored
     results.update(reward_hacking(results))
     for k in ("kl_k1", "kl_k3"):
         results[k], results[f"{k}_ci95"] = mean_ci95(policy[k])

@@ -28,6 +28,8 @@ class Experience:
     returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
     scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)
     groups: torch.Tensor  # (B,) long, the group id (the iteration's prompt index k) shared by a prompt's samples
+    scored: torch.Tensor | None = None  # (B,) bool, False: no reward source could score the row (its score is 0 and
+    # it is out of the loss); None: every row was scored
     layouts: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
     """`forwards.PackedRollout` of row sets, keyed by their row indices in order: the packed layouts the no-grad
     passes built (`data.packing`), so the update's forwards of the same micro-batch reuse them."""

@@ -38,9 +38,9 @@ from rlhf_cli.rollout.experience import Experience
 from rlhf_cli.rollout.generation import Sampling
 from rlhf_cli.rollout.plan import UpdatePlan
 from rlhf_cli.rollout.prompts import PromptSource, Round, filter_groups
-from rlhf_cli.rollout.scores import ScoreMixer
+from rlhf_cli.rollout.scores import ScoreMixer, unscored_rows
 from rlhf_cli.rollout.shaping import shape
-from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl
+from rlhf_cli.rollout.stats import explained_variance_across_ranks, response_kl, scored_means
 
 log = logging.getLogger(__name__)
 
@@ -226,26 +226,28 @@ class ExperienceMaker:
                                   self.p.temperature, k, "fp32", packing=exp.plan.packed, top_p=self.p.top_p)["k1"]
         return {"objective/kl_fp32": kl_fp32.mean().item(), "objective/kl_check": kl_seq[:k].mean().item()}
 
-    def sample(self, prompts: list[dict[str, Any]], seeds: Sequence[int], groups: torch.Tensor,
+    def sample(self, iteration: int, prompts: list[dict[str, Any]], seeds: Sequence[int], groups: torch.Tensor,
                push: bool = True) -> Round:
         """One generation round: run the episodes (`generate`; `push=False` in an iteration's later rounds), score
         them (`score_mixer`), then the score rules that act per row: `ppo.truncated=penalize`'s missing-EOS penalty
         and the overlong shaping (`core.overlong_penalty`, on the sampled tokens). Which rows count in a group
-        baseline (`valid`): those that ended with EOS under `ppo.truncated=mask`, else all."""
+        baseline and learn (`valid`): the scored ones (`scores.unscored_rows`, which stops a round with more than
+        `reward.max_unscorable_frac` unscored) that ended with EOS under `ppo.truncated=mask`, else all of them."""
         p = self.p
         t0 = time.perf_counter()
         episodes = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
-        raw, score, source_means = self.score_mixer(episodes.input_ids, episodes.attention_mask, episodes.P, prompts)
+        raw, score, sources = self.score_mixer(episodes.input_ids, episodes.attention_mask, episodes.P, prompts)
         t2 = _clock(episodes.input_ids.device)
+        raw, score, scored = unscored_rows(self.cfg, iteration, raw, score)  # 0 where no source could score
         if p.truncated == "penalize":
             score = score - p.missing_eos_penalty * (~episodes.has_eos).float()
         overlong = overlong_penalty(episodes.action_mask.sum(1), p.max_new_tokens, p.overlong_buffer,
-                                    p.overlong_penalty)
-        score = score + overlong.to(score.dtype)  # DAPO's soft overlong punishment; 0 with ppo.overlong_buffer=0
-        valid = episodes.has_eos if p.truncated == "mask" else torch.ones_like(episodes.has_eos)
-        return Round(prompts, groups.to(score.device), episodes, raw, score, overlong, valid, source_means, t1 - t0,
-                     t2 - t1)
+                                    p.overlong_penalty).to(score.dtype) * scored
+        score = (score + overlong) * scored  # DAPO's soft overlong punishment; 0 with ppo.overlong_buffer=0
+        valid = (episodes.has_eos if p.truncated == "mask" else torch.ones_like(episodes.has_eos)) & scored
+        return Round(prompts, groups.to(score.device), episodes, raw, score, overlong, valid, scored, sources,
+                     t1 - t0, t2 - t1)
 
     def make_experience(self, iteration: int) -> tuple[Experience | None, dict[str, float], dict[str, Any]]:
         """One iteration's rollout on this rank: sample and score (`sample`; with `ppo.filter_groups`, more rounds
@@ -258,10 +260,10 @@ class ExperienceMaker:
         takes with or without the filter; `advantages/*` and `val/*` are those of the batch trained on."""
         p = self.p
         prompts, seeds, groups = self.prompt_batch(iteration)
-        first = self.sample(prompts, seeds, groups)
+        first = self.sample(iteration, prompts, seeds, groups)
         if p.filter_groups:
             def next_round(r: int) -> Round:
-                return self.sample(*self.prompt_batch(iteration, r), push=False)
+                return self.sample(iteration, *self.prompt_batch(iteration, r), push=False)
 
             batch, rounds, filter_stats = filter_groups(p, iteration, first, next_round, self.pad_id)
         else:
@@ -270,16 +272,16 @@ class ExperienceMaker:
         gen_tokens = float(sum(r.episodes.action_mask.sum() for r in rounds))
         lengths = first.episodes.action_mask.sum(1)
         stats = {
-            "objective/scores": first.raw.mean().item(),
-            "objective/scores_norm": first.score.mean().item(),
+            **scored_means({"objective/scores": first.raw, "objective/scores_norm": first.score, **first.sources,
+                            **({"reward/overlong_penalty": first.overlong} if p.overlong_buffer else {})},
+                           first.scored),  # over all ranks: the same on each
+            "reward/unscorable_frac": 1.0 - first.scored.float().mean().item(),
             "objective/kl_beta": self.kl_ctl.value,
             "response/length_mean": lengths.mean().item(),
             "response/eos_frac": first.episodes.has_eos.float().mean().item(),
-            **({"reward/overlong_penalty": first.overlong.mean().item()} if p.overlong_buffer else {}),
             "time/generation": gen_seconds,
             "time/engine_sync": self.generator.sync_seconds,  # the engine's start, push and probe (vllm; hf: 0)
             "throughput/gen_tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
-            **first.source_means,
             **filter_stats,
         }
         if p.n_samples_per_prompt > 1:
@@ -287,7 +289,7 @@ class ExperienceMaker:
         samples = {"prompts": [x.get("prompt_text", "") for x in first.prompts[:3]],
                    "responses": self.tokenizer.batch_decode(first.episodes.input_ids[:3, first.episodes.P:],
                                                             skip_special_tokens=True),
-                   "scores": first.raw[:3].tolist()}
+                   "scores": [x if ok else None for x, ok in zip(first.raw[:3].tolist(), first.scored[:3].tolist())]}
         reward_seconds = sum(r.reward_seconds for r in rounds)
         if batch is None:  # ppo.filter_groups kept nothing (said once, in filter_groups)
             stats["time/scoring"] = reward_seconds
@@ -318,10 +320,11 @@ class ExperienceMaker:
             input_ids=ep.input_ids, attention_mask=ep.attention_mask, action_mask=ep.action_mask, loss_mask=loss_mask,
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             values=values if values is not None else torch.zeros_like(old_logprobs), rewards=rewards,
-            advantages=advantages, returns=returns, scores=batch.score, groups=groups, layouts=layouts,
+            advantages=advantages, returns=returns, scores=batch.score, groups=groups, scored=batch.scored,
+            layouts=layouts,
             forwards=forwards, plan=plan, engine_logprobs=ep.engine_logprobs)
         stats = {
-            **self.advantage_stats(advantages, loss_mask, iteration),
+            **self.advantage_stats(advantages, loss_mask, iteration, batch.scored),
             "time/scoring": reward_seconds + t2 - t1 - carried_seconds,  # the carried forwards count in time/training
             **{f"time/scoring_{k}": v for k, v in self.pass_seconds.items()},
             **self.kl_fp32_check(exp),  # the rollout's other KL statistics come after the update (`kl_stats`)
@@ -331,14 +334,19 @@ class ExperienceMaker:
             stats["val/explained_var"] = explained_variance_across_ranks(values, returns, loss_mask)
         return exp, stats
 
-    def advantage_stats(self, advantages: torch.Tensor, loss_mask: torch.Tensor, iteration: int) -> dict[str, float]:
+    def advantage_stats(self, advantages: torch.Tensor, loss_mask: torch.Tensor, iteration: int,
+                        scored: torch.Tensor) -> dict[str, float]:
         """`advantages/mean` and `advantages/abs_mean`: token means over all ranks of the advantages (B, R) the update
-        uses (after whitening), over `loss_mask`; an iteration with no trainable token says so (it trains nothing)."""
+        uses (after whitening), over `loss_mask`; an iteration with no trainable token says so, and why (it trains
+        nothing). scored: (B,) bool, the rows a reward source scored."""
         adv_sums = engine.all_reduce_sum(torch.stack([(advantages * loss_mask).sum(),
-                                                      (advantages.abs() * loss_mask).sum(), loss_mask.sum()]))
+                                                      (advantages.abs() * loss_mask).sum(), loss_mask.sum(),
+                                                      (~scored).sum().to(loss_mask.dtype)]))
         if adv_sums[2] == 0 and engine.is_main():
-            log.warning("iteration %d trains nothing: every response is masked (ppo.truncated=mask and none ended "
-                        "with EOS within ppo.max_new_tokens=%d)", iteration + 1, self.p.max_new_tokens)
+            why = (f"ppo.truncated=mask and none ended with EOS within ppo.max_new_tokens={self.p.max_new_tokens}"
+                   if adv_sums[3] == 0 else f"{int(adv_sums[3])} unscorable (reward/unscorable_frac), any others "
+                   f"by ppo.truncated=mask")
+            log.warning("iteration %d trains nothing: every response is masked (%s)", iteration + 1, why)
         return {"advantages/mean": (adv_sums[0] / adv_sums[2].clamp(min=1)).item(),
                 "advantages/abs_mean": (adv_sums[1] / adv_sums[2].clamp(min=1)).item()}
 

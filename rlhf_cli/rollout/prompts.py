@@ -77,8 +77,10 @@ class PromptSource:
 class Round(NamedTuple):
     """One generation round on this rank (`ExperienceMaker.sample`), B rows: prompts (B dicts), groups (B,) long,
     the `Episodes`, raw (B,) the raw score, score (B,) the score the advantages see (normalised, penalties,
-    overlong shaping), overlong (B,) its overlong part, valid (B,) bool (the rows that count in a group baseline),
-    source_means (`reward/<source>`), gen_seconds and reward_seconds."""
+    overlong shaping), overlong (B,) its overlong part (all three 0 on unscorable rows), valid (B,) bool (the rows
+    that count in a group baseline and learn), scored (B,) bool (False: a reward source left the row unscored; such
+    a row is never valid), sources (`reward/<source>`: (B,) raw scores, NaN where unscored), gen_seconds and
+    reward_seconds."""
 
     prompts: list[dict[str, Any]]
     groups: torch.Tensor
@@ -87,7 +89,8 @@ class Round(NamedTuple):
     score: torch.Tensor
     overlong: torch.Tensor
     valid: torch.Tensor
-    source_means: dict[str, float]
+    scored: torch.Tensor
+    sources: dict[str, torch.Tensor]
     gen_seconds: float
     reward_seconds: float
 
@@ -141,8 +144,7 @@ def filter_groups(p: Any, iteration: int, first: Round, next_round: Callable[[in
 
 def join_rounds(rounds: Sequence[Round], rows: Sequence[torch.Tensor], pad_id: int) -> Round:
     """The rows `rows[i]` (long indices) of each round `rounds[i]`, in order, as one round (`join_episodes`: one
-    [left-padded prompt | right-padded completion] layout). Timings are summed; source_means are the first
-    round's."""
+    [left-padded prompt | right-padded completion] layout). Timings are summed; sources are the first round's."""
     parts = [(r, i.to(r.episodes.input_ids.device)) for r, i in zip(rounds, rows) if len(i)]
     episodes = join_episodes([r.episodes.rows(i) for r, i in parts], pad_id)
 
@@ -150,5 +152,5 @@ def join_rounds(rounds: Sequence[Round], rows: Sequence[torch.Tensor], pad_id: i
         return torch.cat([getattr(r, name)[i] for r, i in parts])
 
     return Round([r.prompts[j] for r, i in parts for j in i.tolist()], cat("groups"), episodes, cat("raw"),
-                 cat("score"), cat("overlong"), cat("valid"), rounds[0].source_means,
+                 cat("score"), cat("overlong"), cat("valid"), cat("scored"), rounds[0].sources,
                  sum(r.gen_seconds for r in rounds), sum(r.reward_seconds for r in rounds))

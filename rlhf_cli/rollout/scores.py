@@ -9,6 +9,9 @@ the estimators take are built from it later (`shaping.shape`).
     score     Σ weight × source score; the trainer then subtracts `ppo.missing_eos_penalty` from responses
               without EOS (`ppo.truncated=penalize`)
 
+A source may leave a row unscored (a reward function's None or NaN): that row's score is NaN here, whatever the
+other sources say, and the maker turns it into an unscorable row (`ExperienceMaker.sample`).
+
 Reward functions run on every rank, each on that rank's rows. A function that fails on one rank stops every
 rank, with its one-line message (`RewardError`).
 """
@@ -61,11 +64,12 @@ class ScoreMixer:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                 prompts: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """(raw (B,), score (B,), per-source means) of this rank's rows `[prompt | response]`.
+                 prompts: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(raw (B,), score (B,), per-source scores) of this rank's rows `[prompt | response]`, float32.
 
-        raw = Σ weight × raw source score; score = the same with the model's score normalised. The means are
-        this rank's, keyed `reward/<source>` (raw scores; reduce them over ranks).
+        raw = Σ weight × raw source score; score = the same with the model's score normalised; NaN in both where a
+        source left the row unscored. The per-source scores are the raw (B,) values keyed `reward/<source>`, NaN
+        where that source left a row unscored (the maker logs their means over the scored rows of all ranks).
 
         Raises:
             RewardError: a reward function failed here or on another rank.
@@ -73,7 +77,7 @@ class ScoreMixer:
         device = input_ids.device
         raw = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=device)
         norm = torch.zeros_like(raw)
-        means: dict[str, float] = {}
+        sources: dict[str, torch.Tensor] = {}
         if "model" in self.weights:
             with self.reward_model.on_device() as rm:
                 r = batched_scores(rm, input_ids, attention_mask, self.batch_size, self.score_precision,
@@ -83,15 +87,15 @@ class ScoreMixer:
                 mean, std = self.score_stats
                 n = (r - mean) / (std if std > 1e-6 else 1.0)  # a constant RM has std 0: only centre
             raw, norm = raw + self.weights["model"] * r, norm + self.weights["model"] * n
-            means["reward/model"] = r.mean().item()
+            sources["reward/model"] = r.float()
         if self.functions:
             texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
             got = self._call_functions(texts, prompts)
             for source, values in got.items():
                 values = values.to(device)
                 raw, norm = raw + self.weights[source] * values, norm + self.weights[source] * values
-                means[f"reward/{source}"] = values.mean().item()
-        return raw, norm, means
+                sources[f"reward/{source}"] = values
+        return raw, norm, sources
 
     def _call_functions(self, texts: list[str], prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return call_on_every_rank(self.functions, texts, prompts)
@@ -99,9 +103,9 @@ class ScoreMixer:
 
 def call_on_every_rank(functions: dict[str, tuple[str, Any]], texts: list[str],
                        prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """{source: (B,) float32 scores} of this rank's completions `texts` (of the data rows `prompts`) by each
-    `functions[source] = (name, fn)`, called as `rlhf_cli.rewards.call_reward_function` does. A collective:
-    call it on every rank.
+    """{source: (B,) float32 scores, NaN where unscorable} of this rank's completions `texts` (of the data rows
+    `prompts`) by each `functions[source] = (name, fn)`, called as `rlhf_cli.rewards.call_reward_function` does.
+    A collective: call it on every rank.
 
     Raises:
         RewardError: on every rank when a function failed on any of them (this rank's own message, or
@@ -117,3 +121,28 @@ def call_on_every_rank(functions: dict[str, tuple[str, Any]], texts: list[str],
     if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:
         raise failure if failure is not None else RewardError("a reward function failed on another rank")
     return out
+
+
+def unscored_rows(cfg: Any, iteration: int, raw: torch.Tensor,
+                  score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows no reward source could score (a NaN score from `ScoreMixer`, of any weighted source): (raw, score) with
+    those rows' values set to 0, and scored (B,) bool, False on them. The maker keeps them out of every group
+    baseline, loss and reward statistic (`valid`); a collective: call it on every rank.
+
+    The rule is TRL's for unscorable rows (trl PRs #5749, #5773): a row nobody can score teaches nothing, rather
+    than reward 0, which would push the policy away from answers the verifier could not read.
+
+    Raises:
+        RewardError: on every rank, when more than `reward.max_unscorable_frac` of this generation round's
+            completions over all ranks are unscored (iteration: 0-based, for the message).
+    """
+    scored = ~(raw.isnan() | score.isnan())
+    limit = cfg.reward.max_unscorable_frac
+    n_bad, n = engine.all_reduce_sum(torch.tensor([float((~scored).sum()), float(scored.numel())],
+                                                  dtype=torch.float64)).tolist()
+    if n and n_bad / n > limit:
+        raise RewardError(f"iteration {iteration + 1}: {int(n_bad)} of {int(n)} completions ({n_bad / n:.0%}) could "
+                          f"not be scored (reward {'+'.join(reward_sources(cfg))} returned None or NaN), more than "
+                          f"reward.max_unscorable_frac={limit}: fix the reward source, or raise the limit")
+    zero = torch.zeros((), dtype=raw.dtype, device=raw.device)
+    return torch.where(scored, raw, zero), torch.where(scored, score, zero), scored

@@ -19,12 +19,14 @@ def shape(p: Any, estimator: Any, whiten: bool, beta: float, *, score: torch.Ten
     token with `ppo.kl_in=reward`, the score alone with `loss` (β·KL is then a loss term); then (advantages,
     returns) (B, R) by the estimator (`core.ESTIMATORS[ppo.advantage_estimator]`) over the sampled tokens, the
     advantages whitened over `loss_mask`'s tokens of all ranks when `whiten` (`ppo.whiten_advantages`, or the
-    estimator's default).
+    estimator's default). A row that does not count (`valid` False: unscorable, or masked by `ppo.truncated=mask`)
+    gets advantage 0 on every token, whatever the estimator.
 
     p: the run's `ppo` section; beta: β, the KL controller's value. old_logprobs, ref_logprobs: (B, R) float32;
     values: (B, R) float32 old values, None without a critic; action_mask: (B, R) float, 1 = a token the policy
     sampled (EOS included; `Episodes.action_mask`); loss_mask: (B, R), those of its tokens that enter the loss;
-    valid: (B,) bool, rows that count in a group baseline; groups: (B,) long group ids."""
+    valid: (B,) bool, rows that count in a group baseline and learn; groups: (B,) long group ids. score holds no
+    NaN: an unscorable row's is 0 and it is not valid (`scores.unscored_rows`)."""
     if p.kl_in == "reward":
         rewards = kl_penalized_rewards(score, old_logprobs, ref_logprobs, action_mask, beta, p.kl_estimator)
     else:  # β·KL is a loss term (PolicyLearner.losses): the reward is the score alone
@@ -33,4 +35,4 @@ def shape(p: Any, estimator: Any, whiten: bool, beta: float, *, score: torch.Ten
                                     gamma=p.gamma, lam=p.lam)
     if whiten:
         advantages = whiten_across_ranks(advantages, loss_mask)
-    return rewards, advantages, returns
+    return rewards, advantages * valid.to(advantages.dtype)[:, None], returns  # a row that does not count: 0

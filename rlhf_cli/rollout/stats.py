@@ -30,6 +30,16 @@ def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Te
     return centred, n, mean, (ss / (n - 1) if n > 1 else 1.0)
 
 
+def scored_means(values: dict[str, torch.Tensor], scored: torch.Tensor) -> dict[str, float]:
+    """Each (B,) value's mean over the scored rows (`scored` (B,) bool) of ALL ranks, keyed as in `values`;
+    {} when no rank scored a row (nothing to average: no number rather than a NaN). Each rank's float32 mean
+    weighed by its count, so one rank's figure is its plain mean, bit for bit."""
+    n = float(scored.sum())
+    local = [values[k][scored].float().mean().item() * n if n else 0.0 for k in values]
+    *sums, total = engine.all_reduce_sum(torch.tensor([*local, n], dtype=torch.float64)).tolist()
+    return {k: s / total for k, s in zip(values, sums)} if total else {}
+
+
 def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x − mean)/std over real tokens of ALL ranks (unbiased std), 0 on padding.
 
@@ -64,19 +74,19 @@ def response_kl(exp: Experience) -> torch.Tensor:
 
 def kl_stats(exp: Experience, beta: float) -> dict[str, float]:
     """The rollout's KL statistics, means over all ranks' rows: `objective/kl` (k1, nats/seq), `objective/kl_k3`,
-    `objective/rlhf_reward` (score − β·KL, β = `beta`) and `objective/entropy_sampled` (−Σ log π of the sampled
-    tokens, nats/seq), each over the tokens the policy sampled (`exp.action_mask`). Run after the update in every
-    case: an on-policy plan's old log-probs come from it (`UpdatePlan.on_policy`); otherwise the update leaves them
-    as the rollout computed them."""
+    `objective/rlhf_reward` (score − β·KL, β = `beta`; over the scored rows, `Experience.scored`) and
+    `objective/entropy_sampled` (−Σ log π of the sampled tokens, nats/seq), each over the tokens the policy
+    sampled (`exp.action_mask`). Run after the update in every case: an on-policy plan's old log-probs come from
+    it (`UpdatePlan.on_policy`); otherwise the update leaves them as the rollout computed them."""
     action_mask = exp.action_mask
     kl_seq = response_kl(exp)
     k3 = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k3")
-    return engine.reduce_stats({
+    scored = exp.scored if exp.scored is not None else torch.ones_like(exp.scores, dtype=torch.bool)
+    return {**engine.reduce_stats({
         "objective/kl": kl_seq.mean().item(),
         "objective/kl_k3": (k3 * action_mask).sum(1).mean().item(),
-        "objective/rlhf_reward": (exp.scores - beta * kl_seq).mean().item(),
         "objective/entropy_sampled": (-(exp.old_logprobs * action_mask).sum(1)).mean().item(),
-    })
+    }), **scored_means({"objective/rlhf_reward": exp.scores - beta * kl_seq}, scored)}  # over the scored rows
 
 
 def engine_stats(exp: Experience) -> dict[str, float]:

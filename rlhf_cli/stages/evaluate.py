@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -395,7 +396,9 @@ def _small_sample(n: int, what: str) -> dict[str, str]:
 
 
 def _get(d: dict[str, Any], key: str, i: int) -> float | None:
-    return float(d[key][i]) if key in d else None
+    """d[key][i] as a float; None when not measured, or NaN (a completion the reward function could not score)."""
+    v = float(d[key][i]) if key in d else math.nan
+    return None if math.isnan(v) else v
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 A critic-free run builds no critic and saves none; a user's reward function in a file is called with the
 prompts' answers and its values (weighted, with the checker and the missing-EOS penalty) are the scores the
-advantages are computed from; a function that returns NaN or the wrong number of values stops the run with one
-line naming it and the data row. Two ranks giving one rank's group advantages: `tests/test_distributed.py`.
+advantages are computed from; a function that returns ±inf or the wrong number of values stops the run with one
+line naming it and the data row (None or NaN is an unscorable row: `test_unscorable.py`). Two ranks giving one
+rank's group advantages: `tests/test_distributed.py`.
 """
 
 import json
@@ -96,8 +97,8 @@ def test_reward_function_gets_the_answers_and_its_values_are_the_scores(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("body", "needle"), [
-    ("def f(prompts, completions, answer, **kw):\n    return [float('nan')] + [1.0] * (len(completions) - 1)\n",
-     "returned nan for the completion of data row "),
+    ("def f(prompts, completions, answer, **kw):\n    return [float('-inf')] + [1.0] * (len(completions) - 1)\n",
+     "returned -inf for the completion of data row "),
     ("def f(prompts, completions, answer, **kw):\n    return [1.0] * (len(completions) - 1)\n",
      "values for 8 completions (data rows "),
 ])
