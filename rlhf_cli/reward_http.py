@@ -198,6 +198,7 @@ class HttpReward:
             except ValueError:
                 raise RewardServerError(f"reward server {self.url} answered {resp.text[:120]!r}, not JSON") from None
             return parse_rewards(reply, n, self.url)
-        raise RewardServerError(f"reward server {self.url} failed {self.retries + 1} times for {n} rows (last: {why}; "
+        tries = f"{self.retries + 1} times" if self.retries else "once"
+        raise RewardServerError(f"reward server {self.url} failed {tries} for {n} rows (last: {why}; "
                                 f"reward.retries={self.retries}); the last checkpoint is kept: continue with "
                                 f"resume=true once the server is up")

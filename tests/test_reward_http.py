@@ -3,7 +3,10 @@ tests start on 127.0.0.1 (`reward_server.FakeRewardServer`): the scores equal th
 batching and concurrency, null/NaN become NaN, and timeouts, retries, a 500, a wrong count or type and an
 unreachable URL each fail in one line naming the URL."""
 
+import json
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -45,7 +48,8 @@ def test_http_scores_equal_the_function_whatever_the_batching(batch_size, concur
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert sorted(len(b["query"]) for b in server.requests) == sorted(
         [min(batch_size, 7 - i) for i in range(0, 7, batch_size)])
-    body = server.requests[0]  # the protocol's fields, ours beside them, and the data row's columns
+    # the first batch (received in any order under concurrency): the protocol's fields, ours, the row's columns
+    body = next(b for b in server.requests if b["prompts"][0] == ROWS[0]["prompt_text"])
     assert {"query", "prompts", "labels", "completions", "question", "difficulty"} <= set(body)
     assert body["labels"] == [r["answer"] for r in ROWS[:batch_size]]
 
@@ -152,7 +156,8 @@ def batch(tokenizer):
     """A `[left-padded prompt | right-padded response]` batch: rows ending with EOS and a truncated one."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompts = [tokenizer.encode(f"Question: {q}\nAnswer:") for q in ("1 + 1?", "what is 12 + 30?", "2 + 2?")]
-    responses = [tokenizer.encode(" 2") + [eos], tokenizer.encode(" 42 is the answer"), tokenizer.encode(" four") + [eos]]
+    responses = [tokenizer.encode(" 2") + [eos], tokenizer.encode(" 42 is the answer"),
+                 tokenizer.encode(" four") + [eos]]
     P, R = max(map(len, prompts)), max(map(len, responses))
     ids = torch.tensor([[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)])
     am = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r))
@@ -172,8 +177,9 @@ def test_the_score_mixer_scores_with_the_server_as_with_the_function(tmp_path, t
                              tokenizer, None, None, 2, "fp32")
     want, _, means = by_function(ids, am, P, rows)
     with FakeRewardServer(rewards_of(length_and_answer)) as server:
-        mixer = ScoreMixer(compose("train_ppo", ["reward.weights={http:2.0}", f"reward.url={server.url}",
-                                                 "reward.http_batch_size=2"]), tokenizer, None, None, 2, "fp32")
+        http = ["reward.weights={http:2.0}", f"reward.url={server.url}", "reward.http_batch_size=2",
+                "reward.max_concurrency=1"]  # one request at a time: `sent` in the rows' order
+        mixer = ScoreMixer(compose("train_ppo", http), tokenizer, None, None, 2, "fp32")
         raw, score, got_means = mixer(ids, am, P, rows)
     assert torch.equal(raw, 2 * want) and torch.equal(score, raw)
     assert got_means == {"reward/http": pytest.approx(means["reward/function"])}
@@ -181,3 +187,39 @@ def test_the_score_mixer_scores_with_the_server_as_with_the_function(tmp_path, t
     eos, pad = tokenizer.eos_token, tokenizer.pad_token
     assert sent == queries(tokenizer, ids, am) and [q.count(eos) for q in sent] == [1, 0, 1]
     assert sent[0].endswith(" 2" + eos) and sent[0].startswith("Question: 1 + 1?") and pad not in "".join(sent)
+
+
+def test_a_run_whose_server_goes_down_stops_cleanly_and_resumes_once_it_is_up(tmp_path):
+    """train-ppo with `reward.type=http`: the server fails at iteration 3 -> one line naming it, exit 2, the run
+    left resumable at its step-2 checkpoint; a resume while nothing listens is refused in one line before any
+    model loads; with the server up again on the same port, `resume=true` finishes the run from step-2."""
+    from stage_helpers import subprocess_env
+
+    calls = {"n": 0}
+
+    def up_then_down(body):
+        calls["n"] += 1
+        return (503, {"detail": "down"}) if calls["n"] > 2 else rewards_of(length_and_answer)(body)
+
+    def rlhf(*args):
+        return subprocess.run([sys.executable, "-m", "rlhf_cli", "train-ppo", *args], capture_output=True, text=True,
+                              env=subprocess_env(HYDRA_FULL_ERROR="0"), timeout=300)
+
+    with FakeRewardServer(up_then_down) as server:
+        common = ["experiment=smoke", "reward.type=http", f"reward.url={server.url}", "reward.retries=0",
+                  "ppo.iterations=3", "ppo.save_every=1", f"paths.root={tmp_path}"]
+        out = rlhf(*common)
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: reward server {server.url} failed once for 8 rows (last: HTTP 503"), last
+    (run,) = (tmp_path / "ppo").iterdir()
+    assert json.loads((run / "status.json").read_text())["state"] == "running"
+    assert (run / "ds" / "latest").read_text().strip() == "step-2"
+    out = rlhf(*common, "resume=true")  # the server is still down: refused before any model loads
+    assert out.returncode == 2 and f"reward.url={server.url}: no reward server answers" in out.stderr
+    with FakeRewardServer(rewards_of(length_and_answer), port=server.port) as again:
+        out = rlhf(*common, "resume=true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"continuing {run} from step-2" in out.stderr and len(again.requests) == 1
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3] and json.loads((run / "status.json").read_text())["state"] == "finished"
