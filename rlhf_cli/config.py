@@ -657,6 +657,24 @@ class EvalOptions:
 
 
 @dataclass
+class ServeConfig:
+    """`rlhf serve-rm`'s settings: where it listens and how it batches."""
+
+    host: str = "127.0.0.1"
+    """The address it listens on: `127.0.0.1` (this machine only), or `0.0.0.0` for trainers on other machines."""
+    port: int = 5000
+    """The TCP port it listens on (1-65535); trainers set `reward.url=http://<host>:<port>/get_reward`."""
+    batch_size: int = 32
+    """Rows per forward of the reward model (> 0): concurrent requests are gathered up to this many rows."""
+    max_wait_ms: float = 5.0
+    """How long (milliseconds, >= 0) the first waiting request waits for others to join its forward."""
+    normalize: bool = False
+    """Answer (score - mean) / std with the held-out mean and std train-rm stored in the model (as train-ppo's
+    `ppo.normalize_reward` does in-process), not the raw scores `rlhf eval` reports. A model that stored none
+    is served raw (said once)."""
+
+
+@dataclass
 class RolloutConfig:
     """`rollout.*`: how train-ppo and eval sample responses."""
 
@@ -780,6 +798,8 @@ class RunConfig:
     """`rlhf eval`'s sampling and batching."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The sampling engine of train-ppo and eval (`rollout.engine`)."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """`rlhf serve-rm`'s address and batching."""
     precision: str = "auto"
     """`fp32`; `bf16-autocast` (fp32 master weights, bf16 matmuls under torch.autocast); `bf16`
     (bf16 weights, DeepSpeed's bf16 optimizer with fp32 master copies); `auto` (default): bf16-autocast
@@ -1159,7 +1179,8 @@ def validate_reward(cfg: Any) -> None:
         _check(bool(r.function), "the reward source `function` needs reward.function=<module or file.py>:<callable>")
     if "http" in sources:
         _check(bool(r.url), "the reward source `http` needs reward.url=<the server's URL> (e.g. "
-               "http://127.0.0.1:5000/get_reward, where `rlhf serve-rm` and OpenRLHF's serve_rm answer)")
+               "http://127.0.0.1:5000/get_reward, where this toolkit's and OpenRLHF's reward servers "
+               "answer)")
         _check_url(str(r.url))
         _check(r.http_batch_size > 0, f"reward.http_batch_size must be > 0 (got {r.http_batch_size})")
         _check(r.max_concurrency > 0, f"reward.max_concurrency must be > 0 (got {r.max_concurrency})")
@@ -1188,6 +1209,20 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "
            "\"Sample with vLLM\"), or use rollout.engine=hf")
+
+
+def validate_serve(cfg: Any, world_size: int = 1) -> None:
+    """`rlhf serve-rm`: one process, a port, batching settings, and its extra (FastAPI and uvicorn) installed."""
+    validate_common(cfg)
+    s = cfg.serve
+    _check(world_size == 1, f"a reward server is one process (got WORLD_SIZE={world_size}): start one per GPU, each "
+                            "on its own serve.port")
+    _check(1 <= s.port <= 65535, f"serve.port must be in 1-65535 (got {s.port})")
+    _check(s.batch_size > 0, f"serve.batch_size must be > 0 (got {s.batch_size})")
+    _check(0 <= s.max_wait_ms < math.inf, f"serve.max_wait_ms must be a finite number >= 0 (got {s.max_wait_ms})")
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    _check(not missing, f"serving a reward model needs {' and '.join(missing)}: pip install 'rlhf_cli[serve]' "
+                        f"(or pip install fastapi uvicorn)")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:

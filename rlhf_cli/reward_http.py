@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from rlhf_cli.commands import by_kind
 from rlhf_cli.errors import ConfigError, RewardServerError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,8 +69,9 @@ def check_reachable(url: str, timeout_s: float) -> None:
         with socket.create_connection((host, port), timeout=min(timeout_s, 10.0)):
             pass
     except OSError as e:
+        server = by_kind("serve").invocation
         raise ConfigError(f"reward.url={url}: no reward server answers at {host}:{port} ({e.strerror or e}): start "
-                          f"it first (`rlhf serve-rm`, README \"Score with a reward server\")") from None
+                          f"it first (`{server}`, README \"Score with a reward server\")") from None
 
 
 def parse_rewards(reply: Any, n: int, url: str) -> list[float]:
