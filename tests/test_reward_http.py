@@ -17,6 +17,7 @@ from stage_helpers import compose
 from rlhf_cli import reward_http
 from rlhf_cli.config import ConfigError, validate_reward
 from rlhf_cli.errors import RewardServerError
+from rlhf_cli.preflight import VALIDATORS
 from rlhf_cli.reward_http import HttpReward, check_reachable, parse_rewards, queries
 from rlhf_cli.rewards import call_reward_function
 from rlhf_cli.rollout import ScoreMixer
@@ -133,8 +134,22 @@ def test_an_unreachable_url_is_one_line_naming_it():
     assert str(e.value).startswith(f"reward.url={url}: no reward server answers at 127.0.0.1:")
     with pytest.raises(RewardServerError, match=f"reward server {url} failed 2 times .*ConnectError"):
         HttpReward(url, retries=1).score(["q"], ["c"], ROWS[:1])
+    with pytest.raises(ConfigError, match=f"reward.url={url}: no reward server answers"):  # before any model loads
+        VALIDATORS["train_ppo"](compose("train_ppo", ["model=tiny", "reward.type=http", f"reward.url={url}"]))
     with FakeRewardServer(failing(0)) as server:
         check_reachable(server.url, 2.0)
+
+
+def test_the_http_keys_without_an_http_source_are_refused():
+    from rlhf_cli.commands import COMMANDS
+    from rlhf_cli.overrides import ignored_keys
+
+    for command, typed in (("train-ppo", ["reward.type=function"]), ("eval", ["reward.weights={http:1.0}"])):
+        cfg = compose(COMMANDS[command].config_name, [*typed, "reward.url=http://h/x"])
+        ((key, why),) = ignored_keys(COMMANDS[command], [*typed, "reward.url=http://h/x"], cfg)
+        assert key == "reward.url" and "no `http` reward source" in why
+    cfg = compose("train_ppo", ["reward.weights={http:1.0}", "reward.url=http://h/x"])
+    assert ignored_keys(COMMANDS["train-ppo"], ["reward.weights={http:1.0}", "reward.url=http://h/x"], cfg) == []
 
 
 @pytest.mark.parametrize("overrides,said", [

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from reward_server import free_port
-from stage_helpers import subprocess_env
+from stage_helpers import compose, subprocess_env
 from test_reward_http import batch
 
 from rlhf_cli.forwards import batched_scores
@@ -70,6 +70,35 @@ def test_the_scorer_normalises_with_the_stored_mean_and_std(rm_dir, tokenizer):
     raw = torch.tensor(RewardScorer(rm, tokenizer, 2, "fp32")(texts))
     norm = torch.tensor(RewardScorer(rm, tokenizer, 2, "fp32", (RM_MEAN, RM_STD))(texts))
     torch.testing.assert_close(norm, (raw - RM_MEAN) / RM_STD)
+
+
+def test_a_bad_request_a_missing_extra_and_a_taken_port_are_one_line(monkeypatch, tmp_path):
+    import importlib.util
+
+    from fastapi.testclient import TestClient
+
+    from rlhf_cli.config import ConfigError, validate_serve
+    from rlhf_cli.stages.serve_rm import check_port_free, make_app
+
+    batcher = Batcher(lambda texts: [float(len(t)) for t in texts], batch_size=4, max_wait_s=0.0)
+    client = TestClient(make_app(batcher, "rm"))
+    assert client.post("/get_reward", json={"query": ["ab", "c"]}).json() == {"rewards": [2.0, 1.0],
+                                                                             "scores": [2.0, 1.0]}
+    for bad in ({"queries": ["a"]}, {"query": "a"}, {"query": [1]}, ["a"]):
+        reply = client.post("/get_reward", json=bad)
+        assert reply.status_code == 400 and "expected {\"query\": [text, ...]}" in reply.json()["detail"]
+    batcher.close()
+    cfg = compose("serve_rm", [f"paths.root={tmp_path}"])
+    validate_serve(cfg)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else find_spec(name))
+    with pytest.raises(ConfigError, match=r"serving a reward model needs uvicorn: pip install 'rlhf_cli\[serve\]'"):
+        validate_serve(cfg)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ConfigError, match=f"serve.port={taken.getsockname()[1]}: cannot listen there"):
+            check_port_free("127.0.0.1", taken.getsockname()[1])
 
 
 def wait_for_port(port, proc, timeout=120.0):
