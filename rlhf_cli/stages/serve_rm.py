@@ -10,7 +10,10 @@ Each `query` is a full text (templated prompt, response and its EOS, as `rlhf_cl
 tokenized as it is (no special tokens added) and scored at its last token, as the trainer's in-process reward
 model scores its ids. Other request fields are accepted and ignored. Concurrent requests are gathered (`Batcher`:
 the first waits up to `serve.max_wait_ms` for others, up to `serve.batch_size` rows) and scored together, one
-forward per `serve.batch_size` rows.
+forward per `serve.batch_size` rows. The server sees text, not ids: where a trainer's sampled ids are not the
+tokenizer's own encoding of their text (often so for a random model's samples: 18 of 50 random 8-token replies
+did not survive decode-then-encode with SmolLM2's tokenizer; natural text does), a score differs slightly from the
+in-process reward model's, as with any text protocol (OpenRLHF's too).
 
 Normalisation: by default the scores are the model's raw scores, the numbers `rlhf eval` reports for the same
 texts (`<side>/score_mean`, `rewards.json`). With `serve.normalize=true` they are (score - mean) / std with the
