@@ -304,7 +304,7 @@ def run_command(command: str, cfg) -> float | None:
     cmd = COMMANDS[command]
     quiet_libraries()
     from rlhf_cli.errors import USER_ERRORS as errors  # the user's mistakes: one line, exit status 2
-    from rlhf_cli.errors import SaveError
+    from rlhf_cli.errors import RewardServerError, SaveError
     from rlhf_cli.lifecycle import command_line_keys, is_sweep_job, mark_failed, resume_config
     from rlhf_cli.runs import close_open_loggers
 
@@ -326,8 +326,9 @@ def run_command(command: str, cfg) -> float | None:
         signal.signal(signal.SIGTERM, _terminate)  # SIGTERM takes Ctrl-C's path: checkpoint, then exit
         return module.run(cfg, run_dir)
     except errors as e:
-        # a failed save leaves the run resumable (its message says so), and so does a failed resume attempt
-        if not isinstance(e, SaveError) and not cfg.get("resume"):
+        # a failed save or reward server leaves the run resumable (its message says so), and so does a failed
+        # resume attempt
+        if not isinstance(e, (SaveError, RewardServerError)) and not cfg.get("resume"):
             mark_failed(run_dir, str(e))
         close_open_loggers("failed")
         _err(str(e))

@@ -192,6 +192,19 @@ _ALL = (
         meant={"model.name_or_path": "policy.path", "rm": "eval", "ppo": "eval"},
         defaults=(("policy.path", "ppo"), ("reward_model.path", "rm")),
     ),
+    Command(
+        name="serve-rm", config_name="serve_rm", stage="rlhf_cli.stages.serve_rm", kind="serve",
+        help="serve a trained reward model over HTTP (OpenRLHF's remote reward protocol, for reward.type=http)",
+        reads=("model", "paths", "precision", "scoring_precision", "seed", "dry_run", "experiment", "serve",
+               "reward_model"),
+        validator=config.validate_serve, section="serve",
+        model_paths=(
+            ModelPath("reward_model.path", "reward", f"set it to a `{{rm}}` {_FROM_RUN} or an HF reward-model dir, "
+                                                     "or leave it unset for {root}/latest_rm"),
+        ),
+        meant={"model.name_or_path": "reward_model.path", "reward.url": "serve.host and serve.port",
+               "eval.batch_size": "serve.batch_size", "resume": "nothing: a server has nothing to resume"},
+    ),
 )
 COMMANDS: dict[str, Command] = {c.name: c for c in _ALL}
 """{name as typed: Command}, in help order."""

@@ -46,7 +46,7 @@ SCORING_PRECISIONS = ("fp32", "same")
 # the engine corrections `rollout.is_correction` names: core.IS_CORRECTIONS (a test keeps the two equal)
 IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
-REWARD_SOURCES = ("model", "checker", "function")
+REWARD_SOURCES = ("model", "checker", "function", "http")
 # the sampling engines `rollout.engine` names: rollout.engines.GENERATORS (a test keeps the two equal)
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.engines.resolve_engine
 # the dtypes `rollout.engine_dtype` names: rollout.generation.resolve_dtype resolves `auto`
@@ -581,6 +581,8 @@ class RewardWeights:
     """The built-in checker (1.0 for a correct final number, else 0.0)."""
     function: float | None = None
     """`reward.function`'s value."""
+    http: float | None = None
+    """The reward server's score (`reward.url`)."""
 
 
 @dataclass
@@ -589,13 +591,32 @@ class RewardConfig:
 
     type: str = "model"
     """The one source: `model` (a reward model, `reward_model.path`), `checker` (the rule-based checker of
-    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers) or `function` (`reward.function`).
-    Not read when `reward.weights` is set."""
+    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers), `function` (`reward.function`)
+    or `http` (a reward server at `reward.url`). Not read when `reward.weights` is set."""
     function: str | None = None
     """A user reward function, `<module or path/to/file.py>:<callable>`, called on every rank with that rank's
     rows as `fn(prompts, completions, answer=[...])` (lists of str, and the rows' answers, None where a row has
     none; TRL's reward-function convention) and returning one float per completion. `rlhf eval` scores
     the policy's and the reference's samples with it too (`function_gain`, paired, in eval.json)."""
+    url: str | None = None
+    """The reward server of the source `http`, e.g. `http://127.0.0.1:5000/get_reward` (`rlhf serve-rm`, or
+    OpenRLHF's serve_rm: its remote reward protocol, `rlhf_cli.reward_http`). Its scores are used as they come
+    (not normalised here); a row it answers with null or NaN is unscorable. Checked with a TCP connect before any
+    model loads."""
+    label_key: str | None = None
+    """The data column sent to the server as `labels` (a JSON file's column); null = the rows' answers
+    (`data.answer_key`, or the built-in task's)."""
+    http_batch_size: int = 64
+    """Rows per request to the reward server (> 0). The scores do not depend on it."""
+    max_concurrency: int = 4
+    """Requests to the reward server in flight at once, per rank (> 0). The scores do not depend on it."""
+    timeout_s: float = 60.0
+    """Seconds a request to the reward server may take (connecting, sending, each read) before it counts as
+    failed (> 0)."""
+    retries: int = 3
+    """How often a failed request (no connection, a timeout, HTTP 429 or 5xx) is repeated, after 0.5 s, 1 s, 2 s, ...
+    (>= 0). A request still failing stops the run in one line; the last checkpoint stays, and `resume=true`
+    continues it once the server is up."""
     weights: RewardWeights = field(default_factory=lambda: RewardWeights())
     """Sum several sources, e.g. `reward.weights={model:1.0,checker:0.5}`: the score is Σ weight × source
     score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.
@@ -639,6 +660,24 @@ class EvalOptions:
     split: str = "eval"
     """Reward-model eval: which pairs of `data` to score: `eval` (the held-out part the trainer also
     held out), `train`, or `all`."""
+
+
+@dataclass
+class ServeConfig:
+    """`rlhf serve-rm`'s settings: where it listens and how it batches."""
+
+    host: str = "127.0.0.1"
+    """The address it listens on: `127.0.0.1` (this machine only), or `0.0.0.0` for trainers on other machines."""
+    port: int = 5000
+    """The TCP port it listens on (1-65535); trainers set `reward.url=http://<host>:<port>/get_reward`."""
+    batch_size: int = 32
+    """Rows per forward of the reward model (> 0): concurrent requests are gathered up to this many rows."""
+    max_wait_ms: float = 5.0
+    """How long (milliseconds, >= 0) the first waiting request waits for others to join its forward."""
+    normalize: bool = False
+    """Answer (score - mean) / std with the held-out mean and std train-rm stored in the model (as train-ppo's
+    `ppo.normalize_reward` does in-process), not the raw scores `rlhf eval` reports. A model that stored none
+    is served raw (said once)."""
 
 
 @dataclass
@@ -765,6 +804,8 @@ class RunConfig:
     """`rlhf eval`'s sampling and batching."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The sampling engine of train-ppo and eval (`rollout.engine`)."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """`rlhf serve-rm`'s address and batching."""
     precision: str = "auto"
     """`fp32`; `bf16-autocast` (fp32 master weights, bf16 matmuls under torch.autocast); `bf16`
     (bf16 weights, DeepSpeed's bf16 optimizer with fp32 master copies); `auto` (default): bf16-autocast
@@ -1119,6 +1160,19 @@ def reward_sources(cfg: Any) -> dict[str, float]:
     return weights or {str(cfg.reward.type): 1.0}
 
 
+def _check_url(url: str) -> None:
+    """`reward.url` is an http(s) URL with a host and a valid port. Raises ConfigError."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    _check(parts.scheme in ("http", "https") and bool(parts.hostname),
+           f"reward.url={url!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:5000/get_reward)")
+    try:
+        _ = parts.port  # urlsplit parses the port only when asked
+    except ValueError:
+        raise ConfigError(f"reward.url={url!r}: the port is not a number in 0-65535") from None
+
+
 def validate_reward(cfg: Any) -> None:
     """`reward.*`: known sources, finite weights with one non-zero, and `reward.function` when a source needs it."""
     r = cfg.reward
@@ -1131,6 +1185,16 @@ def validate_reward(cfg: Any) -> None:
            f"reward.max_unscorable_frac must be in [0, 1] (got {r.max_unscorable_frac})")
     if "function" in sources:
         _check(bool(r.function), "the reward source `function` needs reward.function=<module or file.py>:<callable>")
+    if "http" in sources:
+        _check(bool(r.url), "the reward source `http` needs reward.url=<the server's URL> (e.g. "
+               "http://127.0.0.1:5000/get_reward, where this toolkit's and OpenRLHF's reward servers "
+               "answer)")
+        _check_url(str(r.url))
+        _check(r.http_batch_size > 0, f"reward.http_batch_size must be > 0 (got {r.http_batch_size})")
+        _check(r.max_concurrency > 0, f"reward.max_concurrency must be > 0 (got {r.max_concurrency})")
+        _check(0 < r.timeout_s < math.inf,
+               f"reward.timeout_s must be a finite number of seconds > 0 (got {r.timeout_s})")
+        _check(r.retries >= 0, f"reward.retries must be >= 0 (got {r.retries})")
     if r.function:
         module, sep, name = str(r.function).rpartition(":")
         _check(bool(sep and module and name.isidentifier()),
@@ -1153,6 +1217,20 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "
            "\"Sample with vLLM\"), or use rollout.engine=hf")
+
+
+def validate_serve(cfg: Any, world_size: int = 1) -> None:
+    """`rlhf serve-rm`: one process, a port, batching settings, and its extra (FastAPI and uvicorn) installed."""
+    validate_common(cfg)
+    s = cfg.serve
+    _check(world_size == 1, f"a reward server is one process (got WORLD_SIZE={world_size}): start one per GPU, each "
+                            "on its own serve.port")
+    _check(1 <= s.port <= 65535, f"serve.port must be in 1-65535 (got {s.port})")
+    _check(s.batch_size > 0, f"serve.batch_size must be > 0 (got {s.batch_size})")
+    _check(0 <= s.max_wait_ms < math.inf, f"serve.max_wait_ms must be a finite number >= 0 (got {s.max_wait_ms})")
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    _check(not missing, f"serving a reward model needs {' and '.join(missing)}: pip install 'rlhf_cli[serve]' "
+                        f"(or pip install fastapi uvicorn)")
 
 
 def validate_eval(cfg: Any, world_size: int = 1) -> None:

@@ -5,6 +5,7 @@
     ModelSourceError   a model or tokenizer source that cannot be found                  FileNotFoundError
     SaveError          an output that could not be written (disk full, quota, read-only)  OSError
     RewardError        a reward function that raised or returned unusable values          ValueError
+    RewardServerError  a reward server that failed or answered unusably (the run stays resumable)  RewardError
 
 `USER_ERRORS` (these and PermissionError, an unwritable output dir) is what `rlhf_cli.cli` catches. This
 module imports nothing from the package, so every layer can raise these.
@@ -54,6 +55,13 @@ class SaveError(OSError):
 class RewardError(ValueError):
     """A reward function (`reward.function`, or the checker) raised, or returned the wrong number of values or a
     non-finite one. The message is one line naming the function and the data row; nothing is trained on it."""
+
+
+class RewardServerError(RewardError):
+    """A reward server (`reward.type=http`) that failed after its retries, or answered with the wrong count or type
+    of scores. The message is one line naming the URL and what came back. The server, not the run, is at fault:
+    the run is not marked failed, so that `resume=true` continues it from its last checkpoint once the server is
+    up."""
 
 
 USER_ERRORS = (ConfigError, DataError, ModelSourceError, SaveError, RewardError, PermissionError)

@@ -99,6 +99,14 @@ def _no_model_reward(cfg: Any, command: Command) -> bool:
     return "policy" in command.reads and cfg.policy.path is not None and cfg.reward.type != "model"
 
 
+def _no_http_reward(cfg: Any, command: Command) -> bool:
+    """Whether `command` reads a reward and no source of it is `http`: train-ppo's sources (`reward_sources`), eval's
+    `reward.type` (it does not sum `reward.weights`)."""
+    if "reward" not in command.reads:
+        return False
+    return "http" not in (reward_sources(cfg) if "ppo" in command.reads else {cfg.reward.type})
+
+
 IGNORED: tuple[Ignored, ...] = (
     Ignored("model.name_or_path", "`model.init=random` (`model=tiny`, `experiment=smoke`): a seeded random model, "
             "no weights loaded", lambda cfg, c: cfg.model.init == "random",
@@ -113,6 +121,9 @@ IGNORED: tuple[Ignored, ...] = (
     Ignored("reward_model.path", "no `model` reward source (`reward.type`, `reward.weights`) in a command that "
             "trains or measures a policy", lambda cfg, c: _no_model_reward(cfg, c),
             "add `reward.type=model` (or a `reward.weights.model`)"),
+    *(Ignored(f"reward.{k}", "no `http` reward source (`reward.type`, `reward.weights`)", _no_http_reward,
+              "add `reward.type=http` (or a `reward.weights.http`)")
+      for k in ("url", "label_key", "http_batch_size", "max_concurrency", "timeout_s", "retries")),
     Ignored("rm.epochs", "`rm.max_steps` set", lambda cfg, c: cfg.rm.max_steps is not None,
             "set `rm.max_steps=null` to count epochs"),
     Ignored("sft.epochs", "`sft.max_steps` set", lambda cfg, c: cfg.sft.max_steps is not None,

@@ -109,6 +109,8 @@ SKIP_RECIPE = {
     "Sample with vLLM": "needs `make install-vllm` in a venv of its own (CI's vLLM job runs tests/engine_vllm)",
     "Resume a run": "needs an interrupted run (tests/test_kill_mid_save.py and the resume tests interrupt one)",
     "Score with plain transformers": "no command block (tests/stages/test_stage_rm.py runs the snippet)",
+    "Score with a reward server": "a server that runs until stopped (tests/test_serve_rm.py serves a tiny RM, "
+                                  "tests/test_reward_http.py trains and resumes against a server)",
 }
 RUN_RECIPE = {
     "Train on your own data", "SFT, then RM, then PPO on your own files", "Train with LoRA",

@@ -841,6 +841,7 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
         prompt_text  str        the rendered prompt (before truncation)
         row          int        1-based row in the source (split index for the built-in task)
         answer       any        ground truth, when known (built-in task, or the `data.answer_key` column)
+        columns      dict       the data row's columns (a data file's rows; what a reward server receives)
 
     From a prompt-only file, or the prompts of a preference file (identical prompts kept once; response
     fields are not validated). `data.path=null` uses the built-in ppo_train / ppo_eval splits.
@@ -873,6 +874,8 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
         ex: dict[str, Any] = {"prompt_ids": cut, "prompt_text": text, "row": row}
         if prompt.answer is not None:
             ex["answer"] = prompt.answer
+        if prompt.columns is not None:
+            ex["columns"] = prompt.columns
         out.append(ex)
     summary.dropped = dict(drops)
     summary.kept[split] = len(out)

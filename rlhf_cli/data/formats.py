@@ -111,6 +111,9 @@ class Prompt:
     """Raw text, used when there is no chat template or `data.chat_template=false`."""
     answer: Any = None
     """Ground-truth answer when the data has one (the built-in task, or `data.answer_key`)."""
+    columns: dict[str, Any] | None = None
+    """A prompt row's columns as the data file holds them (`parse_prompt`), which a reward server receives
+    (`reward.type=http`); None for the built-in task."""
 
 
 @dataclass
@@ -560,4 +563,5 @@ def parse_prompt(row: dict[str, Any], fmt: str, keys: Keys) -> Prompt:
     else:
         prompt = _PARSERS[fmt](row, keys, False).prompt
     prompt.answer = row.get(keys.answer)
+    prompt.columns = dict(row)
     return prompt

@@ -6,6 +6,8 @@ the estimators take are built from it later (`shaping.shape`).
                         `ppo.normalize_reward` and the checkpoint stores them)
               checker   `rlhf_cli.data.builtin:checker`, 1.0 for a correct final number, else 0.0
               function  the user's `reward.function` (see `rlhf_cli.rewards`)
+              http      a reward server at `reward.url`, OpenRLHF's remote protocol (see `rlhf_cli.reward_http`);
+                        its scores as they come, NaN where it answered null or NaN
     score     Σ weight × source score; the trainer then subtracts `ppo.missing_eos_penalty` from responses
               without EOS (`ppo.truncated=penalize`)
 
@@ -27,8 +29,9 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.config import reward_sources
 from rlhf_cli.data import checker
-from rlhf_cli.errors import RewardError
+from rlhf_cli.errors import RewardError, RewardServerError
 from rlhf_cli.forwards import batched_scores
+from rlhf_cli.reward_http import HttpReward, queries
 from rlhf_cli.rewards import call_reward_function, load_reward_function
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,7 @@ class ScoreMixer:
             self.functions["checker"] = (CHECKER, checker)
         if "function" in self.weights:
             self.functions["function"] = (cfg.reward.function, load_reward_function(cfg.reward.function))
+        self.http = HttpReward.from_config(cfg.reward) if "http" in self.weights else None
         if "model" in self.weights and reward_model is None:
             raise ValueError("the reward source `model` needs a reward model")
         if "model" in self.weights and normalize and score_stats is None and engine.is_main():
@@ -95,6 +99,12 @@ class ScoreMixer:
                 values = values.to(device)
                 raw, norm = raw + self.weights[source] * values, norm + self.weights[source] * values
                 sources[f"reward/{source}"] = values
+        if self.http is not None:
+            texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
+            values = http_on_every_rank(self.http, queries(self.tokenizer, input_ids, attention_mask), texts,
+                                        prompts).to(device)
+            raw, norm = raw + self.weights["http"] * values, norm + self.weights["http"] * values
+            sources["reward/http"] = values
         return raw, norm, sources
 
     def _call_functions(self, texts: list[str], prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -146,3 +156,24 @@ def unscored_rows(cfg: Any, iteration: int, raw: torch.Tensor,
                           f"reward.max_unscorable_frac={limit}: fix the reward source, or raise the limit")
     zero = torch.zeros((), dtype=raw.dtype, device=raw.device)
     return torch.where(scored, raw, zero), torch.where(scored, score, zero), scored
+
+
+def http_on_every_rank(client: HttpReward, query: list[str], texts: list[str],
+                       prompts: list[dict[str, Any]]) -> torch.Tensor:
+    """(B,) float32 scores of this rank's rows by the reward server `client` (`HttpReward.score`: `query` the
+    rows' full texts, `texts` their completions, `prompts` their data rows), NaN where it could not score a row.
+    A collective: call it on every rank.
+
+    Raises:
+        RewardServerError: on every rank when the server failed for any of them.
+    """
+    failure, out = None, None
+    try:
+        out = client.score(query, texts, prompts)
+    except RewardServerError as e:
+        failure = e
+    if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:
+        raise failure if failure is not None else RewardServerError(
+            f"reward server {client.url} failed for another rank; the last checkpoint is kept: continue with "
+            f"resume=true once the server is up")
+    return out

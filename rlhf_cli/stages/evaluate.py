@@ -51,6 +51,7 @@ from rlhf_cli.report import (
     print_summary,
     summary_table,
 )
+from rlhf_cli.reward_http import HttpReward, queries
 from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.rollout import (
     EngineSettings,
@@ -60,6 +61,7 @@ from rlhf_cli.rollout import (
     call_on_every_rank,
     describe_engine,
     dtype_setting,
+    http_on_every_rank,
     make_generator,
     resolve_engine,
 )
@@ -140,6 +142,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
                                      (ref_ep.input_ids, ref_ep.attention_mask, ref_ep.P),
                                      tokenizer.pad_token_id, e.batch_size, models["score_precision"],
                                      cfg.data.packing, models["eos"])
+    elif cfg.reward.type == "http":  # the server's scores take the reward model's place: win rate, score_gain, ...
+        scores = {who: server_scores(cfg, tokenizer, ep, mine) for who, ep in sampled.items()}
     rows = [side_values(cfg, models, tokenizer, mine, who, sampled[who], scores.get(who))
             for who in ("policy", "reference")]
     pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
@@ -151,8 +155,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     results: dict[str, Any] = {
         "mode": "policy", "policy": str(Path(src["policy_dir"]).resolve()), "reference": str(src["ref_path"]),
         "reward_model": str(src["rm_path"]) if src["rm_path"] else None, "prompts": len(prompt_texts),
-        "temperature": e.temperature, "max_new_tokens": e.max_new_tokens, "seed": cfg.seed,
-        **_small_sample(len(prompt_texts), "prompts"),
+        "reward_source": score_source(cfg, models, src["rm_path"]), "temperature": e.temperature,
+        "max_new_tokens": e.max_new_tokens, "seed": cfg.seed, **_small_sample(len(prompt_texts), "prompts"),
     }
     rm_stats = models["rm_stats"]
     results.update(policy_eval_stats(pol, ref, rm_stats[1] if rm_stats is not None else None))
@@ -160,6 +164,23 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
         log.warning("%s", results["headline"])
     results["samples"] = write_responses(run_dir, pol, ref, prompt_texts, e.num_samples)
     return results
+
+
+def server_scores(cfg: Any, tokenizer: Any, sampled: Episodes, mine: list[dict[str, Any]]) -> torch.Tensor:
+    """The reward server's (`reward.type=http`, `reward.url`) scores (N,) float32 on the CPU of one side's
+    `Episodes` of this rank's prompts `mine`: the same request as train-ppo's (`rlhf_cli.reward_http`).
+    Raises RewardServerError (on every rank) when the server fails."""
+    ids, am, P = sampled.input_ids, sampled.attention_mask, sampled.P
+    texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
+    return http_on_every_rank(HttpReward.from_config(cfg.reward), queries(tokenizer, ids, am), texts, mine).cpu()
+
+
+def score_source(cfg: Any, models: dict[str, Any], rm_path: str | None) -> str | None:
+    """What eval.json's `score` figures (`<side>/score_mean`, `win_rate`, `score_gain`) were scored by:
+    `reward model <path>`, `reward server <url>`, or None (no such score)."""
+    if cfg.reward.type == "http":
+        return f"reward server {cfg.reward.url}"
+    return f"reward model {rm_path}" if models["reward_model"] is not None else None
 
 
 def policy_sources(cfg: Any, policy_path: str) -> dict[str, Any]:

@@ -273,7 +273,8 @@ class PPOTrainer(PolicyLearner):
 
 def describe_reward(cfg: Any, rm_path: str | None) -> str:
     """The run's reward for its start table: `reward model <path>`, or the weighted sources."""
-    names = {"model": f"reward model {rm_path}", "checker": "checker", "function": f"function {cfg.reward.function}"}
+    names = {"model": f"reward model {rm_path}", "checker": "checker", "function": f"function {cfg.reward.function}",
+             "http": f"reward server {cfg.reward.url}"}
     sources = reward_sources(cfg)
     if len(sources) == 1:
         return names[next(iter(sources))]
