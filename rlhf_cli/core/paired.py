@@ -174,6 +174,14 @@ def reward_hacking(results: dict[str, Any]) -> dict[str, Any]:
             "headline": f"{text} ({rm}; {'; '.join(parts)}; paired policy − reference, 95 % intervals)"}
 
 
+def _scored_mean(x: torch.Tensor, key: str) -> dict[str, float]:
+    """`<key>_mean` and `<key>_ci95` (`mean_ci95`) of the values of x (N,) that are not NaN (NaN: a completion its
+    source could not score), and `<key>_unscorable`, their count, when there are any."""
+    scored = ~x.isnan()
+    out = dict(zip((f"{key}_mean", f"{key}_ci95"), mean_ci95(x[scored])))
+    return {**out, f"{key}_unscorable": int((~scored).sum())} if not scored.all() else out
+
+
 def policy_eval_stats(policy: dict[str, Any], reference: dict[str, Any],
                       rm_std: float | None = None) -> dict[str, Any]:
     """The figures of a policy eval (`rlhf eval policy.path=...`) from each side's per-prompt values, the same N
@@ -185,12 +193,13 @@ def policy_eval_stats(policy: dict[str, Any], reference: dict[str, Any],
     model's held-out score std, which `score_gain_rm_std` is in units of (None, or ≤ 1e-6: not given).
 
     Returns `<side>/length_mean`, `<side>/eos_rate`, `<side>/score_mean` and `_ci95` (t interval half-width),
-    `<side>/accuracy` with its Wilson `_ci95_low`/`_ci95_high`, `<side>/function_mean` and `_ci95` (over the
-    completions it scored: NaN in `function` is an unscorable one) and `<side>/function_unscorable` (their count);
-    the paired figures (the interval of the per-prompt difference leaves out the variance the two sides share,
-    such as prompt difficulty): `win_rate` (ties half) with its Wilson interval, `score_gain`, `accuracy_gain`,
-    `function_gain` each with `_ci95` (`function_gain` over the prompts both sides' samples were scored on),
-    `score_gain_rm_std`; the `reward_hacking` verdict and `headline`; and
+    `<side>/accuracy` with its Wilson `_ci95_low`/`_ci95_high`, `<side>/function_mean` and `_ci95`; `score` and
+    `function` may hold NaN (a completion its source could not score, such as a reward server's null): their
+    figures leave those out, paired ones the prompts either side lacks, and `<side>/score_unscorable` and
+    `<side>/function_unscorable` count them (when any). The paired figures (the interval of the per-prompt
+    difference leaves out the variance the two sides share, such as prompt difficulty): `win_rate` (ties half)
+    with its Wilson interval, `score_gain`, `accuracy_gain`,
+    `function_gain` each with `_ci95`, `score_gain_rm_std`; the `reward_hacking` verdict and `headline`; and
     `kl_k1`, `kl_k3` with `_ci95`. A figure whose values a side lacks is left out.
 
     Raises:
@@ -202,19 +211,18 @@ def policy_eval_stats(policy: dict[str, Any], reference: dict[str, Any],
         results[f"{name}/length_mean"] = float(t["length"].mean())
         results[f"{name}/eos_rate"] = float(t["eos"].mean())
         if "score" in t:
-            results[f"{name}/score_mean"], results[f"{name}/score_ci95"] = mean_ci95(t["score"])
+            results.update(_scored_mean(t["score"], f"{name}/score"))
         if "correct" in t:
             (results[f"{name}/accuracy"], results[f"{name}/accuracy_ci95_low"],
              results[f"{name}/accuracy_ci95_high"]) = proportion_ci95(t["correct"].float())
-        if "function" in t:  # NaN: a completion the function could not score, left out
-            scored = ~t["function"].isnan()
-            results[f"{name}/function_mean"], results[f"{name}/function_ci95"] = mean_ci95(t["function"][scored])
-            results[f"{name}/function_unscorable"] = int((~scored).sum())
+        if "function" in t:
+            results.update(_scored_mean(t["function"], f"{name}/function"))
     if "score" in policy:
-        results["win_rate"] = win_rate(policy["score"], reference["score"])
+        both = ~(policy["score"].isnan() | reference["score"].isnan())  # the prompts both sides were scored on
+        results["win_rate"] = win_rate(policy["score"][both], reference["score"][both])
         results["win_rate_ci95_low"], results["win_rate_ci95_high"] = wilson_ci95(results["win_rate"],
-                                                                                  len(policy["length"]))
-        results["score_gain"], results["score_gain_ci95"] = mean_ci95(policy["score"] - reference["score"])
+                                                                                  int(both.sum()))
+        results["score_gain"], results["score_gain_ci95"] = mean_ci95(policy["score"][both] - reference["score"][both])
         if rm_std is not None and rm_std > 1e-6:  # the gain in units of the RM's held-out score std
             results["score_gain_rm_std"] = results["score_gain"] / rm_std
             results["score_gain_rm_std_ci95"] = results["score_gain_ci95"] / rm_std
@@ -222,8 +230,8 @@ def policy_eval_stats(policy: dict[str, Any], reference: dict[str, Any],
         gain = policy["correct"].float() - reference["correct"].float()
         results["accuracy_gain"], results["accuracy_gain_ci95"] = mean_ci95(gain)
     if "function" in policy:
-        gain = policy["function"] - reference["function"]
-        results["function_gain"], results["function_gain_ci95"] = mean_ci95(gain[~gain.isnan()])  # both scored
+        gain = policy["function"] - reference["function"]  # NaN where either side was not scored
+        results["function_gain"], results["function_gain_ci95"] = mean_ci95(gain[~gain.isnan()])
     results.update(reward_hacking(results))
     for k in ("kl_k1", "kl_k3"):
         results[k], results[f"{k}_ci95"] = mean_ci95(policy[k])

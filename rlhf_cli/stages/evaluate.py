@@ -367,8 +367,9 @@ def write_responses(run_dir: Path, pol: dict[str, Any], ref: dict[str, Any], pro
     keys = ["prompt", "policy", "policy_score", "reference", "reference_score"]
     if engine.is_main():
         if "score" in pol:
-            atomic_write_json(run_dir / "rewards.json", {"policy": pol["score"].tolist(),
-                                                         "reference": ref["score"].tolist()})
+            atomic_write_json(run_dir / "rewards.json", {  # null: a completion the reward server could not score
+                side: [_get(t, "score", i) for i in range(len(t["score"]))] for side, t in (("policy", pol),
+                                                                                         ("reference", ref))})
         lines = []
         for i, prompt in enumerate(prompt_texts):  # every prompt's pair, for the report and for the user
             line = {"prompt": last_user_turn(prompt), "policy": pol["text"][i], "reference": ref["text"][i]}

@@ -151,12 +151,19 @@ def test_filter_groups_takes_unscored_rows_as_invalid(tmp_path):
     assert exp is not None and exp.scored.tolist() == [False, True, True, True] * (exp.scores.shape[0] // 4)
 
 
-def test_eval_figures_leave_unscored_completions_out():
+@pytest.mark.parametrize("key", ["function", "score"])
+def test_eval_figures_leave_unscored_completions_out(key):
     side = {"length": torch.ones(4), "eos": torch.ones(4), "kl_k1": torch.zeros(4), "kl_k3": torch.zeros(4)}
-    policy = {**side, "function": torch.tensor([1.0, float("nan"), 3.0, 5.0])}
-    reference = {**side, "function": torch.tensor([0.0, 1.0, float("nan"), 1.0])}
+    nan = float("nan")
+    policy = {**side, key: torch.tensor([1.0, nan, 3.0, 5.0])}
+    reference = {**side, key: torch.tensor([0.0, 1.0, nan, 6.0])}
     r = policy_eval_stats(policy, reference)
-    assert r["policy/function_mean"] == 3.0 and r["policy/function_unscorable"] == 1
-    assert r["reference/function_mean"] == pytest.approx(2 / 3) and r["reference/function_unscorable"] == 1
-    assert r["function_gain"] == 2.5  # prompts 0 and 3, the two both sides were scored on
-    assert all(not (isinstance(v, float) and math.isnan(v)) for k, v in r.items() if "function" in k)
+    assert r[f"policy/{key}_mean"] == 3.0 and r[f"policy/{key}_unscorable"] == 1
+    assert r[f"reference/{key}_mean"] == pytest.approx(7 / 3) and r[f"reference/{key}_unscorable"] == 1
+    gain = "function_gain" if key == "function" else "score_gain"
+    assert r[gain] == 0.0  # prompts 0 (+1) and 3 (−1), the two both sides were scored on
+    if key == "score":
+        assert r["win_rate"] == 0.5 and r["win_rate_ci95_low"] > 0.0  # one win, one loss, of 2
+    assert all(not (isinstance(v, float) and math.isnan(v)) for k, v in r.items() if "ci95" not in k)
+    clean = policy_eval_stats({**side, key: torch.ones(4)}, {**side, key: torch.zeros(4)})
+    assert f"policy/{key}_unscorable" not in clean  # counted only when there are any
