@@ -16,7 +16,9 @@ reward statistic and counted in `reward/unscorable_frac`; `reward.max_unscorable
 see `rollout/maker.py`). Anything else (an exception, the wrong count, a non-number, ±inf) raises RewardError
 naming the function and the data row, so a run never trains on it.
 
-The built-in checker is such a function: `rlhf_cli.data.builtin:checker`.
+Like TRL, the data rows' other columns come as keyword arguments (lists) to a function that takes `**kwargs` (or
+names them). The built-in checker is such a function: `rlhf_cli.data.builtin:checker`, and reasoning-gym's
+(`rlhf_cli.data.reasoning_gym:checker`), which reads the `question` and `metadata` columns.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -71,20 +74,39 @@ def load_reward_function(spec: str, key: str = "reward.function") -> RewardFn:
     return fn
 
 
+def _column_kwargs(fn: RewardFn, columns: Sequence[dict[str, Any] | None] | None) -> dict[str, list[Any]]:
+    """The data rows' columns as keyword arguments, one list each (None where a row lacks it), as TRL passes a
+    dataset's columns: those `fn` takes by name, or all when it takes `**kwargs`; never `prompts`, `completions`
+    or `answer`."""
+    if not columns or not any(columns):
+        return {}
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return {}
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    keys = dict.fromkeys(k for c in columns if c for k in c)
+    return {k: [(c or {}).get(k) for c in columns] for k in keys
+            if k not in ("prompts", "completions", "answer") and (takes_all or k in named)}
+
+
 def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[str], completions: Sequence[str],
-                         answers: Sequence[Any], rows: Sequence[Any]) -> torch.Tensor:
-    """`fn(prompts, completions, answer=answers)` checked: (B,) float32 scores, NaN where the function returned
-    None or NaN (an unscorable completion).
+                         answers: Sequence[Any], rows: Sequence[Any],
+                         columns: Sequence[dict[str, Any] | None] | None = None) -> torch.Tensor:
+    """`fn(prompts, completions, answer=answers, **columns)` checked: (B,) float32 scores, NaN where the function
+    returned None or NaN (an unscorable completion).
 
     `name` is how messages name the function (the `reward.function` spec); `rows[i]` is completion i's data
-    row number (1-based) for messages.
+    row number (1-based) for messages; `columns[i]` the data row's columns (a data file's, or a reasoning-gym
+    entry's), passed as keyword lists where `fn` takes them (`**kwargs`, or by name).
 
     Raises:
         RewardError: the function raised, returned something that is not B numbers (None allowed), or ±inf.
     """
     n = len(completions)
     try:
-        out = fn(list(prompts), list(completions), answer=list(answers))
+        out = fn(list(prompts), list(completions), answer=list(answers), **_column_kwargs(fn, columns))
     except Exception as e:  # noqa: BLE001 - the user's function: one line, then stop
         raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} (scoring {n} completions, "
                           f"the first of data row {rows[0] if rows else '?'})") from None

@@ -109,6 +109,8 @@ SKIP_RECIPE = {
     "Sample with vLLM": "needs `make install-vllm` in a venv of its own (CI's vLLM job runs tests/engine_vllm)",
     "Resume a run": "needs an interrupted run (tests/test_kill_mid_save.py and the resume tests interrupt one)",
     "Score with plain transformers": "no command block (tests/stages/test_stage_rm.py runs the snippet)",
+    "GRPO on reasoning-gym tasks, or math answers": "full-size GRPO presets (tests/stages/"
+                                                    "test_stage_reasoning_gym.py runs train-ppo and eval on them)",
     "Score with a reward server": "a server that runs until stopped (tests/test_serve_rm.py serves a tiny RM, "
                                   "tests/test_reward_http.py trains and resumes against a server)",
 }

@@ -9,7 +9,7 @@ A module may import the package's modules of a LOWER layer, and of its own unit 
     1  config.py                       (third-party: hydra and omegaconf only)
     2  commands.py                     (the command registry: data naming each command's pieces)
     3  runs.py  overrides.py            (overrides.py: the command line's keys and Hydra's errors)
-    4  engine.py  data/  models/  rewards.py  reward_http.py  lineage.py
+    4  engine.py  data/  models/  rewards.py  reward_http.py  verifiers.py  lineage.py
                                        (engine.py: the only module that imports deepspeed)
     5  forwards/                       (the model forwards every stage uses: log-probs, values, scores, pairs)
     6  preflight.py  lifecycle.py  rollout/  report/
@@ -54,7 +54,7 @@ LAYERS = {
     "config": 1,
     "commands": 2,
     "runs": 3, "overrides": 3,
-    "engine": 4, "data": 4, "models": 4, "rewards": 4, "reward_http": 4, "lineage": 4,
+    "engine": 4, "data": 4, "models": 4, "rewards": 4, "reward_http": 4, "verifiers": 4, "lineage": 4,
     "forwards": 5,
     "preflight": 6, "lifecycle": 6, "rollout": 6, "report": 6,
     "stages": 7,

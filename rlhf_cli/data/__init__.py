@@ -8,6 +8,7 @@
     SFTCollator(pad_id), PackedSFTCollator(pad_id, attention_tokens)
     epoch_order(n, seeds, epoch, lengths, group_size)
     check_answer(text, answer), check_answers(texts, answers)   # the built-in task's rule-based reward
+    task_checker(data_cfg) -> (name, fn)          # the checker of the run's prompts (built-in or reasoning-gym)
 """
 
 from rlhf_cli.registry import lazy_exports
@@ -16,7 +17,7 @@ from rlhf_cli.registry import lazy_exports
 # `config`'s checks before a command runs need no torch, which the collators import
 _WHERE = {
     "BuiltinProblem": "builtin", "builtin_splits": "builtin", "check_answer": "builtin", "check_answers": "builtin",
-    "checker": "builtin", "parse_answer": "builtin",
+    "checker": "builtin", "parse_answer": "builtin", "task_checker": "reasoning_gym",
     "PackedPairCollator": "collate", "PackedSFTCollator": "collate", "PackedTries": "collate",
     "PairCollator": "collate", "PromptCollator": "collate", "SFTCollator": "collate", "epoch_order": "collate",
     "example_length": "collate", "pack_tries": "collate", "pad_sequences": "collate", "row_width": "collate",
@@ -43,5 +44,5 @@ __all__ = [
     "last_user_turn",
     "load_preference_data", "load_prompt_data", "pack_tries", "pad_sequences", "parse_answer", "parse_pair",
     "parse_prompt", "read_rows", "row_width", "truncate_left", "check_rows",
-    "Unpaired", "UnpairedData", "load_unpaired_data", "parse_unpaired",
+    "Unpaired", "UnpairedData", "load_unpaired_data", "parse_unpaired", "task_checker",
 ]

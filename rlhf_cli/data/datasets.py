@@ -87,6 +87,7 @@ from rlhf_cli.data.formats import (
     required_columns,
 )
 from rlhf_cli.data.tokenize import Encoder, lengths_summary, pair_budget
+from rlhf_cli.errors import ConfigError
 from rlhf_cli.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -624,6 +625,9 @@ def _chosen_rows(data_cfg: Any, kind: str, splits: Sequence[str], encoder: Encod
     """The rows of `kind` ("pairs", "demos", "unpaired") a supervised loader reads per split: from `data.path`'s
     sources, or the built-in rm_train / rm_eval splits when it is null; with the data summary (its unused rows
     set) and the drop counter the loader adds its own reasons to."""
+    if data_cfg.reasoning_gym.tasks:
+        raise ConfigError(f"data.reasoning_gym gives prompts only (for PPO and the evaluation of a policy), no "
+                          f"{kind}: name a file with data.path, or data.reasoning_gym.tasks=[] for the built-in task")
     if data_cfg.path is None:
         chosen, sources, unused = _builtin_select(data_cfg, kind, {"train": "rm_train", "eval": "rm_eval"}, splits)
     else:
@@ -631,6 +635,20 @@ def _chosen_rows(data_cfg: Any, kind: str, splits: Sequence[str], encoder: Encod
     summary = _summary(sources, encoder)
     summary.unused = unused
     return chosen, summary, Counter(summary.dropped)
+
+
+def _reasoning_gym_select(data_cfg: Any, split: str) -> tuple[dict[str, list[Any]], list[_Parsed], int]:
+    """The prompts of `data.reasoning_gym`'s tasks for `split` (`reasoning_gym.reasoning_gym_splits`), shuffled
+    and capped by `data.max_samples` as a file's are."""
+    from rlhf_cli.data.reasoning_gym import EVAL_SEED_OFFSET, reasoning_gym_splits
+
+    rg = data_cfg.reasoning_gym
+    items = reasoning_gym_splits(data_cfg)[split]
+    seed = rg.seed + (0 if split == "train" else EVAL_SEED_OFFSET)
+    src = _Parsed(f"reasoning_gym:{split}({','.join(rg.tasks)}, seed {seed})", "reasoning-gym", len(items), items,
+                  Counter())
+    kept, unused = _shuffled_cap(items, int(data_cfg.seed), data_cfg.max_samples)
+    return {split: kept}, [src], unused
 
 
 def _builtin_select(data_cfg: Any, want: str, names: dict[str, str], splits: Sequence[str]
@@ -848,7 +866,9 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
     """
     _check_splits((split,))
     encoder = Encoder(tokenizer, data_cfg.chat_template, data_cfg.system_prompt)
-    if data_cfg.path is None:
+    if data_cfg.reasoning_gym.tasks:
+        chosen, sources, unused = _reasoning_gym_select(data_cfg, split)
+    elif data_cfg.path is None:
         chosen, sources, unused = _builtin_select(data_cfg, "prompts", {"train": "ppo_train", "eval": "ppo_eval"},
                                                   (split,))
     else:

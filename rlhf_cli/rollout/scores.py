@@ -4,7 +4,8 @@ the estimators take are built from it later (`shaping.shape`).
 
     sources   model     the reward model's score (normalised with its held-out mean/std when
                         `ppo.normalize_reward` and the checkpoint stores them)
-              checker   `rlhf_cli.data.builtin:checker`, 1.0 for a correct final number, else 0.0
+              checker   the data's checker (`data.task_checker`): the built-in task's, 1.0 for a correct final
+                        number, else 0.0; reasoning-gym's tasks' own `score_answer` with `data.reasoning_gym`
               function  the user's `reward.function` (see `rlhf_cli.rewards`)
               http      a reward server at `reward.url`, OpenRLHF's remote protocol (see `rlhf_cli.reward_http`);
                         its scores as they come, NaN where it answered null or NaN
@@ -28,7 +29,7 @@ import torch
 
 from rlhf_cli import engine
 from rlhf_cli.config import reward_sources
-from rlhf_cli.data import checker
+from rlhf_cli.data import task_checker
 from rlhf_cli.errors import RewardError, RewardServerError
 from rlhf_cli.forwards import batched_scores
 from rlhf_cli.reward_http import HttpReward, queries
@@ -36,7 +37,6 @@ from rlhf_cli.rewards import call_reward_function, load_reward_function
 
 log = logging.getLogger(__name__)
 
-CHECKER = "rlhf_cli.data.builtin:checker"
 
 
 class ScoreMixer:
@@ -55,8 +55,8 @@ class ScoreMixer:
         self.eos_ids = tuple(eos_ids)  # the EOS set: a response's closing id is read as the first (`batched_scores`)
         self.packing = bool(cfg.data.packing)  # the reward model scores packed rows (`batched_scores`)
         self.functions: dict[str, tuple[str, Any]] = {}
-        if "checker" in self.weights:
-            self.functions["checker"] = (CHECKER, checker)
+        if "checker" in self.weights:  # the data's own: the built-in task's, or reasoning-gym's
+            self.functions["checker"] = task_checker(cfg.data)
         if "function" in self.weights:
             self.functions["function"] = (cfg.reward.function, load_reward_function(cfg.reward.function))
         self.http = HttpReward.from_config(cfg.reward) if "http" in self.weights else None
@@ -125,7 +125,8 @@ def call_on_every_rank(functions: dict[str, tuple[str, Any]], texts: list[str],
     try:
         for source, (name, fn) in functions.items():
             out[source] = call_reward_function(fn, name, [x.get("prompt_text", "") for x in prompts], texts,
-                                               [x.get("answer") for x in prompts], [x.get("row") for x in prompts])
+                                               [x.get("answer") for x in prompts], [x.get("row") for x in prompts],
+                                               [x.get("columns") for x in prompts])
     except RewardError as e:
         failure = e
     if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:

@@ -26,7 +26,7 @@ from rlhf_cli import engine, lineage
 from rlhf_cli.commands import by_kind, by_stage
 from rlhf_cli.config import ConfigError, ModelConfig
 from rlhf_cli.core import policy_eval_stats, proportion_ci95, sample_std, small_sample_warning
-from rlhf_cli.data import check_answers, last_user_turn, load_preference_data, load_prompt_data
+from rlhf_cli.data import last_user_turn, load_preference_data, load_prompt_data, task_checker
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import batched_scores, pair_metrics, score_pairs, sequence_kl
 from rlhf_cli.lifecycle import command_line_keys, prepare_run_dir, seed_everything, write_config
@@ -52,7 +52,7 @@ from rlhf_cli.report import (
     summary_table,
 )
 from rlhf_cli.reward_http import HttpReward, queries
-from rlhf_cli.rewards import load_reward_function
+from rlhf_cli.rewards import call_reward_function, load_reward_function
 from rlhf_cli.rollout import (
     EngineSettings,
     Episodes,
@@ -336,7 +336,8 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
     """One side's per-prompt values of this rank's prompts `mine` (`who`: policy or reference; `sampled`: its
     `Episodes`): `text`, `length` (sampled tokens), `eos` (1.0 = ended in EOS), `tokens` (the sampled ids), and
     where measured
-    `score` (the reward model's, given), `correct` (the checker, when every prompt has an answer), `function`
+    `score` (the reward model's, given), `correct` (the data's checker, when every prompt has an answer: 0/1, or
+    reasoning-gym's score in [0, 1] with its partial credit), `function`
     (`reward.function`); the policy's KL(policy ‖ reference) `kl_k1`, `kl_k3` (nats per sequence) on its own
     samples, temperature-scaled, the policy's log-probs renormalised over its nucleus under `eval.top_p` < 1."""
     ids, am, P, mask = sampled.input_ids, sampled.attention_mask, sampled.P, sampled.action_mask
@@ -345,8 +346,11 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
                            "tokens": [tuple(r[m.bool()].tolist()) for r, m in zip(ids[:, P:].cpu(), mask.cpu())]}
     if score is not None:
         out["score"] = score
-    if all(x.get("answer") is not None for x in mine):
-        out["correct"] = torch.tensor(check_answers(texts, [x["answer"] for x in mine]))
+    if all(x.get("answer") is not None for x in mine):  # the data's checker (`data.task_checker`), on this rank
+        name, check = task_checker(cfg.data)
+        out["correct"] = call_reward_function(check, name, [x.get("prompt_text", "") for x in mine], texts,
+                                              [x["answer"] for x in mine], [x.get("row") for x in mine],
+                                              [x.get("columns") for x in mine])
     if models["function"] is not None:
         out["function"] = call_on_every_rank({"function": (cfg.reward.function, models["function"])}, texts,
                                              mine)["function"]
