@@ -75,15 +75,22 @@ def resolve_reward_model(cfg: Any) -> str | None:
     is set or found, or the path does not hold a reward model."""
     if "model" not in reward_sources(cfg):
         return None
+    return reward_model_dir(cfg, "no reward model", ", or use reward.type=checker")
+
+
+def reward_model_dir(cfg: Any, missing: str, alternative: str = "") -> str:
+    """`reward_model.path`, else the reward model the `latest_rm` pointer under `paths.root` names, as an HF
+    reward-model dir. Raises ConfigError "<missing>: set reward_model.path=..., or run train-rm first<alternative>"
+    when neither names one, or when the path does not hold a reward model."""
     path = cfg.reward_model.path
     if path is None:
         rm = by_kind("rm")
         target = read_pointer(cfg.paths.root, rm.kind)
         if target is None:
-            raise ConfigError(f"no reward model: set reward_model.path=<run dir or HF dir>, or run `{rm.invocation}` "
-                              f"first (no {Path(cfg.paths.root) / rm.pointer}), or use reward.type=checker")
+            raise ConfigError(f"{missing}: set reward_model.path=<run dir or HF dir>, or run `{rm.invocation}` "
+                              f"first (no {Path(cfg.paths.root) / rm.pointer}){alternative}")
         path = str(target)
-    return require_scalar_model_dir(path, "reward model")
+    return require_scalar_model_dir(str(path), "reward model")
 
 
 def check_estimator(cfg: Any) -> None:

@@ -39,13 +39,14 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli import engine
-from rlhf_cli.commands import by_kind, by_stage
+from rlhf_cli.commands import by_stage
 from rlhf_cli.config import ConfigError
 from rlhf_cli.data import pad_sequences
 from rlhf_cli.forwards import batched_scores
 from rlhf_cli.lifecycle import prepare_run_dir
-from rlhf_cli.models import load_scalar_model, load_tokenizer, read_score_stats, require_scalar_model_dir
-from rlhf_cli.runs import read_pointer, set_status
+from rlhf_cli.models import load_scalar_model, load_tokenizer, read_score_stats
+from rlhf_cli.preflight import reward_model_dir
+from rlhf_cli.runs import set_status
 from rlhf_cli.stages.common import print_table
 
 log = logging.getLogger(__name__)
@@ -174,20 +175,6 @@ def make_app(batcher: Batcher, source: str) -> Any:
     return app
 
 
-def reward_model_dir(cfg: Any) -> str:
-    """`reward_model.path`, else the reward model `<paths.root>/latest_rm` names, as an HF reward-model dir.
-    Raises ConfigError when neither names one."""
-    path = cfg.reward_model.path
-    if path is None:
-        rm = by_kind("rm")
-        target = read_pointer(cfg.paths.root, rm.kind)
-        if target is None:
-            raise ConfigError(f"no reward model to serve: set reward_model.path=<run dir or HF dir>, or run "
-                              f"`{rm.invocation}` first (no {Path(cfg.paths.root) / rm.pointer})")
-        path = str(target)
-    return require_scalar_model_dir(str(path), "reward model")
-
-
 def check_port_free(host: str, port: int) -> None:
     """Raises ConfigError (one line) when `host`:`port` cannot be listened on (another server holds it)."""
     with socket.socket() as s:
@@ -223,7 +210,7 @@ def run(cfg: Any, run_dir: Path) -> None:
     import uvicorn
 
     engine.init_distributed()
-    cfg.reward_model.path = reward_model_dir(cfg)
+    cfg.reward_model.path = reward_model_dir(cfg, "no reward model to serve")
     run_dir = prepare_run_dir(cfg, run_dir)
     s = cfg.serve
     url = f"http://{s.host}:{s.port}{PATH}"
