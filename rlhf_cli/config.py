@@ -598,8 +598,8 @@ class JudgeConfig:
     Checked with a TCP connect before any model loads."""
     model: str | None = None
     """The judge model's name as the endpoint knows it (the `model` of each request)."""
-    prompt: str = ("Rate how well the response answers the question, from 0 (useless) to 10 (perfect).\n\n"
-                   "Question: {prompt}\n\nResponse: {completion}\n\nReply with only \"Score: <number>\".")
+    prompt: str = ("Rate how well the response answers the question, from 0 (useless) to 10 (perfect). "
+                   "Question: {prompt} Response: {completion} Reply with only \"Score: <number>\".")
     """The judge's user message, a template: `{completion}` (the response, special tokens skipped; required),
     `{prompt}` (the prompt's last user turn, the chat template's markup removed), `{answer}` (the row's answer,
     `data.answer_key`) and any column of a JSON data file, e.g. `{reference}`. `{{` and `}}` are literal braces.
@@ -619,9 +619,9 @@ class JudgeConfig:
     timeout_s: float = 60.0
     """Seconds one request may take before it counts as failed (> 0)."""
     retries: int = 3
-    """How often a failed request (no connection, a timeout, HTTP 429 or 5xx) is repeated, after 0.5 s, 1 s, 2 s,
-    ... (>= 0). A request still failing stops the run in one line naming `reward.judge.base_url`; the last
-    checkpoint stays, and `resume=true` continues it once the endpoint is up."""
+    """How often a failed request (no connection, a timeout, HTTP 429 or 5xx) is repeated (>= 0), with backoff
+    (0.5 s, 1 s, 2 s, ...). A request still failing stops the run in one line naming `reward.judge.base_url`; the
+    last checkpoint stays, and `resume=true` continues it once the endpoint is up."""
     api_key_env: str = "OPENAI_API_KEY"
     """The environment variable holding the endpoint's API key (sent as the bearer token). The key is never read
     from the config and never logged; unset, the placeholder `EMPTY` is sent (a local `vllm serve` needs no key)."""
@@ -633,7 +633,7 @@ class RewardConfig:
 
     type: str = "model"
     """The one source: `model` (a reward model, `reward_model.path`), `checker` (the rule-based checker of
-    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers), `function` (`reward.function`)
+    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers), `function` (`reward.function`),
     `http` (a reward server at `reward.url`) or `judge` (an LLM judge, `reward.judge.*`). Not read when
     `reward.weights` is set."""
     function: str | None = None
