@@ -77,6 +77,21 @@ def test_train_ppo_sends_the_key_as_the_bearer_token_and_writes_it_nowhere(tmp_p
     assert "reward/judge" in metrics
 
 
+def test_an_endpoint_failing_mid_run_stops_it_as_a_reward_server_does(tmp_path):
+    """A judge that answers 503 past its retries raises RewardServerError (the CLI leaves such a run resumable,
+    tests/test_reward_http.py) on the rollout's path, naming the endpoint, before any update."""
+    from rlhf_cli.errors import RewardServerError
+
+    with FakeRewardServer(lambda body: (503, {"error": {"message": "overloaded"}})) as server:
+        base_url = f"http://127.0.0.1:{server.port}/v1"
+        tr = build_trainer(tmp_path, [*GROUPS, "ppo.advantage_estimator=grpo", "reward.type=judge",
+                                      f"reward.judge.base_url={base_url}", "reward.judge.model=m",
+                                      "reward.judge.retries=0"])
+        with pytest.raises(RewardServerError, match=f"^judge endpoint {base_url} failed once \\(last: HTTP 503"):
+            tr.maker.make_experience(0)
+    assert len(server.requests) >= 1
+
+
 def test_a_template_field_the_data_lacks_stops_train_ppo_before_any_model_loads(tmp_path):
     from rlhf_cli.errors import ConfigError
 
