@@ -46,7 +46,7 @@ SCORING_PRECISIONS = ("fp32", "same")
 # the engine corrections `rollout.is_correction` names: core.IS_CORRECTIONS (a test keeps the two equal)
 IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
-REWARD_SOURCES = ("model", "checker", "function", "http")
+REWARD_SOURCES = ("model", "checker", "function", "http", "judge")
 # the sampling engines `rollout.engine` names: rollout.engines.GENERATORS (a test keeps the two equal)
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.engines.resolve_engine
 # the dtypes `rollout.engine_dtype` names: rollout.generation.resolve_dtype resolves `auto`
@@ -606,6 +606,48 @@ class RewardWeights:
     """`reward.function`'s value."""
     http: float | None = None
     """The reward server's score (`reward.url`)."""
+    judge: float | None = None
+    """The LLM judge's score (`reward.judge.*`)."""
+
+
+@dataclass
+class JudgeConfig:
+    """`reward.judge.*`: an LLM judge behind an OpenAI-compatible chat endpoint (the source `judge`;
+    `rlhf_cli.reward_judge`). Each completion is one chat request, temperature 0; the score is read from the
+    reply's text."""
+
+    base_url: str | None = None
+    """The endpoint's base URL, e.g. `http://127.0.0.1:8000/v1` (`vllm serve`) or `https://api.openai.com/v1`.
+    Checked with a TCP connect before any model loads."""
+    model: str | None = None
+    """The judge model's name as the endpoint knows it (the `model` of each request)."""
+    prompt: str = ("Rate how well the response answers the question, from 0 (useless) to 10 (perfect). "
+                   "Question: {prompt} Response: {completion} Reply with only \"Score: <number>\".")
+    """The judge's user message, a template: `{completion}` (the response, special tokens skipped; required),
+    `{prompt}` (the prompt's last user turn, the chat template's markup removed), `{answer}` (the row's answer,
+    `data.answer_key`) and any column of a JSON data file, e.g. `{reference}`. `{{` and `}}` are literal braces.
+    A name that is none of these stops the run at its start."""
+    pattern: str = r"Score:\s*(-?\d+(?:\.\d+)?)"
+    """A Python regex with one capture group: the first match's first group, read as a float, is the score. A
+    reply it does not match, or whose group is not a finite number, leaves the row unscorable
+    (`reward.max_unscorable_frac`)."""
+    guided_regex: str | None = None
+    """A regex the endpoint constrains the reply to (vLLM's structured output: sent in the request body as
+    `structured_outputs={"regex": ...}`, the field vLLM 0.32 reads), so a small judge answers in `pattern`'s form,
+    e.g. `Score: (10|[0-9])`. Null = unconstrained. An endpoint that is not vLLM may refuse or ignore it."""
+    max_tokens: int = 128
+    """The most tokens a reply may have (> 0)."""
+    max_concurrency: int = 8
+    """Requests in flight at once, per rank (> 0). The scores do not depend on it."""
+    timeout_s: float = 60.0
+    """Seconds one request may take before it counts as failed (> 0)."""
+    retries: int = 3
+    """How often a failed request (no connection, a timeout, HTTP 429 or 5xx) is repeated (>= 0), with backoff
+    (0.5 s, 1 s, 2 s, ...). A request still failing stops the run in one line naming `reward.judge.base_url`; the
+    last checkpoint stays, and `resume=true` continues it once the endpoint is up."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """The environment variable holding the endpoint's API key (sent as the bearer token). The key is never read
+    from the config and never logged; unset, the placeholder `EMPTY` is sent (a local `vllm serve` needs no key)."""
 
 
 @dataclass
@@ -614,8 +656,9 @@ class RewardConfig:
 
     type: str = "model"
     """The one source: `model` (a reward model, `reward_model.path`), `checker` (the rule-based checker of
-    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers), `function` (`reward.function`)
-    or `http` (a reward server at `reward.url`). Not read when `reward.weights` is set."""
+    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers), `function` (`reward.function`),
+    `http` (a reward server at `reward.url`) or `judge` (an LLM judge, `reward.judge.*`). Not read when
+    `reward.weights` is set."""
     function: str | None = None
     """A user reward function, `<module or path/to/file.py>:<callable>`, called on every rank with that rank's
     rows as `fn(prompts, completions, answer=[...])` (lists of str, and the rows' answers, None where a row has
@@ -640,6 +683,8 @@ class RewardConfig:
     """How often a failed request (no connection, a timeout, HTTP 429 or 5xx) is repeated, after 0.5 s, 1 s, 2 s, ...
     (>= 0). A request still failing stops the run in one line; the last checkpoint stays, and `resume=true`
     continues it once the server is up."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The LLM judge of the source `judge`: its endpoint, model, prompt template and score pattern."""
     weights: RewardWeights = field(default_factory=lambda: RewardWeights())
     """Sum several sources, e.g. `reward.weights={model:1.0,checker:0.5}`: the score is Σ weight × source
     score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.
@@ -1191,17 +1236,17 @@ def reward_sources(cfg: Any) -> dict[str, float]:
     return weights or {str(cfg.reward.type): 1.0}
 
 
-def _check_url(url: str) -> None:
-    """`reward.url` is an http(s) URL with a host and a valid port. Raises ConfigError."""
+def _check_url(url: str, key: str = "reward.url", example: str = "http://127.0.0.1:5000/get_reward") -> None:
+    """The setting `key` is an http(s) URL with a host and a valid port. Raises ConfigError."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
     _check(parts.scheme in ("http", "https") and bool(parts.hostname),
-           f"reward.url={url!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:5000/get_reward)")
+           f"{key}={url!r} is not an http:// or https:// URL (e.g. {example})")
     try:
         _ = parts.port  # urlsplit parses the port only when asked
     except ValueError:
-        raise ConfigError(f"reward.url={url!r}: the port is not a number in 0-65535") from None
+        raise ConfigError(f"{key}={url!r}: the port is not a number in 0-65535") from None
 
 
 def validate_reward(cfg: Any) -> None:
@@ -1226,10 +1271,67 @@ def validate_reward(cfg: Any) -> None:
         _check(0 < r.timeout_s < math.inf,
                f"reward.timeout_s must be a finite number of seconds > 0 (got {r.timeout_s})")
         _check(r.retries >= 0, f"reward.retries must be >= 0 (got {r.retries})")
+    if "judge" in sources:
+        validate_judge(r.judge)
     if r.function:
         module, sep, name = str(r.function).rpartition(":")
         _check(bool(sep and module and name.isidentifier()),
                f"reward.function={r.function!r} is not <module or path/to/file.py>:<callable name>")
+
+
+JUDGE_FIELDS = ("prompt", "completion", "answer")
+"""The placeholders `reward.judge.prompt` may name besides a data file's columns."""
+
+
+def judge_placeholders(template: str) -> list[str]:
+    """The field names of `reward.judge.prompt` (`{name}`), in order, each once.
+
+    Raises:
+        ConfigError: the template does not parse (a lone brace), or a field is positional (`{}`) or indexed
+            (`{row[0]}`, `{a.b}`).
+    """
+    import string
+
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ConfigError(f"reward.judge.prompt does not parse as a template ({e}; write {{{{ and }}}} for literal "
+                          "braces)") from None
+    for f in fields:
+        _check(f.isidentifier(), f"reward.judge.prompt names {{{f}}}: a field is a plain name, e.g. {{completion}} "
+                                 "or a data column's {answer}")
+    return list(dict.fromkeys(fields))
+
+
+def validate_judge(j: Any) -> None:
+    """`reward.judge.*` of the source `judge`: an endpoint, a model, a template naming `{completion}`, a pattern
+    with a capture group, positive limits, and the `openai` client installed. Raises ConfigError."""
+    _check(bool(j.base_url), "the reward source `judge` needs reward.judge.base_url=<an OpenAI-compatible endpoint> "
+                             "(e.g. http://127.0.0.1:8000/v1 for `vllm serve`)")
+    _check_url(str(j.base_url), "reward.judge.base_url", "http://127.0.0.1:8000/v1")
+    _check(bool(j.model), "the reward source `judge` needs reward.judge.model=<the model's name at the endpoint>")
+    _check("completion" in judge_placeholders(str(j.prompt)),
+           "reward.judge.prompt must name {completion}: the judge would not see the response it scores")
+    try:
+        groups = re.compile(str(j.pattern)).groups
+    except re.error as e:
+        raise ConfigError(f"reward.judge.pattern={j.pattern!r} is not a regex: {e}") from None
+    _check(groups >= 1, f"reward.judge.pattern={j.pattern!r} has no capture group: its first group is the score, "
+                        r"e.g. 'Score:\s*(\d+)'")
+    if j.guided_regex is not None:
+        try:
+            re.compile(str(j.guided_regex))
+        except re.error as e:
+            raise ConfigError(f"reward.judge.guided_regex={j.guided_regex!r} is not a regex: {e}") from None
+    _check(j.max_tokens > 0, f"reward.judge.max_tokens must be > 0 (got {j.max_tokens})")
+    _check(j.max_concurrency > 0, f"reward.judge.max_concurrency must be > 0 (got {j.max_concurrency})")
+    _check(0 < j.timeout_s < math.inf,
+           f"reward.judge.timeout_s must be a finite number of seconds > 0 (got {j.timeout_s})")
+    _check(j.retries >= 0, f"reward.judge.retries must be >= 0 (got {j.retries})")
+    _check(bool(j.api_key_env), "reward.judge.api_key_env must name an environment variable (default "
+                                "OPENAI_API_KEY)")
+    _check(importlib.util.find_spec("openai") is not None,
+           "the reward source `judge` needs the openai client: pip install 'rlhf_cli[judge]' (or pip install openai)")
 
 
 def validate_rollout(cfg: Any, world_size: int = 1) -> None:

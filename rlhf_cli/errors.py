@@ -58,8 +58,9 @@ class RewardError(ValueError):
 
 
 class RewardServerError(RewardError):
-    """A reward server (`reward.type=http`) that failed after its retries, or answered with the wrong count or type
-    of scores. The message is one line naming the URL and what came back. The server, not the run, is at fault:
+    """A reward server (`reward.type=http`) or an LLM judge's endpoint (`reward.type=judge`) that failed after its
+    retries, or answered with the wrong count or type of scores. The message is one line naming the URL and what
+    came back. The server, not the run, is at fault:
     the run is not marked failed, so that `resume=true` continues it from its last checkpoint once the server is
     up."""
 

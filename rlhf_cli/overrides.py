@@ -107,6 +107,13 @@ def _no_http_reward(cfg: Any, command: Command) -> bool:
     return "http" not in (reward_sources(cfg) if "ppo" in command.reads else {cfg.reward.type})
 
 
+def _no_judge_reward(cfg: Any, command: Command) -> bool:
+    """Whether `command` reads a reward and no source of it is `judge` (as `_no_http_reward` reads them)."""
+    if "reward" not in command.reads:
+        return False
+    return "judge" not in (reward_sources(cfg) if "ppo" in command.reads else {cfg.reward.type})
+
+
 IGNORED: tuple[Ignored, ...] = (
     Ignored("model.name_or_path", "`model.init=random` (`model=tiny`, `experiment=smoke`): a seeded random model, "
             "no weights loaded", lambda cfg, c: cfg.model.init == "random",
@@ -124,6 +131,8 @@ IGNORED: tuple[Ignored, ...] = (
     *(Ignored(f"reward.{k}", "no `http` reward source (`reward.type`, `reward.weights`)", _no_http_reward,
               "add `reward.type=http` (or a `reward.weights.http`)")
       for k in ("url", "label_key", "http_batch_size", "max_concurrency", "timeout_s", "retries")),
+    Ignored("reward.judge", "no `judge` reward source (`reward.type`, `reward.weights`), for every `reward.judge.*` "
+            "key", _no_judge_reward, "add `reward.type=judge` (or a `reward.weights.judge`)"),
     Ignored("rm.epochs", "`rm.max_steps` set", lambda cfg, c: cfg.rm.max_steps is not None,
             "set `rm.max_steps=null` to count epochs"),
     Ignored("sft.epochs", "`sft.max_steps` set", lambda cfg, c: cfg.sft.max_steps is not None,

@@ -21,6 +21,7 @@ from rlhf_cli.models.checkpoint import model_architectures, require_scalar_model
 from rlhf_cli.models.loading import looks_like_hub_id
 from rlhf_cli.registry import ADVANTAGE_ESTIMATORS
 from rlhf_cli.reward_http import check_reachable
+from rlhf_cli.reward_judge import JudgeReward
 from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.runs import read_pointer
 
@@ -105,7 +106,8 @@ def check_estimator(cfg: Any) -> None:
 def validate(config_name: str, cfg: Any, world_size: int = 1) -> None:
     """The checks of the command whose primary config is `config_name`: its validator, the estimator's group
     size where it reads `ppo`, `reward.function` where it loads it, a reward server's `reward.url` accepting connections
-    where a source is `http`, then its model paths. Raises ConfigError."""
+    where a source is `http` (the judge's `reward.judge.base_url` where one is `judge`), then its model paths.
+    Raises ConfigError."""
     command = by_config(config_name)
     command.validator(cfg, world_size=world_size)
     if "ppo" in command.reads:
@@ -114,6 +116,8 @@ def validate(config_name: str, cfg: Any, world_size: int = 1) -> None:
         load_reward_function(str(cfg.reward.function))  # a missing file or name fails here, before any model loads
     if "reward" in command.reads and "http" in reward_sources(cfg):
         check_reachable(str(cfg.reward.url), float(cfg.reward.timeout_s))  # a server that is down: one line now
+    if "reward" in command.reads and "judge" in reward_sources(cfg):
+        JudgeReward.from_config(cfg.reward.judge, cfg.seed).check_reachable()
     check_model_paths(cfg, command)
 
 

@@ -57,9 +57,11 @@ def _host_port(url: str) -> tuple[str, int]:
     return str(parts.hostname), parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def check_reachable(url: str, timeout_s: float) -> None:
+def check_reachable(url: str, timeout_s: float, setting: str = "reward.url", what: str = "reward server",
+                    hint: str | None = None) -> None:
     """Something accepts TCP connections at `url`'s host and port (a reward server answers POST only, so no
-    request is sent). Called before any model loads.
+    request is sent). Called before any model loads. `setting`, `what` and `hint` word the error for the setting
+    that holds the URL (the judge's: `reward.judge.base_url`).
 
     Raises:
         ConfigError: the connection is refused or times out (`timeout_s`, at most 10 s).
@@ -69,9 +71,14 @@ def check_reachable(url: str, timeout_s: float) -> None:
         with socket.create_connection((host, port), timeout=min(timeout_s, 10.0)):
             pass
     except OSError as e:
-        server = by_kind("serve").invocation
-        raise ConfigError(f"reward.url={url}: no reward server answers at {host}:{port} ({e.strerror or e}): start "
-                          f"it first (`{server}`, README \"Score with a reward server\")") from None
+        if hint is None:
+            hint = (f"start it first (`{by_kind('serve').invocation}`, README \"Score with a reward server\")")
+        raise ConfigError(f"{setting}={url}: no {what} answers at {host}:{port} ({e.strerror or e}): {hint}") from None
+
+
+def backoff(attempt: int) -> None:
+    """Wait before retry `attempt` (1, 2, ...): `BACKOFF_S`, then twice the wait before, at most `BACKOFF_MAX_S`."""
+    time.sleep(min(BACKOFF_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
 
 
 def parse_rewards(reply: Any, n: int, url: str) -> list[float]:
@@ -180,7 +187,7 @@ class HttpReward:
         why = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(BACKOFF_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
+                backoff(attempt)
             try:
                 resp = client.post(self.url, content=data, headers={"Content-Type": "application/json"})
             except httpx.TimeoutException:

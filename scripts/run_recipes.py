@@ -113,6 +113,8 @@ SKIP_RECIPE = {
                                                     "test_stage_reasoning_gym.py runs train-ppo and eval on them)",
     "Score with a reward server": "a server that runs until stopped (tests/test_serve_rm.py serves a tiny RM, "
                                   "tests/test_reward_http.py trains and resumes against a server)",
+    "Score with an LLM judge": "needs an OpenAI-compatible endpoint (tests/test_reward_judge.py and "
+                               "tests/stages/test_stage_judge.py train and evaluate against a fake one)",
 }
 RUN_RECIPE = {
     "Train on your own data", "SFT, then RM, then PPO on your own files", "Train with LoRA",

@@ -4,6 +4,7 @@ server on 127.0.0.1 and a free port, in a thread, answering POST with what its `
     with FakeRewardServer(answer) as server:      started and listening on entry, stopped on exit
         server.url                                 http://127.0.0.1:<port>/get_reward
         server.requests                            the decoded JSON bodies it received, in order
+        server.headers                             each request's headers (a dict, names lower-case), in the same order
 
 `answer(body) -> (status, reply)`: `reply` a JSON-able object (sent as JSON) or bytes (sent as they are); it may
 sleep to play a slow server.
@@ -31,7 +32,7 @@ def free_port() -> int:
 
 class FakeRewardServer:
     def __init__(self, answer, port: int = 0):
-        self.answer, self.requests, self.port = answer, [], port
+        self.answer, self.requests, self.headers, self.port = answer, [], [], port
         self._lock = threading.Lock()
 
     def __enter__(self):
@@ -42,6 +43,7 @@ class FakeRewardServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with outer._lock:
                     outer.requests.append(body)
+                    outer.headers.append({k.lower(): v for k, v in self.headers.items()})
                 status, reply = outer.answer(body)
                 data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
                 self.send_response(status)

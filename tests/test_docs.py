@@ -232,7 +232,7 @@ def ignored_keys_table():
     from rlhf_cli.overrides import IGNORED
 
     rows = ["| key | does nothing with | instead |", "| --- | --- | --- |"]
-    section = lambda key: key + (".*" if key in ("model.arch", "model.lora") else "")  # noqa: E731
+    section = lambda key: key + (".*" if key in ("model.arch", "model.lora", "reward.judge") else "")  # noqa: E731
     rows += [f"| `{section(r.key)}` | {r.when} | {r.fix} |" for r in IGNORED]
     return "\n".join(rows)
 

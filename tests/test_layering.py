@@ -11,7 +11,8 @@ A module may import the package's modules of a LOWER layer, and of its own unit 
     3  runs.py  overrides.py            (overrides.py: the command line's keys and Hydra's errors)
     4  engine.py  data/  models/  rewards.py  reward_http.py  verifiers.py  lineage.py
                                        (engine.py: the only module that imports deepspeed)
-    5  forwards/                       (the model forwards every stage uses: log-probs, values, scores, pairs)
+    5  forwards/  reward_judge.py       (the model forwards every stage uses: log-probs, values, scores, pairs;
+                                        reward_judge.py: the LLM judge, beside reward_http.py's pieces)
     6  preflight.py  lifecycle.py  rollout/  report/
                                        (rollout/maker.py imports nothing of rollout/learner.py;
                                         rollout/vllm_engine.py: the only module that imports vllm)
@@ -55,7 +56,7 @@ LAYERS = {
     "commands": 2,
     "runs": 3, "overrides": 3,
     "engine": 4, "data": 4, "models": 4, "rewards": 4, "reward_http": 4, "verifiers": 4, "lineage": 4,
-    "forwards": 5,
+    "forwards": 5, "reward_judge": 5,
     "preflight": 6, "lifecycle": 6, "rollout": 6, "report": 6,
     "stages": 7,
     "cli": 8, "__init__": 8,

@@ -17,7 +17,7 @@
                     at the first EOS, the rollout batch layout
     engines.py      the engines' registry `GENERATORS` (`rollout.engine`), `make_generator`, `resolve_engine`
     scores.py       `ScoreMixer`: the run's sequence score, one source or a weighted sum (model, checker, function,
-                    http)
+                    http, judge)
     stats.py        whitening, explained variance and the rollout's KL statistics over all ranks
 
 It sits between the forwards (`forwards/`: log-probs, values, scores, packing) with the components below them
@@ -47,7 +47,7 @@ from rlhf_cli.rollout.generation import (
 from rlhf_cli.rollout.learner import Losses, PolicyLearner
 from rlhf_cli.rollout.maker import ExperienceMaker
 from rlhf_cli.rollout.plan import UpdatePlan, update_order
-from rlhf_cli.rollout.scores import ScoreMixer, call_on_every_rank, http_on_every_rank
+from rlhf_cli.rollout.scores import ScoreMixer, call_on_every_rank, http_on_every_rank, judge_on_every_rank
 from rlhf_cli.rollout.stats import (
     EngineDriftGuard,
     PushGuard,
@@ -79,6 +79,7 @@ __all__ = [
     "UpdatePlan",
     "call_on_every_rank",
     "http_on_every_rank",
+    "judge_on_every_rank",
     "engine_stats",
     "is_correction_stats",
     "join_episodes",

@@ -9,6 +9,8 @@ the estimators take are built from it later (`shaping.shape`).
               function  the user's `reward.function` (see `rlhf_cli.rewards`)
               http      a reward server at `reward.url`, OpenRLHF's remote protocol (see `rlhf_cli.reward_http`);
                         its scores as they come, NaN where it answered null or NaN
+              judge     an LLM judge at `reward.judge.base_url` (see `rlhf_cli.reward_judge`): the number
+                        `reward.judge.pattern` reads in its reply, NaN where it reads none
     score     Σ weight × source score; the trainer then subtracts `ppo.missing_eos_penalty` from responses
               without EOS (`ppo.truncated=penalize`)
 
@@ -33,6 +35,7 @@ from rlhf_cli.data import task_checker
 from rlhf_cli.errors import RewardError, RewardServerError
 from rlhf_cli.forwards import batched_scores
 from rlhf_cli.reward_http import HttpReward, queries
+from rlhf_cli.reward_judge import JudgeReward
 from rlhf_cli.rewards import call_reward_function, load_reward_function
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class ScoreMixer:
         if "function" in self.weights:
             self.functions["function"] = (cfg.reward.function, load_reward_function(cfg.reward.function))
         self.http = HttpReward.from_config(cfg.reward) if "http" in self.weights else None
+        self.judge = JudgeReward.from_config(cfg.reward.judge, cfg.seed) if "judge" in self.weights else None
         if "model" in self.weights and reward_model is None:
             raise ValueError("the reward source `model` needs a reward model")
         if "model" in self.weights and normalize and score_stats is None and engine.is_main():
@@ -105,6 +109,11 @@ class ScoreMixer:
                                         prompts).to(device)
             raw, norm = raw + self.weights["http"] * values, norm + self.weights["http"] * values
             sources["reward/http"] = values
+        if self.judge is not None:
+            texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
+            values = judge_on_every_rank(self.judge, texts, prompts).to(device)
+            raw, norm = raw + self.weights["judge"] * values, norm + self.weights["judge"] * values
+            sources["reward/judge"] = values
         return raw, norm, sources
 
     def _call_functions(self, texts: list[str], prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -168,13 +177,28 @@ def http_on_every_rank(client: HttpReward, query: list[str], texts: list[str],
     Raises:
         RewardServerError: on every rank when the server failed for any of them.
     """
+    return _server_on_every_rank(lambda: client.score(query, texts, prompts), f"reward server {client.url}")
+
+
+def judge_on_every_rank(judge: JudgeReward, texts: list[str], prompts: list[dict[str, Any]]) -> torch.Tensor:
+    """(B,) float32 scores of this rank's completions `texts` (of the data rows `prompts`) by the LLM judge
+    (`JudgeReward.score`), NaN where its reply held no score. A collective: call it on every rank.
+
+    Raises:
+        RewardServerError: on every rank when the judge's endpoint failed for any of them.
+    """
+    return _server_on_every_rank(lambda: judge.score(texts, prompts), f"judge endpoint {judge.base_url}")
+
+
+def _server_on_every_rank(score: Any, server: str) -> torch.Tensor:
+    """`score()` on this rank; every rank raises RewardServerError when it failed on any (`server` names it)."""
     failure, out = None, None
     try:
-        out = client.score(query, texts, prompts)
+        out = score()
     except RewardServerError as e:
         failure = e
     if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:
         raise failure if failure is not None else RewardServerError(
-            f"reward server {client.url} failed for another rank; the last checkpoint is kept: continue with "
-            f"resume=true once the server is up")
+            f"{server} failed for another rank; the last checkpoint is kept: continue with resume=true once the "
+            f"server is up")
     return out

@@ -52,6 +52,7 @@ from rlhf_cli.report import (
     summary_table,
 )
 from rlhf_cli.reward_http import HttpReward, queries
+from rlhf_cli.reward_judge import JudgeReward
 from rlhf_cli.rewards import call_reward_function, load_reward_function
 from rlhf_cli.rollout import (
     EngineSettings,
@@ -62,6 +63,7 @@ from rlhf_cli.rollout import (
     describe_engine,
     dtype_setting,
     http_on_every_rank,
+    judge_on_every_rank,
     make_generator,
     resolve_engine,
 )
@@ -144,6 +146,8 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
                                      cfg.data.packing, models["eos"])
     elif cfg.reward.type == "http":  # the server's scores take the reward model's place: win rate, score_gain, ...
         scores = {who: server_scores(cfg, tokenizer, ep, mine) for who, ep in sampled.items()}
+    elif cfg.reward.type == "judge":  # so do the judge's
+        scores = {who: judge_scores(cfg, tokenizer, ep, mine) for who, ep in sampled.items()}
     rows = [side_values(cfg, models, tokenizer, mine, who, sampled[who], scores.get(who))
             for who in ("policy", "reference")]
     pol, ref = ({k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for d in rows)
@@ -175,11 +179,21 @@ def server_scores(cfg: Any, tokenizer: Any, sampled: Episodes, mine: list[dict[s
     return http_on_every_rank(HttpReward.from_config(cfg.reward), queries(tokenizer, ids, am), texts, mine).cpu()
 
 
+def judge_scores(cfg: Any, tokenizer: Any, sampled: Episodes, mine: list[dict[str, Any]]) -> torch.Tensor:
+    """The LLM judge's (`reward.type=judge`, `reward.judge.*`) scores (N,) float32 on the CPU of one side's
+    `Episodes` of this rank's prompts `mine`, NaN where its reply held no score: train-ppo's requests
+    (`rlhf_cli.reward_judge`). Raises RewardServerError (on every rank) when the endpoint fails."""
+    texts = tokenizer.batch_decode(sampled.input_ids[:, sampled.P:], skip_special_tokens=True)
+    return judge_on_every_rank(JudgeReward.from_config(cfg.reward.judge, cfg.seed), texts, mine).cpu()
+
+
 def score_source(cfg: Any, models: dict[str, Any], rm_path: str | None) -> str | None:
     """What eval.json's `score` figures (`<side>/score_mean`, `win_rate`, `score_gain`) were scored by:
-    `reward model <path>`, `reward server <url>`, or None (no such score)."""
+    `reward model <path>`, `reward server <url>`, `judge <model> at <base_url>`, or None (no such score)."""
     if cfg.reward.type == "http":
         return f"reward server {cfg.reward.url}"
+    if cfg.reward.type == "judge":
+        return f"judge {cfg.reward.judge.model} at {cfg.reward.judge.base_url}"
     return f"reward model {rm_path}" if models["reward_model"] is not None else None
 
 
@@ -262,6 +276,8 @@ def eval_prompts(cfg: Any, tokenizer: Any, run_dir: Path, src: dict[str, Any]) -
         why = f"eval.num_prompts={e.num_prompts}" if cut else f"all the eval split of {data} holds"
         raise ConfigError(f"{n} eval prompt(s) for {ws} processes ({why}): each process needs at least one, so run "
                           f"at most {n}" + (" or raise eval.num_prompts" if cut else ""))
+    if cfg.reward.type == "judge":  # a template field the rows lack: one line now, before any model loads
+        JudgeReward.from_config(cfg.reward.judge, cfg.seed).check_rows(prompts[:n], "the eval split")
     lineage.record(run_dir, cfg, COMMAND.kind, prompts.summary, parents, write=engine.is_main())
     if n < available and engine.is_main():
         console.print(f"prompts: the first {n} of the {available} held-out prompts (eval.num_prompts={e.num_prompts})",

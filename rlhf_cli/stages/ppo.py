@@ -55,6 +55,7 @@ from rlhf_cli.models import (
     save_policy,
 )
 from rlhf_cli.preflight import resolve_reward_model
+from rlhf_cli.reward_judge import JudgeReward
 from rlhf_cli.rollout import (
     EngineDriftGuard,
     ExperienceMaker,
@@ -130,6 +131,8 @@ class PPOTrainer(PolicyLearner):
         if "checker" in reward_sources(self.cfg) and missing:
             raise ConfigError(f"the checker reward needs prompts with answers: {missing} of {len(self.prompts)} "
                               f"have none (the built-in task has them; for your data set data.answer_key)")
+        if "judge" in reward_sources(self.cfg):  # a template field the rows lack: one line now, not mid-run
+            JudgeReward.from_config(cfg.reward.judge, cfg.seed).check_rows(self.prompts, "the train split")
         p, defaults = self.p, PPOConfig()
         if not self.estimator.needs_critic:
             unused = [f"ppo.{k}={p[k]}" for k in CRITIC_KEYS if p[k] != getattr(defaults, k)]
@@ -274,7 +277,8 @@ class PPOTrainer(PolicyLearner):
 def describe_reward(cfg: Any, rm_path: str | None) -> str:
     """The run's reward for its start table: `reward model <path>`, or the weighted sources."""
     names = {"model": f"reward model {rm_path}", "checker": "checker", "function": f"function {cfg.reward.function}",
-             "http": f"reward server {cfg.reward.url}"}
+             "http": f"reward server {cfg.reward.url}",
+             "judge": f"judge {cfg.reward.judge.model} at {cfg.reward.judge.base_url}"}
     sources = reward_sources(cfg)
     if len(sources) == 1:
         return names[next(iter(sources))]
