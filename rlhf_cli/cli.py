@@ -326,12 +326,13 @@ def run_command(command: str, cfg) -> float | None:
         signal.signal(signal.SIGTERM, _terminate)  # SIGTERM takes Ctrl-C's path: checkpoint, then exit
         return module.run(cfg, run_dir)
     except errors as e:
-        # a failed save or reward server leaves the run resumable (its message says so), and so does a failed
-        # resume attempt
-        if not isinstance(e, (SaveError, RewardServerError)) and not cfg.get("resume"):
+        # a failed save, or a reward server failing a training run, leaves the run resumable (its message says
+        # so), and so does a failed resume attempt
+        server_down = isinstance(e, RewardServerError) and cmd.trains
+        if not (isinstance(e, SaveError) or server_down) and not cfg.get("resume"):
             mark_failed(run_dir, str(e))
         close_open_loggers("failed")
-        _err(str(e))
+        _err(f"{e}; the last checkpoint is kept: continue with resume=true once it is up" if server_down else str(e))
         sys.exit(2)
     except Exception as e:  # a crash in our code; the traceback follows
         if not cfg.get("resume"):

@@ -642,9 +642,9 @@ class JudgeConfig:
     timeout_s: float = 60.0
     """Seconds one request may take before it counts as failed (> 0)."""
     retries: int = 3
-    """How often a failed request (no connection, a timeout, HTTP 429 or 5xx) is repeated (>= 0), with backoff
-    (0.5 s, 1 s, 2 s, ...). A request still failing stops the run in one line naming `reward.judge.base_url`; the
-    last checkpoint stays, and `resume=true` continues it once the endpoint is up."""
+    """How often a failed request is repeated (>= 0): no connection, a timeout, HTTP 408, 429, 500, 502, 503 or
+    504, with backoff 0.5 s, 1 s, 2 s, ... up to 8 s. A request still failing stops the run in one line naming
+    `reward.judge.base_url`; the last checkpoint stays, and `resume=true` continues it once the endpoint is up."""
     api_key_env: str = "OPENAI_API_KEY"
     """The environment variable holding the endpoint's API key (sent as the bearer token). The key is never read
     from the config and never logged; unset, the placeholder `EMPTY` is sent (a local `vllm serve` needs no key)."""
@@ -661,8 +661,9 @@ class RewardConfig:
     `reward.weights` is set."""
     function: str | None = None
     """A user reward function, `<module or path/to/file.py>:<callable>`, called on every rank with that rank's
-    rows as `fn(prompts, completions, answer=[...])` (lists of str, and the rows' answers, None where a row has
-    none; TRL's reward-function convention) and returning one float per completion. `rlhf eval` scores
+    rows as `fn(prompts, completions, answer=[...], **columns)` (lists of str, the rows' answers, None where a row
+    has none, and the data rows' other columns where it takes `**kwargs`; TRL's reward-function convention) and
+    returning one float per completion, or None for one it cannot score. `rlhf eval` scores
     the policy's and the reference's samples with it too (`function_gain`, paired, in eval.json)."""
     url: str | None = None
     """The reward server of the source `http`, e.g. `http://127.0.0.1:5000/get_reward` (`rlhf serve-rm`, or
@@ -680,9 +681,9 @@ class RewardConfig:
     """Seconds a request to the reward server may take (connecting, sending, each read) before it counts as
     failed (> 0)."""
     retries: int = 3
-    """How often a failed request (no connection, a timeout, HTTP 429 or 5xx) is repeated, after 0.5 s, 1 s, 2 s, ...
-    (>= 0). A request still failing stops the run in one line; the last checkpoint stays, and `resume=true`
-    continues it once the server is up."""
+    """How often a failed request is repeated (>= 0): no connection, a timeout, HTTP 408, 429, 500, 502, 503 or
+    504, with backoff 0.5 s, 1 s, 2 s, ... up to 8 s. A request still failing stops the run in one line; the last
+    checkpoint stays, and `resume=true` continues it once the server is up."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The LLM judge of the source `judge`: its endpoint, model, prompt template and score pattern."""
     weights: RewardWeights = field(default_factory=lambda: RewardWeights())
@@ -690,11 +691,12 @@ class RewardConfig:
     score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.
     All null (the default) = `reward.type` alone, weight 1."""
     max_unscorable_frac: float = 0.5
-    """In [0, 1]. A source may leave a completion unscored (a reward function returning None or NaN): that row
+    """The largest fraction of a generation round's completions, in [0, 1], that may go unscored before the run
+    stops (1 never stops). A source may leave a completion unscored (a reward function returning None or NaN): that row
     gets advantage 0 and no weight in the loss, and is left out of group baselines, whitening, `ppo.filter_groups`
     and every `reward/*` and `objective/scores*` mean (counted in `reward/unscorable_frac`); under
-    `reward.weights` a row any source leaves unscored is unscored. A generation round with a larger fraction
-    unscored (over all ranks) stops the run in one line; 1 never stops."""
+    `reward.weights` a row any source of non-zero weight leaves unscored is unscored. The fraction is over all
+    ranks, and the stop is one line."""
 
 
 @dataclass

@@ -100,12 +100,20 @@ def parse_rewards(reply: Any, n: int, url: str) -> list[float]:
     for i, v in enumerate(got):
         if v is None:
             out.append(math.nan)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isinf(v):
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and _finite_or_nan(v):
             out.append(float(v))
         else:
             raise RewardServerError(f"reward server {url} answered {v!r} for row {i + 1} of {n}, not a number "
                                     f"(null or NaN: unscorable): {shown}")
     return out
+
+
+def _finite_or_nan(v: int | float) -> bool:
+    """A JSON number that fits a float and is not ±inf (an integer too large for a float is not)."""
+    try:
+        return not math.isinf(float(v))
+    except OverflowError:
+        return False
 
 
 def queries(tokenizer: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[str]:
@@ -141,6 +149,18 @@ class HttpReward:
         return cls(url=str(reward_cfg.url), batch_size=int(reward_cfg.http_batch_size),
                    max_concurrency=int(reward_cfg.max_concurrency), timeout_s=float(reward_cfg.timeout_s),
                    retries=int(reward_cfg.retries), label_key=reward_cfg.label_key)
+
+    def check_rows(self, rows: Sequence[dict[str, Any]], where: str = "the prompts") -> None:
+        """`reward.label_key`, when set, names a column some row of `rows` (prompt dicts) has: a typo would send
+        `labels: [null, ...]` on every request.
+
+        Raises:
+            ConfigError: no row has the column; names the key, `where` and the columns there are.
+        """
+        if self.label_key and not any(self.label_key in (r.get("columns") or {}) for r in rows):
+            columns = sorted({k for r in rows for k in (r.get("columns") or {})})
+            has = f"its columns are {', '.join(columns)}" if columns else "it has no data-file columns"
+            raise ConfigError(f"reward.label_key={self.label_key}: no row of {where} has that column ({has})")
 
     def payload(self, queries: Sequence[str], completions: Sequence[str],
                 rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -209,5 +229,4 @@ class HttpReward:
             return parse_rewards(reply, n, self.url)
         tries = f"{self.retries + 1} times" if self.retries else "once"
         raise RewardServerError(f"reward server {self.url} failed {tries} for {n} rows (last: {why}; "
-                                f"reward.retries={self.retries}); the last checkpoint is kept: continue with "
-                                f"resume=true once the server is up")
+                                f"reward.retries={self.retries})")

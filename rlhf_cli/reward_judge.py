@@ -16,9 +16,10 @@ unscorable (NaN), for the unscorable-row rule (`reward.max_unscorable_frac`).
 
 Identical judge messages (the same prompt, completion and fields) in one call are sent once: a group of G samples
 that agree costs one request. `reward.judge.max_concurrency` requests are in flight at once, each with a timeout
-(`reward.judge.timeout_s`); no connection, a timeout, a 429 or a 5xx is retried `reward.judge.retries` times with
-reward_http's exponential backoff (0.5 s, 1 s, 2 s, ... capped at 8 s; the client's own retries are off), any other
-answer is not. A request that still fails raises `RewardServerError` naming the base URL; the run stays resumable.
+(`reward.judge.timeout_s`); no connection, a timeout or a status of `RETRIED_STATUS` (408, 429, 500, 502-504) is
+retried `reward.judge.retries` times with reward_http's exponential backoff (0.5 s, 1 s, 2 s, ... capped at 8 s; the
+client's own retries are off), any other answer is not. A request that still fails raises `RewardServerError`
+naming the base URL; the run stays resumable.
 
 The API key comes from the environment variable `reward.judge.api_key_env` names (the placeholder `EMPTY` when it is
 unset: a local server needs none); it is sent as the bearer token only, never stored or logged.
@@ -191,8 +192,7 @@ class JudgeReward:
             return choices[0].message.content
         tries = f"{self.retries + 1} times" if self.retries else "once"
         raise RewardServerError(f"judge endpoint {self.base_url} failed {tries} (last: {why}; "
-                                f"reward.judge.retries={self.retries}); the last checkpoint is kept: continue with "
-                                f"resume=true once the endpoint is up")
+                                f"reward.judge.retries={self.retries})")
 
 
 def _body(e: Any) -> str:

@@ -76,19 +76,21 @@ def load_reward_function(spec: str, key: str = "reward.function") -> RewardFn:
 
 def _column_kwargs(fn: RewardFn, columns: Sequence[dict[str, Any] | None] | None) -> dict[str, list[Any]]:
     """The data rows' columns as keyword arguments, one list each (None where a row lacks it), as TRL passes a
-    dataset's columns: those `fn` takes by name, or all when it takes `**kwargs`; never `prompts`, `completions`
-    or `answer`."""
+    dataset's columns: those `fn` takes by name, or all when it takes `**kwargs`; never `prompts`, `completions`,
+    `answer` or the names of `fn`'s first two positional parameters (the call fills them: a column `prompt` and a
+    `def f(prompt, completion, ...)` do not clash)."""
     if not columns or not any(columns):
         return {}
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin or C callable: no signature to read
         return {}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    taken = {"prompts", "completions", "answer"} | {p.name for p in positional[:2]}  # filled by the call
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
     named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     keys = dict.fromkeys(k for c in columns if c for k in c)
-    return {k: [(c or {}).get(k) for c in columns] for k in keys
-            if k not in ("prompts", "completions", "answer") and (takes_all or k in named)}
+    return {k: [(c or {}).get(k) for c in columns] for k in keys if k not in taken and (takes_all or k in named)}
 
 
 def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[str], completions: Sequence[str],

@@ -141,3 +141,35 @@ def test_serve_rm_answers_the_in_process_reward_models_scores(tmp_path, rm_dir, 
     assert f"serving {rm_dir} at http://127.0.0.1:{port}/get_reward (raw scores" in err
     (run,) = (tmp_path / "serve").iterdir()
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
+
+
+def test_a_bad_request_fails_alone_when_batched_with_good_ones():
+    def score(texts):
+        if "bad" in texts:
+            raise ValueError("an empty query (no tokens) cannot be scored")
+        return [float(len(t)) for t in texts]
+
+    batcher = Batcher(score, batch_size=8, max_wait_s=0.3)
+    good, bad, other = batcher.submit(["aa"]), batcher.submit(["bad"]), batcher.submit(["abc", "d"])
+    assert good.result(timeout=5) == [2.0] and other.result(timeout=5) == [3.0, 1.0]
+    with pytest.raises(ValueError, match="empty query"):
+        bad.result(timeout=5)
+    gone = batcher.submit(["x"])
+    gone.cancel()  # a client that left: its answer is dropped, the worker goes on
+    assert batcher.submit(["xyz"]).result(timeout=5) == [3.0]
+    batcher.close()
+
+
+def test_openrlhf_style_queries_with_pads_score_as_clean_ones(rm_dir, tokenizer):
+    """OpenRLHF's trainer sends `batch_decode(..., skip_special_tokens=False)` of its padded sequences: left pads,
+    and pads after the response's EOS (or after a response cut without one, which its serve_rm closes with EOS)."""
+    from rlhf_cli.models import load_scalar_model
+
+    rm = load_scalar_model(rm_dir, "fp32", 0).eval()
+    scorer = RewardScorer(rm, tokenizer, 4, "fp32")
+    pad, eos = tokenizer.pad_token, tokenizer.eos_token
+    clean = ["Question? Answer." + eos, "Another question? A reply" + eos]
+    padded = [pad * 3 + clean[0] + pad * 2, clean[1] + eos + pad]
+    assert [scorer.clean(t) for t in padded] == clean and [scorer.clean(t) for t in clean] == clean
+    assert scorer.clean("cut short") == "cut short" and scorer.clean("cut short" + pad) == "cut short" + eos
+    assert scorer(padded) == scorer(clean)

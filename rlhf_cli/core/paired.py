@@ -120,8 +120,9 @@ def wilson_ci95(p: float, n: int) -> tuple[float, float]:
 
 
 def proportion_ci95(x: torch.Tensor) -> tuple[float, float, float]:
-    """(mean, low, high): the mean of `x` (values in [0, 1]: 0/1 outcomes, or wins with ties as ½) and its
-    Wilson 95 % interval over n = len(x)."""
+    """(mean, low, high): the mean of `x` (values in [0, 1]: 0/1 outcomes, wins with ties as ½, or partial credit
+    such as reasoning-gym's scores) and its Wilson 95 % interval over n = len(x). For values strictly inside
+    [0, 1] the interval is conservative: their variance is at most a 0/1 outcome's p(1 − p)."""
     n = x.numel()
     p = float(x.double().mean()) if n else float("nan")
     return (p, *wilson_ci95(p, n))

@@ -10,11 +10,13 @@ for any size below the offset, and the held-out set does not move with `size`). 
 is kept once (small tasks repeat questions), and a held-out question that is also a training one is dropped, so
 the splits share no text. A prompt is the package's default system prompt (answer inside `<answer></answer>`
 tags; `data.system_prompt` replaces it) and the question; its `answer` is the entry's answer and its columns the
-whole entry (question, answer, metadata), which the checker and a reward server receive.
+whole entry (question, answer, metadata), which the checker and a reward server receive. A few tasks draw their
+questions with Python's string hashing too (`HASH_SEEDED`): they need PYTHONHASHSEED fixed, which is checked.
 
 The checker reads the text inside the completion's last `<answer>` tags (the package's `extract_answer`), or,
 without tags, the completion's last non-empty line, and scores it with the task's own `score_answer` (1.0 right;
-partial credit where the task gives it, e.g. 0.5 for `-4.0` against `-4` in basic_arithmetic; 0.0 wrong).
+partial credit where the task gives it, e.g. 0.5 for `-4.0` against `-4` in basic_arithmetic; 0.0 wrong, and
+0.0 where a task's scorer raises on text it cannot read).
 
 The package is an optional extra (`pip install 'rlhf_cli[reasoning]'`); without it a run stops in one line.
 """
@@ -22,6 +24,7 @@ The package is an optional extra (`pip install 'rlhf_cli[reasoning]'`); without 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +46,17 @@ def _package() -> Any:
     return reasoning_gym
 
 
+HASH_SEEDED = frozenset({"isomorphic_strings", "knight_swap", "list_functions", "polynomial_multiplication",
+                         "ransom_note", "word_ladder"})
+"""Tasks whose questions depend on Python's string hashing as well as the seed (measured on reasoning-gym
+0.1.25: generated under PYTHONHASHSEED=1 and 2, they differ): each process, rank or resume would draw other
+questions, and the held-out split could meet training questions. They need PYTHONHASHSEED fixed."""
+
+
 def check_tasks(tasks: Sequence[str]) -> None:
-    """Every name in `tasks` is one of the package's tasks. Raises ConfigError naming the first unknown one and
-    the closest names."""
+    """Every name in `tasks` is one of the package's tasks, and one that hashes strings runs under a fixed
+    PYTHONHASHSEED (`HASH_SEEDED`). Raises ConfigError naming the first unknown one and the closest names, or the
+    task and the variable to set."""
     _package()
     from reasoning_gym.factory import DATASETS  # the package's registry of task names
 
@@ -55,6 +66,9 @@ def check_tasks(tasks: Sequence[str]) -> None:
             raise ConfigError(f"data.reasoning_gym.tasks: no task {name!r} in reasoning-gym"
                               + (f" (did you mean {', '.join(close)}?)" if close else
                                  f" ({len(DATASETS)} tasks: see reasoning_gym.factory.DATASETS)"))
+        if name in HASH_SEEDED and os.environ.get("PYTHONHASHSEED", "random") == "random":
+            raise ConfigError(f"data.reasoning_gym.tasks: {name} draws its questions with Python's string hashing, "
+                              f"so every process would get other ones: run with PYTHONHASHSEED=0 exported")
 
 
 def _entries(task: str, size: int, seed: int) -> list[dict[str, Any]]:
@@ -130,5 +144,8 @@ def checker(prompts: Sequence[str], completions: Sequence[str], answer: Sequence
             out.append(None)
             continue
         score = pkg.get_score_answer_fn(meta["source_dataset"])
-        out.append(float(score(extract(text), {"question": q, "answer": ans, "metadata": meta})))
+        try:
+            out.append(float(score(extract(text), {"question": q, "answer": ans, "metadata": meta})))
+        except Exception:  # noqa: BLE001 - some tasks' scorers raise on text they cannot read: a wrong answer
+            out.append(0.0)
     return out

@@ -165,10 +165,11 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
         truths.append(f"reward.function's mean went from {r['reference/function_mean']:.3f} to "
                       f"{r['policy/function_mean']:.3f}, a paired change of "
                       f"{_interval(r['function_gain'], r['function_gain_ci95'])} ({change})")
-        unscored = [f"{r.get(f'{side}/function_unscorable', 0)} of the {side}'s" for side in ("policy", "reference")
-                    if r.get(f"{side}/function_unscorable", 0)]
-        if unscored:
-            truths[-1] += f", {' and '.join(unscored)} completions unscorable (None or NaN) and left out"
+    unscored = [f"{r[f'{side}/{key}_unscorable']} of the {side}'s completions by the {what}"
+                for key, what in (("score", "reward source"), ("function", "reward.function"))
+                for side in ("policy", "reference") if r.get(f"{side}/{key}_unscorable")]
+    if unscored:  # left out of their means and of the paired figures
+        out.append(f"Unscorable (None or NaN) and left out: {'; '.join(unscored)}.")
     if truths:
         out.append(f"The ground truth says: {'; '.join(truths)}.")
     else:

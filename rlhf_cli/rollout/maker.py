@@ -369,12 +369,13 @@ def _clock(device: torch.device) -> float:
 
 
 def group_metrics(scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
-    """Per-iteration statistics of the groups on this rank (each group counted once): `groups/score_mean` (mean
-    of the group means), `groups/score_std` (mean within-group std) and `groups/zero_var_frac` (the fraction of
-    groups without a learning signal for a group baseline: all valid scores equal, or fewer than 2 valid rows)."""
+    """Per-iteration statistics of the groups of all ranks (each group counted once): `groups/score_mean` (mean
+    of the group means, over groups with a valid row), `groups/score_std` (mean within-group std, over groups with
+    two) and `groups/zero_var_frac` (the fraction of groups without a learning signal for a group baseline: all
+    valid scores equal, or fewer than 2 valid rows). A figure no group has rows for is left out. A collective."""
     st = group_stats(scores, groups, valid)
     first = torch.ones_like(groups, dtype=torch.bool)
     first[1:] = groups[1:] != groups[:-1]  # a group's rows are adjacent (prompt_batch)
-    return {"groups/score_mean": st["mean"][first].mean().item(),
-            "groups/score_std": st["std"][first].mean().item(),
-            "groups/zero_var_frac": st["flat"][first].mean().item()}
+    return {**scored_means({"groups/score_mean": st["mean"]}, first & (st["count"] >= 1)),
+            **scored_means({"groups/score_std": st["std"]}, first & (st["count"] >= 2)),
+            **scored_means({"groups/zero_var_frac": st["flat"]}, first)}

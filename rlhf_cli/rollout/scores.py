@@ -76,44 +76,43 @@ class ScoreMixer:
         """(raw (B,), score (B,), per-source scores) of this rank's rows `[prompt | response]`, float32.
 
         raw = Σ weight × raw source score; score = the same with the model's score normalised; NaN in both where a
-        source left the row unscored. The per-source scores are the raw (B,) values keyed `reward/<source>`, NaN
-        where that source left a row unscored (the maker logs their means over the scored rows of all ranks).
+        source of non-zero weight left the row unscored. The per-source scores are the raw (B,) values keyed
+        `reward/<source>`, NaN where that source left a row unscored (the maker logs their means over the scored
+        rows of all ranks). A source of weight 0 is scored and logged, and changes no score.
 
         Raises:
-            RewardError: a reward function failed here or on another rank.
+            RewardError: a reward function failed here or on another rank, or the reward model scored NaN (a
+                model's NaN is a fault, not an unscorable row: only functions, servers and judges may leave one).
         """
         device = input_ids.device
-        raw = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=device)
-        norm = torch.zeros_like(raw)
-        sources: dict[str, torch.Tensor] = {}
+        sources: dict[str, torch.Tensor] = {}  # raw, by source
+        normalised: dict[str, torch.Tensor] = {}  # where it differs from raw: the model's, under normalize
         if "model" in self.weights:
             with self.reward_model.on_device() as rm:
                 r = batched_scores(rm, input_ids, attention_mask, self.batch_size, self.score_precision,
                                    prompt_len, self.packing, self.eos_ids)
-            n = r
+            bad = engine.all_reduce_sum(r.isnan().sum().float()).item()
+            if bad:
+                raise RewardError(f"the reward model scored NaN for {int(bad)} completions (an overflow under "
+                                  f"scoring_precision={self.score_precision}? try scoring_precision=fp32)")
+            sources["reward/model"] = r.float()
             if self.normalize and self.score_stats is not None:
                 mean, std = self.score_stats
-                n = (r - mean) / (std if std > 1e-6 else 1.0)  # a constant RM has std 0: only centre
-            raw, norm = raw + self.weights["model"] * r, norm + self.weights["model"] * n
-            sources["reward/model"] = r.float()
+                normalised["reward/model"] = (r - mean) / (std if std > 1e-6 else 1.0)  # constant RM: only centre
+        texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
         if self.functions:
-            texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
-            got = self._call_functions(texts, prompts)
-            for source, values in got.items():
-                values = values.to(device)
-                raw, norm = raw + self.weights[source] * values, norm + self.weights[source] * values
-                sources[f"reward/{source}"] = values
+            sources.update({f"reward/{k}": v.to(device) for k, v in self._call_functions(texts, prompts).items()})
         if self.http is not None:
-            texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
-            values = http_on_every_rank(self.http, queries(self.tokenizer, input_ids, attention_mask), texts,
-                                        prompts).to(device)
-            raw, norm = raw + self.weights["http"] * values, norm + self.weights["http"] * values
-            sources["reward/http"] = values
+            sources["reward/http"] = http_on_every_rank(self.http, queries(self.tokenizer, input_ids, attention_mask),
+                                                        texts, prompts).to(device)
         if self.judge is not None:
-            texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
-            values = judge_on_every_rank(self.judge, texts, prompts).to(device)
-            raw, norm = raw + self.weights["judge"] * values, norm + self.weights["judge"] * values
-            sources["reward/judge"] = values
+            sources["reward/judge"] = judge_on_every_rank(self.judge, texts, prompts).to(device)
+        raw = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=device)
+        norm = torch.zeros_like(raw)
+        for key, values in sources.items():
+            w = self.weights[key.removeprefix("reward/")]
+            if w != 0:  # a weight-0 source's NaN leaves the row scored
+                raw, norm = raw + w * values, norm + w * normalised.get(key, values)
         return raw, norm, sources
 
     def _call_functions(self, texts: list[str], prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -197,8 +196,9 @@ def _server_on_every_rank(score: Any, server: str) -> torch.Tensor:
         out = score()
     except RewardServerError as e:
         failure = e
+    except Exception as e:  # noqa: BLE001 - anything else here must not skip the collective below: one line
+        failure = RewardServerError(f"{server}: scoring raised {type(e).__name__}: {e}")
     if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:
         raise failure if failure is not None else RewardServerError(
-            f"{server} failed for another rank; the last checkpoint is kept: continue with resume=true once the "
-            f"server is up")
+            f"{server} failed for another rank")
     return out

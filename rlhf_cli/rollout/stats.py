@@ -31,13 +31,16 @@ def _moments_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Te
 
 
 def scored_means(values: dict[str, torch.Tensor], scored: torch.Tensor) -> dict[str, float]:
-    """Each (B,) value's mean over the scored rows (`scored` (B,) bool) of ALL ranks, keyed as in `values`;
-    {} when no rank scored a row (nothing to average: no number rather than a NaN). Each rank's float32 mean
-    weighed by its count, so one rank's figure is its plain mean, bit for bit."""
-    n = float(scored.sum())
-    local = [values[k][scored].float().mean().item() * n if n else 0.0 for k in values]
-    *sums, total = engine.all_reduce_sum(torch.tensor([*local, n], dtype=torch.float64)).tolist()
-    return {k: s / total for k, s in zip(values, sums)} if total else {}
+    """Each (B,) value's mean over the scored rows (`scored` (B,) bool) of ALL ranks where it is not NaN (a
+    weight-0 source's unscored row), keyed as in `values`; a key no rank has such a row for is left out (no number
+    rather than a NaN). Each rank's float32 mean weighed by its count, so one rank's figure is its plain mean, bit
+    for bit."""
+    local: list[float] = []
+    for v in values.values():
+        keep = v[scored & ~v.isnan()].float()
+        local += [keep.mean().item() * keep.numel() if keep.numel() else 0.0, float(keep.numel())]
+    sums = engine.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+    return {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(values) if sums[2 * i + 1]}
 
 
 def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -53,7 +53,7 @@ from rlhf_cli.report import (
 )
 from rlhf_cli.reward_http import HttpReward, queries
 from rlhf_cli.reward_judge import JudgeReward
-from rlhf_cli.rewards import call_reward_function, load_reward_function
+from rlhf_cli.rewards import load_reward_function
 from rlhf_cli.rollout import (
     EngineSettings,
     Episodes,
@@ -278,6 +278,8 @@ def eval_prompts(cfg: Any, tokenizer: Any, run_dir: Path, src: dict[str, Any]) -
                           f"at most {n}" + (" or raise eval.num_prompts" if cut else ""))
     if cfg.reward.type == "judge":  # a template field the rows lack: one line now, before any model loads
         JudgeReward.from_config(cfg.reward.judge, cfg.seed).check_rows(prompts[:n], "the eval split")
+    if cfg.reward.type == "http":  # a reward.label_key no row has, likewise
+        HttpReward.from_config(cfg.reward).check_rows(prompts[:n], "the eval split")
     lineage.record(run_dir, cfg, COMMAND.kind, prompts.summary, parents, write=engine.is_main())
     if n < available and engine.is_main():
         console.print(f"prompts: the first {n} of the {available} held-out prompts (eval.num_prompts={e.num_prompts})",
@@ -352,7 +354,7 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
     """One side's per-prompt values of this rank's prompts `mine` (`who`: policy or reference; `sampled`: its
     `Episodes`): `text`, `length` (sampled tokens), `eos` (1.0 = ended in EOS), `tokens` (the sampled ids), and
     where measured
-    `score` (the reward model's, given), `correct` (the data's checker, when every prompt has an answer: 0/1, or
+    `score` (the reward model's, given), `correct` (the data's checker, when every rank's prompts have answers: 0/1, or
     reasoning-gym's score in [0, 1] with its partial credit), `function`
     (`reward.function`); the policy's KL(policy ‖ reference) `kl_k1`, `kl_k3` (nats per sequence) on its own
     samples, temperature-scaled, the policy's log-probs renormalised over its nucleus under `eval.top_p` < 1."""
@@ -362,11 +364,9 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
                            "tokens": [tuple(r[m.bool()].tolist()) for r, m in zip(ids[:, P:].cpu(), mask.cpu())]}
     if score is not None:
         out["score"] = score
-    if all(x.get("answer") is not None for x in mine):  # the data's checker (`data.task_checker`), on this rank
-        name, check = task_checker(cfg.data)
-        out["correct"] = call_reward_function(check, name, [x.get("prompt_text", "") for x in mine], texts,
-                                              [x["answer"] for x in mine], [x.get("row") for x in mine],
-                                              [x.get("columns") for x in mine])
+    unanswered = float(any(x.get("answer") is None for x in mine))
+    if engine.all_reduce_sum(torch.tensor(unanswered)).item() == 0:  # every rank's prompts have answers
+        out["correct"] = call_on_every_rank({"checker": task_checker(cfg.data)}, texts, mine)["checker"]
     if models["function"] is not None:
         out["function"] = call_on_every_rank({"function": (cfg.reward.function, models["function"])}, texts,
                                              mine)["function"]

@@ -55,6 +55,7 @@ from rlhf_cli.models import (
     save_policy,
 )
 from rlhf_cli.preflight import resolve_reward_model
+from rlhf_cli.reward_http import HttpReward
 from rlhf_cli.reward_judge import JudgeReward
 from rlhf_cli.rollout import (
     EngineDriftGuard,
@@ -133,6 +134,8 @@ class PPOTrainer(PolicyLearner):
                               f"have none (the built-in task has them; for your data set data.answer_key)")
         if "judge" in reward_sources(self.cfg):  # a template field the rows lack: one line now, not mid-run
             JudgeReward.from_config(cfg.reward.judge, cfg.seed).check_rows(self.prompts, "the train split")
+        if "http" in reward_sources(self.cfg):  # a reward.label_key no row has, likewise
+            HttpReward.from_config(cfg.reward).check_rows(self.prompts, "the train split")
         p, defaults = self.p, PPOConfig()
         if not self.estimator.needs_critic:
             unused = [f"ppo.{k}={p[k]}" for k in CRITIC_KEYS if p[k] != getattr(defaults, k)]

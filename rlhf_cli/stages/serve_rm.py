@@ -42,9 +42,10 @@ from rlhf_cli import engine
 from rlhf_cli.commands import by_stage
 from rlhf_cli.config import ConfigError
 from rlhf_cli.data import pad_sequences
+from rlhf_cli.eos import eos_ids
 from rlhf_cli.forwards import batched_scores
 from rlhf_cli.lifecycle import prepare_run_dir
-from rlhf_cli.models import load_scalar_model, load_tokenizer, read_score_stats
+from rlhf_cli.models import load_generation_config, load_scalar_model, load_tokenizer, read_score_stats
 from rlhf_cli.preflight import reward_model_dir
 from rlhf_cli.runs import set_status
 from rlhf_cli.stages.common import print_table
@@ -55,25 +56,41 @@ PATH = "/get_reward"
 
 
 class RewardScorer:
-    """Texts -> scores of a reward model: `scorer(texts)` is a list of floats, one per text, tokenized without
-    added special tokens, right-padded, scored at each text's last token (`forwards.batched_scores`),
-    `batch_size` rows per forward under `precision`; with `stats` (mean, std), normalised as
-    `rollout.ScoreMixer` does."""
+    """Texts -> scores of a reward model: `scorer(texts)` is a list of floats, one per text: each text cleaned
+    (`clean`), tokenized without added special tokens, right-padded, scored at its last token
+    (`forwards.batched_scores`, the EOS set `eos` read as the in-process scorer reads it), `batch_size` rows per
+    forward under `precision`; with `stats` (mean, std), normalised as `rollout.ScoreMixer` does."""
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int, precision: str,
-                 stats: tuple[float, float] | None = None) -> None:
+                 stats: tuple[float, float] | None = None, eos: tuple[int, ...] = ()) -> None:
         self.model, self.tokenizer, self.batch_size, self.precision, self.stats = (model, tokenizer, batch_size,
                                                                                    precision, stats)
+        self.eos = tuple(eos)
+
+    def clean(self, text: str) -> str:
+        """A query as OpenRLHF's own serve_rm reads it: the pad text its trainer leaves around a sequence
+        (`batch_decode` with special tokens, left pads, trailing pads) removed, and a response that ended (an EOS
+        or pads at its end) closed with exactly one EOS text. A query from `rlhf_cli.reward_http` (no pads, one
+        EOS where the response ended) is unchanged."""
+        pad, eos = self.tokenizer.pad_token, self.tokenizer.eos_token
+        ends = [t for t in (pad, eos) if t]
+        while pad and text.startswith(pad):
+            text = text[len(pad):]
+        closed = False
+        while any(text.endswith(t) for t in ends):
+            t = next(t for t in ends if text.endswith(t))
+            text, closed = text[:-len(t)], True
+        return text + eos if closed and eos else text
 
     @torch.no_grad()
     def __call__(self, texts: list[str]) -> list[float]:
-        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer([self.clean(t) for t in texts], add_special_tokens=False)["input_ids"]
         if any(len(x) == 0 for x in ids):
             raise ValueError("an empty query (no tokens) cannot be scored")
         batch = pad_sequences(ids, self.tokenizer.pad_token_id, side="right")
         dev = engine.device()
         scores = batched_scores(self.model, batch["input_ids"].to(dev), batch["attention_mask"].to(dev),
-                                self.batch_size, self.precision).cpu()
+                                self.batch_size, self.precision, eos_ids=self.eos).cpu()
         if self.stats is not None:
             mean, std = self.stats
             scores = (scores - mean) / (std if std > 1e-6 else 1.0)  # a constant RM has std 0: only centre
@@ -126,19 +143,37 @@ class Batcher:
     def _loop(self) -> None:
         while (first := self._queue.get()) is not None:
             items, stop = self._gather(first)
-            self.calls += 1
-            try:
-                scores = self.score([t for it in items for t in it.texts])
-            except Exception as e:  # noqa: BLE001 - each waiting request gets the error, the server goes on
-                for it in items:
-                    it.future.set_exception(e)
-            else:
-                at = 0
-                for it in items:
-                    it.future.set_result(scores[at:at + len(it.texts)])
-                    at += len(it.texts)
+            self._score(items)
             if stop:
                 return
+
+    def _score(self, items: list[_Request]) -> None:
+        """One scoring call for all `items`; when it fails and several requests share it, each is scored again
+        on its own, so only a bad request gets the error (the server goes on either way)."""
+        self.calls += 1
+        try:
+            scores = self.score([t for it in items for t in it.texts])
+        except Exception as e:  # noqa: BLE001 - a request's error is its own: handed to it, never raised here
+            if len(items) > 1:
+                for it in items:
+                    self._score([it])
+                return
+            _settle(items[0].future, error=e)
+            return
+        at = 0
+        for it in items:
+            _settle(it.future, result=scores[at:at + len(it.texts)])
+            at += len(it.texts)
+
+
+def _settle(future: Future, result: Any = None, error: Exception | None = None) -> None:
+    """Hand a request its scores or its error, unless its client has gone (the future cancelled)."""
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def make_app(batcher: Batcher, source: str) -> Any:
@@ -197,7 +232,8 @@ def load_scorer(cfg: Any, rm_dir: str) -> RewardScorer:
         log.warning("serve.normalize=true has no effect: %s stored no held-out mean/std, so its raw scores are "
                     "served", rm_dir)
     return RewardScorer(model, tokenizer, cfg.serve.batch_size,
-                        engine.scoring_precision(cfg.precision, cfg.scoring_precision), stats)
+                        engine.scoring_precision(cfg.precision, cfg.scoring_precision), stats,
+                        eos_ids(tokenizer, load_generation_config(rm_dir)))  # train-rm keeps the set
 
 
 def run(cfg: Any, run_dir: Path) -> None:

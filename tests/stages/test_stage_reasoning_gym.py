@@ -86,6 +86,21 @@ def test_bad_settings_are_one_line(tokenizer, overrides, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_scorer_that_raises_is_a_wrong_answer_and_hash_seeded_tasks_need_pythonhashseed(monkeypatch):
+    import reasoning_gym
+
+    from rlhf_cli.data.reasoning_gym import check_tasks
+
+    entry = reasoning_gym.create_dataset("prime_factorization", size=1, seed=0)[0]
+    assert checker(["p"], ["<answer>]]]{{</answer>"], [entry["answer"]], question=[entry["question"]],
+                   metadata=[entry["metadata"]]) == [0.0]  # its scorer raises on this text
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(ConfigError, match="ransom_note draws its questions with Python's string hashing"):
+        check_tasks(["basic_arithmetic", "ransom_note"])
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    check_tasks(["ransom_note"])
+
+
 def test_a_missing_package_is_one_line_naming_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym raises ImportError
     with pytest.raises(ConfigError, match=r"needs the reasoning-gym package: pip install 'rlhf_cli\[reasoning\]'"):
@@ -97,11 +112,11 @@ def test_a_missing_package_is_one_line_naming_the_install(monkeypatch):
 
 def test_train_ppo_scores_reasoning_gym_rollouts_with_the_package(tmp_path, monkeypatch):
     tr = build_trainer(tmp_path, [*RG, "reward.type=checker", "ppo.rollout_batch_size=4", "ppo.mini_batch_size=4",
-                                  "ppo.missing_eos_penalty=0"])
+                                  "ppo.missing_eos_penalty=0", "ppo.max_new_tokens=12"])
     prompts, _, _ = tr.maker.prompt_batch(0)
-    right = tr.tokenizer.encode(str(prompts[0]["answer"]), add_special_tokens=False) + [tr.tokenizer.eos_token_id]
+    right = tr.tokenizer.encode(f"It is {prompts[0]['answer']}", add_special_tokens=False) + [tr.tokenizer.eos_token_id]
 
-    def answer_row_0(responses):  # row 0 gives its answer (the checker reads the last line), then pads
+    def answer_row_0(responses):  # row 0 gives its answer untagged (the last line), then pads
         responses[0, :len(right)] = torch.tensor(right)
         responses[0, len(right):] = tr.tokenizer.pad_token_id
 
@@ -111,7 +126,7 @@ def test_train_ppo_scores_reasoning_gym_rollouts_with_the_package(tmp_path, monk
     cols = {k: [p["columns"][k] for p in prompts] for k in ("question", "metadata")}
     want = torch.tensor(checker([""] * len(texts), texts, [p["answer"] for p in prompts], **cols))
     torch.testing.assert_close(exp.scores, want)
-    assert want[0] == 1.0
+    assert 0 < want[0] < 1  # the package's partial credit; the built-in checker would give 1.0 for the number
     assert stats["reward/checker"] == pytest.approx(want.mean().item())
 
 

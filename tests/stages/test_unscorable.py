@@ -8,11 +8,13 @@ The rule is TRL's (trl #5749, #5773): reward 0 instead would push the policy awa
 not read.
 """
 
+import contextlib
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from stage_helpers import compose
 from test_stage_critic_free import GROUPS, reward_file
 from test_stage_ppo import build_trainer
 
@@ -167,3 +169,55 @@ def test_eval_figures_leave_unscored_completions_out(key):
     assert all(not (isinstance(v, float) and math.isnan(v)) for k, v in r.items() if "ci95" not in k)
     clean = policy_eval_stats({**side, key: torch.ones(4)}, {**side, key: torch.zeros(4)})
     assert f"policy/{key}_unscorable" not in clean  # counted only when there are any
+
+
+def test_group_figures_leave_a_group_without_scored_rows_out():
+    from rlhf_cli.rollout.maker import group_metrics
+
+    scores = torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0])  # group 1: every row unscorable (score 0)
+    groups = torch.arange(8) // 4
+    valid = torch.tensor([True] * 4 + [False] * 4)
+    got = group_metrics(scores, groups, valid)
+    assert got["groups/score_mean"] == 2.5 and got["groups/zero_var_frac"] == 0.5
+    assert got["groups/score_std"] == pytest.approx(torch.tensor([1.0, 2, 3, 4]).std().item())
+    assert group_metrics(scores, groups, torch.zeros(8, dtype=torch.bool)) == {"groups/zero_var_frac": 1.0}
+
+
+def test_a_reward_model_nan_is_a_fault_and_a_weight_zero_source_changes_no_score(tmp_path, monkeypatch):
+    import rlhf_cli.rollout.scores as scores_module
+
+    half = "def f(prompts, completions, answer, **kw):\n    return [None, *([1.0] * (len(completions) - 1))]\n"
+    fn = f"reward.function={reward_file(tmp_path, half)}:f"
+    tr = build_trainer(tmp_path, [*GROUPS, "ppo.advantage_estimator=grpo", fn,
+                                  "reward.weights={checker:1.0,function:0.0}", "ppo.missing_eos_penalty=0"])
+    exp, stats, _ = tr.maker.make_experience(0)
+    assert exp.scored.all() and stats["reward/unscorable_frac"] == 0.0  # the weight-0 function's None: scored
+    assert stats["reward/function"] == 1.0  # its own mean leaves its None out
+    class FakeRewardModel:  # `engine.FrozenModel`'s interface; its scores come from the patched forward
+        @contextlib.contextmanager
+        def on_device(self):
+            yield None
+
+    monkeypatch.setattr(scores_module, "batched_scores", lambda *a, **k: torch.tensor([float("nan")] + [0.0] * 7))
+    mixer = scores_module.ScoreMixer(compose("train_ppo", ["model=tiny", "reward.type=model"]), tr.tokenizer,
+                                     FakeRewardModel(), None, 2, "fp32", normalize=False)
+    with pytest.raises(RewardError, match=r"the reward model scored NaN for 1 completions"):
+        mixer(exp.input_ids, exp.attention_mask, exp.prompt_len, [{}] * 8)
+
+
+def test_columns_reach_a_function_that_takes_them_and_never_clash_with_its_positional_names():
+    cols = [{"prompt": "p1", "level": 1}, {"prompt": "p2", "level": None}]
+
+    def positional(prompt, completion, answer=None):  # a column `prompt`: not passed again
+        return [1.0] * len(completion)
+
+    def wants_level(prompts, completions, answer, level):
+        return [float(v or 0) for v in level]
+
+    def takes_all(prompts, completions, answer, **kwargs):
+        return [float(len(kwargs))] * len(completions)
+
+    args = (["p1", "p2"], ["a", "b"], [None, None], [1, 2], cols)
+    assert call_reward_function(positional, "m:f", *args).tolist() == [1.0, 1.0]
+    assert call_reward_function(wants_level, "m:f", *args).tolist() == [1.0, 0.0]
+    assert call_reward_function(takes_all, "m:f", *args).tolist() == [2.0, 2.0]  # prompt and level
