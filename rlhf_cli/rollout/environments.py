@@ -200,9 +200,12 @@ class EnvironmentRunner:
         self.owns_reward = callable(getattr(probe, "get_reward", None))
         self.replies = callable(getattr(probe, "env_response", None))
         self.template, why = self._choose_template()
-        log.info("rollout.env=%s: %d tool(s)%s, %s; the reward: %s", spec, len(tools),
-                 f" ({', '.join(sorted(tools))})" if tools else "", why,
-                 "its get_reward()" if self.owns_reward else "the run's reward sources, on the episode's text")
+        self.summary = (f"{self.cls.__name__}: {len(tools)} tool(s)"
+                        + (f" ({', '.join(sorted(tools))})" if tools else "") + f", {why}; the score: "
+                        + ("its get_reward() (the reward.* sources are not called)" if self.owns_reward
+                           else "the run's reward sources, on the episode's text"))
+        """One line on the environment, its tools, its template and its score (the start table's)."""
+        log.info("rollout.env=%s: %s", spec, self.summary)
         self.closing = self._closing()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlhf-tool")
         self.stats: dict[str, float] = {}
