@@ -378,3 +378,47 @@ def test_train_ppo_runs_an_environment_end_to_end(run_stage, env_file):
     for key in ("episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors", "episode/truncated_frac",
                 "episode/sampled_tokens_mean", "episode/env_tokens_mean", "reward/env"):
         assert key in logged, key
+
+
+# a second tool template, vendored here (written for this test, Qwen2.5's layout): the tools in the system turn,
+# consecutive tool results merged into one user turn of <tool_response> blocks
+MERGING_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You can call these tools:{% for t in tools %} {{ t | tojson }}{% endfor %}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif %}
+{%- else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_renders_tools_is_kept_and_its_rendering_matched(tokenizer, env_file):
+    """A model template that renders `tools=` is used as is (not the shipped one); with it too, two tool turns
+    (the second with two calls, merged by the template into one turn) give the ids of its rendering of the whole
+    conversation, but for the template's last "\\n" (never sampled)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = MERGING_TEMPLATE
+    calls = [call("add", a=1, b=1), call("add", a=5, b=5) + "\n" + call("add", a=1, b=2)]
+    script = {4: [*calls, "7<EOT>"]}
+    runner, ep = run(tok, env_file, "Calc", script)
+    assert runner.template is None and "own" in runner.summary
+    ids, _ = conversation_ids(runner, ep, 0)
+    messages = [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": calls[0]},
+                {"role": "tool", "name": "add", "content": "2"}, {"role": "assistant", "content": calls[1]},
+                {"role": "tool", "name": "add", "content": "10"}, {"role": "tool", "name": "add", "content": "3"},
+                {"role": "assistant", "content": "7"}]
+    want = tok(tok.apply_chat_template(messages, tools=runner.schemas, tokenize=False), add_special_tokens=False)
+    assert ids == want["input_ids"][:-1]
+    assert ep.turns.tolist() == [3] and runner.stats["episode/tool_calls_mean"] == 3
