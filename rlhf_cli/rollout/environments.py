@@ -173,7 +173,7 @@ class _Episode:
     ended: str | None = None  # how the last turn ended: "eot", "call" (at </tool_call>) or None (a token budget)
     done: bool = False
     has_eos: bool = False
-    pending: list[Any] = dataclasses.field(default_factory=list)  # this turn's calls: (name, future, deadline) | str
+    pending: list[Any] = dataclasses.field(default_factory=list)  # this turn's parsed calls (`parse_tool_calls`)
 
     def finish(self, has_eos: bool) -> None:
         self.done, self.has_eos = True, has_eos
@@ -208,6 +208,9 @@ class EnvironmentRunner:
         log.info("rollout.env=%s: %s", spec, self.summary)
         self.closing = self._closing()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlhf-tool")
+        """The tool calls' threads; an episode's calls run one after another (its environment's state is its own),
+        the episodes' side by side (`episodes_pool`, one job per episode)."""
+        self.episodes_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlhf-env")
         self.stats: dict[str, float] = {}
 
     def _choose_template(self) -> tuple[str | None, str]:
@@ -278,8 +281,10 @@ class EnvironmentRunner:
             if not active:
                 break
             self._turn([eps[i] for i in active], [turn_seed(seeds[i], turn) for i in active], generator, sampling)
-            for e in (eps[i] for i in active):
-                self._answer(e)
+            jobs = {i: self.episodes_pool.submit(self._run_calls, eps[i], eps[i].pending)
+                    for i in active if eps[i].pending}
+            for i in active:
+                self._answer(eps[i], jobs[i].result() if i in jobs else None)
             turn += 1
         self.stats = self._stats(eps)
         return self._episodes(eps, sampling.pad_id)
@@ -306,7 +311,7 @@ class EnvironmentRunner:
             if calls and (e.turns >= self.s.max_turns or e.tool_calls + len(calls) > self.s.max_tool_calls):
                 e.finish(False)  # a budget: cut, counted in episode/truncated_frac
                 continue
-            e.pending = [self._submit(e, c) for c in calls]
+            e.pending = calls
 
     def _cut(self, ids: list[int], eos: set[int]) -> tuple[list[int], str | None]:
         """A turn's sampled ids cut after its first run of tool calls (`<tool_call>…</tool_call>`, several in a
@@ -329,16 +334,23 @@ class EnvironmentRunner:
                 return ids[:k], "call"
         return ids, "call"  # unreachable: the whole text reaches `end`
 
-    def _submit(self, e: _Episode, call: tuple[str, dict[str, Any]] | str) -> Any:
-        """Start one call in the thread pool: (name, future, deadline), or the error text of a bad one."""
-        e.tool_calls += 1
-        if isinstance(call, str):
-            return call
-        name, args = call
-        if name not in self.tool_names:
-            return f"Error: no tool named {name!r} (the tools: {', '.join(sorted(self.tool_names))})"
-        fn = getattr(e.env, name)
-        return name, self.pool.submit(_call_tool, fn, args), time.monotonic() + self.s.tool_timeout_s
+    def _run_calls(self, e: _Episode, calls: list[tuple[str, dict[str, Any]] | str]) -> list[dict[str, Any]]:
+        """One episode's calls of a turn, in order (each in the tool pool, bounded by `tool_timeout_s`): their tool
+        messages, errors included (`_result`)."""
+        out = []
+        for call in calls:
+            e.tool_calls += 1
+            if isinstance(call, str):
+                out.append(self._result(e, call))
+                continue
+            name, args = call
+            if name not in self.tool_names:
+                out.append(self._result(e, f"Error: no tool named {name!r} (the tools: "
+                                           f"{', '.join(sorted(self.tool_names))})"))
+                continue
+            future = self.pool.submit(_call_tool, getattr(e.env, name), args)
+            out.append(self._result(e, (name, future, time.monotonic() + self.s.tool_timeout_s)))
+        return out
 
     def _result(self, e: _Episode, pending: Any) -> dict[str, Any]:
         """The tool message of one call: its result cut at `max_tool_tokens`, or an error the model reads."""
@@ -362,14 +374,15 @@ class EnvironmentRunner:
             text = self.tokenizer.decode(ids[:self.s.max_tool_tokens], skip_special_tokens=False)
         return {"role": "tool", "name": name, "content": text}
 
-    def _answer(self, e: _Episode) -> None:
-        """After a turn: the tool results, or the environment's reply, or the episode's end; the new messages
-        appended as tokens with action mask 0, unless they leave no room for a sampled token (truncated)."""
+    def _answer(self, e: _Episode, results: list[dict[str, Any]] | None) -> None:
+        """After a turn: the tool results (`results`, the turn's tool messages), or the environment's reply, or the
+        episode's end; the new messages appended as tokens with action mask 0, unless they leave no room for a
+        sampled token (truncated)."""
+        e.pending = []
         if e.done:
             return
-        pending, e.pending = e.pending, []
-        if pending:
-            new = [self._result(e, p) for p in pending]
+        if results:
+            new = results
         elif self.replies:
             reply = e.env.env_response([dict(m) for m in e.messages])
             if reply is None:
