@@ -1188,6 +1188,9 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(0 <= p.overlong_buffer <= p.max_new_tokens,
            f"ppo.overlong_buffer must be in [0, ppo.max_new_tokens={p.max_new_tokens}] (0 = off; got "
            f"{p.overlong_buffer})")
+    _check(cfg.rollout.env is None or p.overlong_buffer == 0,
+           "ppo.overlong_buffer measures one response against ppo.max_new_tokens, not an episode of several turns: "
+           "set ppo.overlong_buffer=0 with rollout.env (rollout.max_episode_tokens bounds an episode)")
     _check(p.overlong_penalty >= 0, f"ppo.overlong_penalty must be >= 0 (got {p.overlong_penalty})")
     _check(not p.filter_groups or (not critic and p.n_samples_per_prompt >= 2),
            f"ppo.filter_groups=true with ppo.advantage_estimator={p.advantage_estimator} and "

@@ -307,6 +307,16 @@ def test_rollout_env_is_refused_on_vllm():
         validate_rollout(cfg)
 
 
+def test_overlong_shaping_is_refused_with_an_environment(env_file):
+    from stage_helpers import compose
+
+    from rlhf_cli.preflight import VALIDATORS
+
+    cfg = compose("train_ppo", ["model=tiny", f"rollout.env={env_file}:Calc", "ppo.overlong_buffer=4"])
+    with pytest.raises(ConfigError, match="ppo.overlong_buffer=0 with rollout.env"):
+        VALIDATORS["train_ppo"](cfg)
+
+
 # ----------------------------------------------------------------------------------------------
 # a real tiny-model rollout: the environment's tokens get no gradient, no KL, no advantage
 
