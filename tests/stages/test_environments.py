@@ -430,3 +430,25 @@ def test_a_template_that_renders_tools_is_kept_and_its_rendering_matched(tokeniz
     want = tok(tok.apply_chat_template(messages, tools=runner.schemas, tokenize=False), add_special_tokens=False)
     assert ids == want["input_ids"][:-1]
     assert ep.turns.tolist() == [3] and runner.stats["episode/tool_calls_mean"] == 3
+
+
+def test_a_one_turn_environment_samples_as_the_single_turn_runner(tiny_causal, tokenizer, env_file, tmp_path):
+    """An environment with neither tools nor env_response: one turn, seeded with the row's own seed, so its
+    episode is the single-turn runner's (same prompt rendering, same ids, same EOS)."""
+    from rlhf_cli.rollout import SingleTurnRunner
+
+    path = tmp_path / "quiet.py"
+    path.write_text("class Quiet:\n    def reset(self, **row):\n        return None\n")
+    runner = EnvironmentRunner(f"{path}:Quiet", tokenizer, EnvSettings())
+    generator = HFGenerator("fp32", chunk=2)
+    generator.update_weights(tiny_causal)
+    rows = [prompt("Hello"), prompt("What is two plus two?")]
+    for r in rows:
+        r["prompt_ids"] = tokenizer(tokenizer.apply_chat_template(r["messages"], tokenize=False,
+                                                                  add_generation_prompt=True),
+                                    add_special_tokens=False)["input_ids"]
+    s = sampling(12)
+    ep, single = runner.run(rows, [3, 4], generator, s), SingleTurnRunner().run(rows, [3, 4], generator, s)
+    assert torch.equal(ep.input_ids, single.input_ids) and torch.equal(ep.action_mask, single.action_mask)
+    assert torch.equal(ep.has_eos, single.has_eos) and ep.turns.tolist() == [1, 1]
+    assert runner.stats["episode/env_tokens_mean"] == 0
