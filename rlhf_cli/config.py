@@ -812,6 +812,32 @@ class RolloutConfig:
     """The KV cache `rollout.engine=vllm` reserves, GiB (>= 1): `VLLM_CPU_KVCACHE_SPACE` on the CPU, the engine's
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16 (half that in fp32); the
     `hf` engine ignores it."""
+    env: str | None = None
+    """train-ppo's environment, `path/to/file.py:Class` (or `package.module:Class`): episodes of several turns, one
+    instance of the class per episode (`rollout/environments.py`). TRL's `environment_factory` interface, so a TRL
+    environment runs unchanged: `reset(**row)` gets the data row's columns and may return a first observation
+    (appended to the last user message); every other public method with a docstring and type hints is a tool the
+    model calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `get_reward()`, when defined, is the
+    episode's score (the `reward.*` sources are then not called); `env_response(messages) -> str | None` replies as
+    the next user message (None ends the episode). Tool results and replies are appended as tokens the policy did
+    not sample: they condition the next turn and are never trained. null = one response per prompt. `hf` engine only
+    for now (issue 57 step B2 brings vllm)."""
+    max_turns: int = 8
+    """With `rollout.env`: the policy's turns per episode (>= 1); an episode that wants another turn past it is cut
+    as truncated (`ppo.truncated` applies)."""
+    max_tool_calls: int = 16
+    """With `rollout.env`: tool calls per episode (>= 0); a turn whose calls go past it ends the episode as
+    truncated, its calls not run."""
+    max_episode_tokens: int = 1024
+    """With `rollout.env`: the tokens after the prompt (>= 1), sampled ones and those tools and the environment write
+    (TRL's count); each turn samples at most `ppo.max_new_tokens` of them. An episode that reaches it is cut as
+    truncated."""
+    max_tool_tokens: int = 256
+    """With `rollout.env`: the tokens of one tool result (>= 1); a longer result is cut there."""
+    tool_timeout_s: float = 10.0
+    """With `rollout.env`: seconds one tool call may run (> 0, finite); past it the model reads an error (counted in
+    `episode/tool_errors`) and the episode goes on. Tools run in a thread pool (`async def` ones on their own event
+    loop); a tool past its time is left to finish in the background."""
 
 
 @dataclass
@@ -1209,6 +1235,9 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(0 <= p.overlong_buffer <= p.max_new_tokens,
            f"ppo.overlong_buffer must be in [0, ppo.max_new_tokens={p.max_new_tokens}] (0 = off; got "
            f"{p.overlong_buffer})")
+    _check(cfg.rollout.env is None or p.overlong_buffer == 0,
+           "ppo.overlong_buffer measures one response against ppo.max_new_tokens, not an episode of several turns: "
+           "set ppo.overlong_buffer=0 with rollout.env (rollout.max_episode_tokens bounds an episode)")
     _check(p.overlong_penalty >= 0, f"ppo.overlong_penalty must be >= 0 (got {p.overlong_penalty})")
     _check(not p.filter_groups or (not critic and p.n_samples_per_prompt >= 2),
            f"ppo.filter_groups=true with ppo.advantage_estimator={p.advantage_estimator} and "
@@ -1349,9 +1378,17 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
     _check(0 < cfg.rollout.sync_timeout_s < math.inf,
            f"rollout.sync_timeout_s must be a finite number of seconds > 0 (got {cfg.rollout.sync_timeout_s})")
+    _check(r.env is None or r.engine != "vllm",
+           "rollout.env runs on rollout.engine=hf for now (vLLM multi-turn is issue 57 step B2): set rollout.engine=hf")
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "
            "\"Sample with vLLM\"), or use rollout.engine=hf")
+    _check(r.max_turns >= 1, f"rollout.max_turns must be >= 1 (got {r.max_turns})")
+    _check(r.max_tool_calls >= 0, f"rollout.max_tool_calls must be >= 0 (got {r.max_tool_calls})")
+    _check(r.max_episode_tokens >= 1, f"rollout.max_episode_tokens must be >= 1 (got {r.max_episode_tokens})")
+    _check(r.max_tool_tokens >= 1, f"rollout.max_tool_tokens must be >= 1 (got {r.max_tool_tokens})")
+    _check(0 < r.tool_timeout_s < math.inf,
+           f"rollout.tool_timeout_s must be a finite number of seconds > 0 (got {r.tool_timeout_s})")
 
 
 def validate_serve(cfg: Any, world_size: int = 1) -> None:

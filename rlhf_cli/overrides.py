@@ -148,6 +148,11 @@ IGNORED: tuple[Ignored, ...] = (
       for k in ("critic", "critic_init", "critic_lr", "c1", "value_clip", "lam")),
     *(Ignored(f"rollout.{k}", "`rollout.is_correction=none`", lambda cfg, c: cfg.rollout.is_correction == "none",
               "set `rollout.is_correction` (tis, icepop, seq_mask)") for k in ("is_low", "is_high")),
+    *(Ignored(f"rollout.{k}", "`rollout.env=null` (one response per prompt)", lambda cfg, c: cfg.rollout.env is None,
+              "set `rollout.env=FILE.py:Class`")
+      for k in ("max_turns", "max_tool_calls", "max_episode_tokens", "max_tool_tokens", "tool_timeout_s")),
+    Ignored("rollout.env", "a command that runs no PPO rollout (eval with an environment is issue 57 step B2)",
+            lambda cfg, c: "ppo" not in c.reads, "use it where PPO rollouts run"),
 )
 """Every key that a setting makes do nothing, checked against the command line (README: "Keys a setting ignores")."""
 

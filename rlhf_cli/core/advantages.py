@@ -4,9 +4,17 @@ Shapes and mask conventions are those of :mod:`rlhf_cli.core.ops`: ``(B, T)`` te
 ``mask`` 1 on real response tokens (EOS included), 0 on the right padding after them.
 Every output is 0 on padding, and nothing a padded position holds (±1e6, ±inf, NaN)
 reaches a real position.
+
+A multi-turn episode's mask has gaps (``1…1 0…0 1…1``: the 0s are tokens a tool or an
+environment wrote, which the policy did not sample). The recursions here run over the
+sampled tokens only, in order, as if the gap tokens were not there (`_over_sampled`);
+the last real token is the last 1 of the row. A mask without gaps gives the values it
+always did (the compaction is the identity on a right-padded row).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -99,6 +107,19 @@ def _gae_deltas(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float) -> 
     return deltas, v, m
 
 
+def _over_sampled(fn: Callable[..., tuple[Tensor, Tensor]], rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
+                  lam: float) -> tuple[Tensor, Tensor]:
+    """``fn(rewards, values, mask, gamma, lam)`` run over each row's real tokens moved to the front, in order
+    (a stable sort of the mask), and its outputs moved back: the gaps of a multi-turn mask are skipped, not
+    ends of the episode. ``fn`` outputs 0 where the (compacted) mask is 0, so the gaps get 0."""
+    _check_shapes(rewards=rewards, values=values, mask=mask)
+    m = _bool_mask(mask)
+    order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)  # (B, T): the real positions first
+    advantages, returns = fn(rewards.gather(1, order), values.gather(1, order), m.gather(1, order), gamma, lam)
+    return (torch.zeros_like(advantages).scatter(1, order, advantages),
+            torch.zeros_like(returns).scatter(1, order, returns))
+
+
 def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation, reverse loop over time (reference implementation).
 
@@ -108,9 +129,10 @@ def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam
         A_t     = delta_t + gamma * lam * A_{t+1}  (A after the last real token = 0)
         R_t     = A_t + V_t                        (lambda-return, the value target)
 
-    A 0 in the mask ends the episode: with right padding (the contract) this is the
-    terminal state after EOS. Rewards and values on padding have no influence, whatever
-    they hold. Advantages are *not* whitened; call
+    The last 1 of the mask ends the episode (the terminal state after EOS); 0s before it
+    (a multi-turn episode's tool and environment tokens) are skipped: the recursion runs
+    over the real tokens in order, ``V_{t+1}`` the value at the next real token. Rewards
+    and values on padding have no influence, whatever they hold. Advantages are *not* whitened; call
     :func:`rlhf_cli.core.ops.masked_whiten` on them.
     :func:`compute_gae_vectorized` gives the same result without a Python loop over T.
 
@@ -129,6 +151,11 @@ def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam
         ValueError: shape mismatch, or ``gamma``/``lam`` outside [0, 1].
     """
     _check_unit_interval(gamma=gamma, lam=lam)
+    return _over_sampled(_gae_loop, rewards, values, mask, gamma, lam)
+
+
+def _gae_loop(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """`compute_gae` over a mask whose real tokens come first in each row."""
     deltas, v, m = _gae_deltas(rewards, values, mask, gamma)
     last_gae = torch.zeros_like(deltas[:, 0])  # (B,)
     advantages_reversed = []
@@ -145,19 +172,25 @@ def compute_gae_vectorized(
     """:func:`compute_gae` without a Python loop over T: a doubling scan of ceil(log2 T) steps.
 
     Unrolls eq. 16 of Schulman et al. 2016, ``A_t = sum_{j >= 0} c^j delta_{t+j}`` with
-    ``c = gamma * lam``, by recursive doubling (Hillis & Steele 1986): starting from
+    ``c = gamma * lam`` (over the real tokens, gaps skipped as in :func:`compute_gae`),
+    by recursive doubling (Hillis & Steele 1986): starting from
     ``A = delta`` (a window of 1 term), each step ``A_t += c^w * A_{t+w}`` (0 past the end)
     doubles the window ``w``, so after ceil(log2 T) steps every window covers the rest of
     the row. Each step is one ``(B, T)`` vector op instead of T ``(B,)`` ones in the loop,
     and the sums are formed pairwise (at least as accurate as the loop). Because
-    ``delta`` is 0 on padding, it equals the reverse loop for any mask whose real tokens
-    form one contiguous run per row (right padding; left padding too). Equal to
+    ``delta`` is 0 on padding and the real tokens are moved to the front first, it
+    equals the reverse loop for any mask (right or left padding, gaps). Equal to
     :func:`compute_gae` within 1e-5 at T=1024 (tested); timings in
     ``benchmarks/gae_bench.py``.
 
     Args, returns and errors: as :func:`compute_gae`.
     """
     _check_unit_interval(gamma=gamma, lam=lam)
+    return _over_sampled(_gae_scan, rewards, values, mask, gamma, lam)
+
+
+def _gae_scan(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """`compute_gae_vectorized` over a mask whose real tokens come first in each row."""
     deltas, v, m = _gae_deltas(rewards, values, mask, gamma)
     advantages, decay, width = deltas, gamma * lam, 1
     while width < deltas.shape[1]:
@@ -168,7 +201,8 @@ def compute_gae_vectorized(
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """Rewards-to-go ``G_t = sum_{s >= t} gamma^(s-t) r_s`` over the real tokens of a row.
+    """Rewards-to-go ``G_t = sum_{s >= t} gamma^(s-t) r_s`` over the real tokens of a row (``s - t`` counts
+    real tokens only: a multi-turn episode's gaps are skipped, as in :func:`compute_gae`).
 
     The ``lam = 1``, ``V = 0`` special case of :func:`compute_gae` (which it calls).
 

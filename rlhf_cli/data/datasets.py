@@ -860,6 +860,8 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
         row          int        1-based row in the source (split index for the built-in task)
         answer       any        ground truth, when known (built-in task, or the `data.answer_key` column)
         columns      dict       the data row's columns (a data file's rows; what a reward server receives)
+        messages     list       the prompt's chat messages, before `data.system_prompt` (`rollout.env` renders
+                                them again, with its tools)
 
     From a prompt-only file, or the prompts of a preference file (identical prompts kept once; response
     fields are not validated). `data.path=null` uses the built-in ppo_train / ppo_eval splits.
@@ -891,7 +893,8 @@ def load_prompt_data(data_cfg: Any, tokenizer: Any, split: str = "train") -> Pro
             drops[PROMPT_TOO_LONG] += 1
             continue
         summary.truncated += cut != p_ids
-        ex: dict[str, Any] = {"prompt_ids": cut, "prompt_text": text, "row": row}
+        ex: dict[str, Any] = {"prompt_ids": cut, "prompt_text": text, "row": row,
+                              "messages": [dict(m) for m in prompt.messages]}  # rollout.env renders them again
         if prompt.answer is not None:
             ex["answer"] = prompt.answer
         if prompt.columns is not None:

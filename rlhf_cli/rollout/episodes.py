@@ -38,8 +38,9 @@ class Episodes(NamedTuple):
     engine_logprobs  (B, R) float32    the sampling engine's log-probs of the sampled tokens (0 elsewhere), on
                      | None            the ids' device; None when the engine gives none (`hf`)
     score            (B,) float32      the episode's own score, where what ran it gives one (an environment's
-                     | None            reward); None: the run's `ScoreMixer` scores the text (`SingleTurnRunner`
-                                       gives none, and the maker reads none yet)
+                     | None            reward: `environments.EnvironmentRunner` with a `get_reward`, which the maker
+                                       then uses instead of the reward sources); None: the run's `ScoreMixer`
+                                       scores the text (`SingleTurnRunner` gives none)
     turns            (B,) long         the policy's turns in each episode (1 for a single-turn episode)
     """
 

@@ -21,6 +21,7 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import ESTIMATORS, group_stats, overlong_penalty
 from rlhf_cli.eos import eos_ids
+from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import (
     Forward,
     PackedRollout,
@@ -33,7 +34,8 @@ from rlhf_cli.forwards import (
 )
 from rlhf_cli.models import attention_tokens, has_value_head, lm_of
 from rlhf_cli.rollout.engines import EngineSettings, make_generator, resolve_engine
-from rlhf_cli.rollout.episodes import Episodes, SingleTurnRunner
+from rlhf_cli.rollout.environments import environment_runner
+from rlhf_cli.rollout.episodes import EpisodeRunner, Episodes, SingleTurnRunner
 from rlhf_cli.rollout.experience import Experience
 from rlhf_cli.rollout.generation import Sampling
 from rlhf_cli.rollout.plan import UpdatePlan
@@ -89,8 +91,14 @@ class ExperienceMaker:
             sync_timeout_s=cfg.rollout.sync_timeout_s))
         """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout; the stage
         closes it (`generator.close()`) when the run ends."""
-        self.runner = SingleTurnRunner()
-        """How an episode runs (`episodes.EpisodeRunner`): one response per prompt."""
+        self.runner: EpisodeRunner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(
+            cfg, tokenizer)
+        """How an episode runs (`episodes.EpisodeRunner`): one response per prompt, or several turns against
+        `rollout.env` (`environments.EnvironmentRunner`, the `hf` engine only for now)."""
+        if cfg.rollout.env is not None and self.engine_name != "hf":
+            raise ConfigError(f"rollout.env runs on the hf engine for now (vLLM multi-turn is issue 57 step B2), but "
+                              f"rollout.engine={cfg.rollout.engine} resolved to {self.engine_name}: set "
+                              f"rollout.engine=hf")
         self.sampling = Sampling(eos_ids=self.eos_ids, pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
                                  temperature=self.p.temperature, top_p=self.p.top_p)
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
@@ -237,7 +245,11 @@ class ExperienceMaker:
         t0 = time.perf_counter()
         episodes = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
-        raw, score, sources = self.score_mixer(episodes.input_ids, episodes.attention_mask, episodes.P, prompts)
+        if episodes.score is None:
+            raw, score, sources = self.score_mixer(episodes.input_ids, episodes.attention_mask, episodes.P, prompts)
+        else:  # the episode's own score (an environment's get_reward): the run's reward sources are not called
+            raw = score = episodes.score.float()
+            sources = {"reward/env": raw}
         t2 = _clock(episodes.input_ids.device)
         raw, score, scored = unscored_rows(self.cfg, iteration, raw, score)  # 0 where no source could score
         if p.truncated == "penalize":
@@ -261,6 +273,7 @@ class ExperienceMaker:
         p = self.p
         prompts, seeds, groups = self.prompt_batch(iteration)
         first = self.sample(iteration, prompts, seeds, groups)
+        episode_stats = dict(getattr(self.runner, "stats", {}))  # the first round's (`episode/*`, rollout.env)
         if p.filter_groups:
             def next_round(r: int) -> Round:
                 return self.sample(iteration, *self.prompt_batch(iteration, r), push=False)
@@ -283,6 +296,7 @@ class ExperienceMaker:
             "time/engine_sync": self.generator.sync_seconds,  # the engine's start, push and probe (vllm; hf: 0)
             "throughput/gen_tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
             **filter_stats,
+            **episode_stats,
         }
         if p.n_samples_per_prompt > 1:
             stats.update(group_metrics(first.score, first.groups, first.valid))

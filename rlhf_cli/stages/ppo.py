@@ -363,6 +363,7 @@ def start_table(tr: PPOTrainer) -> None:
     cfg, p = tr.cfg, tr.p
     print_table(f"{COMMAND.name}: {tr.run_dir}", {
         **start_rows(tr, tr.maker.engine_name),
+        **({"environment": tr.maker.runner.summary} if cfg.rollout.env is not None else {}),
         "reference": ("the policy with its LoRA adapters off" if isinstance(tr.reference, FrozenWithoutAdapters)
                       else cfg.reference.path or cfg.model.name),
         "reward normalisation": tr.score_stats if p.normalize_reward else None,

@@ -285,3 +285,82 @@ def test_overlong_penalty_rejects_bad_arguments():
         overlong_penalty(torch.tensor([1]), 4, 5, 1.0)
     with pytest.raises(ValueError, match="penalty"):
         overlong_penalty(torch.tensor([1]), 4, 2, -1.0)
+
+
+# ---------------------------------------------------------------- masks with gaps (multi-turn episodes)
+
+
+def gapped_mask(gen, B, T):
+    """Rows `1…1 0…0 1…1 … 0…0`: sampled runs separated by tool/environment gaps, then right padding."""
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        t = 0
+        while t < T:
+            run = int(torch.randint(1, 4, (1,), generator=gen))
+            mask[b, t:t + run] = 1
+            t += run + int(torch.randint(0, 4, (1,), generator=gen))
+        mask[b, int(torch.randint(1, T + 1, (1,), generator=gen)):] = 0
+    return mask
+
+
+def compacted_reference(fn_ref, rewards, values, mask, *args):
+    """The plain-Python loop over each row's sampled tokens only (the gaps taken out), spread back."""
+    adv_out, ret_out = [], []
+    for r, v, m in zip(rewards.tolist(), values.tolist(), mask.int().tolist()):
+        keep = [t for t, x in enumerate(m) if x]
+        a, ret = fn_ref([[r[t] for t in keep]], [[v[t] for t in keep]], [[1] * len(keep)], *args)
+        row_a, row_r = [0.0] * len(m), [0.0] * len(m)
+        for i, t in enumerate(keep):
+            row_a[t], row_r[t] = a[0][i], ret[0][i]
+        adv_out.append(row_a)
+        ret_out.append(row_r)
+    return torch.tensor(adv_out, dtype=torch.float64), torch.tensor(ret_out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("fn", GAE_FNS)
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (0.99, 1.0)])
+def test_gae_with_gaps_runs_over_the_sampled_tokens_only(fn, gamma, lam):
+    gen = torch.Generator().manual_seed(7)
+    B, T = 6, 23
+    mask = gapped_mask(gen, B, T)
+    assert any((row[1:] > row[:-1]).any() for row in mask)  # some row has a gap followed by sampled tokens
+    rewards = with_garbage(torch.randn(B, T, generator=gen, dtype=torch.float64), mask.bool(), math.nan)
+    values = with_garbage(torch.randn(B, T, generator=gen, dtype=torch.float64), mask.bool(), math.inf)
+    adv, ret = fn(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = compacted_reference(ref_gae, torch.where(mask.bool(), rewards, 0.0),
+                                           torch.where(mask.bool(), values, 0.0), mask, gamma, lam)
+    assert torch.allclose(adv, ref_adv) and torch.allclose(ret, ref_ret)
+    assert (adv[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()
+
+
+def test_discounted_returns_and_last_token_with_gaps():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 0, 0]])
+    rewards = torch.tensor([[1.0, 2.0, 99.0, 99.0, 3.0, 99.0, 4.0, 99.0, 99.0]])
+    got = discounted_returns(rewards, mask, 0.5)
+    # sampled tokens [1, 2, 3, 4]: G = [1 + .5*2 + .25*3 + .125*4, 2 + .5*3 + .25*4, 3 + .5*4, 4]
+    expected = torch.tensor([[3.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    expected[0, [1, 4, 6]] = torch.tensor([4.5, 5.0, 4.0])
+    assert torch.allclose(got, expected)
+    shaped = kl_penalized_rewards(torch.tensor([10.0]), torch.zeros(1, 9), torch.zeros(1, 9), mask, 0.1)
+    assert shaped[0, 6].item() == 10.0 and shaped.sum().item() == 10.0  # the score at the last sampled token
+
+
+@pytest.mark.parametrize("fn", GAE_FNS)
+def test_gae_without_gaps_is_bitwise_unchanged(fn):
+    """A right-padded mask: the compaction is the identity, so the values are those of the plain recursion."""
+    rewards, values, mask = rand_batch(3, 5, 12, dtype=torch.float32)
+    adv, ret = fn(rewards, values, mask, 0.99, 0.95)
+    deltas_loop = []
+    m = mask.bool()
+    r, v = torch.where(m, rewards, 0.0), torch.where(m, values, 0.0)
+    next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))
+    d = torch.where(m, r + 0.99 * next_v - v, 0.0)
+    last = torch.zeros(5)
+    for t in reversed(range(12)):
+        last = torch.where(m[:, t], d[:, t] + 0.99 * 0.95 * last, 0.0)
+        deltas_loop.append(last)
+    loop = torch.stack(deltas_loop[::-1], 1)
+    if fn is compute_gae:
+        assert torch.equal(adv, loop)
+    else:
+        assert (adv - loop).abs().max() < 1e-5

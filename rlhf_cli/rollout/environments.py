@@ -1,0 +1,484 @@
+"""Multi-turn episodes with an environment (`rollout.env=FILE.py:Class`) on the `hf` engine.
+
+    load_environment     the class `rollout.env` names, checked: a callable `reset`, tools with docstrings and hints
+    EnvSettings          the budgets of an episode (`rollout.max_turns`, `max_tool_calls`, `max_episode_tokens`,
+                         `max_tool_tokens`, `tool_timeout_s`)
+    EnvironmentRunner    an `episodes.EpisodeRunner`: one environment instance per episode, turns until the policy
+                         answers without a tool call (and `env_response` gives None), or a budget cuts it
+    parse_tool_calls     the Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` calls in a turn's text
+    turn_seed            the seed of a row's turn: a sample depends on (row, sample, turn), never on its batch
+
+The interface is TRL's `environment_factory` (GRPOTrainer), so a TRL environment runs unchanged: `reset(**row)`
+receives the data row's columns (those it names, all with `**kwargs`; the built-in task's `answer` too) and may
+return a first observation, appended to the last user message; every other public method is a tool, described
+to the model through the chat template's `tools=` (transformers' `get_json_schema`: a docstring with an `Args:`
+line per argument, and type hints); `get_reward()` (plain or async), when defined, is the episode's score. The
+general multi-turn form without tools: `env_response(messages) -> str | None`, the reply the next user message,
+None the episode's end.
+
+Token in, token out (STYLE 17): each turn's sampled ids are kept as sampled (action mask 1); only the messages
+after them (the end of the assistant turn when a `</tool_call>` cut it, tool results or the environment's reply,
+the next assistant header) are rendered and tokenized, as the difference between the chat template's rendering
+of the conversation with and without them (TRL's `_get_tool_suffix_ids` does the same), and appended with action
+mask 0. The history is never re-tokenized. A template that cannot render `tools=` (SmolLM2's ignores them) is
+replaced by the shipped ChatML tool template (`rlhf_cli/templates/chatml_tools.jinja`), said once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any
+
+import torch
+
+from rlhf_cli.errors import ConfigError
+from rlhf_cli.rollout.episodes import Episodes
+from rlhf_cli.rollout.generation import Generator, Sampling
+
+log = logging.getLogger(__name__)
+
+NOT_TOOLS = ("reset", "get_reward", "env_response")
+"""The environment's public methods that are not tools (TRL's `reset` and `get_reward`, and `env_response`)."""
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+CALL_END = "</tool_call>"
+
+
+def tool_template() -> str:
+    """The shipped ChatML tool template (Hermes form), a Jinja chat template."""
+    return resources.files("rlhf_cli").joinpath("templates/chatml_tools.jinja").read_text()
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of turn `turn` (0-based) of the episode whose row seed is `seed`: the row seed itself for the first
+    turn (so a single-turn episode samples as `SingleTurnRunner` does), a fixed mix of both after it."""
+    return int(seed) if turn == 0 else (int(seed) * 1_000_003 + turn * 2_654_435_761) % (2**63 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSettings:
+    """An episode's budgets (the `rollout.*` keys of the same names)."""
+
+    max_turns: int = 8
+    """Policy turns per episode (>= 1)."""
+    max_tool_calls: int = 16
+    """Tool calls per episode (>= 0)."""
+    max_episode_tokens: int = 1024
+    """Tokens after the prompt, sampled and written by tools and the environment (>= 1)."""
+    max_tool_tokens: int = 256
+    """Tokens of one tool result (>= 1); a longer one is cut there."""
+    tool_timeout_s: float = 10.0
+    """Seconds one tool call may run (> 0)."""
+
+
+def load_environment(spec: str) -> type:
+    """The environment class `rollout.env=FILE.py:Class` (or `package.module:Class`) names. Raises ConfigError in
+    one line: a missing file or class, something that is not a class, a class without a callable `reset`."""
+    from rlhf_cli.rewards import load_reward_function
+
+    cls = load_reward_function(spec, key="rollout.env")
+    if not inspect.isclass(cls):
+        raise ConfigError(f"rollout.env={spec}: {spec.rpartition(':')[2]!r} is not a class (give the environment "
+                          f"class, one instance is made per episode)")
+    if not callable(getattr(cls, "reset", None)):
+        raise ConfigError(f"rollout.env={spec}: the class has no reset method (TRL's environment interface: "
+                          f"def reset(self, **row) -> str | None)")
+    return cls
+
+
+def environment_tools(instance: Any, spec: str) -> tuple[dict[str, Callable[..., Any]], list[dict[str, Any]]]:
+    """The tools of an environment instance, by name, and their JSON schemas (transformers' `get_json_schema`):
+    every public method but `NOT_TOOLS`. Raises ConfigError naming the method when it has no docstring, no type
+    hints or a docstring without an `Args:` line for an argument."""
+    from transformers.utils import get_json_schema
+
+    tools, schemas = {}, []
+    for name, method in inspect.getmembers(instance, predicate=inspect.ismethod):
+        if name.startswith("_") or name in NOT_TOOLS:
+            continue
+        try:
+            schemas.append(get_json_schema(method))
+        except Exception as e:  # noqa: BLE001 - DocstringParsingException, TypeHintParsingException
+            raise ConfigError(f"rollout.env={spec}: the tool {name!r} cannot be described to the model "
+                              f"({type(e).__name__}: {e}): give it a docstring with an Args: line per argument and "
+                              f"type hints, or a leading _ to keep it from the model") from None
+        tools[name] = method
+    return tools, schemas
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
+    """The tool calls in a turn's text, in order: (name, arguments) for each well-formed
+    `<tool_call>{"name": str, "arguments": {...}}</tool_call>`, an error message (str) for a malformed one (not
+    JSON, not an object, no name, arguments not an object, an unclosed `<tool_call>`)."""
+    calls: list[tuple[str, dict[str, Any]] | str] = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append(f"Error: the tool call is not JSON ({e})")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append('Error: a tool call is {"name": <tool name>, "arguments": {...}}')
+            continue
+        args = call.get("arguments", {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(args, dict):
+            calls.append(f"Error: the arguments of {call['name']!r} are not a JSON object")
+            continue
+        calls.append((call["name"], args))
+    if text.count("<tool_call>") > len(TOOL_CALL.findall(text)):
+        calls.append("Error: a <tool_call> without its </tool_call>")
+    return calls
+
+
+def _call_tool(fn: Callable[..., Any], args: dict[str, Any]) -> str:
+    """Run one tool (a coroutine function on its own event loop, in this worker thread): its result as text."""
+    out = fn(**args)
+    if inspect.isawaitable(out):
+        out = asyncio.run(_await(out))
+    return str(out)
+
+
+async def _await(x: Any) -> Any:
+    return await x
+
+
+@dataclasses.dataclass
+class _Episode:
+    """One episode's state while it runs."""
+
+    env: Any
+    row: Any
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_tokens: int = 0
+    ended: str | None = None  # how the last turn ended: "eot", "call" (at </tool_call>) or None (a token budget)
+    done: bool = False
+    has_eos: bool = False
+    pending: list[Any] = dataclasses.field(default_factory=list)  # this turn's parsed calls (`parse_tool_calls`)
+
+    def finish(self, has_eos: bool) -> None:
+        self.done, self.has_eos = True, has_eos
+
+
+class EnvironmentRunner:
+    """`rollout.env`: episodes of several turns against one environment instance each (see the module's doc).
+
+    spec: `rollout.env`; tokenizer: the policy's; settings: the budgets; system_prompt: `data.system_prompt` (put
+    first in a prompt without a system message, as the data's own rendering does). Raises ConfigError at
+    construction for a bad environment (`load_environment`, `environment_tools`), so a run stops before sampling.
+    After each `run`, `stats` holds its `episode/*` statistics (this rank's rows).
+    """
+
+    def __init__(self, spec: str, tokenizer: Any, settings: EnvSettings, system_prompt: str | None = None) -> None:
+        self.spec, self.tokenizer, self.s, self.system_prompt = spec, tokenizer, settings, system_prompt
+        self.cls = load_environment(spec)
+        try:
+            probe = self.cls()
+        except Exception as e:  # noqa: BLE001 - the user's class: one line
+            raise ConfigError(f"rollout.env={spec}: {self.cls.__name__}() raised {type(e).__name__}: {e}") from None
+        tools, self.schemas = environment_tools(probe, spec)
+        self.tool_names = set(tools)
+        self.owns_reward = callable(getattr(probe, "get_reward", None))
+        self.replies = callable(getattr(probe, "env_response", None))
+        self.template, why = self._choose_template()
+        self.summary = (f"{self.cls.__name__}: {len(tools)} tool(s)"
+                        + (f" ({', '.join(sorted(tools))})" if tools else "") + f", {why}; the score: "
+                        + ("its get_reward() (the reward.* sources are not called)" if self.owns_reward
+                           else "the run's reward sources, on the episode's text"))
+        """One line on the environment, its tools, its template and its score (the start table's)."""
+        log.info("rollout.env=%s: %s", spec, self.summary)
+        self.closing = self._closing()
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlhf-tool")
+        """The tool calls' threads; an episode's calls run one after another (its environment's state is its own),
+        the episodes' side by side (`episodes_pool`, one job per episode)."""
+        self.episodes_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlhf-env")
+        self.stats: dict[str, float] = {}
+
+    def _choose_template(self) -> tuple[str | None, str]:
+        """The chat template to render with (None: the tokenizer's own) and why, in words: the tokenizer's own
+        when there are no tools or it renders `tools=`, else the shipped ChatML tool template."""
+        if not self.schemas:
+            return None, "the model's own chat template"
+        msgs = [{"role": "user", "content": "x"}]
+        try:
+            own = self.tokenizer.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
+                                                     add_generation_prompt=True)
+            renders = self.schemas[0]["function"]["name"] in own
+        except Exception:  # noqa: BLE001 - no template, or one that rejects tools
+            renders = False
+        if renders:
+            return None, "the model's own chat template (it renders tools=)"
+        return tool_template(), ("the shipped ChatML tool template (rlhf_cli/templates/chatml_tools.jinja): the "
+                                 "model's own chat template does not render tools=")
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        """The conversation as the chat template renders it, with the environment's tools."""
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None, chat_template=self.template,
+                                                  tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _closing(self) -> str:
+        """What the template writes after an assistant message's content (ChatML: `<|im_end|>\\n`)."""
+        mark = "\x00RLHF-CONTENT\x00"
+        text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}], False)
+        return text[text.index(mark) + len(mark):]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # -- one episode's start ------------------------------------------------------------------------------------
+    def start(self, prompt: dict[str, Any]) -> _Episode:
+        """A fresh environment for `prompt` (a prompt row with `messages`), reset with the row's columns; its first
+        observation appended to the last user message; the prompt rendered with the tools."""
+        if "messages" not in prompt:
+            raise ValueError("EnvironmentRunner: a prompt row without `messages` (load_prompt_data gives them)")
+        messages = [dict(m) for m in prompt["messages"]]
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        env, row = self.cls(), prompt.get("row")
+        columns = dict(prompt.get("columns") or {})
+        if prompt.get("answer") is not None:
+            columns.setdefault("answer", prompt["answer"])
+        try:
+            obs = env.reset(**_accepted(env.reset, columns))
+        except Exception as e:  # noqa: BLE001 - the user's environment: one line naming the row
+            raise ConfigError(f"rollout.env={self.spec}: reset raised {type(e).__name__}: {e} on data row {row} "
+                              f"(columns {sorted(columns)})") from None
+        if obs is not None:
+            if not isinstance(obs, str):
+                raise ConfigError(f"rollout.env={self.spec}: reset returned a {type(obs).__name__} on data row "
+                                  f"{row}; it must return a string (the first observation) or None")
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + obs}
+        return _Episode(env, row, messages, self.encode(self.render(messages, True)))
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def run(self, prompts: Sequence[dict[str, Any]], seeds: Sequence[int], generator: Generator,
+            sampling: Sampling) -> Episodes:
+        """One episode per prompt (see `episodes.EpisodeRunner`): each turn one `generator.generate` call over
+        the episodes still running, `sampling.max_new_tokens` (`ppo.max_new_tokens`) per turn."""
+        eps = [self.start(p) for p in prompts]
+        turn = 0
+        while True:
+            active = [i for i, e in enumerate(eps) if not e.done]
+            if not active:
+                break
+            self._turn([eps[i] for i in active], [turn_seed(seeds[i], turn) for i in active], generator, sampling)
+            jobs = {i: self.episodes_pool.submit(self._run_calls, eps[i], eps[i].pending)
+                    for i in active if eps[i].pending}
+            for i in active:
+                self._answer(eps[i], jobs[i].result() if i in jobs else None)
+            turn += 1
+        self.stats = self._stats(eps)
+        return self._episodes(eps, sampling.pad_id)
+
+    def _turn(self, eps: list[_Episode], seeds: list[int], generator: Generator, sampling: Sampling) -> None:
+        """One policy turn of each episode in `eps`: sample, keep the ids as sampled, parse and start its calls."""
+        limits = [min(sampling.max_new_tokens, self.s.max_episode_tokens - len(e.ids)) for e in eps]
+        gen = generator.generate([e.prompt_ids + e.ids for e in eps], seeds,
+                                 dataclasses.replace(sampling, max_new_tokens=max(limits)))
+        eos = set(sampling.eos_ids)
+        for k, e in enumerate(eps):
+            n = min(int(gen.mask[k].sum().item()), limits[k])
+            ids = [int(x) for x in gen.responses[k, :n].tolist()]
+            ids, e.ended = self._cut(ids, eos)
+            e.ids += ids
+            e.mask += [1] * len(ids)
+            e.turns += 1
+            content = self.tokenizer.decode(ids[:-1] if e.ended == "eot" else ids, skip_special_tokens=False)
+            e.messages.append({"role": "assistant", "content": content})
+            if e.ended is None:  # a token budget cut the turn: truncated, the environment is not called
+                e.finish(False)
+                continue
+            calls = parse_tool_calls(content) if self.tool_names else []
+            if calls and (e.turns >= self.s.max_turns or e.tool_calls + len(calls) > self.s.max_tool_calls):
+                e.finish(False)  # a budget: cut, counted in episode/truncated_frac
+                continue
+            e.pending = calls
+
+    def _cut(self, ids: list[int], eos: set[int]) -> tuple[list[int], str | None]:
+        """A turn's sampled ids cut after its first run of tool calls (`<tool_call>…</tool_call>`, several in a
+        row with only whitespace between them: consecutive calls stay one turn) when the environment has tools and
+        anything but the end-of-turn id follows (a model writing its own tool results), and how the turn ended:
+        "call" (cut there, or at the calls' end without an end-of-turn id), "eot" (an id of the EOS set) or None
+        (a token budget). The ids kept are a prefix of those sampled."""
+        eot = ids and ids[-1] in eos
+        text = self.tokenizer.decode(ids[:-1] if eot else ids, skip_special_tokens=False)
+        m = TOOL_CALL.search(text) if self.tool_names else None
+        if m is None:
+            return ids, ("eot" if eot else None)
+        end = m.end()
+        while (m := TOOL_CALL.match(text, len(text) - len(text[end:].lstrip()))) is not None:
+            end = m.end()
+        if not text[end:].strip():
+            return ids, ("eot" if eot else "call")
+        for k in range(1, len(ids) + 1):
+            if len(self.tokenizer.decode(ids[:k], skip_special_tokens=False)) >= end:
+                return ids[:k], "call"
+        return ids, "call"  # unreachable: the whole text reaches `end`
+
+    def _run_calls(self, e: _Episode, calls: list[tuple[str, dict[str, Any]] | str]) -> list[dict[str, Any]]:
+        """One episode's calls of a turn, in order (each in the tool pool, bounded by `tool_timeout_s`): their tool
+        messages, errors included (`_result`)."""
+        out = []
+        for call in calls:
+            e.tool_calls += 1
+            if isinstance(call, str):
+                out.append(self._result(e, call))
+                continue
+            name, args = call
+            if name not in self.tool_names:
+                out.append(self._result(e, f"Error: no tool named {name!r} (the tools: "
+                                           f"{', '.join(sorted(self.tool_names))})"))
+                continue
+            future = self.pool.submit(_call_tool, getattr(e.env, name), args)
+            out.append(self._result(e, (name, future, time.monotonic() + self.s.tool_timeout_s)))
+        return out
+
+    def _result(self, e: _Episode, pending: Any) -> dict[str, Any]:
+        """The tool message of one call: its result cut at `max_tool_tokens`, or an error the model reads."""
+        if isinstance(pending, str):
+            e.tool_errors += 1
+            return {"role": "tool", "name": "error", "content": pending}
+        name, future, deadline = pending
+        try:
+            text = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            e.tool_errors += 1
+            return {"role": "tool", "name": name,
+                    "content": f"Error: the tool {name!r} ran past rollout.tool_timeout_s={self.s.tool_timeout_s:g}"}
+        except Exception as ex:  # noqa: BLE001 - a tool that raises: the model reads it
+            e.tool_errors += 1
+            return {"role": "tool", "name": name, "content": f"Error: the tool {name!r} raised {type(ex).__name__}: "
+                    f"{str(ex)[:500]}"}
+        ids = self.encode(text)
+        if len(ids) > self.s.max_tool_tokens:
+            text = self.tokenizer.decode(ids[:self.s.max_tool_tokens], skip_special_tokens=False)
+        return {"role": "tool", "name": name, "content": text}
+
+    def _answer(self, e: _Episode, results: list[dict[str, Any]] | None) -> None:
+        """After a turn: the tool results (`results`, the turn's tool messages), or the environment's reply, or the
+        episode's end; the new messages appended as tokens with action mask 0, unless they leave no room for a
+        sampled token (truncated)."""
+        e.pending = []
+        if e.done:
+            return
+        if results:
+            new = results
+        elif self.replies:
+            reply = e.env.env_response([dict(m) for m in e.messages])
+            if reply is None:
+                return e.finish(True)
+            if not isinstance(reply, str):
+                raise ConfigError(f"rollout.env={self.spec}: env_response returned a {type(reply).__name__} on data "
+                                  f"row {e.row}; it must return a string (the next user message) or None (the end)")
+            if e.turns >= self.s.max_turns:
+                return e.finish(False)
+            new = [{"role": "user", "content": reply}]
+        else:
+            return e.finish(True)
+        ids = self.encode(self._suffix(e, new))
+        if len(e.ids) + len(ids) >= self.s.max_episode_tokens:
+            return e.finish(False)
+        e.ids += ids
+        e.mask += [0] * len(ids)
+        e.env_tokens += len(ids)
+        e.messages += new
+
+    def _suffix(self, e: _Episode, new: list[dict[str, Any]]) -> str:
+        """The text after the last sampled token up to the next assistant turn's first: the rest of the assistant
+        turn's closing (all of it after a `</tool_call>` cut; after the end-of-turn id the part past it), then the
+        rendering of `new` and the generation prompt, the difference of the template's two renderings."""
+        before, after = self.render(e.messages, False), self.render(e.messages + new, True)
+        if not after.startswith(before):
+            raise ConfigError(f"rollout.env={self.spec}: the chat template does not render a conversation as the "
+                              f"start of its continuation, so the new messages cannot be appended as tokens; use a "
+                              f"ChatML template (data.chat_template) or the shipped tool template")
+        rest = self.closing
+        if e.ended == "eot":
+            eot = self.tokenizer.decode(e.ids[-1:], skip_special_tokens=False)
+            rest = rest[len(eot):] if rest.startswith(eot) else rest
+        return rest + after[len(before):]
+
+    # -- the batch ----------------------------------------------------------------------------------------------
+    def _episodes(self, eps: list[_Episode], pad_id: int) -> Episodes:
+        """The episodes as tensors: `[left-padded prompt | right-padded completion]` (see `Episodes`)."""
+        from rlhf_cli import engine
+
+        dev = engine.device()
+        P, R = max(len(e.prompt_ids) for e in eps), max(max(len(e.ids) for e in eps), 1)
+        ids = torch.full((len(eps), P + R), pad_id, dtype=torch.long)
+        am = torch.zeros(len(eps), P + R, dtype=torch.long)
+        action = torch.zeros(len(eps), R, dtype=torch.float32)
+        for b, e in enumerate(eps):
+            ids[b, P - len(e.prompt_ids):P] = torch.tensor(e.prompt_ids)
+            am[b, P - len(e.prompt_ids):P + len(e.ids)] = 1
+            if e.ids:
+                ids[b, P:P + len(e.ids)] = torch.tensor(e.ids)
+                action[b, :len(e.ids)] = torch.tensor(e.mask, dtype=torch.float32)
+        score = torch.tensor([self._reward(e) for e in eps], dtype=torch.float32) if self.owns_reward else None
+        return Episodes(ids.to(dev), am.to(dev), P, action.to(dev), torch.tensor([e.has_eos for e in eps]).to(dev),
+                        None, None if score is None else score.to(dev),
+                        torch.tensor([e.turns for e in eps]).to(dev))
+
+    def _reward(self, e: _Episode) -> float:
+        """`get_reward()` of the episode's environment (awaited when async); None or NaN: unscorable (NaN)."""
+        try:
+            r = e.env.get_reward()
+            if inspect.isawaitable(r):
+                r = asyncio.run(_await(r))
+        except Exception as ex:  # noqa: BLE001 - the user's environment: one line naming the row
+            raise ConfigError(f"rollout.env={self.spec}: get_reward raised {type(ex).__name__}: {ex} on data row "
+                              f"{e.row}") from None
+        if r is None:
+            return math.nan
+        if not isinstance(r, int | float) or isinstance(r, bool):
+            raise ConfigError(f"rollout.env={self.spec}: get_reward returned a {type(r).__name__} on data row "
+                              f"{e.row}; it must return a number (or None: unscorable)")
+        return float(r)
+
+    def _stats(self, eps: list[_Episode]) -> dict[str, float]:
+        """`episode/*` of one batch: means per episode; `tool_errors` the count."""
+        n = max(len(eps), 1)
+        return {"episode/turns_mean": sum(e.turns for e in eps) / n,
+                "episode/tool_calls_mean": sum(e.tool_calls for e in eps) / n,
+                "episode/tool_errors": float(sum(e.tool_errors for e in eps)),
+                "episode/truncated_frac": sum(not e.has_eos for e in eps) / n,
+                "episode/sampled_tokens_mean": sum(sum(e.mask) for e in eps) / n,
+                "episode/env_tokens_mean": sum(e.env_tokens for e in eps) / n}
+
+
+def _accepted(fn: Callable[..., Any], columns: dict[str, Any]) -> dict[str, Any]:
+    """The columns `fn` takes: all of them when it takes `**kwargs`, else those it names."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return columns
+    names = {p.name for p in params}
+    return {k: v for k, v in columns.items() if k in names}
+
+
+def environment_runner(cfg: Any, tokenizer: Any) -> EnvironmentRunner:
+    """The runner of `rollout.env` with the run's budgets (`rollout.*`) and `data.system_prompt`."""
+    r = cfg.rollout
+    settings = EnvSettings(max_turns=r.max_turns, max_tool_calls=r.max_tool_calls,
+                           max_episode_tokens=r.max_episode_tokens, max_tool_tokens=r.max_tool_tokens,
+                           tool_timeout_s=r.tool_timeout_s)
+    return EnvironmentRunner(r.env, tokenizer, settings, system_prompt=cfg.data.system_prompt)

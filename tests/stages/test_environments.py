@@ -1,0 +1,454 @@
+"""`rollout.env` on the hf engine (`rollout/environments.py`): the TRL-compatible interface, token in / token out
+against the shipped tool template's rendering, the action mask through a real tiny-model rollout, turns and
+budgets, tool errors, seeds, and each bad input."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from rlhf_cli.core import ESTIMATORS, POLICY_LOSSES, kl_penalized_rewards
+from rlhf_cli.errors import ConfigError
+from rlhf_cli.forwards import policy_forward
+from rlhf_cli.rollout import Generation, HFGenerator, Sampling
+from rlhf_cli.rollout.environments import EnvironmentRunner, EnvSettings, parse_tool_calls, turn_seed
+from rlhf_cli.rollout.shaping import shape
+
+EOS, PAD = 2, 0  # SmolLM2: <|im_end|>, <|endoftext|>
+
+ENV_SOURCE = '''
+import asyncio, time
+
+
+class Calc:
+    """A calculator; the answer is in the row."""
+
+    def reset(self, answer=None, **row):
+        self.answer, self.calls = answer, 0
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        self.calls += 1
+        return a + b
+
+    def boom(self, x: int) -> int:
+        """Raise.
+
+        Args:
+            x: anything
+        """
+        raise RuntimeError("no luck")
+
+    async def slow(self, x: int) -> int:
+        """Sleep past the timeout.
+
+        Args:
+            x: anything
+        """
+        await asyncio.sleep(2)
+        return x
+
+    def long(self, n: int) -> str:
+        """A long result.
+
+        Args:
+            n: words
+        """
+        return " ".join(["word"] * n)
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+class Game:
+    """Two turns: the first answer is always wrong."""
+
+    def reset(self, **row):
+        self.n = 0
+        return " Guess a number."
+
+    def env_response(self, messages):
+        self.n += 1
+        return "Wrong, try again." if self.n == 1 else None
+
+
+class NoDoc:
+    def reset(self, **row):
+        return None
+
+    def tool(self, x: int) -> int:
+        return x
+
+
+class NoHints:
+    def reset(self, **row):
+        return None
+
+    def tool(self, x):
+        """A tool.
+
+        Args:
+            x: anything
+        """
+        return x
+
+
+class BadReset:
+    def reset(self, **row):
+        raise KeyError("missing column")
+
+
+class BadReply:
+    def reset(self, **row):
+        return None
+
+    def env_response(self, messages):
+        return 42
+'''
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "envs.py"
+    path.write_text(textwrap.dedent(ENV_SOURCE))
+    return str(path)
+
+
+def sampling(n: int = 64) -> Sampling:
+    return Sampling(eos_ids=(EOS,), pad_id=PAD, max_new_tokens=n, temperature=1.0, top_p=1.0)
+
+
+def prompt(text: str, row: int = 1, answer: str | None = "7") -> dict:
+    return {"prompt_ids": [1, 2], "messages": [{"role": "user", "content": text}], "row": row, "answer": answer}
+
+
+class Scripted:
+    """A generator answering each row's scripted turns: `script[row][turn]` (text; "<EOT>" at its end = the
+    end-of-turn id), found from the (row seed, turn) seed; ids are the text's own encoding."""
+
+    own_weights, sync_seconds, probes, tensors_changed = False, 0.0, False, None
+
+    def __init__(self, tokenizer, script: dict[int, list[str]]) -> None:
+        self.tok, self.script = tokenizer, script
+        self.by_seed = {turn_seed(row, t): (row, t) for row, turns in script.items() for t in range(len(turns))}
+
+    def generate(self, prompt_ids, seeds, sampling):
+        rows = []
+        for s in seeds:
+            row, t = self.by_seed[int(s)]
+            text = self.script[row][t]
+            eot = text.endswith("<EOT>")
+            ids = self.tok(text.removesuffix("<EOT>"), add_special_tokens=False)["input_ids"] + [EOS] * eot
+            rows.append(ids[:sampling.max_new_tokens])
+        n = sampling.max_new_tokens
+        responses = torch.full((len(rows), n), PAD)
+        mask = torch.zeros(len(rows), n)
+        for b, ids in enumerate(rows):
+            responses[b, :len(ids)] = torch.tensor(ids)
+            mask[b, :len(ids)] = 1
+        return Generation(responses, mask, torch.tensor([r[-1] == EOS for r in rows]), None)
+
+    def update_weights(self, model, gather=None):
+        pass
+
+    def close(self):
+        pass
+
+
+def call(name: str, **args) -> str:
+    import json
+    return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+
+
+def run(tokenizer, env_file, cls, script, settings=None, prompts=None, n=64):
+    runner = EnvironmentRunner(f"{env_file}:{cls}", tokenizer, settings or EnvSettings())
+    prompts = prompts or [prompt("What is 3 + 4?", row=r) for r in script]
+    ep = runner.run(prompts, list(script), Scripted(tokenizer, script), sampling(n))
+    return runner, ep
+
+
+def conversation_ids(runner, ep, b):
+    """Row b's episode ids (prompt and completion, without padding), and which completion tokens are sampled."""
+    am = ep.attention_mask[b].bool()
+    return ep.input_ids[b][am].tolist(), ep.action_mask[b]
+
+
+@pytest.mark.parametrize("turns", [1, 2, 3])
+def test_episode_ids_are_the_shipped_templates_rendering_of_the_conversation(tokenizer, env_file, turns):
+    """1, 2 or 3 tool turns (the last with two calls: two consecutive tool results), then an answer. The ids equal
+    the shipped ChatML tool template's rendering of the whole conversation, but for its last "\\n": the episode
+    ends at the sampled end-of-turn id, and the newline the template writes after it is never sampled. The action
+    mask is 1 exactly on the scripted (sampled) tokens."""
+    calls = [call("add", a=t, b=1) for t in range(turns - 1)] + [call("add", a=5, b=5) + call("add", a=1, b=2)]
+    script = {11: [*calls, "The answer is 7.<EOT>"]}
+    runner, ep = run(tokenizer, env_file, "Calc", script)
+    assert "shipped" in runner._choose_template()[1]  # SmolLM2's own template ignores tools=
+    ids, action = conversation_ids(runner, ep, 0)
+    results = [str(t + 1) for t in range(turns - 1)] + ["10", "3"]
+    messages = [{"role": "user", "content": "What is 3 + 4?"}]
+    for t, text in enumerate(calls):
+        messages.append({"role": "assistant", "content": text})
+        for r in (results[t:t + 1] if t < turns - 1 else results[-2:]):
+            messages.append({"role": "tool", "name": "add", "content": r})
+    messages.append({"role": "assistant", "content": "The answer is 7."})
+    want = tokenizer(runner.render(messages, False), add_special_tokens=False)["input_ids"]
+    assert want[-1] != EOS and want[-2] == EOS  # the template's "\n" after the last <|im_end|>
+    assert ids == want[:-1]
+    # the sampled tokens: each scripted turn's own encoding, in order, at action mask 1
+    completion = ep.input_ids[0, ep.P:][: int(ep.attention_mask[0, ep.P:].sum())]
+    sampled = completion[action[: len(completion)].bool()].tolist()
+    want_sampled = sum((tokenizer(c, add_special_tokens=False)["input_ids"] for c in calls), [])
+    want_sampled += tokenizer("The answer is 7.", add_special_tokens=False)["input_ids"] + [EOS]
+    assert sampled == want_sampled
+    assert ep.turns.tolist() == [turns + 1] and ep.has_eos.tolist() == [True]
+    assert ep.score.tolist() == [float(turns + 1)]  # get_reward: the calls made
+    assert runner.stats["episode/tool_calls_mean"] == turns + 1 and runner.stats["episode/tool_errors"] == 0
+    assert runner.stats["episode/env_tokens_mean"] == len(completion) - len(sampled)
+
+
+def test_an_env_response_game_of_two_turns(tokenizer, env_file):
+    """`env_response`: the reply is the next user message (tokens with action mask 0), None ends the episode;
+    reset's observation is appended to the last user message; the model's own template (no tools)."""
+    runner, ep = run(tokenizer, env_file, "Game", {5: ["3<EOT>", "4<EOT>"]})
+    ids, action = conversation_ids(runner, ep, 0)
+    messages = [{"role": "user", "content": "What is 3 + 4? Guess a number."}, {"role": "assistant", "content": "3"},
+                {"role": "user", "content": "Wrong, try again."}, {"role": "assistant", "content": "4"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"][:-1]
+    assert ep.turns.tolist() == [2] and ep.has_eos.tolist() == [True] and ep.score is None
+    n = int(ep.attention_mask[0, ep.P:].sum())
+    reply = tokenizer("\n<|im_start|>user\nWrong, try again.<|im_end|>\n<|im_start|>assistant\n",
+                      add_special_tokens=False)["input_ids"]
+    three = tokenizer("3", add_special_tokens=False)["input_ids"]
+    assert action[:n].tolist() == [1.0] * (len(three) + 1) + [0.0] * len(reply) + [1.0] * (n - len(three) - 1
+                                                                                            - len(reply))
+
+
+def test_tool_errors_are_messages_the_model_reads_and_counted(tokenizer, env_file):
+    """A malformed call, an unknown tool, a tool that raises and an async tool past rollout.tool_timeout_s: four
+    errors the model reads, counted, the episode goes on; a long result is cut at rollout.max_tool_tokens."""
+    bad = "<tool_call>{not json</tool_call>" + call("nope", x=1) + call("boom", x=1) + call("slow", x=1)
+    script = {3: [bad, call("long", n=500), "done<EOT>"]}
+    runner, ep = run(tokenizer, env_file, "Calc", script,
+                     EnvSettings(tool_timeout_s=0.2, max_tool_tokens=10, max_episode_tokens=4096), n=200)
+    assert runner.stats["episode/tool_errors"] == 4 and runner.stats["episode/tool_calls_mean"] == 5
+    assert ep.has_eos.tolist() == [True] and ep.turns.tolist() == [3]
+    text = tokenizer.decode(ep.input_ids[0, ep.P:])
+    for piece in ("not JSON", "no tool named 'nope'", "raised RuntimeError: no luck",
+                  "ran past rollout.tool_timeout_s=0.2"):
+        assert piece in text, piece
+    assert text.count("word") == 10  # the long result cut at 10 tokens
+
+
+def test_budgets_cut_the_episode_as_truncated(tokenizer, env_file):
+    """Each budget ends an episode as truncated (has_eos False) and is counted; the environment is not called."""
+    two_calls = call("add", a=1, b=1) + call("add", a=2, b=2)
+    cases = {  # settings, script, turns sampled
+        "max_turns": (EnvSettings(max_turns=1), [call("add", a=1, b=1), "x<EOT>"], 1),
+        "max_tool_calls": (EnvSettings(max_tool_calls=1), [two_calls, "x<EOT>"], 1),
+        "max_episode_tokens": (EnvSettings(max_episode_tokens=30), [call("add", a=1, b=1), "x<EOT>"], 1),
+        "max_new_tokens": (EnvSettings(), ["a long turn without its end " * 40], 1),
+    }
+    for name, (settings, turns, sampled_turns) in cases.items():
+        runner, ep = run(tokenizer, env_file, "Calc", {1: turns}, settings, n=96)
+        assert ep.has_eos.tolist() == [False], name
+        assert ep.turns.tolist() == [sampled_turns], name
+        assert runner.stats["episode/truncated_frac"] == 1.0, name
+        assert ep.score.tolist() == [0.0], name  # no tool ran
+        assert int(ep.attention_mask[0, ep.P:].sum()) <= settings.max_episode_tokens, name
+        assert int(ep.action_mask[0].sum()) == int(ep.attention_mask[0, ep.P:].sum()), name  # nothing appended
+
+
+def test_parse_tool_calls():
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>') == [("f", {"a": 1})]
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>') == [("f", {"a": 2})]
+    assert parse_tool_calls("no call") == []
+    errors = parse_tool_calls('<tool_call>[1]</tool_call><tool_call>{"name": "f", "arguments": 3}</tool_call>'
+                              '<tool_call>{"name": "g"')
+    assert len(errors) == 3 and all(isinstance(e, str) for e in errors)
+
+
+def test_bad_input_is_one_line_naming_the_file_and_the_fix(tokenizer, env_file, tmp_path):
+    def refused(spec, prompts=None, script=None):
+        with pytest.raises(ConfigError) as e:
+            runner = EnvironmentRunner(spec, tokenizer, EnvSettings())
+            runner.run(prompts or [prompt("q", row=9)], [1], Scripted(tokenizer, script or {1: ["x<EOT>"]}),
+                       sampling())
+        msg = str(e.value)
+        assert "\n" not in msg and "rollout.env=" in msg
+        return msg
+
+    assert "no file" in refused(f"{tmp_path}/missing.py:Calc")
+    assert "no callable 'Nope'" in refused(f"{env_file}:Nope")
+    assert "'tool'" in refused(f"{env_file}:NoDoc") and "docstring" in refused(f"{env_file}:NoDoc")
+    assert "'tool'" in refused(f"{env_file}:NoHints")
+    msg = refused(f"{env_file}:BadReset")
+    assert "reset raised KeyError" in msg and "data row 9" in msg
+    msg = refused(f"{env_file}:BadReply")
+    assert "env_response returned a int" in msg and "data row 9" in msg
+
+
+def test_rollout_env_is_refused_on_vllm():
+    from omegaconf import OmegaConf
+
+    from rlhf_cli.config import RolloutConfig, validate_rollout
+
+    cfg = OmegaConf.create({"rollout": OmegaConf.structured(RolloutConfig)})
+    cfg.rollout.env, cfg.rollout.engine = "envs.py:Calc", "vllm"
+    with pytest.raises(ConfigError, match="B2"):
+        validate_rollout(cfg)
+
+
+def test_overlong_shaping_is_refused_with_an_environment(env_file):
+    from stage_helpers import compose
+
+    from rlhf_cli.preflight import VALIDATORS
+
+    cfg = compose("train_ppo", ["model=tiny", f"rollout.env={env_file}:Calc", "ppo.overlong_buffer=4"])
+    with pytest.raises(ConfigError, match="ppo.overlong_buffer=0 with rollout.env"):
+        VALIDATORS["train_ppo"](cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# a real tiny-model rollout: the environment's tokens get no gradient, no KL, no advantage
+
+
+def test_environment_tokens_get_zero_gradient_kl_and_advantage_in_a_real_rollout(tiny_causal, tokenizer, env_file):
+    """The `Game` environment on the tiny random model (the hf engine; every id below 20000 ends a turn, so turns
+    end quickly): the reply's tokens (action mask 0, between two sampled turns) get exactly zero policy-loss
+    gradient, zero KL reward and zero advantage, while the sampled tokens after them get nonzero ones. A row's
+    episode does not depend on its batch (seeds per row and turn)."""
+    generator = HFGenerator("fp32", chunk=2)
+    generator.update_weights(tiny_causal)
+    runner = EnvironmentRunner(f"{env_file}:Game", tokenizer, EnvSettings(max_episode_tokens=200))
+    s = Sampling(eos_ids=tuple(range(20000)), pad_id=PAD, max_new_tokens=6, temperature=1.0, top_p=1.0)
+    prompts = [prompt("Hello", row=1), prompt("What is two plus two?", row=2), prompt("Hi", row=3)]
+    ep = runner.run(prompts, [7, 8, 9], generator, s)
+    alone = runner.run(prompts[1:2], [8], generator, s)
+    assert ep.input_ids[1][ep.attention_mask[1].bool()].tolist() == \
+        alone.input_ids[0][alone.attention_mask[0].bool()].tolist()
+    two_turn = ep.turns == 2
+    assert bool(two_turn.any())
+    action = ep.action_mask
+    gap = (action == 0) & (ep.attention_mask[:, ep.P:] == 1)  # the environment's tokens
+    after = torch.zeros_like(gap)
+    for b in range(len(prompts)):
+        idx = gap[b].nonzero()
+        if len(idx):
+            after[b, int(idx.max()) + 1:] = action[b, int(idx.max()) + 1:].bool()
+    assert bool(gap.any()) and bool(after.any())
+    ref = type(tiny_causal)(tiny_causal.config)  # another random model as the reference
+    ref.eval()
+    with torch.no_grad():
+        old, _, _ = policy_forward(tiny_causal, ep.input_ids, ep.attention_mask, ep.P, 1.0)
+        ref_lp, _, _ = policy_forward(ref, ep.input_ids, ep.attention_mask, ep.P, 1.0)
+    score = torch.tensor([1.0, -1.0, 0.5])
+    rewards = kl_penalized_rewards(score, old, ref_lp, action, 0.1)
+    assert torch.equal(rewards[gap], torch.zeros(int(gap.sum())))
+    assert bool((rewards[after] != 0).all())
+    from types import SimpleNamespace
+    p = SimpleNamespace(kl_in="reward", kl_estimator="k1", gamma=1.0, lam=0.95)
+    _, adv, _ = shape(p, ESTIMATORS["reinforce_pp"], False, 0.1, score=score, old_logprobs=old, ref_logprobs=ref_lp,
+                      values=None, action_mask=action, loss_mask=action, valid=torch.ones(3, dtype=torch.bool),
+                      groups=torch.arange(3))
+    assert torch.equal(adv[gap], torch.zeros(int(gap.sum()))) and bool((adv[after] != 0).all())
+    tiny_causal.zero_grad()
+    lp, _, _ = policy_forward(tiny_causal, ep.input_ids, ep.attention_mask, ep.P, 1.0)
+    lp.retain_grad()
+    loss, _ = POLICY_LOSSES["ppo"](lp, old, adv, action, 0.2, num_tokens=float(action.sum()),
+                                   num_seqs=3.0, aggregation="token-mean", clip_high=None, dual_clip=None,
+                                   weights=None)
+    loss.backward()
+    assert torch.equal(lp.grad[gap], torch.zeros(int(gap.sum())))
+    assert bool((lp.grad[after] != 0).all())
+    tiny_causal.zero_grad()
+
+
+def test_train_ppo_runs_an_environment_end_to_end(run_stage, env_file):
+    """train-ppo with `rollout.env` (the built-in task, the tiny model): the episodes train, the environment's
+    `get_reward` is the score, and the `episode/*` metrics are logged."""
+    import json
+
+    _, run_dir, _ = run_stage("train_ppo", [
+        "ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=2", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
+        "ppo.advantage_estimator=grpo", "reward.type=checker", "rollout.engine=hf", f"rollout.env={env_file}:Calc",
+        "rollout.max_turns=2", "ppo.max_new_tokens=8"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = {k for r in rows for k in r}
+    for key in ("episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors", "episode/truncated_frac",
+                "episode/sampled_tokens_mean", "episode/env_tokens_mean", "reward/env"):
+        assert key in logged, key
+
+
+# a second tool template, vendored here (written for this test, Qwen2.5's layout): the tools in the system turn,
+# consecutive tool results merged into one user turn of <tool_response> blocks
+MERGING_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You can call these tools:{% for t in tools %} {{ t | tojson }}{% endfor %}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif %}
+{%- else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_renders_tools_is_kept_and_its_rendering_matched(tokenizer, env_file):
+    """A model template that renders `tools=` is used as is (not the shipped one); with it too, two tool turns
+    (the second with two calls, merged by the template into one turn) give the ids of its rendering of the whole
+    conversation, but for the template's last "\\n" (never sampled)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = MERGING_TEMPLATE
+    calls = [call("add", a=1, b=1), call("add", a=5, b=5) + "\n" + call("add", a=1, b=2)]
+    script = {4: [*calls, "7<EOT>"]}
+    runner, ep = run(tok, env_file, "Calc", script)
+    assert runner.template is None and "own" in runner.summary
+    ids, _ = conversation_ids(runner, ep, 0)
+    messages = [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": calls[0]},
+                {"role": "tool", "name": "add", "content": "2"}, {"role": "assistant", "content": calls[1]},
+                {"role": "tool", "name": "add", "content": "10"}, {"role": "tool", "name": "add", "content": "3"},
+                {"role": "assistant", "content": "7"}]
+    want = tok(tok.apply_chat_template(messages, tools=runner.schemas, tokenize=False), add_special_tokens=False)
+    assert ids == want["input_ids"][:-1]
+    assert ep.turns.tolist() == [3] and runner.stats["episode/tool_calls_mean"] == 3
+
+
+def test_a_one_turn_environment_samples_as_the_single_turn_runner(tiny_causal, tokenizer, env_file, tmp_path):
+    """An environment with neither tools nor env_response: one turn, seeded with the row's own seed, so its
+    episode is the single-turn runner's (same prompt rendering, same ids, same EOS)."""
+    from rlhf_cli.rollout import SingleTurnRunner
+
+    path = tmp_path / "quiet.py"
+    path.write_text("class Quiet:\n    def reset(self, **row):\n        return None\n")
+    runner = EnvironmentRunner(f"{path}:Quiet", tokenizer, EnvSettings())
+    generator = HFGenerator("fp32", chunk=2)
+    generator.update_weights(tiny_causal)
+    rows = [prompt("Hello"), prompt("What is two plus two?")]
+    for r in rows:
+        r["prompt_ids"] = tokenizer(tokenizer.apply_chat_template(r["messages"], tokenize=False,
+                                                                  add_generation_prompt=True),
+                                    add_special_tokens=False)["input_ids"]
+    s = sampling(12)
+    ep, single = runner.run(rows, [3, 4], generator, s), SingleTurnRunner().run(rows, [3, 4], generator, s)
+    assert torch.equal(ep.input_ids, single.input_ids) and torch.equal(ep.action_mask, single.action_mask)
+    assert torch.equal(ep.has_eos, single.has_eos) and ep.turns.tolist() == [1, 1]
+    assert runner.stats["episode/env_tokens_mean"] == 0
