@@ -46,7 +46,7 @@ SCORING_PRECISIONS = ("fp32", "same")
 # the engine corrections `rollout.is_correction` names: core.IS_CORRECTIONS (a test keeps the two equal)
 IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
-REWARD_SOURCES = ("model", "checker", "function")
+REWARD_SOURCES = ("model", "checker", "function", "teacher")
 # the sampling engines `rollout.engine` names: rollout.engines.GENERATORS (a test keeps the two equal)
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.engines.resolve_engine
 # the dtypes `rollout.engine_dtype` names: rollout.generation.resolve_dtype resolves `auto`
@@ -581,6 +581,20 @@ class RewardWeights:
     """The built-in checker (1.0 for a correct final number, else 0.0)."""
     function: float | None = None
     """`reward.function`'s value."""
+    teacher: float | None = None
+    """The teacher's per-token reward, log π_teacher − log π_student of each sampled token (`reward.teacher.path`;
+    needs `ppo.advantage_estimator=distill`). Not a sequence score: the other sources' mixed score is added to
+    every token beside it."""
+
+
+@dataclass
+class TeacherConfig:
+    """`reward.teacher.*`: the teacher of on-policy distillation (`reward.type=teacher`)."""
+
+    path: str | None = None
+    """Any causal LM with the policy's tokenizer (a run dir, a `final/` dir, a pointer such as `runs/latest_sft`,
+    or an HF dir); null = `<paths.root>/latest_sft`. A third model in memory beside the policy and the
+    reference, in `scoring_precision`, scoring the sampled tokens in micro-batches of `ppo.micro_batch_size`."""
 
 
 @dataclass
@@ -589,7 +603,8 @@ class RewardConfig:
 
     type: str = "model"
     """The one source: `model` (a reward model, `reward_model.path`), `checker` (the rule-based checker of
-    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers) or `function` (`reward.function`).
+    numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers), `function` (`reward.function`) or
+    `teacher` (on-policy distillation from `reward.teacher.path`, per token; `experiment=distill`).
     Not read when `reward.weights` is set."""
     function: str | None = None
     """A user reward function, `<module or path/to/file.py>:<callable>`, called on every rank with that rank's
@@ -600,6 +615,8 @@ class RewardConfig:
     """Sum several sources, e.g. `reward.weights={model:1.0,checker:0.5}`: the score is Σ weight × source
     score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.
     All null (the default) = `reward.type` alone, weight 1."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher of `reward.type=teacher` (or `reward.weights.teacher`)."""
 
 
 @dataclass
@@ -1104,6 +1121,11 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.max_bad_steps >= 0, f"ppo.max_bad_steps must be >= 0 (got {p.max_bad_steps})")
     _check(p.max_kl is None or p.max_kl > 0, f"ppo.max_kl must be > 0 or null (got {p.max_kl})")
     validate_reward(cfg)
+    sources = reward_sources(cfg)
+    _check(("teacher" in sources) == (p.advantage_estimator == "distill"),
+           f"ppo.advantage_estimator={p.advantage_estimator} with the reward sources {sorted(sources)}: the teacher's "
+           "per-token reward (reward.type=teacher) and ppo.advantage_estimator=distill go together (experiment=distill "
+           "sets both)")
     validate_rollout(cfg, world_size)
 
 
