@@ -414,8 +414,9 @@ class PPOConfig:
     """How advantages are estimated (`core/estimators.py`): `gae`, GAE(γ, λ) against a learned critic (PPO);
     critic-free, so no critic is built or trained: `grpo` (group-normalised score, Shao et al. 2024),
     `dr_grpo` (group-centred score, Liu et al. 2025), `rloo` (leave-one-out baseline, Ahmadian et al. 2024),
-    `reinforce_pp` (no baseline, batch-whitened, Hu 2025). OpenRLHF `--advantage_estimator`, veRL
-    `algorithm.adv_estimator`."""
+    `reinforce_pp` (no baseline, batch-whitened, Hu 2025), `distill` (each sampled token's log π_teacher −
+    log π_student, on-policy distillation, Agarwal et al. 2024; with `reward.type=teacher` only). OpenRLHF
+    `--advantage_estimator`, veRL `algorithm.adv_estimator`."""
     kl_in: str = "reward"
     """Where the KL to the reference enters: `reward` (−β·kl_t in every token's reward, Ziegler et al. 2019;
     PPO's default) or `loss` (β × the per-token `ppo.kl_estimator` KL, aggregated like the policy loss, added to
@@ -477,10 +478,10 @@ class PPOConfig:
     whiten_advantages: bool | None = None
     """Whiten advantages over the whole rollout batch before minibatching; null = the estimator's own choice
     (`gae` and `reinforce_pp` whiten; `grpo`, `dr_grpo` and `rloo` do not: their group baseline is the
-    normalisation)."""
+    normalisation; nor does `distill`: its advantages are log-ratios in nats)."""
     normalize_reward: bool = True
     """Normalise RM scores with the mean/std stored in the RM checkpoint (raw scores when it stores none:
-    trained without held-out pairs, or not by `rlhf train-rm`)."""
+    trained without held-out pairs, or not by `rlhf train-rm`). Never the teacher's per-token rewards."""
     truncated: str = "penalize"
     """Responses that end without EOS: `penalize` (score − missing_eos_penalty), `mask` (no loss) or `keep`."""
     missing_eos_penalty: float = 1.0

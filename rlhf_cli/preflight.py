@@ -129,7 +129,8 @@ def validate(config_name: str, cfg: Any, world_size: int = 1) -> None:
     command.validator(cfg, world_size=world_size)
     if "ppo" in command.reads:
         check_estimator(cfg)
-        resolve_teacher(cfg)  # a teacher that is not there, or not a causal LM, fails before any model loads
+        if cfg.reward.teacher.path is not None:  # a teacher that is not there, or not a causal LM (unset: the run
+            resolve_teacher(cfg)               # reads latest_sft, as it reads latest_rm)
     if cfg.reward.function and ("function" in reward_sources(cfg) or command.reward_function_always):
         load_reward_function(str(cfg.reward.function))  # a missing file or name fails here, before any model loads
     check_model_paths(cfg, command)

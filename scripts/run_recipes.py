@@ -109,6 +109,8 @@ SKIP_RECIPE = {
     "Sample with vLLM": "needs `make install-vllm` in a venv of its own (CI's vLLM job runs tests/engine_vllm)",
     "Resume a run": "needs an interrupted run (tests/test_kill_mid_save.py and the resume tests interrupt one)",
     "Score with plain transformers": "no command block (tests/stages/test_stage_rm.py runs the snippet)",
+    "Distil a model on-policy": "full-size presets (SmolLM2's SFT, then experiment=distill: hours on a CPU); "
+                                "tests/stages/test_stage_distill.py runs a tiny distillation through latest_sft",
 }
 RUN_RECIPE = {
     "Train on your own data", "SFT, then RM, then PPO on your own files", "Train with LoRA",
