@@ -96,7 +96,7 @@ def trl_child(spec_path: str) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     Path(spec["result"]).write_text(json.dumps({
         "mixed_precision": str(trainer.accelerator.mixed_precision), "steps": steps,
-        "loss": [h["loss"] for h in logs], "peak_rss_self": C.self_rss_bytes()}))
+        "loss": [float(h["loss"]) for h in logs], "peak_rss_self": C.self_rss_bytes()}))
 
 
 # ----------------------------------------------------------------------------------------------

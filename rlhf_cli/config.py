@@ -1127,6 +1127,10 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
            f"ppo.advantage_estimator={p.advantage_estimator} with the reward sources {sorted(sources)}: the teacher's "
            "per-token reward (reward.type=teacher) and ppo.advantage_estimator=distill go together (experiment=distill "
            "sets both)")
+    _check(not (p.filter_groups and p.advantage_estimator == "distill"),
+           "ppo.filter_groups=true with ppo.advantage_estimator=distill: dynamic sampling drops groups whose sequence "
+           "scores are all equal, and the teacher's reward is per token, not a score (with the teacher alone every "
+           "score is 0): set ppo.filter_groups=false")
     validate_rollout(cfg, world_size)
 
 

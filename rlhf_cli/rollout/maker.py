@@ -102,10 +102,10 @@ class ExperienceMaker:
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
         self.pass_seconds = self.clock(0.0)
         """Seconds of the last rollout's scoring, by pass: `reward` (reward model and functions), `reference`,
-        `teacher` (with a teacher only),
-        `policy` (the old log-probs; 0 when the plan is on-policy), `critic` (a separate critic) and `packing`
-        (building the packed layouts of the other three, once per micro-batch). The forwards of the update's first
-        micro-batches (`UpdatePlan.carry`) are in none of them: they are training's (`time/training`)."""
+        `teacher` (with a teacher only), `policy` (the old log-probs; 0 when the plan is on-policy), `critic` (a
+        separate critic) and `packing` (building the packed layouts of the other passes, once per micro-batch). The
+        forwards of the update's first micro-batches (`UpdatePlan.carry`) are in none of them: they are training's
+        (`time/training`)."""
         self.plan = plan
 
     def clock(self, reward_seconds: float) -> dict[str, float]:

@@ -92,6 +92,8 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, teach
     (["reward.type=teacher"], r"ppo\.advantage_estimator=gae with the reward sources \['teacher'\]"),
     (DISTILL, r"^no teacher: set reward\.teacher\.path=.* or run `rlhf train-sft` first \(no .*latest_sft\)$"),
     ([*DISTILL, "reward.teacher.path=/no/such/dir"], r"^reward\.teacher\.path=/no/such/dir does not exist"),
+    ([*DISTILL, "ppo.filter_groups=true", "ppo.n_samples_per_prompt=2", "ppo.mini_batch_size=16"],
+     r"^ppo\.filter_groups=true with ppo\.advantage_estimator=distill: .* set ppo\.filter_groups=false$"),
 ])
 def test_bad_teacher_settings_are_refused_in_one_line(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
