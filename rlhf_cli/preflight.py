@@ -94,6 +94,33 @@ def reward_model_dir(cfg: Any, missing: str, alternative: str = "") -> str:
     return require_scalar_model_dir(str(path), "reward model")
 
 
+def resolve_teacher(cfg: Any) -> str | None:
+    """The teacher a run distils from (`reward.type=teacher`): `reward.teacher.path`, else the `latest_sft` pointer
+    under `paths.root`; None when no reward source is `teacher`. Raises ConfigError (one line) when none is set or
+    found, or the path does not hold a causal LM."""
+    if "teacher" not in reward_sources(cfg):
+        return None
+    path, sft = cfg.reward.teacher.path, by_kind("sft")
+    if path is None:
+        target = read_pointer(cfg.paths.root, sft.kind)
+        if target is None:
+            raise ConfigError(f"no teacher: set reward.teacher.path=<run dir or HF causal-LM dir>, or run "
+                              f"`{sft.invocation}` first (no {Path(cfg.paths.root) / sft.pointer})")
+        path = str(target)
+    if Path(str(path)).expanduser().exists():
+        try:
+            archs = model_architectures(path)
+        except ModelSourceError as e:
+            raise ConfigError(f"reward.teacher.path={path}: {e}") from None
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ConfigError(f"reward.teacher.path={path} holds a reward model ({', '.join(archs)}), not a causal "
+                              "LM: the teacher scores the policy's tokens with its own log-probs")
+    elif not looks_like_hub_id(str(path)):
+        raise ConfigError(f"reward.teacher.path={path} does not exist; set it to a causal LM (a run dir or an HF "
+                          f"dir), or leave it unset for {Path(cfg.paths.root) / sft.pointer}")
+    return str(path)
+
+
 def check_estimator(cfg: Any) -> None:
     """`ppo.n_samples_per_prompt` is at least what `ppo.advantage_estimator` is defined for (a group baseline
     needs 2 samples of a prompt). Raises ConfigError."""
@@ -105,13 +132,15 @@ def check_estimator(cfg: Any) -> None:
 
 def validate(config_name: str, cfg: Any, world_size: int = 1) -> None:
     """The checks of the command whose primary config is `config_name`: its validator, the estimator's group
-    size where it reads `ppo`, `reward.function` where it loads it, a reward server's `reward.url` accepting connections
-    where a source is `http` (the judge's `reward.judge.base_url` where one is `judge`), then its model paths.
-    Raises ConfigError."""
+    size and the teacher where it reads `ppo`, `reward.function` where it loads it, a reward server's `reward.url`
+    accepting connections where a source is `http` (the judge's `reward.judge.base_url` where one is `judge`), then
+    its model paths. Raises ConfigError."""
     command = by_config(config_name)
     command.validator(cfg, world_size=world_size)
     if "ppo" in command.reads:
         check_estimator(cfg)
+        if cfg.reward.teacher.path is not None:  # a teacher that is not there, or not a causal LM (unset: the run
+            resolve_teacher(cfg)               # reads latest_sft, as it reads latest_rm)
     if cfg.reward.function and ("function" in reward_sources(cfg) or command.reward_function_always):
         load_reward_function(str(cfg.reward.function))  # a missing file or name fails here, before any model loads
     if "reward" in command.reads and "http" in reward_sources(cfg):

@@ -105,8 +105,10 @@ ADVANTAGE_ESTIMATORS: Registry[EstimatorChoice] = Registry(
     EstimatorChoice("dr_grpo", min_group_size=2, whiten=False),
     EstimatorChoice("rloo", min_group_size=2, whiten=False),
     EstimatorChoice("reinforce_pp"),
+    EstimatorChoice("distill", whiten=False),
 )
-"""`core.ESTIMATORS`' declarations: GAE against a learned critic, then the critic-free group baselines."""
+"""`core.ESTIMATORS`' declarations: GAE against a learned critic, then the critic-free group baselines, then
+on-policy distillation's per-token reverse KL (`reward.type=teacher`)."""
 
 POLICY_LOSSES: Registry[Choice] = Registry("ppo.policy_loss", Choice("ppo"), Choice("gspo"), Choice("cispo"))
 """`core.POLICY_LOSSES`' declarations: PPO's clipped surrogate, GSPO's sequence ratio, CISPO's capped weight."""

@@ -115,6 +115,8 @@ SKIP_RECIPE = {
                                   "tests/test_reward_http.py trains and resumes against a server)",
     "Score with an LLM judge": "needs an OpenAI-compatible endpoint (tests/test_reward_judge.py and "
                                "tests/stages/test_stage_judge.py train and evaluate against a fake one)",
+    "Distil a model on-policy": "full-size presets (SmolLM2's SFT, then experiment=distill: hours on a CPU); "
+                                "tests/stages/test_stage_distill.py runs a tiny distillation through latest_sft",
 }
 RUN_RECIPE = {
     "Train on your own data", "SFT, then RM, then PPO on your own files", "Train with LoRA",

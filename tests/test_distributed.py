@@ -6,7 +6,8 @@ rank with plain padded pairs (`data.packing=false`) step for step: packing is ex
 rollouts are seeded per prompt position, so two ranks sample the same responses as one, and ZeRO-2 training
 on two ranks matches one rank; a ZeRO-3 chain (reward model trained under ZeRO-3, loaded as the PPO critic,
 generation from partitioned weights) matches one rank and writes loadable checkpoints. LoRA: the reward model under
-ZeRO-3 and PPO under ZeRO-2 on two ranks match one rank; LoRA PPO runs under ZeRO-3.
+ZeRO-3 and PPO under ZeRO-2 on two ranks match one rank; LoRA PPO runs under ZeRO-3. On-policy distillation's
+teacher rewards and statistics on two ranks match one rank.
 
 Every rank accumulates two micro-batches per optimizer step (train-rm, train-sft, and PPO's two epochs), under
 ZeRO-3 too: ZeRO-3 once kept only the last micro-batch's gradient (`engine.TrainEngine._backward`), and ZeRO-3 on
@@ -26,6 +27,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from stage_helpers import tokenizer_override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -196,6 +198,28 @@ def test_two_ranks_group_advantages_match_one_rank(tmp_path, loss):
     assert any(r["advantages/abs_mean"] > 0 for r in a)  # some group had a signal to compare
     assert_same_metrics(a, b, ("advantages/mean", "advantages/abs_mean", "groups/score_mean", "groups/score_std",
                                "groups/zero_var_frac", "objective/scores", "objective/kl", "policy/loss"))
+    assert_same_weights(final_dir(tmp_path / "one", "ppo"), final_dir(tmp_path / "two", "ppo"))
+
+
+@pytest.mark.slow
+def test_two_ranks_distillation_matches_one_rank(tmp_path, tiny_model_cfg, tokenizer):
+    """On-policy distillation (`reward.type=teacher`): the teacher's per-token rewards of two ranks (packed) are one
+    rank's (plain), and `distill/*` are means over every rank's sampled tokens, so they match too."""
+    from rlhf_cli.models import load_causal_lm, save_hf
+
+    teacher = tmp_path / "teacher"
+    save_hf(load_causal_lm(tiny_model_cfg, "fp32", 3, tokenizer=tokenizer), tokenizer, teacher)
+    args = tokenizer_override([  # the teacher was saved with the session's tokenizer: the runs take the same
+        "train-ppo", *COMMON, "reward.type=teacher", f"reward.teacher.path={teacher}",
+        "ppo.advantage_estimator=distill", "ppo.kl_beta=0.0", "ppo.truncated=keep", "ppo.iterations=2",
+        "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", "ppo.micro_batch_size=2", "ppo.epochs=1",
+        "ppo.max_new_tokens=8", "deepspeed=zero2"])
+    launch([*args, "data.packing=false"], tmp_path / "one")
+    launch(args, tmp_path / "two", ranks=2)
+    a, b = metrics(tmp_path / "one", "ppo"), metrics(tmp_path / "two", "ppo")
+    assert all(r["distill/reverse_kl"] != 0 for r in a)
+    assert_same_metrics(a, b, ("distill/reverse_kl", "distill/teacher_logprob_mean", "advantages/mean",
+                               "advantages/abs_mean", "policy/loss", "objective/kl"), tol=1e-5)
     assert_same_weights(final_dir(tmp_path / "one", "ppo"), final_dir(tmp_path / "two", "ppo"))
 
 

@@ -45,7 +45,7 @@ def test_bind_refuses_a_missing_or_an_undeclared_implementation():
 
 
 @pytest.mark.parametrize("key,value,choices", [
-    ("ppo.advantage_estimator", "ppo", "gae, grpo, dr_grpo, rloo, reinforce_pp"),
+    ("ppo.advantage_estimator", "ppo", "gae, grpo, dr_grpo, rloo, reinforce_pp, distill"),
     ("ppo.policy_loss", "grpo", "ppo, gspo, cispo"),
     ("dpo.loss", "kto", "sigmoid, ipo, hinge"),
     ("ppo.kl_estimator", "k4", "k1, k2, k3"),

@@ -39,6 +39,7 @@ from rlhf_cli.core.advantages import (
     discounted_returns,
     kl_penalized_rewards,
     overlong_penalty,
+    teacher_token_rewards,
 )
 from rlhf_cli.core.correction import IS_CORRECTIONS, engine_is_weights, is_bounds
 from rlhf_cli.core.dpo import DPO_LOSSES, dpo_loss, hinge_loss, ipo_loss, sigmoid_loss
@@ -124,6 +125,7 @@ __all__ = [
     "mean_ci95",
     "outcome_advantages",
     "overlong_penalty",
+    "teacher_token_rewards",
     "pairwise_loss",
     "policy_loss",
     "proportion_ci95",

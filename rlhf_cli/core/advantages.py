@@ -34,6 +34,30 @@ def _check_unit_interval(**params: float) -> None:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
 
 
+def teacher_token_rewards(teacher_logprobs: Tensor, logprobs: Tensor, mask: Tensor) -> Tensor:
+    """The per-token reward of on-policy distillation: the negated sampled-token reverse KL,
+
+        r[b, t] = log π_teacher(a_t|s_t) − log π_student(a_t|s_t)   on each sampled token, 0 on padding
+
+    (Agarwal et al. 2024, GKD, with λ = 1; Thinking Machines' "On-Policy Distillation", 2025: the advantage is
+    −(log π_sampler − log π_teacher)). Its mean over sampled tokens is minus a one-sample estimate of
+    KL(π_student ‖ π_teacher) per token (`distill/reverse_kl`). A teacher equal to the student gives 0.
+
+    Args:
+        teacher_logprobs: ``(B, T)`` log π_teacher of the sampled tokens, at the sampling temperature.
+        logprobs: ``(B, T)`` log π_student of the same tokens at the rollout's weights (the old log-probs).
+        mask: ``(B, T)``, 1 = a token the policy sampled (the action mask).
+
+    Returns:
+        ``(B, T)`` float32 (at least), nats per token; 0 where ``mask`` is 0, whatever the inputs hold there.
+    """
+    _check_shapes(teacher_logprobs=teacher_logprobs, logprobs=logprobs, mask=mask)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    m = _bool_mask(mask)
+    return torch.where(m, teacher_logprobs.to(dtype) - logprobs.to(dtype), torch.zeros((), dtype=dtype,
+                                                                                        device=logprobs.device))
+
+
 def kl_penalized_rewards(
     scores: Tensor,
     logprobs: Tensor,

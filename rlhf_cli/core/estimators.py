@@ -27,6 +27,7 @@ The estimators (the README lists them with their papers):
     dr_grpo       s − mean_g, KL reward-to-go (Liu et al. 2025, Dr. GRPO)                 n >= 2
     rloo          s − leave-one-out mean, KL reward-to-go (Ahmadian et al. 2024)          n >= 2
     reinforce_pp  s, KL reward-to-go, whitened over the batch (Hu 2025, REINFORCE++)      whitened
+    distill       r_t + s, per token, no discount (Agarwal et al. 2024, GKD λ = 1)         teacher
 
 The critic-free ones share one rule: the sequence score is replaced by its group-adjusted value
 (`core.groups.group_adjusted_scores`, with its exact semantics for flat groups, groups of one and invalid
@@ -45,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 import rlhf_cli.registry as registry
@@ -125,9 +127,34 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tenso
     return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "none")
 
 
+def distill(rewards: Tensor, mask: Tensor, *, scores: Tensor, valid: Tensor, **_: object) -> tuple[Tensor, Tensor]:
+    """On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+    Self-Generated Mistakes" (GKD), eq. 2 with λ = 1 and the reverse KL; the sampled-token form of Thinking
+    Machines' "On-Policy Distillation", 2025, and TRL's `DistillationTrainer` with `beta=1, lmbda=1`):
+
+        A_t = r_t − s·[t = last] + s                       on each sampled token t of a valid row, else 0
+
+    where r_t = log π_teacher(a_t|s_t) − log π_student(a_t|s_t) (the negated sampled-token reverse KL,
+    `core.teacher_token_rewards`, already in `rewards`, plus −β·kl_t with `ppo.kl_in=reward`) and s the row's
+    sequence score (the other sources of `reward.weights`, 0 with the teacher alone), which `rewards` holds at
+    the last token and which is moved onto every token. No discount (`ppo.gamma` and `ppo.lam` are not read),
+    no baseline and no group normalisation: each token is credited with its own log-ratio only, so the policy
+    gradient's expectation is −∇ KL(π_student ‖ π_teacher) per token.
+
+    Shapes: rewards/mask (B, T), scores/valid (B,). Returns (advantages, advantages), at least float32, nats
+    (plus score units), 0 on padding and on invalid rows.
+    """
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    m, s = mask.to(dtype), scores.to(dtype)
+    per_token = rewards.to(dtype) - add_at_last_token(torch.zeros_like(m), m, s)  # the score moved off the last
+    advantages = (per_token + s[:, None]) * m * valid.to(dtype)[:, None]
+    return advantages, advantages
+
+
 ESTIMATORS: dict[str, AdvantageEstimator] = {
     name: AdvantageEstimator(**vars(registry.ADVANTAGE_ESTIMATORS[name]), fn=fn)
     for name, fn in registry.ADVANTAGE_ESTIMATORS.bind({
-        "gae": gae, "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp}).items()}
+        "gae": gae, "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
+        "distill": distill}).items()}
 """The estimators by the name `ppo.advantage_estimator` gives: `registry.ADVANTAGE_ESTIMATORS` bound to their
 functions, in its order."""

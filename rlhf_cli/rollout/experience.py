@@ -23,7 +23,7 @@ class Experience:
     old_logprobs: torch.Tensor  # (B, R) float32, log π_old(a_t|s_t) at temperature, 0 on padding (see `plan`)
     ref_logprobs: torch.Tensor  # (B, R) float32, log π_ref(a_t|s_t) at temperature
     values: torch.Tensor  # (B, R) float32, old V(s_t)
-    rewards: torch.Tensor  # (B, R) float32, −β·kl_t plus the score at the last sampled token
+    rewards: torch.Tensor  # (B, R) float32, −β·kl_t (+ a teacher's log-ratio) plus the score at the last sampled token
     advantages: torch.Tensor  # (B, R) float32, GAE (whitened if ppo.whiten_advantages)
     returns: torch.Tensor  # (B, R) float32, advantages (unwhitened) + values
     scores: torch.Tensor  # (B,) float32, the score added at the EOS (after normalisation/penalty)

@@ -3,14 +3,17 @@ prompts and seeds (`prompts.PromptSource`; `ppo.filter_groups`' rounds, `prompts
 (`episodes.EpisodeRunner` sampling with the run's engine, a group of `ppo.n_samples_per_prompt` per prompt) →
 scores (`scores.ScoreMixer` and the per-row score rules) → the no-grad passes (old logprobs, ref_logprobs, values
 when there is a critic; here, over the update's micro-batches) → per-token rewards, advantages and returns
-(`shaping.shape`), as one `Experience` per rank, with the rollout's statistics.
+(`shaping.shape`), as one `Experience` per rank, with the rollout's statistics. With a teacher
+(`reward.type=teacher`), its log-probs of the sampled tokens come from one more no-grad pass beside the
+reference's, and each token's reward is log π_teacher − log π_old (`core.teacher_token_rewards`).
 
-Precision: sampling and a separate critic run in `precision`; the policy's and the reference's log-prob
-passes and the reward model in the one `scoring_precision` gives (see config.py, `scoring_precision`).
+Precision: sampling and a separate critic run in `precision`; the policy's, the reference's and the teacher's
+log-prob passes and the reward model in the one `scoring_precision` gives (see config.py, `scoring_precision`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhf_cli import engine
-from rlhf_cli.core import ESTIMATORS, group_stats, overlong_penalty
+from rlhf_cli.core import ESTIMATORS, group_stats, overlong_penalty, teacher_token_rewards
 from rlhf_cli.eos import eos_ids
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import (
@@ -57,12 +60,15 @@ class ExperienceMaker:
     is β; score_precision: the precision of the scoring passes, as `engine.scoring_precision` resolved it;
     plan: the learner's `plan(iteration, groups) -> UpdatePlan` (`PolicyLearner.plan`), asked once per iteration:
     the rollout runs its passes over the update's micro-batches, folds what the plan says into them, and hands the
-    plan to the update in the `Experience`; workdir: the run dir (an engine with its own model dir writes it there).
+    plan to the update in the `Experience`; workdir: the run dir (an engine with its own model dir writes it there);
+    teacher: on-policy distillation's teacher, an `engine.FrozenModel` (None without `reward.type=teacher`), scored
+    like the reference: in `scoring_precision`, over the same micro-batches, at `ppo.temperature` and `ppo.top_p`
+    as the old log-probs are (so a teacher equal to the policy gives rewards 0).
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, prompts: Sequence[dict[str, Any]], actor: Any, reference: Any,
                  critic: Any, score_mixer: ScoreMixer, kl_ctl: Any, score_precision: str,
-                 plan: Callable[[int, torch.Tensor], UpdatePlan], workdir: Any = None) -> None:
+                 plan: Callable[[int, torch.Tensor], UpdatePlan], workdir: Any = None, teacher: Any = None) -> None:
         self.cfg, self.p = cfg, cfg.ppo
         self.tokenizer = tokenizer
         self.source = PromptSource(cfg, prompts)
@@ -71,7 +77,7 @@ class ExperienceMaker:
         self.eos_ids = eos_ids(tokenizer, lm_of(actor.module).generation_config)
         """Every id that ends a response (`eos.eos_ids`): sampling stops at the first, the masks and `has_eos` read
         them all."""
-        self.actor, self.reference, self.critic = actor, reference, critic
+        self.actor, self.reference, self.critic, self.teacher = actor, reference, critic, teacher
         self.score_mixer, self.kl_ctl = score_mixer, kl_ctl
         self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
         self.whiten = self.p.whiten_advantages if self.p.whiten_advantages is not None else self.estimator.whiten
@@ -102,12 +108,18 @@ class ExperienceMaker:
         self.sampling = Sampling(eos_ids=self.eos_ids, pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
                                  temperature=self.p.temperature, top_p=self.p.top_p)
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
-        self.pass_seconds = {"reward": 0.0, "reference": 0.0, "policy": 0.0, "critic": 0.0, "packing": 0.0}
+        self.pass_seconds = self.clock(0.0)
         """Seconds of the last rollout's scoring, by pass: `reward` (reward model and functions), `reference`,
-        `policy` (the old log-probs; 0 when the plan is on-policy), `critic` (a separate critic) and `packing`
-        (building the packed layouts of the other three, once per micro-batch). The forwards of the update's first
-        micro-batches (`UpdatePlan.carry`) are in none of them: they are training's (`time/training`)."""
+        `teacher` (with a teacher only), `policy` (the old log-probs; 0 when the plan is on-policy), `critic` (a
+        separate critic) and `packing` (building the packed layouts of the other passes, once per micro-batch). The
+        forwards of the update's first micro-batches (`UpdatePlan.carry`) are in none of them: they are training's
+        (`time/training`)."""
         self.plan = plan
+
+    def clock(self, reward_seconds: float) -> dict[str, float]:
+        """`pass_seconds` at the start of a rollout's passes: `reward_seconds`, and 0 for every other pass."""
+        passes = ("reference", *(("teacher",) if self.teacher is not None else ()), "policy", "critic", "packing")
+        return {"reward": reward_seconds, **dict.fromkeys(passes, 0.0)}
 
     def prompt_batch(self, iteration: int,
                      round_: int = 0) -> tuple[list[dict[str, Any]], list[int], torch.Tensor]:
@@ -131,9 +143,11 @@ class ExperienceMaker:
 
     def rollout_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int,
                        plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                  dict[tuple[int, ...], PackedRollout], dict[tuple[int, ...], Forward]]:
+                                                  dict[tuple[int, ...], PackedRollout], dict[tuple[int, ...], Forward],
+                                                  torch.Tensor | None]:
         """The rollout's passes over every row, as training computes them: (old_logprobs (B, R), ref_logprobs
-        (B, R), old values (B, R) or None without a critic, packed layouts, training forwards), float32.
+        (B, R), old values (B, R) or None without a critic, packed layouts, training forwards, teacher_logprobs
+        (B, R) or None without a teacher), float32.
 
         Packed (`plan.packed`) they run over the update's own first-epoch micro-batches, each chunk's layout built
         once for its passes and kept (keyed by the chunk's rows) for the update; plain, over consecutive chunks of
@@ -147,25 +161,29 @@ class ExperienceMaker:
         carry = plan.carry  # 0 unless packed (`plan.fold_settings`)
         dev = input_ids.device
         out = {"old_logprobs": torch.zeros(B, R, device=dev), "ref_logprobs": torch.zeros(B, R, device=dev),
-               "values": torch.zeros(B, R, device=dev)}
+               "values": torch.zeros(B, R, device=dev), "teacher_logprobs": torch.zeros(B, R, device=dev)}
         layouts: dict[tuple[int, ...], PackedRollout] = {}
         forwards: dict[tuple[int, ...], Forward] = {}
         has_values = False
-        with self.reference.on_device() as reference:
+        teaching = self.teacher.on_device() if self.teacher is not None else contextlib.nullcontext()
+        with self.reference.on_device() as reference, teaching as teacher:
             for i, rows in enumerate(chunks[carry:] + chunks[:carry]):  # the carried graphs live the least time
                 rows = rows.to(dev)
                 key = tuple(rows.tolist())
                 packing = self._layout(input_ids[rows], attention_mask[rows], P, plan.packed, key, layouts)
                 fwd = self._chunk_passes(input_ids[rows], attention_mask[rows], P, reference, packing,
-                                         on_policy=plan.on_policy, train=i >= len(chunks) - carry)
+                                         on_policy=plan.on_policy, train=i >= len(chunks) - carry, teacher=teacher)
                 out["ref_logprobs"][rows] = fwd.ref_logprobs
+                if fwd.teacher_logprobs is not None:
+                    out["teacher_logprobs"][rows] = fwd.teacher_logprobs
                 if fwd.old_logprobs is not None:
                     out["old_logprobs"][rows] = fwd.old_logprobs
                 if fwd.values is not None:
                     out["values"][rows], has_values = fwd.values.float(), True
                 if fwd.training is not None:
                     forwards[key] = fwd.training
-        return out["old_logprobs"], out["ref_logprobs"], out["values"] if has_values else None, layouts, forwards
+        return (out["old_logprobs"], out["ref_logprobs"], out["values"] if has_values else None, layouts, forwards,
+                out["teacher_logprobs"] if self.teacher is not None else None)
 
     def _layout(self, ids: torch.Tensor, am: torch.Tensor, P: int, packed: bool, key: tuple[int, ...],
                 layouts: dict[tuple[int, ...], PackedRollout]) -> bool | PackedRollout:
@@ -181,16 +199,24 @@ class ExperienceMaker:
         return packing
 
     def _chunk_passes(self, ids: torch.Tensor, am: torch.Tensor, P: int, reference: torch.nn.Module,
-                      packing: bool | PackedRollout, on_policy: bool, train: bool) -> _ChunkPasses:
-        """One chunk's passes: the reference's log-probs; then either the training forward (`train`: one of the
-        update's first micro-batches, at these passes' weights) or the no-grad policy pass (none when
-        `on_policy`) and a separate critic's."""
+                      packing: bool | PackedRollout, on_policy: bool, train: bool,
+                      teacher: torch.nn.Module | None = None) -> _ChunkPasses:
+        """One chunk's passes: the reference's log-probs, the teacher's (with one); then either the training
+        forward (`train`: one of the update's first micro-batches, at these passes' weights) or the no-grad policy
+        pass (none when `on_policy`) and a separate critic's."""
         clock, dev, temperature = self.pass_seconds, ids.device, self.p.temperature
         t0 = _clock(dev)
         with torch.no_grad(), self.reference.autocast():  # its whole softmax at any ppo.top_p (it samples nothing)
             ref_lp, _, _ = policy_forward(reference, ids, am, P, temperature, packing=packing)
         t1 = _clock(dev)
         clock["reference"] += t1 - t0
+        teacher_lp = None
+        if teacher is not None:
+            with torch.no_grad(), self.teacher.autocast():  # scored as the old log-probs are: log π_t − log π_old
+                teacher_lp, _, _ = policy_forward(teacher, ids, am, P, temperature, packing=packing,
+                                                  top_p=self.p.top_p)
+            clock["teacher"] += _clock(dev) - t1
+            t1 = _clock(dev)
         if train:
             self.actor.train()
             if self.critic is not None:
@@ -200,7 +226,7 @@ class ExperienceMaker:
                                        top_p=self.p.top_p)
             fwd = fwd._replace(seconds=_clock(dev) - t1)
             values = None if fwd.values is None else fwd.values.detach()
-            return _ChunkPasses(ref_lp, fwd.logprobs.detach(), values, fwd)
+            return _ChunkPasses(ref_lp, fwd.logprobs.detach(), values, fwd, teacher_lp)
         lp = v = None
         with torch.no_grad():
             if not on_policy:  # else the update fills the old log-probs in
@@ -214,7 +240,7 @@ class ExperienceMaker:
                 with self.critic.autocast():
                     v = critic_values(self.critic.module, ids, am, P, packing=packing)
             clock["critic"] += _clock(dev) - t2
-        return _ChunkPasses(ref_lp, lp, v, None)
+        return _ChunkPasses(ref_lp, lp, v, None, teacher_lp)
 
     @torch.no_grad()
     def kl_fp32_check(self, exp: Experience) -> dict[str, float]:
@@ -318,18 +344,19 @@ class ExperienceMaker:
         bf16 KL check). reward_seconds: the reward passes' seconds of every round."""
         ep, groups = batch.episodes, batch.groups
         t1 = time.perf_counter()
-        self.pass_seconds = {"reward": reward_seconds, "reference": 0.0, "policy": 0.0, "critic": 0.0,
-                             "packing": 0.0}
+        self.pass_seconds = self.clock(reward_seconds)
         plan = self.plan(iteration, groups)  # the update's, computed once: the passes run over its micro-batches
-        old_logprobs, ref_logprobs, values, layouts, forwards = self.rollout_passes(ep.input_ids, ep.attention_mask,
-                                                                                    ep.P, plan)
+        old_logprobs, ref_logprobs, values, layouts, forwards, teacher_lp = self.rollout_passes(
+            ep.input_ids, ep.attention_mask, ep.P, plan)
         t2 = time.perf_counter()
         carried_seconds = sum(fwd.seconds for fwd in forwards.values())
         loss_mask = ep.action_mask * batch.valid.float()[:, None]  # the sampled tokens of the rows that count
+        teacher_rewards = (None if teacher_lp is None else self.score_mixer.weights["teacher"]
+                           * teacher_token_rewards(teacher_lp, old_logprobs, ep.action_mask))
         rewards, advantages, returns = shape(
             self.p, self.estimator, self.whiten, self.kl_ctl.value, score=batch.score, old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs, values=values, action_mask=ep.action_mask, loss_mask=loss_mask,
-            valid=batch.valid, groups=groups)
+            valid=batch.valid, groups=groups, teacher_rewards=teacher_rewards)
         exp = Experience(
             input_ids=ep.input_ids, attention_mask=ep.attention_mask, action_mask=ep.action_mask, loss_mask=loss_mask,
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
@@ -342,6 +369,7 @@ class ExperienceMaker:
             "time/scoring": reward_seconds + t2 - t1 - carried_seconds,  # the carried forwards count in time/training
             **{f"time/scoring_{k}": v for k, v in self.pass_seconds.items()},
             **self.kl_fp32_check(exp),  # the rollout's other KL statistics come after the update (`kl_stats`)
+            **(distill_stats(teacher_lp, old_logprobs, ep.action_mask) if teacher_lp is not None else {}),
         }
         if values is not None:
             stats["val/values_mean"] = ((values * ep.action_mask).sum() / ep.action_mask.sum().clamp(min=1)).item()
@@ -367,12 +395,14 @@ class ExperienceMaker:
 
 class _ChunkPasses(NamedTuple):
     """One chunk's rollout passes (`ExperienceMaker._chunk_passes`): ref logprobs, old logprobs (None when the plan
-    is on-policy), old values (None without a critic) and, for a carried micro-batch, its training forward."""
+    is on-policy), old values (None without a critic), for a carried micro-batch its training forward, and the
+    teacher's logprobs (None without a teacher)."""
 
     ref_logprobs: torch.Tensor
     old_logprobs: torch.Tensor | None
     values: torch.Tensor | None
     training: Forward | None
+    teacher_logprobs: torch.Tensor | None = None
 
 
 def _clock(device: torch.device) -> float:
@@ -380,6 +410,19 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def distill_stats(teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                  action_mask: torch.Tensor) -> dict[str, float]:
+    """On-policy distillation's statistics, token means over every rank's sampled tokens (`action_mask`, (B, R)):
+    `distill/reverse_kl`, log π_old − log π_teacher (nats per token, a one-sample estimate of KL(π_student ‖
+    π_teacher); 0 when the student is the teacher), and `distill/teacher_logprob_mean`, log π_teacher (nats per
+    token: how likely the teacher finds what the student sampled). A collective: call it on every rank."""
+    m = action_mask.float()
+    reverse = -teacher_token_rewards(teacher_logprobs, old_logprobs, m)
+    sums = engine.all_reduce_sum(torch.stack([reverse.sum(), (teacher_logprobs.float() * m).sum(), m.sum()]))
+    n = sums[2].clamp(min=1)
+    return {"distill/reverse_kl": (sums[0] / n).item(), "distill/teacher_logprob_mean": (sums[1] / n).item()}
 
 
 def group_metrics(scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_cli import engine
+from rlhf_cli.config import reward_sources
 from rlhf_cli.seeds import derive_seed
 
 
@@ -71,7 +72,8 @@ def fold_settings(cfg: Any, needs_critic: bool, score_precision: str, zero_stage
 
     on_policy: the update is one epoch of one minibatch (the whole rollout, one optimizer step), with no critic
     and the KL in the loss, so nothing before the update reads the old log-probs (nor does the bf16 KL check,
-    which runs only with `scoring_precision=same` under bf16-autocast and then keeps the pass). The rollout then
+    which runs only with `scoring_precision=same` under bf16-autocast and then keeps the pass; nor a teacher's
+    reward, `reward.type=teacher`, whose log π_student they are: it keeps the pass too). The rollout then
     runs no policy pass: the old log-probs are the training forward's own, detached (ratio 1, as TRL's GRPO with
     one step per generation), and the rollout's KL statistics come after the update (`rollout.stats.kl_stats`).
 
@@ -90,8 +92,9 @@ def fold_settings(cfg: Any, needs_critic: bool, score_precision: str, zero_stage
     """
     p = cfg.ppo
     checks_kl = score_precision == "bf16-autocast" and p.kl_check_rows > 0  # the KL check needs the old pass
+    distils = "teacher" in reward_sources(cfg)  # the teacher's reward reads the old log-probs before the update
     on_policy = (p.epochs == 1 and p.mini_batch_size == p.rollout_batch_size * p.n_samples_per_prompt
-                 and not needs_critic and p.kl_in == "loss" and not checks_kl)
+                 and not needs_critic and p.kl_in == "loss" and not checks_kl and not distils)
     why_not = ("the rollout's passes do not run over the update's micro-batches (data.packing=false)"
                if not packs_rollout_passes(cfg) else
                "the update is on-policy and the maker runs no old-log-prob pass" if on_policy else

@@ -1,10 +1,12 @@
 """`rlhf train-ppo`: PPO, or a critic-free estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++), against the run's reward
-(a reward model, the built-in checker, a reward function, or a weighted sum) on DeepSpeed.
+(a reward model, the built-in checker, a reward function, or a weighted sum) on DeepSpeed; or on-policy
+distillation from a teacher's per-token log-probs (`reward.type=teacher`, `ppo.advantage_estimator=distill`).
 
 Each iteration (Ouyang et al. 2022; Ziegler et al. 2019; Schulman et al. 2017); steps 1-3 are
 `rollout.ExperienceMaker`, step 4 `PPOTrainer.train_on` (`rollout.PolicyLearner`):
   1. rollout   sample `ppo.rollout_batch_size` prompts, `ppo.n_samples_per_prompt` responses each (KV cache)
   2. score     no-grad passes: old logprobs (policy), ref_logprobs (reference), values (critic, `gae` only),
+               the teacher's logprobs (`reward.type=teacher`: a third model, a `FrozenModel` like the reference),
                the sequence score (`reward.*`), all in the training forward's layout; the first micro-batches of
                step 4 (`ppo.carried_forwards`) run their training forwards here instead, whose outputs are their
                rows' old logprobs and values (`rollout.UpdatePlan.carry`)
@@ -54,7 +56,7 @@ from rlhf_cli.models import (
     read_score_stats,
     save_policy,
 )
-from rlhf_cli.preflight import resolve_reward_model
+from rlhf_cli.preflight import resolve_reward_model, resolve_teacher
 from rlhf_cli.reward_http import HttpReward
 from rlhf_cli.reward_judge import JudgeReward
 from rlhf_cli.rollout import (
@@ -110,6 +112,9 @@ class PPOTrainer(PolicyLearner):
         self.score_stats: tuple[float, float] | None = None  # the RM's held-out (mean, std)
         self.reference: engine.FrozenModel | FrozenWithoutAdapters | None = None
         self.reference_spec: dict[str, Any] = {}  # how eval rebuilds the reference
+        self.teacher: engine.FrozenModel | None = None  # reward.type=teacher only
+        self.teacher_path: str | None = None
+        self.teacher_params = 0  # non-embedding, for the start table
         self.actor: engine.TrainEngine | None = None  # the policy (with the value head when ppo.critic=shared)
         self.critic: engine.TrainEngine | None = None  # ppo.critic=separate only
         self.kl_ctl: FixedKLController | AdaptiveKLController | None = None
@@ -124,7 +129,8 @@ class PPOTrainer(PolicyLearner):
         self.prompts = load_prompt_data(cfg.data, self.tokenizer, split="train")
         lineage.record(self.run_dir, cfg, COMMAND.kind, self.prompts.summary,
                        {"model": model_source(cfg.model), "reference": cfg.reference.path or model_source(cfg.model),
-                        "reward_model": resolve_reward_model(cfg)}, write=engine.is_main())
+                        "reward_model": resolve_reward_model(cfg), "teacher": resolve_teacher(cfg)},
+                       write=engine.is_main())
         if len(self.prompts) < self.p.rollout_batch_size:
             raise ConfigError(f"only {len(self.prompts)} prompts, fewer than "
                               f"ppo.rollout_batch_size={self.p.rollout_batch_size}: {self.prompts.summary.drops()}")
@@ -185,6 +191,7 @@ class PPOTrainer(PolicyLearner):
         self.reference_spec = ({"name_or_path": abs_path(cfg.reference.path)} if cfg.reference.path else
                                reference_spec(cfg))
         shared_rm_critic = self.build_reward_model(lora)
+        self.build_teacher()
         self.reference = (engine.FrozenModel(reference, self.score_precision, offload=p.offload_reference)
                           if reference is not None else FrozenWithoutAdapters(policy, self.score_precision))
         self.build_engines(policy, reference, shared_rm_critic)
@@ -196,7 +203,7 @@ class PPOTrainer(PolicyLearner):
         self.settle_folds(self.reference)  # what the rollout folds into the update, from the engines as built
         self.maker = ExperienceMaker(cfg, self.tokenizer, self.prompts, self.actor, self.reference, self.critic,
                                      score_mixer, self.kl_ctl, self.score_precision, plan=self.plan,
-                                     workdir=self.run_dir)
+                                     workdir=self.run_dir, teacher=self.teacher)
 
     def build_reward_model(self, lora: bool) -> Any:
         """The frozen reward model of the run (`rm_path`, `reward_model`, `score_stats`; none unless a reward
@@ -223,6 +230,21 @@ class PPOTrainer(PolicyLearner):
             self.reward_model = engine.FrozenModel(rm, self.score_precision, offload=p.offload_reference)
         self.score_stats = read_score_stats(self.rm_path)
         return shared_rm_critic
+
+    def build_teacher(self) -> None:
+        """On-policy distillation's teacher (`teacher`, `teacher_path`, `teacher_params`; none unless a reward source
+        is `teacher`): any causal LM with the policy's tokenizer (another is refused: its log-probs of our token ids
+        would be meaningless), frozen, dropout off, held like the reference (`engine.FrozenModel` in
+        `scoring_precision`, offloaded with `ppo.offload_reference`). Raises ConfigError on another tokenizer."""
+        cfg = self.cfg
+        self.teacher_path = resolve_teacher(cfg)
+        if self.teacher_path is None:
+            return
+        check_same_tokenizer(self.tokenizer, self.teacher_path, "teacher")
+        teacher = disable_dropout(load_causal_lm(self.teacher_path, self.precision, cfg.seed,
+                                                 tokenizer=self.tokenizer))
+        self.teacher_params = count_parameters(teacher)
+        self.teacher = engine.FrozenModel(teacher, self.score_precision, offload=self.p.offload_reference)
 
     def build_engines(self, policy: Any, reference: Any, shared_rm_critic: Any) -> None:
         """`actor`: the policy's engine (with a value head when `ppo.critic=shared`), in the scoring precision;
@@ -281,7 +303,8 @@ def describe_reward(cfg: Any, rm_path: str | None) -> str:
     """The run's reward for its start table: `reward model <path>`, or the weighted sources."""
     names = {"model": f"reward model {rm_path}", "checker": "checker", "function": f"function {cfg.reward.function}",
              "http": f"reward server {cfg.reward.url}",
-             "judge": f"judge {cfg.reward.judge.model} at {cfg.reward.judge.base_url}"}
+             "judge": f"judge {cfg.reward.judge.model} at {cfg.reward.judge.base_url}",
+             "teacher": f"teacher {cfg.reward.teacher.path}"}
     sources = reward_sources(cfg)
     if len(sources) == 1:
         return names[next(iter(sources))]
@@ -310,6 +333,8 @@ def run(cfg: Any, run_dir: Path) -> float | None:
     # records the model it named (`paths.typed` the pointer), so a resume and an eval keep using that one
     if resolve_reward_model(cfg) is not None and cfg.reward_model.path is None:
         cfg.reward_model.path = str(Path(cfg.paths.root) / by_kind("rm").pointer)
+    if resolve_teacher(cfg) is not None and cfg.reward.teacher.path is None:  # the same for the teacher: latest_sft
+        cfg.reward.teacher.path = str(Path(cfg.paths.root) / by_kind("sft").pointer)
     run_dir = start_run(cfg, run_dir)
     tr = PPOTrainer(cfg, run_dir)
     tr.load_data()
@@ -366,6 +391,8 @@ def start_table(tr: PPOTrainer) -> None:
         **({"environment": tr.maker.runner.summary} if cfg.rollout.env is not None else {}),
         "reference": ("the policy with its LoRA adapters off" if isinstance(tr.reference, FrozenWithoutAdapters)
                       else cfg.reference.path or cfg.model.name),
+        **({"teacher": f"{tr.teacher_path} ({tr.teacher_params:,} params, {tr.score_precision})"}
+           if tr.teacher is not None else {}),
         "reward normalisation": tr.score_stats if p.normalize_reward else None,
         "policy loss": (f"{p.policy_loss}, {p.aggregation}"
                         + (f", ε_high {p.clip_high}" if p.clip_high is not None else "")
@@ -483,6 +510,7 @@ def save(tr: PPOTrainer, ckpts: Checkpoints, metrics: MetricsLogger, done: int, 
         extra = {"rlhf_stage": COMMAND.kind, "rlhf_reference_model": tr.reference_spec,
                  "rlhf_reward_model_path": abs_path(tr.rm_path), "rlhf_reward_type": cfg.reward.type,
                  "rlhf_reward_sources": reward_sources(cfg), "rlhf_reward_function": cfg.reward.function,
+                 **({"rlhf_teacher_path": abs_path(tr.teacher_path)} if tr.teacher_path else {}),
                  "rlhf_advantage_estimator": p.advantage_estimator}
         save_policy(final, tr.actor.module, actor_sd, tr.tokenizer, extra,
                     tr.critic.module if tr.critic is not None else None, critic_sd, base=model_source(cfg.model),

@@ -15,6 +15,7 @@ from rlhf_cli.core import (
     group_stats,
     informative_groups,
     kl_penalized_rewards,
+    teacher_token_rewards,
 )
 from rlhf_cli.core.estimators import AdvantageEstimator
 
@@ -76,9 +77,9 @@ def test_each_estimator_carries_its_declaration():
     assert all({**vars(e), "fn": None} == {**vars(registry.ADVANTAGE_ESTIMATORS[n]), "fn": None}
                for n, e in ESTIMATORS.items())
     assert config.PPOConfig().advantage_estimator == "gae"
-    assert [n for n, e in ESTIMATORS.items() if not e.needs_critic] == list(CRITIC_FREE)
+    assert [n for n, e in ESTIMATORS.items() if not e.needs_critic] == [*CRITIC_FREE, "distill"]
     assert {n: e.min_group_size for n, e in ESTIMATORS.items()} == {"gae": 1, "grpo": 2, "dr_grpo": 2, "rloo": 2,
-                                                                    "reinforce_pp": 1}
+                                                                    "reinforce_pp": 1, "distill": 1}
     assert {n for n, e in ESTIMATORS.items() if e.whiten} == {"gae", "reinforce_pp"}
 
 
@@ -197,3 +198,58 @@ def test_a_bound_estimator_is_called_through_the_one_signature():
                        valid=torch.ones(4, dtype=torch.bool), values=None, gamma=1.0, lam=0.5)
     assert seen == {"values": None, "gamma": 1.0, "lam": 0.5, "keys": ["groups", "scores", "valid"]}
     assert torch.allclose(adv[1, 0], rewards[1, :3].sum()) and adv[1, 3:].abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# distill: on-policy distillation's per-token reverse KL (`reward.type=teacher`)
+
+
+def test_teacher_token_rewards_are_the_masked_log_ratio_in_fp32():
+    g = torch.Generator().manual_seed(5)
+    teacher, student = torch.randn(3, 4, generator=g).bfloat16(), torch.randn(3, 4, generator=g).bfloat16()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]).float()
+    student[0, 3] = float("nan")  # padding holds garbage: it never reaches the output
+    r = teacher_token_rewards(teacher, student, mask)
+    assert r.dtype == torch.float32
+    want = torch.zeros(3, 4)
+    for b in range(3):
+        for t in range(4):
+            if mask[b, t]:
+                want[b, t] = float(teacher[b, t]) - float(student[b, t])
+    assert torch.equal(r, want)
+    assert torch.equal(teacher_token_rewards(teacher, teacher, mask), torch.zeros(3, 4))
+
+
+def test_distill_hand_computed():
+    """Rewards log π_t − log π_s = [0.5, −1, 2] on a 3-token row, its score 0.25 at the last token: every token
+    keeps its own log-ratio (no discount) and gets the score; an invalid row and padding get 0."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).float()
+    scores = torch.tensor([0.25, 3.0])
+    per_token = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    rewards = per_token + torch.tensor([[0, 0, 0.25, 0], [0, 3.0, 0, 0]])
+    valid = torch.tensor([True, False])
+    adv, ret = call("distill", rewards, mask, scores, torch.tensor([0, 1]), valid, gamma=0.5, lam=0.5)
+    assert torch.equal(adv, ret)
+    assert torch.equal(adv, torch.tensor([[0.75, -0.75, 2.25, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    assert not ESTIMATORS["distill"].whiten and not ESTIMATORS["distill"].needs_critic
+
+
+def test_distill_matches_the_loop_reference():
+    """Teacher log-ratios plus −β·kl and the score at the last token, random lengths and invalid rows: the loop
+    gives each sampled token its own reward with the score moved from the last token onto every token."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 9, 7
+    lengths = torch.randint(0, T + 1, (B,), generator=g)  # an empty row may occur
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    scores = torch.randn(B, generator=g)
+    lp, ref, teacher = (torch.randn(B, T, generator=g) for _ in range(3))
+    rewards = kl_penalized_rewards(scores, lp, ref, mask, 0.1) + teacher_token_rewards(teacher, lp, mask)
+    valid = torch.rand(B, generator=g) > 0.3
+    adv, _ = call("distill", rewards, mask, scores, torch.arange(B), valid, gamma=0.9)
+    want = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        n = int(lengths[b])
+        for t in range(n if valid[b] else 0):
+            kl = float(lp[b, t]) - float(ref[b, t])
+            want[b, t] = float(teacher[b, t]) - float(lp[b, t]) - 0.1 * kl + float(scores[b])
+    torch.testing.assert_close(adv.double(), want, rtol=1e-5, atol=1e-6)
