@@ -611,8 +611,8 @@ class RewardWeights:
     """The LLM judge's score (`reward.judge.*`)."""
     teacher: float | None = None
     """The teacher's per-token reward, log π_teacher − log π_student of each sampled token (`reward.teacher.path`;
-    needs `ppo.advantage_estimator=distill`). Not a sequence score: the other sources' mixed score is added to
-    every token beside it."""
+    needs `ppo.advantage_estimator=distill`). Not a sequence score: the other sources' mixed score enters beside it
+    as a group-normalised advantage on every token."""
 
 
 @dataclass
@@ -838,8 +838,9 @@ class RolloutConfig:
     model calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `get_reward()`, when defined, is the
     episode's score (the `reward.*` sources are then not called); `env_response(messages) -> str | None` replies as
     the next user message (None ends the episode). Tool results and replies are appended as tokens the policy did
-    not sample: they condition the next turn and are never trained. null = one response per prompt. `hf` engine only
-    for now (issue 57 step B2 brings vllm)."""
+    not sample: they condition the next turn and are never trained, and the reward sources score the sampled tokens
+    alone (a tool's result earns nothing). null = one response per prompt. `hf` engine only for now (issue 57 step
+    B2 brings vllm)."""
     max_turns: int = 8
     """With `rollout.env`: the policy's turns per episode (>= 1); an episode that wants another turn past it is cut
     as truncated (`ppo.truncated` applies)."""
@@ -854,8 +855,9 @@ class RolloutConfig:
     """With `rollout.env`: the tokens of one tool result (>= 1); a longer result is cut there."""
     tool_timeout_s: float = 10.0
     """With `rollout.env`: seconds one tool call may run (> 0, finite); past it the model reads an error (counted in
-    `episode/tool_errors`) and the episode goes on. Tools run in a thread pool (`async def` ones on their own event
-    loop); a tool past its time is left to finish in the background."""
+    `episode/tool_errors`) and the episode goes on. Each call runs on a daemon thread of its own (`async def` ones on
+    their own event loop), its clock started with it; a tool past its time is left to finish in the background and
+    never holds up the process's exit."""
 
 
 @dataclass
@@ -1281,6 +1283,12 @@ def validate_ppo(cfg: Any, world_size: int = 1) -> None:
            f"ppo.advantage_estimator={p.advantage_estimator} with the reward sources {sorted(sources)}: the teacher's "
            "per-token reward (reward.type=teacher) and ppo.advantage_estimator=distill go together (experiment=distill "
            "sets both)")
+    scored_too = any(w for k, w in sources.items() if k != "teacher") or p.truncated == "penalize" or p.overlong_buffer
+    _check(p.advantage_estimator != "distill" or not scored_too or p.n_samples_per_prompt >= 2,
+           "ppo.advantage_estimator=distill with a sequence score beside the teacher (another reward source, "
+           "ppo.truncated=penalize's missing-EOS penalty or ppo.overlong_buffer): the score enters as a "
+           "group-normalised advantage, which needs ppo.n_samples_per_prompt >= 2; set it, or keep the teacher alone "
+           "with ppo.truncated=keep (experiment=distill does)")
     _check(not (p.filter_groups and p.advantage_estimator == "distill"),
            "ppo.filter_groups=true with ppo.advantage_estimator=distill: dynamic sampling drops groups whose sequence "
            "scores are all equal, and the teacher's reward is per token, not a score (with the teacher alone every "
@@ -1407,6 +1415,8 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
            f"rollout.sync_timeout_s must be a finite number of seconds > 0 (got {cfg.rollout.sync_timeout_s})")
     _check(r.env is None or r.engine != "vllm",
            "rollout.env runs on rollout.engine=hf for now (vLLM multi-turn is issue 57 step B2): set rollout.engine=hf")
+    _check(r.env is None or cfg.data.chat_template,
+           "rollout.env renders its conversations with a chat template: data.chat_template=false leaves none")
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
            "rollout.engine=vllm: vLLM is not installed in this environment: run `make install-vllm` (README, "
            "\"Sample with vLLM\"), or use rollout.engine=hf")

@@ -127,27 +127,31 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tenso
     return outcome_advantages(rewards, mask, scores, groups, valid, gamma, "none")
 
 
-def distill(rewards: Tensor, mask: Tensor, *, scores: Tensor, valid: Tensor, **_: object) -> tuple[Tensor, Tensor]:
+def distill(rewards: Tensor, mask: Tensor, *, scores: Tensor, groups: Tensor, valid: Tensor,
+            **_: object) -> tuple[Tensor, Tensor]:
     """On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
     Self-Generated Mistakes" (GKD), eq. 2 with λ = 1 and the reverse KL; the sampled-token form of Thinking
     Machines' "On-Policy Distillation", 2025, and TRL's `DistillationTrainer` with `beta=1, lmbda=1`):
 
-        A_t = r_t − s·[t = last] + s                       on each sampled token t of a valid row, else 0
+        A_t = r_t − s·[t = last] + ŝ                       on each sampled token t of a valid row, else 0
 
     where r_t = log π_teacher(a_t|s_t) − log π_student(a_t|s_t) (the negated sampled-token reverse KL,
-    `core.teacher_token_rewards`, already in `rewards`, plus −β·kl_t with `ppo.kl_in=reward`) and s the row's
-    sequence score (the other sources of `reward.weights`, 0 with the teacher alone), which `rewards` holds at
-    the last token and which is moved onto every token. No discount (`ppo.gamma` and `ppo.lam` are not read),
-    no baseline and no group normalisation: each token is credited with its own log-ratio only, so the policy
-    gradient's expectation is −∇ KL(π_student ‖ π_teacher) per token.
+    `core.teacher_token_rewards`, already in `rewards`, plus −β·kl_t with `ppo.kl_in=reward`), s the row's
+    sequence score (the other sources of `reward.weights` and the score rules such as the missing-EOS penalty; 0
+    with the teacher alone), which `rewards` holds at the last token, and ŝ its group-normalised advantage,
+    GRPO's (s − mean_g)/(std_g + ε) (`core.groups.group_adjusted_scores`; 0 for a group of one, so a score beside
+    the teacher needs `ppo.n_samples_per_prompt` >= 2, which config.py checks), on every token. No discount
+    (`ppo.gamma` and `ppo.lam` are not read) and no baseline for the teacher's part: each token is credited with
+    its own log-ratio, so the policy gradient's expectation is −∇ KL(π_student ‖ π_teacher) per token.
 
     Shapes: rewards/mask (B, T), scores/valid (B,). Returns (advantages, advantages), at least float32, nats
     (plus score units), 0 on padding and on invalid rows.
     """
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     m, s = mask.to(dtype), scores.to(dtype)
-    per_token = rewards.to(dtype) - add_at_last_token(torch.zeros_like(m), m, s)  # the score moved off the last
-    advantages = (per_token + s[:, None]) * m * valid.to(dtype)[:, None]
+    per_token = rewards.to(dtype) - add_at_last_token(torch.zeros_like(m), m, s)  # the score taken off the last
+    adjusted = group_adjusted_scores(scores, groups, valid, "grpo").to(dtype)
+    advantages = (per_token + adjusted[:, None]) * m * valid.to(dtype)[:, None]
     return advantages, advantages
 
 

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 
+from rlhf_cli import engine
 from rlhf_cli.errors import ConfigError
 from rlhf_cli.rollout.episodes import Episodes
 from rlhf_cli.rollout.generation import Generator, Sampling
@@ -156,6 +158,33 @@ async def _await(x: Any) -> Any:
     return await x
 
 
+class _ToolCall:
+    """One tool call running on a daemon thread of its own, its clock started with it: a tool that never returns
+    is left behind (and said so in its error) without holding up the process's exit or any later call."""
+
+    def __init__(self, fn: Callable[..., Any], args: dict[str, Any], timeout_s: float) -> None:
+        self.deadline = time.monotonic() + timeout_s
+        self.value: str | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="rlhf-tool")
+        self.thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: dict[str, Any]) -> None:
+        try:
+            self.value = _call_tool(fn, args)
+        except BaseException as e:  # noqa: BLE001 - handed to the episode as the model's error message
+            self.error = e
+
+    def result(self) -> str:
+        """The tool's text. Raises TimeoutError past the deadline, or what the tool raised."""
+        self.thread.join(timeout=max(0.0, self.deadline - time.monotonic()))
+        if self.thread.is_alive():
+            raise TimeoutError
+        if self.error is not None:
+            raise self.error
+        return str(self.value)
+
+
 @dataclasses.dataclass
 class _Episode:
     """One episode's state while it runs."""
@@ -203,13 +232,12 @@ class EnvironmentRunner:
         self.summary = (f"{self.cls.__name__}: {len(tools)} tool(s)"
                         + (f" ({', '.join(sorted(tools))})" if tools else "") + f", {why}; the score: "
                         + ("its get_reward() (the reward.* sources are not called)" if self.owns_reward
-                           else "the run's reward sources, on the episode's text"))
+                           else "the run's reward sources, on the tokens the policy sampled"))
         """One line on the environment, its tools, its template and its score (the start table's)."""
         log.info("rollout.env=%s: %s", spec, self.summary)
         self.closing = self._closing()
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlhf-tool")
-        """The tool calls' threads; an episode's calls run one after another (its environment's state is its own),
-        the episodes' side by side (`episodes_pool`, one job per episode)."""
+        # each tool call runs on a daemon thread of its own (`_ToolCall`); an episode's calls run one after another
+        # (its environment's state is its own), the episodes' side by side (`episodes_pool`, one job per episode)
         self.episodes_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlhf-env")
         self.stats: dict[str, float] = {}
 
@@ -273,7 +301,26 @@ class EnvironmentRunner:
     def run(self, prompts: Sequence[dict[str, Any]], seeds: Sequence[int], generator: Generator,
             sampling: Sampling) -> Episodes:
         """One episode per prompt (see `episodes.EpisodeRunner`): each turn one `generator.generate` call over
-        the episodes still running, `sampling.max_new_tokens` (`ppo.max_new_tokens`) per turn."""
+        the episodes still running, `sampling.max_new_tokens` (`ppo.max_new_tokens`) per turn. A collective: an
+        environment that fails on one rank (`reset` raising, a reply that is not a string) stops every rank, with
+        its one-line message where it failed.
+
+        Raises:
+            ConfigError: the environment failed here or on another rank.
+        """
+        failure, episodes = None, None
+        try:
+            episodes = self._run(prompts, seeds, generator, sampling)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            failure = e
+        if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:
+            if failure is None:
+                raise ConfigError(f"rollout.env={self.spec}: the environment failed on another rank")
+            raise failure
+        return episodes
+
+    def _run(self, prompts: Sequence[dict[str, Any]], seeds: Sequence[int], generator: Generator,
+             sampling: Sampling) -> Episodes:
         eps = [self.start(p) for p in prompts]
         turn = 0
         while True:
@@ -348,8 +395,7 @@ class EnvironmentRunner:
                 out.append(self._result(e, f"Error: no tool named {name!r} (the tools: "
                                            f"{', '.join(sorted(self.tool_names))})"))
                 continue
-            future = self.pool.submit(_call_tool, getattr(e.env, name), args)
-            out.append(self._result(e, (name, future, time.monotonic() + self.s.tool_timeout_s)))
+            out.append(self._result(e, (name, _ToolCall(getattr(e.env, name), args, self.s.tool_timeout_s))))
         return out
 
     def _result(self, e: _Episode, pending: Any) -> dict[str, Any]:
@@ -357,11 +403,10 @@ class EnvironmentRunner:
         if isinstance(pending, str):
             e.tool_errors += 1
             return {"role": "tool", "name": "error", "content": pending}
-        name, future, deadline = pending
+        name, call = pending
         try:
-            text = future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            future.cancel()
+            text = call.result()
+        except TimeoutError:  # the call is left running on its daemon thread
             e.tool_errors += 1
             return {"role": "tool", "name": name,
                     "content": f"Error: the tool {name!r} ran past rollout.tool_timeout_s={self.s.tool_timeout_s:g}"}

@@ -58,6 +58,23 @@ class Episodes(NamedTuple):
         return self._replace(**{name: getattr(self, name)[idx] for name in _ROW_FIELDS
                                 if getattr(self, name) is not None})
 
+    def sampled_view(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask) of `[prompt | the tokens the policy sampled]`: what the run's reward sources
+        score, so that a tool's or the environment's words never earn the policy a reward (a checker reading the
+        tool's result as the answer). The sampled tokens of each row keep their order, right-padded with `pad_id`;
+        the very tensors of the episode when its responses hold no other token (every single-turn episode)."""
+        P, response = self.P, self.attention_mask[:, self.P:]
+        keep = self.action_mask.bool()
+        if torch.equal(keep, response.bool()):
+            return self.input_ids, self.attention_mask
+        width = int(keep.sum(1).max()) if keep.numel() else 0
+        ids = torch.full((keep.shape[0], width), pad_id, dtype=self.input_ids.dtype, device=self.input_ids.device)
+        am = torch.zeros_like(ids, dtype=self.attention_mask.dtype)
+        for i in range(keep.shape[0]):
+            row = self.input_ids[i, P:][keep[i]]
+            ids[i, :len(row)], am[i, :len(row)] = row, 1
+        return torch.cat([self.input_ids[:, :P], ids], 1), torch.cat([self.attention_mask[:, :P], am], 1)
+
 
 _ROW_FIELDS = ("input_ids", "attention_mask", "action_mask", "has_eos", "engine_logprobs", "score", "turns")
 

@@ -271,8 +271,8 @@ class ExperienceMaker:
         t0 = time.perf_counter()
         episodes = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
-        if episodes.score is None:
-            raw, score, sources = self.score_mixer(episodes.input_ids, episodes.attention_mask, episodes.P, prompts)
+        if episodes.score is None:  # the sources score what the policy sampled (a tool's words earn nothing)
+            raw, score, sources = self.score_mixer(*episodes.sampled_view(self.pad_id), episodes.P, prompts)
         else:  # the episode's own score (an environment's get_reward): the run's reward sources are not called
             raw = score = episodes.score.float()
             sources = {"reward/env": raw}

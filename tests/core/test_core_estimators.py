@@ -221,22 +221,27 @@ def test_teacher_token_rewards_are_the_masked_log_ratio_in_fp32():
 
 
 def test_distill_hand_computed():
-    """Rewards log π_t − log π_s = [0.5, −1, 2] on a 3-token row, its score 0.25 at the last token: every token
-    keeps its own log-ratio (no discount) and gets the score; an invalid row and padding get 0."""
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).float()
-    scores = torch.tensor([0.25, 3.0])
-    per_token = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
-    rewards = per_token + torch.tensor([[0, 0, 0.25, 0], [0, 3.0, 0, 0]])
-    valid = torch.tensor([True, False])
-    adv, ret = call("distill", rewards, mask, scores, torch.tensor([0, 1]), valid, gamma=0.5, lam=0.5)
+    """Rewards log π_t − log π_s = [0.5, −1, 2] on a 3-token row, its score 0.25 at the last token, in a group with
+    a row scored −0.25: every token keeps its own log-ratio (no discount) and gets the score's group-normalised
+    advantage, (0.25 − 0) / (std 0.3536 + ε) = 0.7071; an invalid row and padding get 0; a group of one gets no
+    score advantage."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]]).float()
+    scores = torch.tensor([0.25, -0.25, 3.0, 5.0])
+    per_token = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.0, 0, 0, 0], [1.0, 1.0, 0.0, 0.0], [2.0, 0, 0, 0]])
+    rewards = per_token + torch.tensor([[0, 0, 0.25, 0], [-0.25, 0, 0, 0], [0, 3.0, 0, 0], [5.0, 0, 0, 0]])
+    valid = torch.tensor([True, True, False, True])
+    adv, ret = call("distill", rewards, mask, scores, torch.tensor([0, 0, 1, 2]), valid, gamma=0.5, lam=0.5)
     assert torch.equal(adv, ret)
-    assert torch.equal(adv, torch.tensor([[0.75, -0.75, 2.25, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    a = 0.25 / (0.125 ** 0.5 + 1e-6)  # the unbiased std of (0.25, −0.25)
+    want = torch.tensor([[0.5 + a, -1 + a, 2 + a, 0.0], [1 - a, 0, 0, 0], [0.0, 0, 0, 0], [2.0, 0, 0, 0]])
+    torch.testing.assert_close(adv, want, rtol=1e-6, atol=1e-6)
     assert not ESTIMATORS["distill"].whiten and not ESTIMATORS["distill"].needs_critic
 
 
 def test_distill_matches_the_loop_reference():
-    """Teacher log-ratios plus −β·kl and the score at the last token, random lengths and invalid rows: the loop
-    gives each sampled token its own reward with the score moved from the last token onto every token."""
+    """Teacher log-ratios plus −β·kl and the score at the last token, random lengths, groups of 3 and invalid rows:
+    the loop gives each sampled token its own reward, the score taken off the last token and its GRPO advantage
+    (over the group's valid rows) put on every token."""
     g = torch.Generator().manual_seed(11)
     B, T = 9, 7
     lengths = torch.randint(0, T + 1, (B,), generator=g)  # an empty row may occur
@@ -245,11 +250,16 @@ def test_distill_matches_the_loop_reference():
     lp, ref, teacher = (torch.randn(B, T, generator=g) for _ in range(3))
     rewards = kl_penalized_rewards(scores, lp, ref, mask, 0.1) + teacher_token_rewards(teacher, lp, mask)
     valid = torch.rand(B, generator=g) > 0.3
-    adv, _ = call("distill", rewards, mask, scores, torch.arange(B), valid, gamma=0.9)
+    groups = torch.arange(B) // 3
+    adv, _ = call("distill", rewards, mask, scores, groups, valid, gamma=0.9)
     want = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):
         n = int(lengths[b])
+        mates = [float(scores[j]) for j in range(B) if groups[j] == groups[b] and valid[j]]
+        m = sum(mates) / len(mates) if mates else 0.0
+        sd = (sum((x - m) ** 2 for x in mates) / (len(mates) - 1)) ** 0.5 if len(mates) > 1 else 0.0
+        adjusted = (float(scores[b]) - m) / (sd + 1e-6) if len(mates) > 1 and sd > 0 else 0.0
         for t in range(n if valid[b] else 0):
             kl = float(lp[b, t]) - float(ref[b, t])
-            want[b, t] = float(teacher[b, t]) - float(lp[b, t]) - 0.1 * kl + float(scores[b])
+            want[b, t] = float(teacher[b, t]) - float(lp[b, t]) - 0.1 * kl + adjusted
     torch.testing.assert_close(adv.double(), want, rtol=1e-5, atol=1e-6)
