@@ -317,6 +317,51 @@ def test_overlong_shaping_is_refused_with_an_environment(env_file):
         VALIDATORS["train_ppo"](cfg)
 
 
+
+def test_chat_template_false_and_a_distill_score_without_groups_are_refused(env_file):
+    from stage_helpers import compose
+
+    from rlhf_cli.preflight import VALIDATORS
+
+    cfg = compose("train_ppo", ["model=tiny", f"rollout.env={env_file}:Calc", "data.chat_template=false"])
+    with pytest.raises(ConfigError, match="data.chat_template=false leaves none"):
+        VALIDATORS["train_ppo"](cfg)
+    cfg = compose("train_ppo", ["model=tiny", "reward.type=teacher", "ppo.advantage_estimator=distill"])
+    with pytest.raises(ConfigError, match="needs ppo.n_samples_per_prompt >= 2"):  # the missing-EOS penalty
+        VALIDATORS["train_ppo"](cfg)
+
+
+def test_a_hung_tool_times_out_on_a_daemon_thread_of_its_own():
+    import time
+
+    from rlhf_cli.rollout.environments import _ToolCall
+
+    start = time.monotonic()
+    call = _ToolCall(lambda seconds: time.sleep(seconds), {"seconds": 30}, 0.2)
+    with pytest.raises(TimeoutError):
+        call.result()
+    assert time.monotonic() - start < 5 and call.thread.daemon and call.thread.is_alive()  # left, never joined
+    assert _ToolCall(lambda x: x * 2, {"x": 21}, 5).result() == "42"
+    with pytest.raises(ZeroDivisionError):
+        _ToolCall(lambda: 1 / 0, {}, 5).result()
+
+
+def test_reward_sources_score_the_sampled_tokens_only():
+    from rlhf_cli.rollout.episodes import Episodes
+
+    P, pad = 2, 0
+    ids = torch.tensor([[7, 8, 11, 12, 90, 91, 13, 0], [7, 9, 21, 22, 23, 0, 0, 0]])
+    am = (ids != pad).long()
+    action = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]]).float()  # 90 91: a tool's result
+    ep = Episodes(ids, am, P, action, torch.ones(2, dtype=torch.bool), None, None, torch.ones(2))
+    got_ids, got_am = ep.sampled_view(pad)
+    assert got_ids.tolist() == [[7, 8, 11, 12, 13], [7, 9, 21, 22, 23]] and got_am.tolist() == [[1] * 5] * 2
+    single = Episodes(ids[1:, :5], am[1:, :5], P, action[1:, :3], torch.ones(1, dtype=torch.bool), None, None,
+                      torch.ones(1))
+    view = single.sampled_view(pad)
+    assert view[0] is single.input_ids and view[1] is single.attention_mask  # no gap: the very tensors
+
+
 # ----------------------------------------------------------------------------------------------
 # a real tiny-model rollout: the environment's tokens get no gradient, no KL, no advantage
 
