@@ -257,8 +257,10 @@ def run(cfg: Any, run_dir: Path) -> None:
     check_port_free(s.host, s.port)
     scorer = load_scorer(cfg, cfg.reward_model.path)
     batcher = Batcher(scorer, s.batch_size, s.max_wait_ms / 1000)
+    # log_config=None: uvicorn's own dictConfig would close every handler of this process (the run dir's log
+    # among them); its loggers go through the run's logging instead
     server = uvicorn.Server(uvicorn.Config(make_app(batcher, cfg.reward_model.path), host=s.host, port=s.port,
-                                           log_level="warning", access_log=False))
+                                           log_level="warning", access_log=False, log_config=None))
     print(f"serving {cfg.reward_model.path} at {url} ({'normalised' if scorer.stats else 'raw'} scores; "
           f"reward.url={url} in a trainer; Ctrl-C stops)", file=sys.stderr, flush=True)
     try:

@@ -23,7 +23,7 @@ def served_rm(tiny_dirs, tokenizer):  # noqa: F811 - the imported fixture
     batcher = Batcher(scorer, 8, 0.005)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(make_app(batcher, str(tiny_dirs["rm"])), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+                                           log_level="warning", log_config=None))  # leave this process's logging be
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
