@@ -21,6 +21,7 @@ pytest.importorskip("openai")
 pytestmark = pytest.mark.vllm
 
 from reward_server import free_port  # noqa: E402
+from stage_helpers import REPO, subprocess_env  # noqa: E402
 
 from rlhf_cli.reward_judge import JudgeReward  # noqa: E402
 from rlhf_cli.runs import read_metrics  # noqa: E402
@@ -86,14 +87,20 @@ def test_the_regex_constraint_makes_a_small_judge_answer_in_the_pattern(judge_ur
     assert again.tolist() == constrained.tolist()  # temperature 0 and a seed: the same verdicts
 
 
-def test_train_ppo_scores_an_iteration_with_the_served_judge(run_stage, judge_url):
-    _, run_dir, _ = run_stage("train_ppo", [
-        "ppo.iterations=1", "ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=2", "ppo.mini_batch_size=4",
-        "ppo.micro_batch_size=4",
-        "ppo.advantage_estimator=grpo", "ppo.kl_in=loss", "ppo.kl_estimator=k3", "rollout.engine=hf",
-        "reward.type=judge", f"reward.judge.base_url={judge_url}", "reward.judge.model=smollm2",
-        f"reward.judge.prompt='{PROMPT}'", f"reward.judge.guided_regex='{REGEX}'", "reward.judge.max_tokens=8",
-        "reward.judge.timeout_s=120"])
+def test_train_ppo_scores_an_iteration_with_the_served_judge(tmp_path, judge_url):
+    # a process of its own, as a user runs it: the engine tests before this one leave torch.distributed state that
+    # DeepSpeed's in-process start would trip over
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli", "train-ppo", "model=tiny", "precision=fp32",
+                          f"paths.root={tmp_path}",
+                          "ppo.iterations=1", "ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=2",
+                          "ppo.mini_batch_size=4", "ppo.micro_batch_size=4", "ppo.advantage_estimator=grpo",
+                          "ppo.kl_in=loss", "ppo.kl_estimator=k3", "rollout.engine=hf", "reward.type=judge",
+                          f"reward.judge.base_url={judge_url}", "reward.judge.model=smollm2",
+                          f"reward.judge.prompt='{PROMPT}'", f"reward.judge.guided_regex='{REGEX}'",
+                          "reward.judge.max_tokens=8", "reward.judge.timeout_s=120"],
+                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = (tmp_path / "ppo").iterdir()
     row = read_metrics(run_dir)[-1]
     assert row["reward/unscorable_frac"] == 0.0  # every verdict constrained into the pattern
     assert 0 <= row["reward/judge"] <= 10 and math.isfinite(row["objective/scores"])
