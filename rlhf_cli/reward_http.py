@@ -28,10 +28,10 @@ import json
 import math
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from rlhf_cli.commands import by_kind
@@ -79,6 +79,34 @@ def check_reachable(url: str, timeout_s: float, setting: str = "reward.url", wha
 def backoff(attempt: int) -> None:
     """Wait before retry `attempt` (1, 2, ...): `BACKOFF_S`, then twice the wait before, at most `BACKOFF_MAX_S`."""
     time.sleep(min(BACKOFF_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
+
+
+T = TypeVar("T")
+
+
+class Retry(Exception):
+    """A failed attempt worth another (no connection, a timeout, a `RETRIED_STATUS`); its message says what went
+    wrong, for the final line of `with_retries`."""
+
+
+def with_retries(attempt: Callable[[], T], retries: int, who: str, setting: str, scope: str = "") -> T:
+    """`attempt()`, tried up to `retries` more times with `backoff` while it raises `Retry`; what it returns or
+    raises otherwise passes through. The reward server's and the judge's requests share it.
+
+    Raises:
+        RewardServerError: "<who> failed <n> times<scope> (last: <why>; <setting>=<retries>)" when every try
+            raised `Retry`.
+    """
+    why = ""
+    for k in range(retries + 1):
+        if k:
+            backoff(k)
+        try:
+            return attempt()
+        except Retry as e:
+            why = str(e)
+    tries = f"{retries + 1} times" if retries else "once"
+    raise RewardServerError(f"{who} failed {tries}{scope} (last: {why}; {setting}={retries})")
 
 
 def parse_rewards(reply: Any, n: int, url: str) -> list[float]:
@@ -204,21 +232,16 @@ class HttpReward:
         import httpx
 
         data = json.dumps(body, default=str)  # a column's value JSON cannot hold (a date) is sent as its text
-        why = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                backoff(attempt)
+
+        def attempt() -> list[float]:
             try:
                 resp = client.post(self.url, content=data, headers={"Content-Type": "application/json"})
             except httpx.TimeoutException:
-                why = f"no answer within reward.timeout_s={self.timeout_s:g} s"
-                continue
+                raise Retry(f"no answer within reward.timeout_s={self.timeout_s:g} s") from None
             except httpx.HTTPError as e:
-                why = f"{type(e).__name__}: {e}"
-                continue
+                raise Retry(f"{type(e).__name__}: {e}") from None
             if resp.status_code in RETRIED_STATUS:
-                why = f"HTTP {resp.status_code} {resp.text[:120]!r}"
-                continue
+                raise Retry(f"HTTP {resp.status_code} {resp.text[:120]!r}")
             if not resp.is_success:
                 raise RewardServerError(f"reward server {self.url} answered HTTP {resp.status_code} "
                                         f"{resp.text[:120]!r} to {n} rows (not retried)")
@@ -227,6 +250,5 @@ class HttpReward:
             except ValueError:
                 raise RewardServerError(f"reward server {self.url} answered {resp.text[:120]!r}, not JSON") from None
             return parse_rewards(reply, n, self.url)
-        tries = f"{self.retries + 1} times" if self.retries else "once"
-        raise RewardServerError(f"reward server {self.url} failed {tries} for {n} rows (last: {why}; "
-                                f"reward.retries={self.retries})")
+
+        return with_retries(attempt, self.retries, f"reward server {self.url}", "reward.retries", f" for {n} rows")

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from rlhf_cli.config import JUDGE_FIELDS, judge_placeholders
 from rlhf_cli.data.tokenize import last_user_turn
 from rlhf_cli.errors import ConfigError, RewardServerError
-from rlhf_cli.reward_http import RETRIED_STATUS, backoff, check_reachable, scores_tensor
+from rlhf_cli.reward_http import RETRIED_STATUS, Retry, check_reachable, scores_tensor, with_retries
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -165,22 +165,16 @@ class JudgeReward:
         """The reply's text to one message (None: an empty reply), after up to `retries` retries."""
         import openai
 
-        why = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                backoff(attempt)
+        def attempt() -> str | None:
             try:
                 reply = client.chat.completions.create(**self.request(text))
             except openai.APITimeoutError:
-                why = f"no answer within reward.judge.timeout_s={self.timeout_s:g} s"
-                continue
+                raise Retry(f"no answer within reward.judge.timeout_s={self.timeout_s:g} s") from None
             except openai.APIConnectionError as e:
-                why = f"{type(e).__name__}: {e}"
-                continue
+                raise Retry(f"{type(e).__name__}: {e}") from None
             except openai.APIStatusError as e:
                 if e.status_code in RETRIED_STATUS:
-                    why = f"HTTP {e.status_code} {_body(e)}"
-                    continue
+                    raise Retry(f"HTTP {e.status_code} {_body(e)}") from None
                 raise RewardServerError(f"judge endpoint {self.base_url} answered HTTP {e.status_code} {_body(e)} "
                                         f"(not retried; reward.judge.model={self.model})") from None
             except openai.APIError as e:  # a 200 whose body is not a chat completion
@@ -190,9 +184,8 @@ class JudgeReward:
                 raise RewardServerError(f"judge endpoint {self.base_url} answered with no choices: "
                                         f"{str(reply)[:120]!r}")
             return choices[0].message.content
-        tries = f"{self.retries + 1} times" if self.retries else "once"
-        raise RewardServerError(f"judge endpoint {self.base_url} failed {tries} (last: {why}; "
-                                f"reward.judge.retries={self.retries})")
+
+        return with_retries(attempt, self.retries, f"judge endpoint {self.base_url}", "reward.judge.retries")
 
 
 def _body(e: Any) -> str:
