@@ -5,8 +5,6 @@ unreachable URL each fail in one line naming the URL."""
 
 import json
 import math
-import subprocess
-import sys
 import time
 
 import pytest
@@ -208,11 +206,12 @@ def test_the_score_mixer_scores_with_the_server_as_with_the_function(tmp_path, t
     assert sent[0].endswith(" 2" + eos) and sent[0].startswith("Question: 1 + 1?") and pad not in "".join(sent)
 
 
-def test_a_run_whose_server_goes_down_stops_cleanly_and_resumes_once_it_is_up(tmp_path):
-    """train-ppo with `reward.type=http`: the server fails at iteration 3 -> one line naming it, exit 2, the run
-    left resumable at its step-2 checkpoint; a resume while nothing listens is refused in one line before any
-    model loads; with the server up again on the same port, `resume=true` finishes the run from step-2."""
-    from stage_helpers import subprocess_env
+def test_a_run_whose_server_goes_down_stops_cleanly_and_resumes_once_it_is_up(tmp_path, capsys):
+    """train-ppo with `reward.type=http` (`cli.main`, as the `rlhf` command runs it, in this process): the server
+    fails at iteration 3 -> one line naming it, exit 2, the run left resumable at its step-2 checkpoint; a resume
+    while nothing listens is refused in one line before any model loads; with the server up again on the same port,
+    `resume=true` finishes the run from step-2."""
+    from rlhf_cli import cli
 
     calls = {"n": 0}
 
@@ -221,25 +220,31 @@ def test_a_run_whose_server_goes_down_stops_cleanly_and_resumes_once_it_is_up(tm
         return (503, {"detail": "down"}) if calls["n"] > 2 else rewards_of(length_and_answer)(body)
 
     def rlhf(*args):
-        return subprocess.run([sys.executable, "-m", "rlhf_cli", "train-ppo", *args], capture_output=True, text=True,
-                              env=subprocess_env(HYDRA_FULL_ERROR="0"), timeout=300)
+        """(exit status, what the run wrote to stderr)"""
+        capsys.readouterr()
+        try:
+            cli.main(["train-ppo", *args])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err
 
     with FakeRewardServer(up_then_down) as server:
         common = ["experiment=smoke", "reward.type=http", f"reward.url={server.url}", "reward.retries=0",
                   "ppo.iterations=3", "ppo.save_every=1", f"paths.root={tmp_path}"]
-        out = rlhf(*common)
-    assert out.returncode == 2, out.stderr[-3000:]
-    last = out.stderr.strip().splitlines()[-1]
+        code, err = rlhf(*common)
+    assert code == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: reward server {server.url} failed once for 8 rows (last: HTTP 503"), last
     assert last.endswith("the last checkpoint is kept: continue with resume=true once it is up"), last
     (run,) = (tmp_path / "ppo").iterdir()
     assert json.loads((run / "status.json").read_text())["state"] == "running"
     assert (run / "ds" / "latest").read_text().strip() == "step-2"
-    out = rlhf(*common, "resume=true")  # the server is still down: refused before any model loads
-    assert out.returncode == 2 and f"reward.url={server.url}: no reward server answers" in out.stderr
+    code, err = rlhf(*common, "resume=true")  # the server is still down: refused before any model loads
+    assert code == 2 and f"reward.url={server.url}: no reward server answers" in err
     with FakeRewardServer(rewards_of(length_and_answer), port=server.port) as again:
-        out = rlhf(*common, "resume=true")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"continuing {run} from step-2" in out.stderr and len(again.requests) == 1
+        code, err = rlhf(*common, "resume=true")
+    assert code == 0, err[-3000:]
+    assert f"continuing {run} from step-2" in err and len(again.requests) == 1
     steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3] and json.loads((run / "status.json").read_text())["state"] == "finished"

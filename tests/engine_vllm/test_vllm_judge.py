@@ -47,7 +47,8 @@ def judge_url(smollm2_model_cfg, tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                  str(model_dir), "--tokenizer", str(tokenizer_dir), "--served-model-name", "smollm2",
                                  "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
-                                 "--dtype", "float32"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                 "--dtype", "float32", "--enforce-eager"],  # compiling costs minutes on the CPU
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}/v1"
     try:

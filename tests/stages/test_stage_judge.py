@@ -5,8 +5,6 @@ eval.json names it."""
 
 import json
 import math
-import subprocess
-import sys
 import zlib
 
 import pytest
@@ -51,23 +49,23 @@ def test_a_run_turns_unreadable_replies_into_unscorable_rows_and_goes_on(tmp_pat
     assert all(math.isfinite(v) for v in {**stats, **train}.values() if isinstance(v, float))
 
 
-def test_train_ppo_sends_the_key_as_the_bearer_token_and_writes_it_nowhere(tmp_path):
-    """`rlhf train-ppo reward.type=judge`, one iteration: the key from `reward.judge.api_key_env` reaches the
-    endpoint and appears in no file of the run and in no line it prints; the start table names the judge."""
-    from stage_helpers import subprocess_env
+def test_train_ppo_sends_the_key_as_the_bearer_token_and_writes_it_nowhere(tmp_path, monkeypatch, capfd, caplog):
+    """`rlhf train-ppo reward.type=judge` (`cli.main`, in this process), one iteration: the key from
+    `reward.judge.api_key_env` reaches the endpoint and appears in no file of the run, no line it prints and no log
+    record; the start table names the judge."""
+    from rlhf_cli import cli
 
     secret = "sk-judge-secret-4242"
+    monkeypatch.setenv("RLHF_TEST_JUDGE_KEY", secret)
     with FakeRewardServer(length_judge) as server:
         base_url = f"http://127.0.0.1:{server.port}/v1"
-        out = subprocess.run([sys.executable, "-m", "rlhf_cli", "train-ppo", "experiment=smoke", "ppo.iterations=1",
-                              "reward.type=judge", f"reward.judge.base_url={base_url}", "reward.judge.model=m",
-                              "reward.judge.api_key_env=RLHF_TEST_JUDGE_KEY", f"paths.root={tmp_path}"],
-                             capture_output=True, text=True, timeout=300,
-                             env=subprocess_env(HYDRA_FULL_ERROR="0", RLHF_TEST_JUDGE_KEY=secret))
-    assert out.returncode == 0, out.stderr[-3000:]
+        cli.main(["train-ppo", "experiment=smoke", "ppo.iterations=1", "reward.type=judge",
+                  f"reward.judge.base_url={base_url}", "reward.judge.model=m",
+                  "reward.judge.api_key_env=RLHF_TEST_JUDGE_KEY", f"paths.root={tmp_path}"])
+    printed = "".join(capfd.readouterr()) + caplog.text
     assert server.requests and {h["authorization"] for h in server.headers} == {f"Bearer {secret}"}
-    assert f"judge m at {base_url}" in out.stdout + out.stderr
-    assert secret not in out.stdout + out.stderr
+    assert f"judge m at {base_url}" in printed
+    assert secret not in printed
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.name == "metrics.jsonl" for p in files)
     for p in files:
