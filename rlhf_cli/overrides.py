@@ -150,6 +150,9 @@ IGNORED: tuple[Ignored, ...] = (
     *(Ignored(f"ppo.{k}", "a critic-free `ppo.advantage_estimator` (grpo, dr_grpo, rloo, reinforce_pp, distill)",
               _critic_free, "use `ppo.advantage_estimator=gae`")
       for k in ("critic", "critic_init", "critic_lr", "c1", "value_clip", "lam")),
+    Ignored("ppo.gamma", "`ppo.advantage_estimator=distill` (each token is credited with its own teacher log-ratio, "
+            "undiscounted)", lambda cfg, c: "ppo" in c.reads and cfg.ppo.advantage_estimator == "distill",
+            "use another `ppo.advantage_estimator` to discount"),
     *(Ignored(f"rollout.{k}", "`rollout.is_correction=none`", lambda cfg, c: cfg.rollout.is_correction == "none",
               "set `rollout.is_correction` (tis, icepop, seq_mask)") for k in ("is_low", "is_high")),
     *(Ignored(f"rollout.{k}", "`rollout.env=null` (one response per prompt)", lambda cfg, c: cfg.rollout.env is None,

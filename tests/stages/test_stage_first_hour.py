@@ -210,6 +210,11 @@ def test_the_same_keys_from_a_preset_or_in_their_setting_pass(tmp_path, monkeypa
     with pytest.raises(Exception, match="reward_model.path=x does nothing"):
         check_ignored_keys(ppo, ["reward.type=checker", "reward_model.path=x"],
                            compose("train_ppo", ["reward.type=checker", "reward_model.path=x"]))
+    check_ignored_keys(ppo, ["experiment=grpo", "ppo.gamma=0.9"], compose("train_ppo", ["experiment=grpo",
+                                                                                       "ppo.gamma=0.9"]))
+    with pytest.raises(Exception, match="ppo.gamma=0.9 does nothing .*advantage_estimator=distill"):
+        check_ignored_keys(ppo, ["experiment=distill", "ppo.gamma=0.9"],
+                           compose("train_ppo", ["experiment=distill", "ppo.gamma=0.9"]))
 
 
 def test_too_few_rows_names_each_drop_reason_and_the_key_that_keeps_them(tmp_path, monkeypatch, capsys):
