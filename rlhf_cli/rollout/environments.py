@@ -24,6 +24,10 @@ The prompt, the first observation included, is rendered with the tools and token
 (`Encoder.fit_prompt`: the oldest turns first, then the last message's content from the left); a template, tools
 and system turn that leave no room for a token of it are refused.
 
+A turn of an environment with tools stops once its calls are complete and something else follows (`_past_calls`,
+`Sampling.stop`: the `hf` engine stops that row there) and is cut at the calls' end (`_cut`), so the ids kept are
+those sampling to the end would keep; a turn whose calls end with the end-of-turn id keeps it.
+
 Token in, token out (STYLE 17): each turn's sampled ids are kept as sampled (action mask 1); only the messages
 after them (the end of the assistant turn when a `</tool_call>` cut it, tool results or the environment's reply,
 the next assistant header) are rendered and tokenized, as the difference between the chat template's rendering
@@ -446,10 +450,13 @@ class EnvironmentRunner:
         return self._episodes(eps, sampling.pad_id)
 
     def _turn(self, eps: list[_Episode], seeds: list[int], generator: Generator, sampling: Sampling) -> None:
-        """One policy turn of each episode in `eps`: sample, keep the ids as sampled, parse and start its calls."""
+        """One policy turn of each episode in `eps`: sample (an episode with tools may stop once its calls are
+        complete, `_past_calls`), keep the ids as sampled (`_cut`), parse and start its calls."""
         limits = [min(sampling.max_new_tokens, self.s.max_episode_tokens - len(e.ids)) for e in eps]
-        gen = generator.generate([e.prompt_ids + e.ids for e in eps], seeds,
-                                 dataclasses.replace(sampling, max_new_tokens=max(limits)))
+        tools = [bool(e.kind.tool_names) for e in eps]
+        gen = generator.generate([e.prompt_ids + e.ids for e in eps], seeds, dataclasses.replace(
+            sampling, max_new_tokens=max(limits), stop=(lambda b, ids: tools[b] and self._past_calls(ids))
+            if any(tools) else None))
         eos = set(sampling.eos_ids)
         for k, e in enumerate(eps):
             n = min(int(gen.mask[k].sum().item()), limits[k])
@@ -477,18 +484,28 @@ class EnvironmentRunner:
         (a token budget). The ids kept are a prefix of those sampled."""
         eot = ids and ids[-1] in eos
         text = self.tokenizer.decode(ids[:-1] if eot else ids, skip_special_tokens=False)
-        m = TOOL_CALL.search(text) if kind.tool_names else None
-        if m is None:
+        end = _calls_end(text) if kind.tool_names else None
+        if end is None:
             return ids, ("eot" if eot else None)
-        end = m.end()
-        while (m := TOOL_CALL.match(text, len(text) - len(text[end:].lstrip()))) is not None:
-            end = m.end()
         if not text[end:].strip():
             return ids, ("eot" if eot else "call")
         for k in range(1, len(ids) + 1):
             if len(self.tokenizer.decode(ids[:k], skip_special_tokens=False)) >= end:
                 return ids[:k], "call"
         return ids, "call"  # unreachable: the whole text reaches `end`
+
+    def _past_calls(self, ids: Sequence[int]) -> bool:
+        """Whether a turn's sampling may stop at `ids` (`Sampling.stop`): its text holds its first run of tool calls
+        and, after it, something that is neither whitespace nor the start of another `<tool_call>` (a trailing
+        partial character, U+FFFD, waits for its last byte). `_cut` then cuts the turn at that run's end whatever
+        is sampled next, so stopping here keeps exactly the ids it keeps without stopping; stopping later would
+        too, never earlier."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        end = _calls_end(text) if CALL_END in text else None
+        if end is None:
+            return False
+        rest = text[end:].lstrip().rstrip("\ufffd")
+        return bool(rest) and not rest.startswith("<tool_call>") and not "<tool_call>".startswith(rest)
 
     def _run_calls(self, e: _Episode, calls: list[tuple[str, dict[str, Any]] | str]) -> list[dict[str, Any]]:
         """One episode's calls of a turn, in order (each in the tool pool, bounded by `tool_timeout_s`): their tool
@@ -618,6 +635,18 @@ class EnvironmentRunner:
                 "episode/truncated_frac": sum(not e.has_eos for e in eps) / n,
                 "episode/sampled_tokens_mean": sum(sum(e.mask) for e in eps) / n,
                 "episode/env_tokens_mean": sum(e.env_tokens for e in eps) / n}
+
+
+def _calls_end(text: str) -> int | None:
+    """Where the first run of tool calls in `text` ends (`<tool_call>…</tool_call>` blocks with only whitespace
+    between them are one run), None without a closed call."""
+    m = TOOL_CALL.search(text)
+    if m is None:
+        return None
+    end = m.end()
+    while (m := TOOL_CALL.match(text, len(text) - len(text[end:].lstrip()))) is not None:
+        end = m.end()
+    return end
 
 
 def _conversation(e: _Episode) -> Conversation:

@@ -4,6 +4,7 @@ budgets, tool errors, seeds, and each bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -677,3 +678,61 @@ def test_train_ppo_routes_rows_and_scores_the_conversation_end_to_end(run_stage,
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward/function"] for r in rows if "reward/function" in r] == [1.0] * len(rows)
     assert all("episode/turns_mean" in r for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# a turn stops once its tool calls are complete: the ids kept are those sampling to the end keeps
+
+
+class Stopping(Scripted):
+    """`Scripted`, but each row ends where `sampling.stop` first holds of its ids so far (as the hf engine does)."""
+
+    def generate(self, prompt_ids, seeds, sampling):
+        full = super().generate(prompt_ids, seeds, dataclasses.replace(sampling, stop=None))
+        self.stopped = getattr(self, "stopped", [])
+        for b in range(full.responses.shape[0]):
+            n = int(full.mask[b].sum())
+            ids = full.responses[b, :n].tolist()
+            k = next((k for k in range(1, n + 1) if sampling.stop and sampling.stop(b, ids[:k])), n)
+            full.responses[b, k:], full.mask[b, k:] = PAD, 0.0
+            self.stopped.append(k < n)
+        return full
+
+
+def test_a_turn_stops_once_its_calls_are_complete_and_keeps_the_same_ids(tokenizer, env_file):
+    """A turn that goes on after its tool calls (a model writing its own tool result, or prose) stops there; the
+    episode is the one sampling each turn to its end gives, id for id and mask for mask. Consecutive calls, calls
+    then the end-of-turn id, and a half-written second call do not stop early."""
+    own_result = call("add", a=1, b=2) + "<tool_response>\n3\n</tool_response> so it is 3<EOT>"
+    script = {7: [own_result, call("add", a=5, b=5) + "\n" + call("add", a=1, b=2) + " and then<EOT>",
+                  call("add", a=0, b=1) + "\n<EOT>", "The answer is 7.<EOT>"]}
+    full = run(tokenizer, env_file, "Calc", script, n=96)[1]
+    runner = EnvironmentRunner(f"{env_file}:Calc", tokenizer, EnvSettings())
+    stopping = Stopping(tokenizer, script)
+    ep = runner.run([prompt("What is 3 + 4?", row=7)], [7], stopping, sampling(96))
+    for name in ("input_ids", "attention_mask", "action_mask", "has_eos", "turns", "score"):
+        assert torch.equal(getattr(ep, name), getattr(full, name)), name
+    assert ep.turns.tolist() == [4] and runner.stats["episode/tool_calls_mean"] == 4
+    assert stopping.stopped == [True, True, False, False]  # the first two turns went on after their calls
+    kind = runner.envs[None]
+    for text, stops in ((own_result.removesuffix("<EOT>"), True), (call("add", a=1, b=1) + "\n<tool_c", False),
+                        (call("add", a=1, b=1) + " \n" + call("add", a=2, b=2), False), ("no call here", False),
+                        (call("add", a=1, b=1) + "\u00a0é and on", True)):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        k = next((k for k in range(1, len(ids) + 1) if runner._past_calls(ids[:k])), len(ids))
+        assert (k < len(ids)) == stops, text
+        assert runner._cut(kind, ids[:k], {EOS}) == runner._cut(kind, ids, {EOS}), text
+
+
+def test_the_hf_engine_ends_a_row_where_sampling_stop_holds(tiny_causal):
+    """`Sampling.stop` on the hf engine: a stopped row keeps exactly the ids it sampled up to the stop (mask 0 and
+    padding after it, no EOS), and the rows beside it are untouched."""
+    generator = HFGenerator("fp32", chunk=2)
+    generator.update_weights(tiny_causal)
+    prompts, seeds = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [1, 2, 3]
+    free = generator.generate(prompts, seeds, sampling(10))
+    stop = dataclasses.replace(sampling(10), stop=lambda b, ids: b != 1 and len(ids) >= 4)
+    cut = generator.generate(prompts, seeds, stop)
+    assert int(free.mask.sum()) == 30 and cut.mask.sum(1).tolist() == [4.0, 10.0, 4.0]
+    assert torch.equal(cut.responses[:, :4], free.responses[:, :4]) and torch.equal(cut.responses[1], free.responses[1])
+    assert bool((cut.responses[[0, 2], 4:] == PAD).all()) and cut.has_eos.tolist() == [False] * 3
