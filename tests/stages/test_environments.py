@@ -590,6 +590,10 @@ def test_reward_functions_receive_the_conversation_under_an_environment(tokenize
     row = {**prompt("Say hi", row=4, answer="hi"), "prompt_text": "rendered"}
     ep = runner.run([row], [4], Scripted(tokenizer, script), sampling())
     (conv,) = ep.conversations
+    from rlhf_cli.rollout.episodes import join_episodes
+
+    assert ep.rows(torch.tensor([0, 0])).conversations == [conv, conv]  # they follow the rows, and their joins
+    assert join_episodes([ep, ep.rows(torch.tensor([0]))], PAD).conversations == [conv, conv]
     assert conv.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi (echo)"}]
     calls = [{"type": "function", "function": {"name": "echo", "arguments": {"text": t}}} for t in ("hi", "yo")]
     assert conv.completion == [{"role": "assistant", "content": "", "tool_calls": calls},
