@@ -67,6 +67,8 @@ NOT_TOOLS = ("reset", "get_reward", "env_response")
 """The environment's public methods that are not tools (TRL's `reset` and `get_reward`, and `env_response`)."""
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 CALL_END = "</tool_call>"
+STOP_WINDOW = 24
+"""A turn's last tokens in which `EnvironmentRunner._past_calls` looks for a `</tool_call>` before decoding it all."""
 
 
 def tool_template() -> str:
@@ -499,9 +501,13 @@ class EnvironmentRunner:
         and, after it, something that is neither whitespace nor the start of another `<tool_call>` (a trailing
         partial character, U+FFFD, waits for its last byte). `_cut` then cuts the turn at that run's end whatever
         is sampled next, so stopping here keeps exactly the ids it keeps without stopping; stopping later would
-        too, never earlier."""
+        too, never earlier. Asked after every token, it decodes the whole turn only while a `</tool_call>` is among
+        its last `STOP_WINDOW` tokens (a turn that writes more whitespace than that after its calls is sampled to
+        its end, as without the stop)."""
+        if CALL_END not in self.tokenizer.decode(ids[-STOP_WINDOW:], skip_special_tokens=False):
+            return False
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        end = _calls_end(text) if CALL_END in text else None
+        end = _calls_end(text)
         if end is None:
             return False
         rest = text[end:].lstrip().rstrip("\ufffd")
