@@ -272,8 +272,9 @@ class ExperienceMaker:
         episodes = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
         if episodes.score is None:  # the sources score what the policy sampled (a tool's words earn nothing)
+            conversations = {} if episodes.conversations is None else {"conversations": episodes.conversations}
             raw, score, sources = self.score_mixer(*episodes.sampled_view(self.pad_id), episodes.P, prompts,
-                                                   episodes.conversations)
+                                                   **conversations)  # reward.function's, under rollout.env
         else:  # the episode's own score (an environment's get_reward): the run's reward sources are not called
             raw = score = episodes.score.float()
             sources = {"reward/env": raw}
