@@ -200,7 +200,9 @@ class DataConfig:
     max_length: int = 512
     """Max tokens of prompt + response (tokens). Prompts are truncated first (see `rlhf_cli/data/tokenize.py`)."""
     max_prompt_length: int = 256
-    """Max prompt tokens (tokens); must be < max_length."""
+    """Max prompt tokens (tokens); must be < max_length. With `rollout.env`, an episode's prompt as rendered with
+    its environment's tools and first observation (`reset`'s) is cut to it by the same rule; tools and a system
+    turn that leave no room are refused at the start."""
     prompt_key: str = "prompt"
     """Column of the prompt (`explicit` and `prompt` formats)."""
     chosen_key: str = "chosen"
@@ -831,16 +833,19 @@ class RolloutConfig:
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16 (half that in fp32); the
     `hf` engine ignores it."""
     env: str | None = None
-    """train-ppo's environment, `path/to/file.py:Class` (or `package.module:Class`): episodes of several turns, one
+    """train-ppo's environment, `path/to/file.py:Class` (or `package.module:Class`), or `path/to/file.py:ENVS`, a
+    dict of classes by name that each data row's `environment` column chooses from: episodes of several turns, one
     instance of the class per episode (`rollout/environments.py`). TRL's `environment_factory` interface, so a TRL
     environment runs unchanged: `reset(**row)` gets the data row's columns and may return a first observation
     (appended to the last user message); every other public method with a docstring and type hints is a tool the
     model calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `get_reward()`, when defined, is the
-    episode's score (the `reward.*` sources are then not called); `env_response(messages) -> str | None` replies as
-    the next user message (None ends the episode). Tool results and replies are appended as tokens the policy did
-    not sample: they condition the next turn and are never trained, and the reward sources score the sampled tokens
-    alone (a tool's result earns nothing). null = one response per prompt. `hf` engine only for now (issue 57 step
-    B2 brings vllm)."""
+    episode's score (the `reward.*` sources are then not called; in a dict, every class or none defines it);
+    `env_response(messages) -> str | None` replies as the next user message (None ends the episode). Tool results
+    and replies are appended as tokens the policy did not sample: they condition the next turn and are never
+    trained. `reward.function` receives the conversation as messages (TRL's conversational form); the reward model,
+    checker, server and judge score the text of the sampled tokens alone (a tool's result earns nothing). The
+    prompt, rendered with the tools and the first observation, is cut to `data.max_prompt_length` as the data's
+    are. null = one response per prompt. `hf` engine only for now (issue 57 step B2 brings vllm)."""
     max_turns: int = 8
     """With `rollout.env`: the policy's turns per episode (>= 1); an episode that wants another turn past it is cut
     as truncated (`ppo.truncated` applies)."""

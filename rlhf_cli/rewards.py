@@ -19,6 +19,12 @@ naming the function and the data row, so a run never trains on it.
 Like TRL, the data rows' other columns come as keyword arguments (lists) to a function that takes `**kwargs` (or
 names them). The built-in checker is such a function: `rlhf_cli.data.builtin:checker`, and reasoning-gym's
 (`rlhf_cli.data.reasoning_gym:checker`), which reads the `question` and `metadata` columns.
+
+Under an environment (`rollout.env`), `reward.function` gets TRL's conversational form instead, so a TRL reward
+function written for environments runs unchanged: each prompt is its list of messages (as the episode began,
+system prompt and `reset`'s observation included), each completion the list of messages after it (assistant
+turns, as TRL's response parser gives them: `content` without the tool calls, the calls in `tool_calls`; tool
+results; the environment's replies), and `environments=` the episodes' environment instances.
 """
 
 from __future__ import annotations
@@ -49,6 +55,21 @@ def load_reward_function(spec: str, key: str = "reward.function") -> RewardFn:
     Raises:
         ConfigError: malformed spec, missing file or module, an import that raised, or no callable `name`.
     """
+    fn = load_object(spec, key)
+    if not callable(fn):
+        module = spec.rpartition(":")[0]
+        raise ConfigError(f"{key}={spec}: {module} has no callable {spec.rpartition(':')[2]!r}")
+    return fn
+
+
+@cache
+def load_object(spec: str, key: str) -> Any:
+    """What `spec` names (`path/to/file.py:name` or `package.module:name`, as `load_reward_function` reads it),
+    callable or not (`rollout.env`'s dict of environment classes). Loaded once per process.
+
+    Raises:
+        ConfigError: malformed spec, missing file or module, an import that raised, or no `name` in it.
+    """
     module, sep, name = spec.rpartition(":")
     if not (sep and module and name):
         raise ConfigError(f"{key}={spec!r} is not <module or path/to/file.py>:<callable name>")
@@ -68,10 +89,9 @@ def load_reward_function(spec: str, key: str = "reward.function") -> RewardFn:
             mod = importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - ImportError, or whatever the module raises at import
             raise ConfigError(f"{key}={spec}: cannot import {module} ({type(e).__name__}: {e})") from None
-    fn = getattr(mod, name, None)
-    if not callable(fn):
+    if not hasattr(mod, name):
         raise ConfigError(f"{key}={spec}: {module} has no callable {name!r}")
-    return fn
+    return getattr(mod, name)
 
 
 def _column_kwargs(fn: RewardFn, columns: Sequence[dict[str, Any] | None] | None) -> dict[str, list[Any]]:
@@ -93,12 +113,13 @@ def _column_kwargs(fn: RewardFn, columns: Sequence[dict[str, Any] | None] | None
     return {k: [(c or {}).get(k) for c in columns] for k in keys if k not in taken and (takes_all or k in named)}
 
 
-def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[str], completions: Sequence[str],
+def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[Any], completions: Sequence[Any],
                          answers: Sequence[Any], rows: Sequence[Any],
                          columns: Sequence[dict[str, Any] | None] | None = None) -> torch.Tensor:
     """`fn(prompts, completions, answer=answers, **columns)` checked: (B,) float32 scores, NaN where the function
     returned None or NaN (an unscorable completion).
 
+    prompts and completions: B strings, or B lists of messages (TRL's conversational form, under `rollout.env`).
     `name` is how messages name the function (the `reward.function` spec); `rows[i]` is completion i's data
     row number (1-based) for messages; `columns[i]` the data row's columns (a data file's, or a reasoning-gym
     entry's), passed as keyword lists where `fn` takes them (`**kwargs`, or by name).
@@ -123,8 +144,15 @@ def call_reward_function(fn: RewardFn, name: str, prompts: Sequence[str], comple
     for i, v in enumerate(values):
         if math.isinf(v):
             raise RewardError(f"reward function {name} returned {v} for the completion of data row {rows[i]} "
-                              f"({completions[i][:60]!r}): return a finite float per completion, or None for one "
-                              f"it cannot score")
+                              f"({_preview(completions[i])!r}): return a finite float per completion, or None for "
+                              f"one it cannot score")
     import torch  # here, not at the top: the preflight checks load reward functions before torch
 
     return torch.tensor(values, dtype=torch.float32)
+
+
+def _preview(completion: Any) -> str:
+    """A completion's first 60 characters for a message: its text, or its last message's content."""
+    if isinstance(completion, list):
+        completion = str(completion[-1].get("content", "")) if completion else ""
+    return str(completion)[:60]

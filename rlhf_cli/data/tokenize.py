@@ -73,10 +73,13 @@ class Encoder:
     """
 
     def __init__(self, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None,
-                 eos_ids: Sequence[int] = ()):
+                 eos_ids: Sequence[int] = (), tools: list[dict[str, Any]] | None = None, template: str | None = None):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        self.use_chat = bool(chat_template) and bool(getattr(tokenizer, "chat_template", None))
+        self.tools, self.template = tools, template
+        """The tools' JSON schemas the prompts are rendered with (`rollout.env`'s), and a chat template in place of
+        the tokenizer's (the shipped tool template); None: none, the tokenizer's own."""
+        self.use_chat = bool(chat_template) and bool(template or getattr(tokenizer, "chat_template", None))
         self.eos_id: int = tokenizer.eos_token_id
         if self.eos_id is None:
             raise ValueError("the tokenizer has no EOS token; responses must end in one")
@@ -103,7 +106,8 @@ class Encoder:
         return messages
 
     def _template(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, chat_template=self.template,
+                                                  tokenize=False, add_generation_prompt=True)
 
     def _pieces(self, messages: list[dict[str, str]]) -> list[tuple[str, bool, int | None]] | None:
         """The chat rendering of `messages` (with the generation prompt) as (text, plain, message index) pieces:

@@ -1,6 +1,7 @@
 """Multi-turn episodes with an environment (`rollout.env=FILE.py:Class`) on the `hf` engine.
 
-    load_environment     the class `rollout.env` names, checked: a callable `reset`, tools with docstrings and hints
+    load_environment     the class `rollout.env` names (or its dict of classes by name), checked: a callable `reset`
+    Environment          one environment class probed: its tools (docstrings and hints checked), template, encoder
     EnvSettings          the budgets of an episode (`rollout.max_turns`, `max_tool_calls`, `max_episode_tokens`,
                          `max_tool_tokens`, `tool_timeout_s`)
     EnvironmentRunner    an `episodes.EpisodeRunner`: one environment instance per episode, turns until the policy
@@ -14,7 +15,18 @@ return a first observation, appended to the last user message; every other publi
 to the model through the chat template's `tools=` (transformers' `get_json_schema`: a docstring with an `Args:`
 line per argument, and type hints); `get_reward()` (plain or async), when defined, is the episode's score. The
 general multi-turn form without tools: `env_response(messages) -> str | None`, the reply the next user message,
-None the episode's end.
+None the episode's end. Like TRL's dict `environment_factory`, `rollout.env=FILE.py:ENVS` may name a dict of
+classes by name: each data row's `environment` column picks its class (and is not passed to `reset`), and only
+that class's tools are shown in its prompt.
+
+The prompt, the first observation included, is rendered with the tools and tokenized as the data's prompts are
+(`data.tokenize.Encoder`: user text plain) and cut to `data.max_prompt_length` by the same rule
+(`Encoder.fit_prompt`: the oldest turns first, then the last message's content from the left); a template, tools
+and system turn that leave no room for a token of it are refused.
+
+A turn of an environment with tools stops once its calls are complete and something else follows (`_past_calls`,
+`Sampling.stop`: the `hf` engine stops that row there) and is cut at the calls' end (`_cut`), so the ids kept are
+those sampling to the end would keep; a turn whose calls end with the end-of-turn id keeps it.
 
 Token in, token out (STYLE 17): each turn's sampled ids are kept as sampled (action mask 1); only the messages
 after them (the end of the assistant turn when a `</tool_call>` cut it, tool results or the environment's reply,
@@ -43,8 +55,10 @@ from typing import Any
 import torch
 
 from rlhf_cli import engine
+from rlhf_cli.data.formats import Prompt
+from rlhf_cli.data.tokenize import Encoder
 from rlhf_cli.errors import ConfigError
-from rlhf_cli.rollout.episodes import Episodes
+from rlhf_cli.rollout.episodes import Conversation, Episodes
 from rlhf_cli.rollout.generation import Generator, Sampling
 
 log = logging.getLogger(__name__)
@@ -53,6 +67,8 @@ NOT_TOOLS = ("reset", "get_reward", "env_response")
 """The environment's public methods that are not tools (TRL's `reset` and `get_reward`, and `env_response`)."""
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 CALL_END = "</tool_call>"
+STOP_WINDOW = 24
+"""A turn's last tokens in which `EnvironmentRunner._past_calls` looks for a `</tool_call>` before decoding it all."""
 
 
 def tool_template() -> str:
@@ -82,17 +98,32 @@ class EnvSettings:
     """Seconds one tool call may run (> 0)."""
 
 
-def load_environment(spec: str) -> type:
-    """The environment class `rollout.env=FILE.py:Class` (or `package.module:Class`) names. Raises ConfigError in
-    one line: a missing file or class, something that is not a class, a class without a callable `reset`."""
-    from rlhf_cli.rewards import load_reward_function
+def load_environment(spec: str) -> type | dict[str, type]:
+    """The environment class `rollout.env=FILE.py:Class` (or `package.module:Class`) names, or the dict of classes
+    by name `FILE.py:ENVS` names (TRL's dict `environment_factory`). Raises ConfigError in one line: a missing file
+    or name, something that is neither a class nor a non-empty dict of them by string names, a class without a
+    callable `reset`."""
+    from rlhf_cli.rewards import load_object
 
-    cls = load_reward_function(spec, key="rollout.env")
+    found, name = load_object(spec, "rollout.env"), spec.rpartition(":")[2]
+    if not isinstance(found, dict):
+        return _checked_class(found, spec, repr(name))
+    if not found:
+        raise ConfigError(f"rollout.env={spec}: {name} is an empty dict (give it name -> environment class)")
+    for key, cls in found.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"rollout.env={spec}: {name} has the key {key!r}: the names of a dict of environments "
+                              f"are strings, those of the data's `environment` column")
+        _checked_class(cls, spec, f"{name}[{key!r}]")
+    return dict(found)
+
+
+def _checked_class(cls: Any, spec: str, what: str) -> type:
     if not inspect.isclass(cls):
-        raise ConfigError(f"rollout.env={spec}: {spec.rpartition(':')[2]!r} is not a class (give the environment "
-                          f"class, one instance is made per episode)")
+        raise ConfigError(f"rollout.env={spec}: {what} is not a class (give the environment class, or a dict of them "
+                          f"by name; one instance is made per episode)")
     if not callable(getattr(cls, "reset", None)):
-        raise ConfigError(f"rollout.env={spec}: the class has no reset method (TRL's environment interface: "
+        raise ConfigError(f"rollout.env={spec}: {what} has no reset method (TRL's environment interface: "
                           f"def reset(self, **row) -> str | None)")
     return cls
 
@@ -185,14 +216,74 @@ class _ToolCall:
         return str(self.value)
 
 
+class Environment:
+    """One environment class of `rollout.env`, probed once at the start: its tools, whether it owns the reward
+    (`get_reward`) or replies (`env_response`), the chat template its episodes render with, and the `Encoder` of
+    their prompts (the tools' schemas rendered in). name: its key in a dict of environments, None for the one
+    class. Raises ConfigError when the class cannot be made or a tool cannot be described (`environment_tools`)."""
+
+    def __init__(self, cls: type, name: str | None, spec: str, tokenizer: Any) -> None:
+        self.cls, self.name, self.tokenizer = cls, name, tokenizer
+        try:
+            probe = cls()
+        except Exception as e:  # noqa: BLE001 - the user's class: one line
+            raise ConfigError(f"rollout.env={spec}: {cls.__name__}() raised {type(e).__name__}: {e}") from None
+        tools, self.schemas = environment_tools(probe, spec)
+        self.tool_names = set(tools)
+        self.owns_reward = callable(getattr(probe, "get_reward", None))
+        self.replies = callable(getattr(probe, "env_response", None))
+        self.template, self.why = self._choose_template()
+        self.closing = self._closing()
+        self.encoder = Encoder(tokenizer, True, tools=self.schemas or None, template=self.template)
+        """Renders, tokenizes and cuts its episodes' prompts as the data's are (user text plain)."""
+
+    def describe(self) -> str:
+        """The class, its tools and its template, in words (the start table's)."""
+        names = f" ({', '.join(sorted(self.tool_names))})" if self.tool_names else ""
+        return f"{self.cls.__name__}: {len(self.tool_names)} tool(s){names}, {self.why}"
+
+    def _choose_template(self) -> tuple[str | None, str]:
+        """The chat template to render with (None: the tokenizer's own) and why, in words: the tokenizer's own
+        when there are no tools or it renders `tools=`, else (or when the model has none) the shipped ChatML tool
+        template."""
+        shipped = "the shipped ChatML tool template (rlhf_cli/templates/chatml_tools.jinja)"
+        if not getattr(self.tokenizer, "chat_template", None):
+            return tool_template(), f"{shipped}: the model has no chat template"
+        if not self.schemas:
+            return None, "the model's own chat template"
+        msgs = [{"role": "user", "content": "x"}]
+        try:
+            own = self.tokenizer.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
+                                                     add_generation_prompt=True)
+            renders = self.schemas[0]["function"]["name"] in own
+        except Exception:  # noqa: BLE001 - no template, or one that rejects tools
+            renders = False
+        if renders:
+            return None, "the model's own chat template (it renders tools=)"
+        return tool_template(), f"{shipped}: the model's own chat template does not render tools="
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        """The conversation as the chat template renders it, with the environment's tools."""
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None, chat_template=self.template,
+                                                  tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _closing(self) -> str:
+        """What the template writes after an assistant message's content (ChatML: `<|im_end|>\\n`)."""
+        mark = "\x00RLHF-CONTENT\x00"
+        text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}], False)
+        return text[text.index(mark) + len(mark):]
+
+
 @dataclasses.dataclass
 class _Episode:
     """One episode's state while it runs."""
 
+    kind: Environment
     env: Any
     row: Any
     messages: list[dict[str, Any]]
     prompt_ids: list[int]
+    n_prompt: int = 0  # the prompt's messages, the first of `messages`
     ids: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
     turns: int = 0
@@ -212,77 +303,86 @@ class EnvironmentRunner:
     """`rollout.env`: episodes of several turns against one environment instance each (see the module's doc).
 
     spec: `rollout.env`; tokenizer: the policy's; settings: the budgets; system_prompt: `data.system_prompt` (put
-    first in a prompt without a system message, as the data's own rendering does). Raises ConfigError at
-    construction for a bad environment (`load_environment`, `environment_tools`), so a run stops before sampling.
-    After each `run`, `stats` holds its `episode/*` statistics (this rank's rows).
+    first in a prompt without a system message, as the data's own rendering does); max_prompt_length:
+    `data.max_prompt_length`, the prompt's tokens (None: not cut). Raises ConfigError at construction for a bad
+    environment (`load_environment`, `Environment`), a dict of classes of which some own the reward and some do
+    not, or a template, tools and system turn that take all of `max_prompt_length`, so a run stops before
+    sampling. After each `run`, `stats` holds its `episode/*` statistics (this rank's rows).
     """
 
-    def __init__(self, spec: str, tokenizer: Any, settings: EnvSettings, system_prompt: str | None = None) -> None:
+    def __init__(self, spec: str, tokenizer: Any, settings: EnvSettings, system_prompt: str | None = None,
+                 max_prompt_length: int | None = None) -> None:
         self.spec, self.tokenizer, self.s, self.system_prompt = spec, tokenizer, settings, system_prompt
-        self.cls = load_environment(spec)
-        try:
-            probe = self.cls()
-        except Exception as e:  # noqa: BLE001 - the user's class: one line
-            raise ConfigError(f"rollout.env={spec}: {self.cls.__name__}() raised {type(e).__name__}: {e}") from None
-        tools, self.schemas = environment_tools(probe, spec)
-        self.tool_names = set(tools)
-        self.owns_reward = callable(getattr(probe, "get_reward", None))
-        self.replies = callable(getattr(probe, "env_response", None))
-        self.template, why = self._choose_template()
-        self.summary = (f"{self.cls.__name__}: {len(tools)} tool(s)"
-                        + (f" ({', '.join(sorted(tools))})" if tools else "") + f", {why}; the score: "
-                        + ("its get_reward() (the reward.* sources are not called)" if self.owns_reward
-                           else "the run's reward sources, on the tokens the policy sampled"))
-        """One line on the environment, its tools, its template and its score (the start table's)."""
+        self.max_prompt_length = max_prompt_length
+        loaded = load_environment(spec)
+        self.envs = ({None: Environment(loaded, None, spec, tokenizer)} if not isinstance(loaded, dict)
+                     else {name: Environment(cls, name, spec, tokenizer) for name, cls in loaded.items()})
+        """The environments by the name a row's `environment` column gives (None: the one class for every row)."""
+        owners = {e.owns_reward for e in self.envs.values()}
+        if len(owners) > 1:
+            mine = [str(k) for k, e in self.envs.items() if e.owns_reward]
+            raise ConfigError(f"rollout.env={spec}: {', '.join(mine)} define get_reward and the others do not, but a "
+                              f"run's score is the environments' or the reward sources' for every row: give each "
+                              f"environment a get_reward, or none")
+        self.owns_reward = owners.pop()
+        for env in self.envs.values():
+            self._check_room(env)
+        kinds = [e.describe() if k is None else f"{k} = {e.describe()}" for k, e in self.envs.items()]
+        self.summary = ("; ".join(kinds) + "; the score: " + ("its get_reward() (the reward.* sources are not called)"
+                        if self.owns_reward else "the run's reward sources, on the tokens the policy sampled"))
+        """One line on the environments, their tools, templates and the score (the start table's)."""
         log.info("rollout.env=%s: %s", spec, self.summary)
-        self.closing = self._closing()
         # each tool call runs on a daemon thread of its own (`_ToolCall`); an episode's calls run one after another
         # (its environment's state is its own), the episodes' side by side (`episodes_pool`, one job per episode)
         self.episodes_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlhf-env")
         self.stats: dict[str, float] = {}
 
-    def _choose_template(self) -> tuple[str | None, str]:
-        """The chat template to render with (None: the tokenizer's own) and why, in words: the tokenizer's own
-        when there are no tools or it renders `tools=`, else the shipped ChatML tool template."""
-        if not self.schemas:
-            return None, "the model's own chat template"
-        msgs = [{"role": "user", "content": "x"}]
-        try:
-            own = self.tokenizer.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
-                                                     add_generation_prompt=True)
-            renders = self.schemas[0]["function"]["name"] in own
-        except Exception:  # noqa: BLE001 - no template, or one that rejects tools
-            renders = False
-        if renders:
-            return None, "the model's own chat template (it renders tools=)"
-        return tool_template(), ("the shipped ChatML tool template (rlhf_cli/templates/chatml_tools.jinja): the "
-                                 "model's own chat template does not render tools=")
-
-    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        """The conversation as the chat template renders it, with the environment's tools."""
-        return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None, chat_template=self.template,
-                                                  tokenize=False, add_generation_prompt=generation_prompt)
-
-    def _closing(self) -> str:
-        """What the template writes after an assistant message's content (ChatML: `<|im_end|>\\n`)."""
-        mark = "\x00RLHF-CONTENT\x00"
-        text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}], False)
-        return text[text.index(mark) + len(mark):]
+    def _check_room(self, env: Environment) -> None:
+        """Refuse a template, tools and system turn that leave no token of `max_prompt_length` to a prompt."""
+        if self.max_prompt_length is None:
+            return
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        n = len(self.encode(env.render([*system, {"role": "user", "content": ""}], True)))
+        if n >= self.max_prompt_length:
+            raise ConfigError(f"rollout.env={self.spec}: {env.cls.__name__}'s chat template, tools and system turn "
+                              f"take {n} tokens before any prompt text, data.max_prompt_length="
+                              f"{self.max_prompt_length} leaves none: raise data.max_prompt_length")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def environment_of(self, prompt: dict[str, Any]) -> Environment:
+        """The environment of a prompt row: the one class, or the one its `environment` column names. Raises
+        ConfigError naming the row and the known names when that column is missing or names none of them."""
+        if None in self.envs:
+            return self.envs[None]
+        name = (prompt.get("columns") or {}).get("environment")
+        if isinstance(name, str) and name in self.envs:
+            return self.envs[name]
+        said = "has no `environment` column" if name is None else f"has environment={name!r}"
+        raise ConfigError(f"rollout.env={self.spec}: data row {prompt.get('row')} {said}; with a dict of "
+                          f"environments each row's `environment` column names one of: {', '.join(self.envs)}")
+
+    def check_rows(self, prompts: Sequence[dict[str, Any]]) -> None:
+        """Refuse, before any sampling, a prompt row whose environment is missing or unknown (`environment_of`)."""
+        for prompt in prompts:
+            self.environment_of(prompt)
+
     # -- one episode's start ------------------------------------------------------------------------------------
     def start(self, prompt: dict[str, Any]) -> _Episode:
-        """A fresh environment for `prompt` (a prompt row with `messages`), reset with the row's columns; its first
-        observation appended to the last user message; the prompt rendered with the tools."""
+        """A fresh environment for `prompt` (a prompt row with `messages`), reset with the row's columns (less a
+        dict's `environment`); its first observation appended to the last user message; the prompt rendered with
+        its tools and cut to `max_prompt_length` (`_prompt_ids`)."""
         if "messages" not in prompt:
             raise ValueError("EnvironmentRunner: a prompt row without `messages` (load_prompt_data gives them)")
+        kind = self.environment_of(prompt)
         messages = [dict(m) for m in prompt["messages"]]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        env, row = self.cls(), prompt.get("row")
+        env, row = kind.cls(), prompt.get("row")
         columns = dict(prompt.get("columns") or {})
+        if kind.name is not None:
+            columns.pop("environment", None)  # it chose the class (TRL's dict form passes it to no reset)
         if prompt.get("answer") is not None:
             columns.setdefault("answer", prompt["answer"])
         try:
@@ -295,7 +395,22 @@ class EnvironmentRunner:
                 raise ConfigError(f"rollout.env={self.spec}: reset returned a {type(obs).__name__} on data row "
                                   f"{row}; it must return a string (the first observation) or None")
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + obs}
-        return _Episode(env, row, messages, self.encode(self.render(messages, True)))
+        return _Episode(kind, env, row, messages, self._prompt_ids(kind, messages, row), len(messages))
+
+    def _prompt_ids(self, kind: Environment, messages: list[dict[str, Any]], row: Any) -> list[int]:
+        """The prompt's ids as the data's prompts get theirs (`Encoder.encode_prompts`, with the tools), cut to
+        `max_prompt_length` as they are (`Encoder.fit_prompt`). Raises ConfigError naming the row when no token of
+        its last message fits (its own system message too long)."""
+        prompt = Prompt(messages=messages, text="")
+        (ids,) = kind.encoder.encode_prompts([prompt])
+        if self.max_prompt_length is None:
+            return ids
+        cut = kind.encoder.fit_prompt(prompt, ids, self.max_prompt_length)
+        if cut is None:
+            raise ConfigError(f"rollout.env={self.spec}: data row {row}'s prompt leaves no token of its last message "
+                              f"in data.max_prompt_length={self.max_prompt_length} (its template, tools and system "
+                              f"turn take it all): raise data.max_prompt_length")
+        return cut
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self, prompts: Sequence[dict[str, Any]], seeds: Sequence[int], generator: Generator,
@@ -337,15 +452,18 @@ class EnvironmentRunner:
         return self._episodes(eps, sampling.pad_id)
 
     def _turn(self, eps: list[_Episode], seeds: list[int], generator: Generator, sampling: Sampling) -> None:
-        """One policy turn of each episode in `eps`: sample, keep the ids as sampled, parse and start its calls."""
+        """One policy turn of each episode in `eps`: sample (an episode with tools may stop once its calls are
+        complete, `_past_calls`), keep the ids as sampled (`_cut`), parse and start its calls."""
         limits = [min(sampling.max_new_tokens, self.s.max_episode_tokens - len(e.ids)) for e in eps]
-        gen = generator.generate([e.prompt_ids + e.ids for e in eps], seeds,
-                                 dataclasses.replace(sampling, max_new_tokens=max(limits)))
+        tools = [bool(e.kind.tool_names) for e in eps]
+        gen = generator.generate([e.prompt_ids + e.ids for e in eps], seeds, dataclasses.replace(
+            sampling, max_new_tokens=max(limits), stop=(lambda b, ids: tools[b] and self._past_calls(ids))
+            if any(tools) else None))
         eos = set(sampling.eos_ids)
         for k, e in enumerate(eps):
             n = min(int(gen.mask[k].sum().item()), limits[k])
             ids = [int(x) for x in gen.responses[k, :n].tolist()]
-            ids, e.ended = self._cut(ids, eos)
+            ids, e.ended = self._cut(e.kind, ids, eos)
             e.ids += ids
             e.mask += [1] * len(ids)
             e.turns += 1
@@ -354,13 +472,13 @@ class EnvironmentRunner:
             if e.ended is None:  # a token budget cut the turn: truncated, the environment is not called
                 e.finish(False)
                 continue
-            calls = parse_tool_calls(content) if self.tool_names else []
+            calls = parse_tool_calls(content) if e.kind.tool_names else []
             if calls and (e.turns >= self.s.max_turns or e.tool_calls + len(calls) > self.s.max_tool_calls):
                 e.finish(False)  # a budget: cut, counted in episode/truncated_frac
                 continue
             e.pending = calls
 
-    def _cut(self, ids: list[int], eos: set[int]) -> tuple[list[int], str | None]:
+    def _cut(self, kind: Environment, ids: list[int], eos: set[int]) -> tuple[list[int], str | None]:
         """A turn's sampled ids cut after its first run of tool calls (`<tool_call>…</tool_call>`, several in a
         row with only whitespace between them: consecutive calls stay one turn) when the environment has tools and
         anything but the end-of-turn id follows (a model writing its own tool results), and how the turn ended:
@@ -368,18 +486,32 @@ class EnvironmentRunner:
         (a token budget). The ids kept are a prefix of those sampled."""
         eot = ids and ids[-1] in eos
         text = self.tokenizer.decode(ids[:-1] if eot else ids, skip_special_tokens=False)
-        m = TOOL_CALL.search(text) if self.tool_names else None
-        if m is None:
+        end = _calls_end(text) if kind.tool_names else None
+        if end is None:
             return ids, ("eot" if eot else None)
-        end = m.end()
-        while (m := TOOL_CALL.match(text, len(text) - len(text[end:].lstrip()))) is not None:
-            end = m.end()
         if not text[end:].strip():
             return ids, ("eot" if eot else "call")
         for k in range(1, len(ids) + 1):
             if len(self.tokenizer.decode(ids[:k], skip_special_tokens=False)) >= end:
                 return ids[:k], "call"
         return ids, "call"  # unreachable: the whole text reaches `end`
+
+    def _past_calls(self, ids: Sequence[int]) -> bool:
+        """Whether a turn's sampling may stop at `ids` (`Sampling.stop`): its text holds its first run of tool calls
+        and, after it, something that is neither whitespace nor the start of another `<tool_call>` (a trailing
+        partial character, U+FFFD, waits for its last byte). `_cut` then cuts the turn at that run's end whatever
+        is sampled next, so stopping here keeps exactly the ids it keeps without stopping; stopping later would
+        too, never earlier. Asked after every token, it decodes the whole turn only while a `</tool_call>` is among
+        its last `STOP_WINDOW` tokens (a turn that writes more whitespace than that after its calls is sampled to
+        its end, as without the stop)."""
+        if CALL_END not in self.tokenizer.decode(ids[-STOP_WINDOW:], skip_special_tokens=False):
+            return False
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        end = _calls_end(text)
+        if end is None:
+            return False
+        rest = text[end:].lstrip().rstrip("\ufffd")
+        return bool(rest) and not rest.startswith("<tool_call>") and not "<tool_call>".startswith(rest)
 
     def _run_calls(self, e: _Episode, calls: list[tuple[str, dict[str, Any]] | str]) -> list[dict[str, Any]]:
         """One episode's calls of a turn, in order (each in the tool pool, bounded by `tool_timeout_s`): their tool
@@ -391,9 +523,9 @@ class EnvironmentRunner:
                 out.append(self._result(e, call))
                 continue
             name, args = call
-            if name not in self.tool_names:
+            if name not in e.kind.tool_names:
                 out.append(self._result(e, f"Error: no tool named {name!r} (the tools: "
-                                           f"{', '.join(sorted(self.tool_names))})"))
+                                           f"{', '.join(sorted(e.kind.tool_names))})"))
                 continue
             out.append(self._result(e, (name, _ToolCall(getattr(e.env, name), args, self.s.tool_timeout_s))))
         return out
@@ -428,7 +560,7 @@ class EnvironmentRunner:
             return
         if results:
             new = results
-        elif self.replies:
+        elif e.kind.replies:
             reply = e.env.env_response([dict(m) for m in e.messages])
             if reply is None:
                 return e.finish(True)
@@ -452,12 +584,12 @@ class EnvironmentRunner:
         """The text after the last sampled token up to the next assistant turn's first: the rest of the assistant
         turn's closing (all of it after a `</tool_call>` cut; after the end-of-turn id the part past it), then the
         rendering of `new` and the generation prompt, the difference of the template's two renderings."""
-        before, after = self.render(e.messages, False), self.render(e.messages + new, True)
+        before, after = e.kind.render(e.messages, False), e.kind.render(e.messages + new, True)
         if not after.startswith(before):
             raise ConfigError(f"rollout.env={self.spec}: the chat template does not render a conversation as the "
                               f"start of its continuation, so the new messages cannot be appended as tokens; use a "
                               f"ChatML template (data.chat_template) or the shipped tool template")
-        rest = self.closing
+        rest = e.kind.closing
         if e.ended == "eot":
             eot = self.tokenizer.decode(e.ids[-1:], skip_special_tokens=False)
             rest = rest[len(eot):] if rest.startswith(eot) else rest
@@ -482,7 +614,7 @@ class EnvironmentRunner:
         score = torch.tensor([self._reward(e) for e in eps], dtype=torch.float32) if self.owns_reward else None
         return Episodes(ids.to(dev), am.to(dev), P, action.to(dev), torch.tensor([e.has_eos for e in eps]).to(dev),
                         None, None if score is None else score.to(dev),
-                        torch.tensor([e.turns for e in eps]).to(dev))
+                        torch.tensor([e.turns for e in eps]).to(dev), [_conversation(e) for e in eps])
 
     def _reward(self, e: _Episode) -> float:
         """`get_reward()` of the episode's environment (awaited when async); None or NaN: unscorable (NaN)."""
@@ -511,6 +643,35 @@ class EnvironmentRunner:
                 "episode/env_tokens_mean": sum(e.env_tokens for e in eps) / n}
 
 
+def _calls_end(text: str) -> int | None:
+    """Where the first run of tool calls in `text` ends (`<tool_call>…</tool_call>` blocks with only whitespace
+    between them are one run), None without a closed call."""
+    m = TOOL_CALL.search(text)
+    if m is None:
+        return None
+    end = m.end()
+    while (m := TOOL_CALL.match(text, len(text) - len(text[end:].lstrip()))) is not None:
+        end = m.end()
+    return end
+
+
+def _conversation(e: _Episode) -> Conversation:
+    """The episode as TRL's conversational form (`episodes.Conversation`): its prompt's messages, and the messages
+    after them with each assistant turn as TRL's response parser gives it (the text outside its
+    `<tool_call>…</tool_call>` blocks as `content`, the well-formed calls in `tool_calls`)."""
+    completion = []
+    for m in e.messages[e.n_prompt:]:
+        m = dict(m)
+        if m["role"] == "assistant" and e.kind.tool_names and TOOL_CALL.search(m["content"]):
+            calls = [c for c in parse_tool_calls(m["content"]) if not isinstance(c, str)]
+            m["content"] = TOOL_CALL.sub("", m["content"]).strip()
+            if calls:
+                m["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": args}}
+                                   for name, args in calls]
+        completion.append(m)
+    return Conversation([dict(m) for m in e.messages[:e.n_prompt]], completion, e.env)
+
+
 def _accepted(fn: Callable[..., Any], columns: dict[str, Any]) -> dict[str, Any]:
     """The columns `fn` takes: all of them when it takes `**kwargs`, else those it names."""
     params = inspect.signature(fn).parameters.values()
@@ -520,10 +681,14 @@ def _accepted(fn: Callable[..., Any], columns: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in columns.items() if k in names}
 
 
-def environment_runner(cfg: Any, tokenizer: Any) -> EnvironmentRunner:
-    """The runner of `rollout.env` with the run's budgets (`rollout.*`) and `data.system_prompt`."""
+def environment_runner(cfg: Any, tokenizer: Any, prompts: Sequence[dict[str, Any]] = ()) -> EnvironmentRunner:
+    """The runner of `rollout.env` with the run's budgets (`rollout.*`), `data.system_prompt` and
+    `data.max_prompt_length`; `prompts` (the run's prompt rows) checked for their environment (`check_rows`)."""
     r = cfg.rollout
     settings = EnvSettings(max_turns=r.max_turns, max_tool_calls=r.max_tool_calls,
                            max_episode_tokens=r.max_episode_tokens, max_tool_tokens=r.max_tool_tokens,
                            tool_timeout_s=r.tool_timeout_s)
-    return EnvironmentRunner(r.env, tokenizer, settings, system_prompt=cfg.data.system_prompt)
+    runner = EnvironmentRunner(r.env, tokenizer, settings, system_prompt=cfg.data.system_prompt,
+                               max_prompt_length=cfg.data.max_prompt_length)
+    runner.check_rows(prompts)
+    return runner

@@ -1,7 +1,7 @@
 """The episode seam: prompts in, sampled episodes out, in the layout every pass scores and trains on.
 
     Episodes          one batch of episodes: ids and attention (B, P+R), the action mask (B, R), EOS, the engine's
-                      log-probs, an episode's own score, turns
+                      log-probs, an episode's own score, turns, its conversation (`Conversation`)
     EpisodeRunner     the protocol a way of running episodes implements: `run(prompts, seeds, generator, sampling)`
     SingleTurnRunner  one response per prompt, one `Generator.generate` call (train-ppo's and eval's episodes)
     join_episodes     several batches as one (`ppo.filter_groups`' rounds)
@@ -42,6 +42,9 @@ class Episodes(NamedTuple):
                                        then uses instead of the reward sources); None: the run's `ScoreMixer`
                                        scores the text (`SingleTurnRunner` gives none)
     turns            (B,) long         the policy's turns in each episode (1 for a single-turn episode)
+    conversations    B `Conversation`s  each episode's messages and environment, where what ran it keeps them
+                     | None            (`environments.EnvironmentRunner`: `reward.function` then receives them);
+                                       None: the reward sources read the sampled tokens' text (`SingleTurnRunner`)
     """
 
     input_ids: torch.Tensor
@@ -52,11 +55,14 @@ class Episodes(NamedTuple):
     engine_logprobs: torch.Tensor | None
     score: torch.Tensor | None
     turns: torch.Tensor
+    conversations: list[Conversation] | None = None
 
     def rows(self, idx: torch.Tensor) -> Episodes:
         """The rows `idx` (long indices), in their order, with the same columns."""
-        return self._replace(**{name: getattr(self, name)[idx] for name in _ROW_FIELDS
-                                if getattr(self, name) is not None})
+        picked = {name: getattr(self, name)[idx] for name in _ROW_FIELDS if getattr(self, name) is not None}
+        if self.conversations is not None:
+            picked["conversations"] = [self.conversations[i] for i in idx.tolist()]
+        return self._replace(**picked)
 
     def sampled_view(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, attention_mask) of `[prompt | the tokens the policy sampled]`: what the run's reward sources
@@ -74,6 +80,21 @@ class Episodes(NamedTuple):
             row = self.input_ids[i, P:][keep[i]]
             ids[i, :len(row)], am[i, :len(row)] = row, 1
         return torch.cat([self.input_ids[:, :P], ids], 1), torch.cat([self.attention_mask[:, :P], am], 1)
+
+
+class Conversation(NamedTuple):
+    """One episode as messages, TRL's conversational form (what `reward.function` receives under `rollout.env`).
+
+    prompt       the messages the episode began with (`data.system_prompt` and `reset`'s observation included)
+    completion   the messages after them: assistant turns (`content` without the tool calls, the well-formed calls
+                 in `tool_calls`, `[{"type": "function", "function": {"name", "arguments"}}]`), tool results
+                 (`{"role": "tool", "name", "content"}`) and the environment's replies (`user`)
+    environment  the episode's environment instance (a reward function's `environments=`)
+    """
+
+    prompt: list[dict[str, Any]]
+    completion: list[dict[str, Any]]
+    environment: Any
 
 
 _ROW_FIELDS = ("input_ids", "attention_mask", "action_mask", "has_eos", "engine_logprobs", "score", "turns")
@@ -131,6 +152,8 @@ def join_episodes(parts: Sequence[Episodes], pad_id: int) -> Episodes:
     if all(e.engine_logprobs is not None for e in parts):
         engine_logprobs = torch.cat([widen(e.engine_logprobs) for e in parts])
     score = torch.cat([e.score for e in parts]) if all(e.score is not None for e in parts) else None
+    conversations = (sum((e.conversations for e in parts), [])
+                     if all(e.conversations is not None for e in parts) else None)
     return Episodes(input_ids, attention_mask, P, torch.cat([widen(e.action_mask) for e in parts]),
                     torch.cat([e.has_eos for e in parts]), engine_logprobs, score,
-                    torch.cat([e.turns for e in parts]))
+                    torch.cat([e.turns for e in parts]), conversations)

@@ -34,6 +34,8 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
@@ -59,6 +61,12 @@ class Sampling:
     top_p: float
     """Nucleus sampling in (0, 1]: after the temperature, only the smallest set of tokens whose probability
     reaches top_p can be drawn; 1 = no filter."""
+    stop: Callable[[int, Sequence[int]], bool] | None = None
+    """`stop(b, ids)`: row b of the call may end early, without an EOS, once this is true of its response ids so far
+    (`environments.EnvironmentRunner`: a turn's tool calls are complete). The `hf` engine checks it after each token
+    and ends the row there (mask 0 after it); an engine may also ignore it, so the caller cuts what follows the
+    stop itself. Stopping changes no token before the stop (each row's noise is its own). None: only an EOS or
+    `max_new_tokens` ends a row."""
 
 
 Gather = Callable[[list[torch.nn.Parameter]], AbstractContextManager[Any]]
@@ -217,6 +225,24 @@ class PerRowSampler(LogitsProcessor):
         return scores + (-torch.log(-torch.log(u))).to(scores.dtype)
 
 
+class RowStop(StoppingCriteria):
+    """HF `generate`'s per-row stop for `Sampling.stop`: row b (row `first + b` of the engine's call) is done once
+    `stop(first + b, its response ids so far)` is true; `lengths[b]` is then its response's length (None: it ran
+    on). Rows that sampled an EOS are not asked again. P: the prompt columns of `generate`'s input ids."""
+
+    def __init__(self, stop: Callable[[int, Sequence[int]], bool], first: int, rows: int, P: int,
+                 eos_ids: Sequence[int]) -> None:
+        self.stop, self.first, self.P, self.eos_ids = stop, first, P, set(eos_ids)
+        self.lengths: list[int | None] = [None] * rows
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        for b, length in enumerate(self.lengths):
+            ids = input_ids[b, self.P:].tolist()
+            if length is None and not self.eos_ids.intersection(ids) and self.stop(self.first + b, ids):
+                self.lengths[b] = len(ids)
+        return torch.tensor([n is not None for n in self.lengths], dtype=torch.bool, device=input_ids.device)
+
+
 class HFGenerator:
     """`rollout.engine=hf`: HF `generate` (KV cache) on the live model, one random stream per prompt.
 
@@ -265,13 +291,17 @@ class HFGenerator:
         # HF fills every option our config leaves unset from the model's own generation_config (repetition
         # penalty, suppressed tokens, beams...): a blank one for the duration, so nothing but ours applies
         lm.generation_config = GenerationConfig()
-        outs = []
+        outs, stops = [], []
         try:
             with engine.autocast(self.precision):
                 for i in range(0, len(seeds), chunk):
                     processors = LogitsProcessorList([*warpers, PerRowSampler(seeds[i:i + chunk])])
+                    stop = RowStop(sampling.stop, i, len(seeds[i:i + chunk]), P, sampling.eos_ids) \
+                        if sampling.stop is not None else None
                     out = lm.generate(input_ids=ids[i:i + chunk], attention_mask=am[i:i + chunk],
-                                      generation_config=gen_config, logits_processor=processors)
+                                      generation_config=gen_config, logits_processor=processors,
+                                      stopping_criteria=StoppingCriteriaList([stop] if stop else []))
+                    stops += stop.lengths if stop else [None] * len(seeds[i:i + chunk])
                     resp = out[:, P:]
                     if resp.shape[1] < n:  # every chunk to the same width
                         resp = torch.nn.functional.pad(resp, (0, n - resp.shape[1]), value=sampling.pad_id)
@@ -280,6 +310,9 @@ class HFGenerator:
             lm.generation_config = model_gen_config
             lm.train(was_training)
         responses, mask, has_eos = response_mask(torch.cat(outs), sampling.eos_ids, sampling.pad_id)
+        for b, length in enumerate(stops):  # a row stopped by `sampling.stop`: nothing after it is its
+            if length is not None:
+                responses[b, length:], mask[b, length:] = sampling.pad_id, 0.0
         return Generation(responses, mask, has_eos, None)
 
 

@@ -98,7 +98,7 @@ class ExperienceMaker:
         """The sampling engine (`rollout.engine`), pointed at the policy's weights before each rollout; the stage
         closes it (`generator.close()`) when the run ends."""
         self.runner: EpisodeRunner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(
-            cfg, tokenizer)
+            cfg, tokenizer, prompts)
         """How an episode runs (`episodes.EpisodeRunner`): one response per prompt, or several turns against
         `rollout.env` (`environments.EnvironmentRunner`, the `hf` engine only for now)."""
         if cfg.rollout.env is not None and self.engine_name != "hf":
@@ -272,7 +272,9 @@ class ExperienceMaker:
         episodes = self.generate(prompts, seeds, push=push)
         t1 = time.perf_counter()
         if episodes.score is None:  # the sources score what the policy sampled (a tool's words earn nothing)
-            raw, score, sources = self.score_mixer(*episodes.sampled_view(self.pad_id), episodes.P, prompts)
+            conversations = {} if episodes.conversations is None else {"conversations": episodes.conversations}
+            raw, score, sources = self.score_mixer(*episodes.sampled_view(self.pad_id), episodes.P, prompts,
+                                                   **conversations)  # reward.function's, under rollout.env
         else:  # the episode's own score (an environment's get_reward): the run's reward sources are not called
             raw = score = episodes.score.float()
             sources = {"reward/env": raw}

@@ -72,8 +72,14 @@ class ScoreMixer:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                 prompts: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                 prompts: list[dict[str, Any]], conversations: list[Any] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(raw (B,), score (B,), per-source scores) of this rank's rows `[prompt | response]`, float32.
+
+        conversations: the rows' `episodes.Conversation`s under `rollout.env` (`Episodes.conversations`): the
+        user's reward function (`function`) then receives their messages (`call_on_every_rank`); every other
+        source scores `[prompt | response]` as without an environment (the response: the tokens the policy
+        sampled, `Episodes.sampled_view`).
 
         raw = Σ weight × raw source score; score = the same with the model's score normalised; NaN in both where a
         source of non-zero weight left the row unscored. The per-source scores are the raw (B,) values keyed
@@ -101,7 +107,8 @@ class ScoreMixer:
                 normalised["reward/model"] = (r - mean) / (std if std > 1e-6 else 1.0)  # constant RM: only centre
         texts = self.tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
         if self.functions:
-            sources.update({f"reward/{k}": v.to(device) for k, v in self._call_functions(texts, prompts).items()})
+            sources.update({f"reward/{k}": v.to(device)
+                            for k, v in call_on_every_rank(self.functions, texts, prompts, conversations).items()})
         if self.http is not None:
             sources["reward/http"] = http_on_every_rank(self.http, queries(self.tokenizer, input_ids, attention_mask),
                                                         texts, prompts).to(device)
@@ -115,15 +122,14 @@ class ScoreMixer:
                 raw, norm = raw + w * values, norm + w * normalised.get(key, values)
         return raw, norm, sources
 
-    def _call_functions(self, texts: list[str], prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return call_on_every_rank(self.functions, texts, prompts)
 
-
-def call_on_every_rank(functions: dict[str, tuple[str, Any]], texts: list[str],
-                       prompts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+def call_on_every_rank(functions: dict[str, tuple[str, Any]], texts: list[str], prompts: list[dict[str, Any]],
+                       conversations: list[Any] | None = None) -> dict[str, torch.Tensor]:
     """{source: (B,) float32 scores, NaN where unscorable} of this rank's completions `texts` (of the data rows
     `prompts`) by each `functions[source] = (name, fn)`, called as `rlhf_cli.rewards.call_reward_function` does.
-    A collective: call it on every rank.
+    With `conversations` (B `episodes.Conversation`s, under `rollout.env`), the `function` source receives TRL's
+    conversational form instead: each row's prompt and completion messages, and `environments=` its environment
+    instance where the function takes it; the `checker` still reads `texts`. A collective: call it on every rank.
 
     Raises:
         RewardError: on every rank when a function failed on any of them (this rank's own message, or
@@ -132,9 +138,13 @@ def call_on_every_rank(functions: dict[str, tuple[str, Any]], texts: list[str],
     failure, out = None, {}
     try:
         for source, (name, fn) in functions.items():
-            out[source] = call_reward_function(fn, name, [x.get("prompt_text", "") for x in prompts], texts,
-                                               [x.get("answer") for x in prompts], [x.get("row") for x in prompts],
-                                               [x.get("columns") for x in prompts])
+            shown, said = [x.get("prompt_text", "") for x in prompts], texts
+            columns = [x.get("columns") for x in prompts]
+            if conversations is not None and source == "function":
+                shown, said = [c.prompt for c in conversations], [c.completion for c in conversations]
+                columns = [{**(cols or {}), "environments": c.environment} for cols, c in zip(columns, conversations)]
+            out[source] = call_reward_function(fn, name, shown, said, [x.get("answer") for x in prompts],
+                                               [x.get("row") for x in prompts], columns)
     except RewardError as e:
         failure = e
     if engine.all_reduce_sum(torch.tensor(float(failure is not None))).item() > 0:

@@ -4,6 +4,7 @@ budgets, tool errors, seeds, and each bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -112,6 +113,28 @@ class BadReply:
 
     def env_response(self, messages):
         return 42
+
+
+class Echo:
+    """Echoes; no reward of its own."""
+
+    def reset(self, **row):
+        self.row = row
+        return " (echo)"
+
+    def echo(self, text: str) -> str:
+        """Echo the text.
+
+        Args:
+            text: what to echo
+        """
+        return text
+
+
+ROUTED = {"echo": Echo, "game": Game}
+MIXED = {"calc": Calc, "game": Game}
+EMPTY = {}
+NOT_CLASSES = {"echo": Echo, "f": len}
 '''
 
 
@@ -190,7 +213,7 @@ def test_episode_ids_are_the_shipped_templates_rendering_of_the_conversation(tok
     calls = [call("add", a=t, b=1) for t in range(turns - 1)] + [call("add", a=5, b=5) + call("add", a=1, b=2)]
     script = {11: [*calls, "The answer is 7.<EOT>"]}
     runner, ep = run(tokenizer, env_file, "Calc", script)
-    assert "shipped" in runner._choose_template()[1]  # SmolLM2's own template ignores tools=
+    assert "shipped" in runner.envs[None].why  # SmolLM2's own template ignores tools=
     ids, action = conversation_ids(runner, ep, 0)
     results = [str(t + 1) for t in range(turns - 1)] + ["10", "3"]
     messages = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -199,7 +222,7 @@ def test_episode_ids_are_the_shipped_templates_rendering_of_the_conversation(tok
         for r in (results[t:t + 1] if t < turns - 1 else results[-2:]):
             messages.append({"role": "tool", "name": "add", "content": r})
     messages.append({"role": "assistant", "content": "The answer is 7."})
-    want = tokenizer(runner.render(messages, False), add_special_tokens=False)["input_ids"]
+    want = tokenizer(runner.envs[None].render(messages, False), add_special_tokens=False)["input_ids"]
     assert want[-1] != EOS and want[-2] == EOS  # the template's "\n" after the last <|im_end|>
     assert ids == want[:-1]
     # the sampled tokens: each scripted turn's own encoding, in order, at action mask 1
@@ -425,7 +448,7 @@ def test_train_ppo_runs_an_environment_end_to_end(run_stage, env_file):
     _, run_dir, _ = run_stage("train_ppo", [
         "ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=2", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4",
         "ppo.advantage_estimator=grpo", "reward.type=checker", "rollout.engine=hf", f"rollout.env={env_file}:Calc",
-        "rollout.max_turns=2", "ppo.max_new_tokens=8"])
+        "rollout.max_turns=2", "ppo.max_new_tokens=8", "data.max_prompt_length=500"])  # the tools' schemas: ~420
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = {k for r in rows for k in r}
     for key in ("episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors", "episode/truncated_frac",
@@ -466,13 +489,14 @@ def test_a_template_that_renders_tools_is_kept_and_its_rendering_matched(tokeniz
     calls = [call("add", a=1, b=1), call("add", a=5, b=5) + "\n" + call("add", a=1, b=2)]
     script = {4: [*calls, "7<EOT>"]}
     runner, ep = run(tok, env_file, "Calc", script)
-    assert runner.template is None and "own" in runner.summary
+    assert runner.envs[None].template is None and "own" in runner.summary
     ids, _ = conversation_ids(runner, ep, 0)
     messages = [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": calls[0]},
                 {"role": "tool", "name": "add", "content": "2"}, {"role": "assistant", "content": calls[1]},
                 {"role": "tool", "name": "add", "content": "10"}, {"role": "tool", "name": "add", "content": "3"},
                 {"role": "assistant", "content": "7"}]
-    want = tok(tok.apply_chat_template(messages, tools=runner.schemas, tokenize=False), add_special_tokens=False)
+    want = tok(tok.apply_chat_template(messages, tools=runner.envs[None].schemas, tokenize=False),
+               add_special_tokens=False)
     assert ids == want["input_ids"][:-1]
     assert ep.turns.tolist() == [3] and runner.stats["episode/tool_calls_mean"] == 3
 
@@ -497,3 +521,223 @@ def test_a_one_turn_environment_samples_as_the_single_turn_runner(tiny_causal, t
     assert torch.equal(ep.input_ids, single.input_ids) and torch.equal(ep.action_mask, single.action_mask)
     assert torch.equal(ep.has_eos, single.has_eos) and ep.turns.tolist() == [1, 1]
     assert runner.stats["episode/env_tokens_mean"] == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# a dict of environments, chosen per row; reward functions read the conversation; the prompt's length
+
+
+def routed(text: str, row: int, name: str | None) -> dict:
+    """A prompt row of a data file whose `environment` column is `name` (None: no such column)."""
+    p = prompt(text, row=row, answer=None)
+    p["columns"] = {"prompt": text, **({"environment": name} if name is not None else {})}
+    return p
+
+
+def test_a_dict_of_environments_is_chosen_per_row_by_its_environment_column(tokenizer, env_file):
+    """`rollout.env=FILE.py:ROUTED` (a dict name -> class, TRL's dict `environment_factory`): each row runs the
+    class its `environment` column names, one instance per episode, with only that class's tools in its prompt
+    (Echo's under the shipped tool template; Game has none: the model's own template), and `reset` gets the row's
+    columns but `environment`. The ids are each template's rendering of its conversation, as with one class."""
+    script = {1: [call("echo", text="hi"), "hi<EOT>"], 2: ["3<EOT>", "4<EOT>"]}
+    runner = EnvironmentRunner(f"{env_file}:ROUTED", tokenizer, EnvSettings())
+    ep = runner.run([routed("Say hi", 1, "echo"), routed("What is 3 + 4?", 2, "game")], [1, 2],
+                    Scripted(tokenizer, script), sampling())
+    echo, game = runner.envs["echo"], runner.envs["game"]
+    assert echo.tool_names == {"echo"} and "shipped" in echo.why and game.template is None
+    assert "echo = Echo: 1 tool(s) (echo)" in runner.summary and "game = Game: 0 tool(s)" in runner.summary
+    messages = [{"role": "user", "content": "Say hi (echo)"}, {"role": "assistant", "content": call("echo", text="hi")},
+                {"role": "tool", "name": "echo", "content": "hi"}, {"role": "assistant", "content": "hi"}]
+    assert conversation_ids(runner, ep, 0)[0] == tokenizer(echo.render(messages, False),
+                                                           add_special_tokens=False)["input_ids"][:-1]
+    messages = [{"role": "user", "content": "What is 3 + 4? Guess a number."}, {"role": "assistant", "content": "3"},
+                {"role": "user", "content": "Wrong, try again."}, {"role": "assistant", "content": "4"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert conversation_ids(runner, ep, 1)[0] == tokenizer(rendered, add_special_tokens=False)["input_ids"][:-1]
+    assert [type(c.environment).__name__ for c in ep.conversations] == ["Echo", "Game"]
+    assert ep.conversations[0].environment.row == {"prompt": "Say hi"}  # not `environment`
+    assert ep.turns.tolist() == [2, 2] and ep.score is None
+
+
+def test_a_row_without_a_known_environment_and_bad_dicts_are_one_line(tokenizer, env_file):
+    """A row without an `environment` column, or naming none of the dict's, is refused before any sampling
+    (`check_rows`, which the maker calls on the run's prompts) in one line naming the row and the known names;
+    so are an empty dict, one holding something that is not a class, and one where some classes own the reward
+    and others do not (the score is the environments' or the reward sources', for every row alike)."""
+    runner = EnvironmentRunner(f"{env_file}:ROUTED", tokenizer, EnvSettings())
+    for name, said in ((None, "has no `environment` column"), ("chess", "has environment='chess'")):
+        with pytest.raises(ConfigError) as e:
+            runner.check_rows([routed("q", 1, "game"), routed("q", 5, name)])
+        msg = str(e.value)
+        assert "\n" not in msg and "data row 5" in msg and said in msg and "echo, game" in msg, msg
+    runner.check_rows([routed("q", 1, "game"), routed("q", 2, "echo")])
+    for spec, said in (("MIXED", "calc define get_reward and the others do not"), ("EMPTY", "EMPTY is an empty dict"),
+                       ("NOT_CLASSES", "NOT_CLASSES['f'] is not a class")):
+        with pytest.raises(ConfigError) as e:
+            EnvironmentRunner(f"{env_file}:{spec}", tokenizer, EnvSettings())
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_reward_functions_receive_the_conversation_under_an_environment(tokenizer, env_file):
+    """Under an environment `reward.function` gets TRL's conversational form: the prompt's messages, the messages
+    after them (assistant turns with their calls in `tool_calls`, the tool results) and the environment instances,
+    so a TRL reward function for environments runs unchanged; the checker still reads the text, and without an
+    environment the function gets strings as before."""
+    from rlhf_cli.rollout.scores import call_on_every_rank
+
+    script = {4: [call("echo", text="hi") + call("echo", text="yo"), "The answer is hi.<EOT>"]}
+    runner = EnvironmentRunner(f"{env_file}:Echo", tokenizer, EnvSettings(), system_prompt="Be brief.")
+    row = {**prompt("Say hi", row=4, answer="hi"), "prompt_text": "rendered"}
+    ep = runner.run([row], [4], Scripted(tokenizer, script), sampling())
+    (conv,) = ep.conversations
+    from rlhf_cli.rollout.episodes import join_episodes
+
+    assert ep.rows(torch.tensor([0, 0])).conversations == [conv, conv]  # they follow the rows, and their joins
+    assert join_episodes([ep, ep.rows(torch.tensor([0]))], PAD).conversations == [conv, conv]
+    assert conv.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi (echo)"}]
+    calls = [{"type": "function", "function": {"name": "echo", "arguments": {"text": t}}} for t in ("hi", "yo")]
+    assert conv.completion == [{"role": "assistant", "content": "", "tool_calls": calls},
+                               {"role": "tool", "name": "echo", "content": "hi"},
+                               {"role": "tool", "name": "echo", "content": "yo"},
+                               {"role": "assistant", "content": "The answer is hi."}]
+    got, read = {}, {}
+
+    def trl_reward(prompts, completions, environments, answer, **kwargs):  # as written for TRL's environments
+        got.update(prompts=prompts, completions=completions, environments=environments)
+        return [float(c[-1]["content"].endswith(f"{a}.")) for c, a in zip(completions, answer)]
+
+    def checker(prompts, completions, answer, **kwargs):
+        read.update(prompts=prompts, completions=completions)
+        return [0.5] * len(completions)
+
+    texts = ["The answer is hi."]
+    functions = {"function": ("f.py:trl_reward", trl_reward), "checker": ("checker", checker)}
+    out = call_on_every_rank(functions, texts, [row], ep.conversations)
+    assert out["function"].tolist() == [1.0] and out["checker"].tolist() == [0.5]
+    assert got == {"prompts": [conv.prompt], "completions": [conv.completion], "environments": [conv.environment]}
+    assert read == {"prompts": ["rendered"], "completions": texts}
+    read.clear()
+    call_on_every_rank({"function": ("f", checker)}, texts, [row])
+    assert read == {"prompts": ["rendered"], "completions": texts}  # no environment: strings
+
+
+def test_an_environments_prompt_is_cut_to_max_prompt_length_as_the_datas_are(tokenizer, env_file, tmp_path):
+    """data.max_prompt_length holds for an environment's prompt, its first observation included, by the data's
+    own rule: the episode's prompt ids equal those `load_prompt_data` gives a file whose prompt already holds the
+    observation (the oldest turns dropped, then the last message cut from the left). Tools and a system turn that
+    leave no room are refused at the start, and a row whose own system turn does so is refused naming the row."""
+    import json
+
+    from stage_helpers import compose
+
+    from rlhf_cli.data import load_prompt_data
+
+    long = "word " * 200 + "What is 3 + 4?"
+    turns = [{"role": "user", "content": "An old question."}, {"role": "assistant", "content": "An old answer."}]
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"prompt": "Another question."}) + "\n")
+
+    def rows(last: str) -> list[dict]:
+        path = tmp_path / "p.jsonl"
+        path.write_text(json.dumps({"messages": [*turns, {"role": "user", "content": last}]}) + "\n")
+        cfg = compose("train_ppo", ["model=tiny", f"data.path={path}", f"data.eval_path={held_out}",
+                                    "data.max_prompt_length=64"])
+        return load_prompt_data(cfg.data, tokenizer, split="train")
+
+    runner = EnvironmentRunner(f"{env_file}:Game", tokenizer, EnvSettings(), max_prompt_length=64)
+    (plain,), (observed,) = rows(long), rows(long + " Guess a number.")
+    episode = runner.start(plain)
+    assert len(plain["prompt_ids"]) == 64 and episode.prompt_ids == observed["prompt_ids"]
+    assert "old question" not in tokenizer.decode(episode.prompt_ids)
+    with pytest.raises(ConfigError, match="take 4[0-9][0-9] tokens before any prompt text, data.max_prompt_length="
+                                          "100 leaves none: raise data.max_prompt_length"):
+        EnvironmentRunner(f"{env_file}:Calc", tokenizer, EnvSettings(), max_prompt_length=100)
+    own = {**prompt("q", row=6), "messages": [{"role": "system", "content": long}, {"role": "user", "content": "q"}]}
+    with pytest.raises(ConfigError, match="data row 6's prompt leaves no token of its last message"):
+        runner.start(own)
+
+
+def test_train_ppo_routes_rows_and_scores_the_conversation_end_to_end(run_stage, env_file, tmp_path):
+    """train-ppo with a dict of environments and a TRL-style reward function: each row of the data file runs the
+    environment its `environment` column names, and the function gets lists of messages and the instances."""
+    import json
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Question {i}: say hi.", "environment": ("echo", "game")[i % 2]})
+                            + "\n" for i in range(10)))
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(textwrap.dedent('''
+        def conversation(prompts, completions, environments, environment, **kwargs):
+            for p, c, env, name in zip(prompts, completions, environments, environment):
+                assert p[-1]["role"] == "user" and c[0]["role"] == "assistant", (p, c)
+                assert type(env).__name__.lower() == name, (env, name)
+            return [1.0] * len(completions)
+    '''))
+    _, run_dir, _ = run_stage("train_ppo", [
+        f"data.path={data}", "ppo.rollout_batch_size=2", "ppo.n_samples_per_prompt=2", "ppo.mini_batch_size=4",
+        "ppo.micro_batch_size=4", "ppo.advantage_estimator=grpo", "reward.type=function",
+        f"reward.function={rewards}:conversation", "rollout.engine=hf", f"rollout.env={env_file}:ROUTED",
+        "rollout.max_turns=2", "ppo.max_new_tokens=8", "data.max_prompt_length=300"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/function"] for r in rows if "reward/function" in r] == [1.0] * len(rows)
+    assert all("episode/turns_mean" in r for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# a turn stops once its tool calls are complete: the ids kept are those sampling to the end keeps
+
+
+class Stopping(Scripted):
+    """`Scripted`, but each row ends where `sampling.stop` first holds of its ids so far (as the hf engine does)."""
+
+    def generate(self, prompt_ids, seeds, sampling):
+        full = super().generate(prompt_ids, seeds, dataclasses.replace(sampling, stop=None))
+        self.stopped = getattr(self, "stopped", [])
+        for b in range(full.responses.shape[0]):
+            n = int(full.mask[b].sum())
+            ids = full.responses[b, :n].tolist()
+            k = next((k for k in range(1, n + 1) if sampling.stop and sampling.stop(b, ids[:k])), n)
+            full.responses[b, k:], full.mask[b, k:] = PAD, 0.0
+            self.stopped.append(k < n)
+        return full
+
+
+def test_a_turn_stops_once_its_calls_are_complete_and_keeps_the_same_ids(tokenizer, env_file):
+    """A turn that goes on after its tool calls (a model writing its own tool result, or prose) stops there; the
+    episode is the one sampling each turn to its end gives, id for id and mask for mask. Consecutive calls, calls
+    then the end-of-turn id, and a half-written second call do not stop early."""
+    own_result = call("add", a=1, b=2) + "<tool_response>\n3\n</tool_response> so it is 3<EOT>"
+    script = {7: [own_result, call("add", a=5, b=5) + "\n" + call("add", a=1, b=2) + " and then<EOT>",
+                  call("add", a=0, b=1) + "\n<EOT>", "The answer is 7.<EOT>"]}
+    full = run(tokenizer, env_file, "Calc", script, n=96)[1]
+    runner = EnvironmentRunner(f"{env_file}:Calc", tokenizer, EnvSettings())
+    stopping = Stopping(tokenizer, script)
+    ep = runner.run([prompt("What is 3 + 4?", row=7)], [7], stopping, sampling(96))
+    for name in ("input_ids", "attention_mask", "action_mask", "has_eos", "turns", "score"):
+        assert torch.equal(getattr(ep, name), getattr(full, name)), name
+    assert ep.turns.tolist() == [4] and runner.stats["episode/tool_calls_mean"] == 4
+    assert stopping.stopped == [True, True, False, False]  # the first two turns went on after their calls
+    kind = runner.envs[None]
+    for text, stops in ((own_result.removesuffix("<EOT>"), True), (call("add", a=1, b=1) + "\n<tool_c", False),
+                        (call("add", a=1, b=1) + " \n" + call("add", a=2, b=2), False), ("no call here", False),
+                        (call("add", a=1, b=1) + "\u00a0é and on", True),
+                        (call("add", a=1, b=1) + " \n" * 30 + "x", False)):  # past STOP_WINDOW
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        k = next((k for k in range(1, len(ids) + 1) if runner._past_calls(ids[:k])), len(ids))
+        assert stops is None or (k < len(ids)) == stops, text
+        assert runner._cut(kind, ids[:k], {EOS}) == runner._cut(kind, ids, {EOS}), text
+
+
+def test_the_hf_engine_ends_a_row_where_sampling_stop_holds(tiny_causal):
+    """`Sampling.stop` on the hf engine: a stopped row keeps exactly the ids it sampled up to the stop (mask 0 and
+    padding after it, no EOS), and the rows beside it are untouched."""
+    generator = HFGenerator("fp32", chunk=2)
+    generator.update_weights(tiny_causal)
+    prompts, seeds = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [1, 2, 3]
+    free = generator.generate(prompts, seeds, sampling(10))
+    stop = dataclasses.replace(sampling(10), stop=lambda b, ids: b != 1 and len(ids) >= 4)
+    cut = generator.generate(prompts, seeds, stop)
+    assert int(free.mask.sum()) == 30 and cut.mask.sum(1).tolist() == [4.0, 10.0, 4.0]
+    assert torch.equal(cut.responses[:, :4], free.responses[:, :4]) and torch.equal(cut.responses[1], free.responses[1])
+    assert bool((cut.responses[[0, 2], 4:] == PAD).all()) and cut.has_eos.tolist() == [False] * 3
