@@ -49,12 +49,12 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from importlib import resources
 from typing import Any
 
 import torch
 
 from rlhf_cli import engine
+from rlhf_cli.data.chat_tools import choose_tool_template
 from rlhf_cli.data.formats import Prompt
 from rlhf_cli.data.tokenize import Encoder
 from rlhf_cli.errors import ConfigError
@@ -69,11 +69,6 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 CALL_END = "</tool_call>"
 STOP_WINDOW = 24
 """A turn's last tokens in which `EnvironmentRunner._past_calls` looks for a `</tool_call>` before decoding it all."""
-
-
-def tool_template() -> str:
-    """The shipped ChatML tool template (Hermes form), a Jinja chat template."""
-    return resources.files("rlhf_cli").joinpath("templates/chatml_tools.jinja").read_text()
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -244,23 +239,11 @@ class Environment:
 
     def _choose_template(self) -> tuple[str | None, str]:
         """The chat template to render with (None: the tokenizer's own) and why, in words: the tokenizer's own
-        when there are no tools or it renders `tools=`, else (or when the model has none) the shipped ChatML tool
-        template."""
-        shipped = "the shipped ChatML tool template (rlhf_cli/templates/chatml_tools.jinja)"
-        if not getattr(self.tokenizer, "chat_template", None):
-            return tool_template(), f"{shipped}: the model has no chat template"
-        if not self.schemas:
+        when there are no tools, else `chat_tools.choose_tool_template` (the shipped ChatML tool template when the
+        model's own cannot render `tools=` or it has none)."""
+        if not self.schemas and getattr(self.tokenizer, "chat_template", None):
             return None, "the model's own chat template"
-        msgs = [{"role": "user", "content": "x"}]
-        try:
-            own = self.tokenizer.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
-                                                     add_generation_prompt=True)
-            renders = self.schemas[0]["function"]["name"] in own
-        except Exception:  # noqa: BLE001 - no template, or one that rejects tools
-            renders = False
-        if renders:
-            return None, "the model's own chat template (it renders tools=)"
-        return tool_template(), f"{shipped}: the model's own chat template does not render tools="
+        return choose_tool_template(self.tokenizer, self.schemas)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         """The conversation as the chat template renders it, with the environment's tools."""
