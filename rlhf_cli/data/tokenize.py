@@ -190,6 +190,25 @@ class Encoder:
             out[0] = (out[0][0][len(self.eos_token):], out[0][1])
         return [(t, plain) for t, plain in out if t]
 
+    def continuation_segments(self, messages: list[dict[str, Any]], n_old: int) -> list[tuple[str, bool]] | None:
+        """What the rendering of `messages` with the generation prompt adds to that of its first `n_old` messages
+        without it (the new messages and the next assistant header), as (text, plain) pieces like `segments`: the
+        template's text, and each new message's content as plain text (a tool result or an environment's reply is
+        encoded as user text is: `encode_segments`). None when the template changes message text beyond trimming
+        it or does not render the conversation as the start of its continuation. Raises what the template raises."""
+        pieces = self._pieces(messages)
+        before = self._template(messages[:n_old], generation=False)
+        if pieces is None or not "".join(t for t, _, _ in pieces).startswith(before):
+            return None
+        out, pos = [], 0
+        for text, plain, _ in pieces:
+            cut = max(0, len(before) - pos)
+            pos += len(text)
+            if cut and cut < len(text) and plain:  # the old conversation ends inside a message's content
+                return None
+            out.append((text[cut:], plain))
+        return [(t, plain) for t, plain in out if t]
+
     def calls_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         """The text the chat template writes for the tool calls of `messages[-1]`, an assistant turn, between its
         content and its end: the difference of its rendering with and without them ("" when it has none). The

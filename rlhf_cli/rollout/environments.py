@@ -31,9 +31,10 @@ those sampling to the end would keep; a turn whose calls end with the end-of-tur
 Token in, token out (STYLE 17): each turn's sampled ids are kept as sampled (action mask 1); only the messages
 after them (the end of the assistant turn when a `</tool_call>` cut it, tool results or the environment's reply,
 the next assistant header) are rendered and tokenized, as the difference between the chat template's rendering
-of the conversation with and without them (TRL's `_get_tool_suffix_ids` does the same), and appended with action
-mask 0. The history is never re-tokenized. A template that cannot render `tools=` (SmolLM2's ignores them) is
-replaced by the shipped ChatML tool template (`rlhf_cli/templates/chatml_tools.jinja`), said once.
+of the conversation with and without them (TRL's `_get_tool_suffix_ids` does the same), their contents as plain
+text (a special-token string in a tool result or a reply stays those characters, as in the data's user text), and
+appended with action mask 0. The history is never re-tokenized. A template that cannot render `tools=` (SmolLM2's
+ignores them) is replaced by the shipped ChatML tool template (`rlhf_cli/templates/chatml_tools.jinja`), said once.
 """
 
 from __future__ import annotations
@@ -529,7 +530,7 @@ class EnvironmentRunner:
             e.tool_errors += 1
             return {"role": "tool", "name": name, "content": f"Error: the tool {name!r} raised {type(ex).__name__}: "
                     f"{str(ex)[:500]}"}
-        ids = self.encode(text)
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # plain, as sent
         if len(ids) > self.s.max_tool_tokens:
             text = self.tokenizer.decode(ids[:self.s.max_tool_tokens], skip_special_tokens=False)
         return {"role": "tool", "name": name, "content": text}
@@ -555,7 +556,7 @@ class EnvironmentRunner:
             new = [{"role": "user", "content": reply}]
         else:
             return e.finish(True)
-        ids = self.encode(self._suffix(e, new))
+        (ids,) = e.kind.encoder.encode_segments([self._suffix(e, new)], bos=False)
         if len(e.ids) + len(ids) >= self.s.max_episode_tokens:
             return e.finish(False)
         e.ids += ids
@@ -563,10 +564,13 @@ class EnvironmentRunner:
         e.env_tokens += len(ids)
         e.messages += new
 
-    def _suffix(self, e: _Episode, new: list[dict[str, Any]]) -> str:
-        """The text after the last sampled token up to the next assistant turn's first: the rest of the assistant
-        turn's closing (all of it after a `</tool_call>` cut; after the end-of-turn id the part past it), then the
-        rendering of `new` and the generation prompt, the difference of the template's two renderings."""
+    def _suffix(self, e: _Episode, new: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+        """The text after the last sampled token up to the next assistant turn's first, as (text, plain) pieces
+        (`Encoder.segments`' form): the rest of the assistant turn's closing (all of it after a `</tool_call>` cut;
+        after the end-of-turn id the part past it), then the rendering of `new` and the generation prompt, the
+        difference of the template's two renderings. The new messages' contents are plain text
+        (`Encoder.continuation_segments`), so a special-token string in a tool result or a reply stays those
+        characters, as in the data's user text; a template that edits message text gives one piece."""
         before, after = e.kind.render(e.messages, False), e.kind.render(e.messages + new, True)
         if not after.startswith(before):
             raise ConfigError(f"rollout.env={self.spec}: the chat template does not render a conversation as the "
@@ -576,7 +580,8 @@ class EnvironmentRunner:
         if e.ended == "eot":
             eot = self.tokenizer.decode(e.ids[-1:], skip_special_tokens=False)
             rest = rest[len(eot):] if rest.startswith(eot) else rest
-        return rest + after[len(before):]
+        tail = e.kind.encoder.continuation_segments(e.messages + new, len(e.messages))
+        return [(rest, False), *(tail if tail is not None else [(after[len(before):], False)])]
 
     # -- the batch ----------------------------------------------------------------------------------------------
     def _episodes(self, eps: list[_Episode], pad_id: int) -> Episodes:
