@@ -126,3 +126,49 @@ def test_bad_tool_transcripts_name_file_row_and_field(write, make_cfg, tokenizer
     assert "t.jsonl" in message and "row 4" in message and f"'{field}'" in message and "\n" not in message, message
     data = load_sft_data(make_cfg(path=write("t.jsonl", rows), test_size=1, skip_invalid=True), tokenizer)
     assert data.summary.dropped == {reason: 1}
+
+
+# a model template that renders tools and tool calls (written for this test, Qwen2.5's layout): the tools in a system
+# turn, each call after the content, each tool result a user turn of <tool_response>
+OWN_TOOL_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You can call these tools:{% for t in tools %} {{ t | tojson }}{% endfor %}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}
+{%- for c in m.tool_calls or [] %}
+<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_model_template_that_renders_tools_is_used_as_is(write, make_cfg, tokenizer):
+    """A model whose own chat template renders `tools=` keeps it (the environment runner's choice too); the trained
+    tokens are still exactly its assistant turns, the calls as it writes them, and their EOS."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = OWN_TOOL_TEMPLATE
+    rows = [{"messages": TWO_CALLS, "tools": TOOLS}, *MESSAGES]
+    data = load_sft_data(make_cfg(path=write("t.jsonl", rows), test_size=1, seed=3), tok)
+    (ex,) = [ex for ex in data.train + data.eval if ex["row"] == 1]
+    msgs = _normalised(TWO_CALLS)
+
+    def render(messages, generation):
+        return tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=generation)
+
+    want = [render(msgs[:i + 1], False)[len(render(msgs[:i], True)):].removesuffix("\n")
+            for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    assert want[0] == ('<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
+                       "<|im_end|>")
+    assert _trained_text(tok, ex) == want
+    text = tok.decode(ex["input_ids"])
+    assert text == render(msgs, False).removesuffix("\n") and "You can call these tools:" in text
