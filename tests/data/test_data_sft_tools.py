@@ -68,6 +68,10 @@ def test_the_trained_tokens_are_exactly_the_assistant_turns_and_their_eos(write,
     context = tokenizer.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if not m])
     assert "<tools>" in context and '"name": "calculate"' in context and "Use the calculator." in context
     assert "<tool_response>\n84\n</tool_response>" in context and "<tool_response>\n87\n</tool_response>" in context
+    # data.max_length: later turns that do not fit whole are left out, the first call turn kept whole
+    cut = load_sft_data(make_cfg(path=write("t.jsonl", rows), test_size=1, seed=3, max_length=250), tokenizer)
+    (short,) = [ex for ex in cut.train + cut.eval if ex["row"] == 1]
+    assert _trained_text(tokenizer, short) == want[:1] and len(short["input_ids"]) <= 250 and cut.summary.truncated
     # plain rows of the same file keep the model's own template and their numbers
     plain = load_sft_data(make_cfg(path=write("m.jsonl", MESSAGES), test_size=1, seed=3), tokenizer)
     by_row = {ex["row"]: ex for ex in plain.train + plain.eval}
