@@ -34,7 +34,10 @@ A demonstration (train-sft, `Encoder.fit_demo`) is the prompt's ids, its respons
 each later assistant turn of a conversation the template's text and messages since the previous one
 (`followup_segments`) and that turn's ids; its loss mask is 1 on response ids only. The same rules hold: responses
 whole, the prompt fitted to min(max_prompt_length, max_length - first response); later turns that do not fit whole
-are left out, and a row whose first response does not fit is dropped (`no_response_left`).
+are left out, and a row whose first response does not fit is dropped (`no_response_left`). A tool transcript
+(`Prompt.tools` set) renders with its tools and the template that renders them (`chat_tools.choose_tool_template`);
+an assistant turn's response is its content then its tool calls as the template writes them (`calls_text`), plain
+text, + EOS; the tools block and the `tool` messages are context.
 """
 
 from __future__ import annotations
