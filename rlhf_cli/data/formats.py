@@ -19,7 +19,10 @@ Formats (`data.format`, detected when `auto`; column names from `data.*_key`):
     completion    SFT demonstrations: prompt / completion (or prompt / response) strings; the prompt may also be
                   a message list and the completion a one-message assistant list (TRL's conversational form)
     messages      SFT demonstrations: a `messages` list of {role, content} with at least one assistant turn;
-                  every assistant turn is trained on (distinct from `conversation`, a preference format)
+                  every assistant turn is trained on (distinct from `conversation`, a preference format). A tool
+                  transcript: assistant turns may hold `tool_calls` (OpenAI/TRL form, `[{"type": "function",
+                  "function": {"name", "arguments"}}]`, arguments an object or a JSON string of one), `tool`
+                  messages the calls' results, and an optional `tools` column the tools' JSON schemas
     unpaired      KTO rows: prompt / completion strings (as `completion`) and a boolean label (true = the
                   completion is desirable); train-kto reads a preference format too, each pair as two rows
                   (TRL's `unpair_preference_dataset`): prompt + chosen labelled true, prompt + rejected false
@@ -41,6 +44,7 @@ surrogate ("\\ud800"), which Python keeps but no tokenizer accepts (`invalid_uni
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -55,6 +59,8 @@ PREFERENCE_FORMATS = ("explicit", "implicit", "hh", "conversation")
 SFT_FORMATS = ("completion", "messages")
 UNPAIRED_FORMATS = ("unpaired", *PREFERENCE_FORMATS)
 """What train-kto reads: unpaired rows, or preference pairs split into two rows each."""
+TOOLS_COLUMN = "tools"
+"""A `messages` row's optional column of tool JSON schemas, the chat template's `tools=` (TRL's name)."""
 RESPONSE_FALLBACK = "response"
 """The response column a `completion`-format file may have instead of `data.completion_key`."""
 
@@ -80,6 +86,11 @@ BAD_MARGIN = "bad_margin"
 BAD_LABEL = "bad_label"
 """An `unpaired` row whose label is not a boolean (train-kto)."""
 INVALID_UNICODE = "invalid_unicode"
+BAD_TOOL_CALL = "bad_tool_call"
+"""A tool transcript's call without a function name or with arguments that are not an object, or a `tool`
+message before any call (train-sft)."""
+BAD_TOOLS = "bad_tools"
+"""A `tools` value that is not a list of JSON schema objects (train-sft)."""
 # reasons a valid row is dropped later (tokenisation / selection)
 RESPONSE_TOO_LONG = "response_too_long"
 PROMPT_TOO_LONG = "prompt_too_long"
@@ -114,6 +125,9 @@ class Prompt:
     columns: dict[str, Any] | None = None
     """A prompt row's columns as the data file holds them (`parse_prompt`), which a reward server receives
     (`reward.type=http`); None for the built-in task."""
+    tools: list[dict[str, Any]] | None = None
+    """A tool transcript's tools (train-sft: its `tools` column, [] when it has calls but no such column), rendered
+    with the template that renders tools (`chat_tools.choose_tool_template`); None: not a tool transcript."""
 
 
 @dataclass
@@ -143,6 +157,15 @@ class Demo:
     this one, this turn's response in raw form)."""
     row: int = 0
     """1-based row number in the source."""
+    calls: list[list[dict[str, Any]]] | None = None
+    """A tool transcript's tool calls per assistant turn (the first, then each later one; [] for a turn without),
+    each `{"type": "function", "function": {"name": str, "arguments": dict}}`; None: no tool calls anywhere."""
+
+    def assistant(self, k: int) -> dict[str, Any]:
+        """Assistant turn k's message (0: the first): its stripped content and its tool calls, if any."""
+        raw = self.response if k == 0 else self.later[k - 1][1]
+        calls = self.calls[k] if self.calls else []
+        return {"role": "assistant", "content": raw.strip(), **({"tool_calls": calls} if calls else {})}
 
 
 @dataclass
@@ -491,19 +514,82 @@ def _parse_completion(row: dict[str, Any], keys: Keys) -> Demo:
     return Demo(prompt, response, [])
 
 
+def _tool_call(call: Any, where: str, key: str) -> dict[str, Any]:
+    """One entry of an assistant message's `tool_calls` normalised to `{"type": "function", "function": {"name",
+    "arguments": dict}}` (TRL's form; `{"name", "arguments"}` without the `function` wrapper is read too)."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+        raise RowError(key, BAD_TOOL_CALL, f"{where} has no function name (expected {{\"type\": \"function\", "
+                                           f"\"function\": {{\"name\": str, \"arguments\": {{...}}}}}})")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise RowError(key, BAD_TOOL_CALL, f"{where}'s arguments are not valid JSON: {args!r:.60}") from None
+    if not isinstance(args, dict):
+        raise RowError(key, BAD_TOOL_CALL, f"{where}'s arguments must be an object (or a JSON string of one), got "
+                                           f"{type(args).__name__}")
+    out = {"type": "function", "function": {"name": _text(fn["name"], key), "arguments": args}}
+    return {**out, "id": call["id"]} if isinstance(call.get("id"), str) else out
+
+
+def _transcript(value: Any, key: str) -> tuple[list[dict[str, Any]], bool]:
+    """A `messages` list that may be a tool transcript: its messages (assistant `tool_calls` normalised by
+    `_tool_call`, an assistant content of null read as "", a `tool` message's `name` and `tool_call_id` kept), and
+    whether it holds a tool call or a `tool` message."""
+    if not isinstance(value, list) or not any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                                              for m in value):
+        return _messages(value, key), False
+    out, called = [], False
+    for i, m in enumerate(value):
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        content = "" if calls and m.get("content") is None else m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise RowError(key, BAD_MESSAGES, f"message {i} is not a {{role: str, content: str}} dict")
+        msg = {"role": _text(m["role"], key), "content": _text(content, key)}
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise RowError(key, BAD_TOOL_CALL, f"message {i}'s tool_calls is not a list")
+            msg["tool_calls"] = [_tool_call(c, f"message {i}'s tool_calls[{j}]", key) for j, c in enumerate(calls)]
+            called = called or bool(calls)
+        if m["role"] == "tool":
+            if not called:
+                raise RowError(key, BAD_TOOL_CALL, f"message {i} (tool) comes before any assistant tool call")
+            msg.update({f: _text(m[f], key) for f in ("name", "tool_call_id") if isinstance(m.get(f), str)})
+        out.append(msg)
+    return out, True
+
+
+def _tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A row's `tools` column: a list of JSON schema objects, or None when absent."""
+    value = row.get(TOOLS_COLUMN)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        got = "a list holding a non-object" if isinstance(value, list) else type(value).__name__
+        raise RowError(TOOLS_COLUMN, BAD_TOOLS, f"expected a list of tool JSON schemas (objects), got {got}")
+    return value
+
+
 def _parse_messages(row: dict[str, Any], keys: Keys) -> Demo:
-    msgs = _messages(row.get(keys.messages), keys.messages)
+    msgs, tooled = _transcript(row.get(keys.messages), keys.messages)
+    tools = _tools(row)
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not turns:
         raise RowError(keys.messages, NO_ASSISTANT_TURN, "conversation has no assistant message to train on")
     for i in turns:
-        if not msgs[i]["content"].strip():
+        if not msgs[i]["content"].strip() and not msgs[i].get("tool_calls"):
             raise RowError(keys.messages, EMPTY_RESPONSE, f"message {i} (assistant) is empty")
     head = msgs[:turns[0]]
     if not any(m["content"].strip() for m in head):
         raise RowError(keys.messages, EMPTY_PROMPT, "the first assistant message has no non-empty message before it")
     later = [(msgs[a + 1:b], " " + msgs[b]["content"].strip()) for a, b in zip(turns, turns[1:])]
-    return Demo(Prompt(messages=head, text=raw_transcript(head)), " " + msgs[turns[0]]["content"].strip(), later)
+    prompt = Prompt(messages=head, text=raw_transcript(head))
+    if tooled or tools is not None:
+        prompt.tools = tools or []
+    calls = [msgs[i].get("tool_calls", []) for i in turns] if tooled else None
+    return Demo(prompt, " " + msgs[turns[0]]["content"].strip(), later, calls=calls)
 
 
 def parse_demo(row: dict[str, Any], fmt: str, keys: Keys) -> Demo:

@@ -34,7 +34,10 @@ A demonstration (train-sft, `Encoder.fit_demo`) is the prompt's ids, its respons
 each later assistant turn of a conversation the template's text and messages since the previous one
 (`followup_segments`) and that turn's ids; its loss mask is 1 on response ids only. The same rules hold: responses
 whole, the prompt fitted to min(max_prompt_length, max_length - first response); later turns that do not fit whole
-are left out, and a row whose first response does not fit is dropped (`no_response_left`).
+are left out, and a row whose first response does not fit is dropped (`no_response_left`). A tool transcript
+(`Prompt.tools` set) renders with its tools and the template that renders them (`chat_tools.choose_tool_template`);
+an assistant turn's response is its content then its tool calls as the template writes them (`calls_text`), plain
+text, + EOS; the tools block and the `tool` messages are context.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from rlhf_cli.data.chat_tools import choose_tool_template
 from rlhf_cli.data.formats import (
     IDENTICAL_AFTER_TRUNCATION,
     NO_RESPONSE_LEFT,
@@ -93,6 +97,8 @@ class Encoder:
         self.template_edits_text = False
         """Set when the chat template changed a message's text beyond trimming it: such a prompt is one piece,
         so a special-token string inside its user text is not kept plain (warned once)."""
+        self._tool_chat: str | None | bool = False
+        """The template tool transcripts render with (`choose_tool_template`, chosen at the first; False: not yet)."""
         self.special_texts = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                                      if t.special} | set(getattr(tokenizer, "all_special_tokens", [])), key=len)
         """The special-token strings: a piece of user text holding one is tokenised plain, piece by piece."""
@@ -105,16 +111,28 @@ class Encoder:
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         return messages
 
-    def _template(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, chat_template=self.template,
-                                                  tokenize=False, add_generation_prompt=True)
+    def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                  generation: bool = True) -> str:
+        """The chat rendering of `messages`; `tools` not None: a tool transcript's (`Prompt.tools`), rendered with
+        those tools and the template that renders them (`choose_tool_template`, the same choice as the
+        environment runner's), else with the encoder's own tools and template."""
+        template = self.template
+        if tools is not None:
+            if self._tool_chat is False:
+                self._tool_chat = choose_tool_template(self.tokenizer, tools)[0]
+            template = self._tool_chat
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools if tools is None else tools or None,
+                                                  chat_template=template, tokenize=False,
+                                                  add_generation_prompt=generation)
 
-    def _pieces(self, messages: list[dict[str, str]]) -> list[tuple[str, bool, int | None]] | None:
+    def _pieces(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                ) -> list[tuple[str, bool, int | None]] | None:
         """The chat rendering of `messages` (with the generation prompt) as (text, plain, message index) pieces:
         the template's own text (plain=False, index None) and each message's content (plain=True, its index),
-        joined exactly the rendered text; None when the template changes message text beyond trimming it."""
-        marked = self._template([{**m, "content": SENTINEL.format(i)} for i, m in enumerate(messages)])
-        whole = self._template(messages)
+        joined exactly the rendered text; None when the template changes message text beyond trimming it. A tool
+        call is the template's text."""
+        marked = self._template([{**m, "content": SENTINEL.format(i)} for i, m in enumerate(messages)], tools)
+        whole = self._template(messages, tools)
         for edit in (lambda text: text, str.strip):  # as given, or as a trimming template (Llama 3, Gemma) writes it
             out: list[tuple[str, bool, int | None]] = []
             pos = 0
@@ -129,7 +147,7 @@ class Encoder:
 
     def render_prompt(self, prompt: Prompt) -> str:
         """The prompt as the model sees it: the chat template with the generation prompt, or raw text."""
-        return self._template(self.messages(prompt)) if self.use_chat else prompt.text
+        return self._template(self.messages(prompt), prompt.tools) if self.use_chat else prompt.text
 
     def segments(self, prompt: Prompt, messages: list[dict[str, str]] | None = None) -> list[tuple[str, bool]]:
         """The rendered prompt as (text, plain) pieces in order: the template's own text (plain=False: its
@@ -139,7 +157,7 @@ class Encoder:
         if not self.use_chat:
             return [(prompt.text, True)]
         messages = self.messages(prompt) if messages is None else messages
-        pieces = self._pieces(messages)
+        pieces = self._pieces(messages, prompt.tools)
         if pieces is not None:
             return [(t, plain) for t, plain, _ in pieces if t]
         # the template edits message text in another way: this prompt is one piece, its markers read as markers
@@ -147,25 +165,71 @@ class Encoder:
             logger.warning("the chat template changes message text beyond trimming it: such prompts are tokenised "
                            "whole, so special-token strings inside their text are read as special tokens")
         self.template_edits_text = True
-        return [(self._template(messages), False)]
+        return [(self._template(messages, prompt.tools), False)]
 
-    def followup_segments(self, messages: list[dict[str, str]], after: int) -> list[tuple[str, bool]]:
+    def followup_segments(self, messages: list[dict[str, Any]], after: int,
+                          tools: list[dict[str, Any]] | None = None) -> list[tuple[str, bool]]:
         """The text between an assistant turn and the next one of a conversation, as (text, plain) pieces like
         `segments`: `messages` ends just before the next assistant turn, and the pieces are those of its
         rendering with the generation prompt that follow the content of message `after` (the previous assistant
-        turn), less the template's EOS string right after that content (the EOS id ends the previous response:
-        `encode_responses`). Raw text: `raw_transcript` of the messages after `after`. Raises ValueError when the
-        chat template changes message text beyond trimming it, and what the template raises."""
+        turn), less that turn's tool calls (`calls_text`: they belong to its response) and the template's EOS
+        string right after them (the EOS id ends the previous response: `encode_responses`). Raw text:
+        `raw_transcript` of the messages after `after`. `tools`: a tool transcript's (`Prompt.tools`). Raises
+        ValueError when the chat template changes message text beyond trimming it or renders the calls otherwise
+        in context, and what the template raises."""
         if not self.use_chat:
             return [(raw_transcript(messages[after + 1:]), True)]
-        pieces = self._pieces(messages)
+        pieces = self._pieces(messages, tools)
         if pieces is None:
             raise ValueError("the chat template changes message text beyond trimming it")
         start = next(k for k, (_, _, i) in enumerate(pieces) if i == after) + 1
         out = [(t, plain) for t, plain, _ in pieces[start:] if t]
+        calls = self.calls_text(messages[:after + 1], tools) if messages[after].get("tool_calls") else ""
+        if calls:
+            if not (out and out[0][0].startswith(calls)):
+                raise ValueError("the chat template renders an assistant turn's tool calls differently in context")
+            out[0] = (out[0][0][len(calls):], out[0][1])
         if out and self.eos_token and out[0][0].startswith(self.eos_token):
             out[0] = (out[0][0][len(self.eos_token):], out[0][1])
         return [(t, plain) for t, plain in out if t]
+
+    def continuation_segments(self, messages: list[dict[str, Any]], n_old: int) -> list[tuple[str, bool]] | None:
+        """What the rendering of `messages` with the generation prompt adds to that of its first `n_old` messages
+        without it (the new messages and the next assistant header), as (text, plain) pieces like `segments`: the
+        template's text, and each new message's content as plain text (a tool result or an environment's reply is
+        encoded as user text is: `encode_segments`). None when the template changes message text beyond trimming
+        it or does not render the conversation as the start of its continuation. Raises what the template raises."""
+        pieces = self._pieces(messages)
+        before = self._template(messages[:n_old], generation=False)
+        if pieces is None or not "".join(t for t, _, _ in pieces).startswith(before):
+            return None
+        out, pos = [], 0
+        for text, plain, _ in pieces:
+            cut = max(0, len(before) - pos)
+            pos += len(text)
+            if cut and cut < len(text) and plain:  # the old conversation ends inside a message's content
+                return None
+            out.append((text[cut:], plain))
+        return [(t, plain) for t, plain in out if t]
+
+    def calls_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The text the chat template writes for the tool calls of `messages[-1]`, an assistant turn, between its
+        content and its end: the difference of its rendering with and without them ("" when it has none). The
+        policy writes this text, so it is part of the turn's response (`encode_responses`). Raises ValueError
+        when the template writes the calls elsewhere, and what the template raises."""
+        last = messages[-1]
+        if not last.get("tool_calls"):
+            return ""
+        mark = SENTINEL.format(len(messages))
+        bare = {k: v for k, v in last.items() if k != "tool_calls"}
+        with_calls = self._template([*messages[:-1], {**last, "content": mark}], tools, generation=False)
+        without = self._template([*messages[:-1], {**bare, "content": mark}], tools, generation=False)
+        head, _, tail = with_calls.partition(mark)
+        bare_head, _, bare_tail = without.partition(mark)
+        if head != bare_head or not tail.endswith(bare_tail) or tail == bare_tail:
+            raise ValueError("the chat template does not write an assistant turn's tool calls between its content "
+                             "and its end")
+        return tail[:len(tail) - len(bare_tail)]
 
     def response_text(self, raw: str) -> str:
         """The text tokenised for a response: stripped content (chat) or the raw text; a trailing EOS
@@ -209,9 +273,13 @@ class Encoder:
         """Token ids of whole (untruncated) prompts; see `segments` and `encode_segments`."""
         return self.encode_segments([self.segments(p) for p in prompts])
 
-    def encode_responses(self, raws: Sequence[str]) -> list[list[int]]:
-        """Token ids of responses (raw form, see formats.py), plain text each ending in exactly one EOS id."""
-        return [ids + [self.eos_id] for ids in self._ids([self.response_text(r) for r in raws])]
+    def encode_responses(self, raws: Sequence[str], calls: Sequence[str] = ()) -> list[list[int]]:
+        """Token ids of responses (raw form, see formats.py), plain text each ending in exactly one EOS id;
+        `calls`: each response's tool calls as the template writes them after its content (`calls_text`),
+        tokenised with it as one plain text (none when empty)."""
+        calls = list(calls) or [""] * len(raws)
+        texts = [self.response_text(r) + c for r, c in zip(raws, calls, strict=True)]
+        return [ids + [self.eos_id] for ids in self._ids(texts)]
 
     # -- truncation ---------------------------------------------------------------------------------
     def fit_prompt(self, prompt: Prompt, ids: list[int], budget: int) -> list[int] | None:
@@ -263,24 +331,33 @@ class Encoder:
         and the conversation ends before the first that does not fit. Dropped: `prompt_too_long` (no prompt
         with a token of content fits `max_prompt_length`), `no_response_left` (the first response does not fit
         whole beside such a prompt: no response token would be left). `truncated`: the prompt was cut or later
-        turns left out. Raises what the chat template raises for a later turn's messages."""
+        turns left out. A tool transcript (`Demo.calls`): each turn's response is its content and its tool calls as the
+        template writes them (`calls_text`), and the `tool` messages are context. Raises what the chat template raises
+        for a later turn's messages, ValueError for a tool transcript without a chat template."""
+        tools = demo.prompt.tools
+        if tools is not None:
+            if not self.use_chat:
+                raise ValueError("a tool transcript needs a chat template (data.chat_template=true)")
+            first = self.messages(demo.prompt) + [demo.assistant(0)]
+            (response_ids,) = self.encode_responses([demo.response], [self.calls_text(first, tools)])
         budget = min(max_prompt_length, max_length - len(response_ids))
         fitted = self.fit_prompt(demo.prompt, prompt_ids, budget) if budget >= 1 else None
         if fitted is None:
             return NO_RESPONSE_LEFT if self.fit_prompt(demo.prompt, prompt_ids, max_prompt_length) else PROMPT_TOO_LONG
         ids, mask = fitted + response_ids, [0] * len(fitted) + [1] * len(response_ids)
         truncated = fitted != prompt_ids
-        messages = self.messages(demo.prompt) + [{"role": "assistant", "content": demo.response.strip()}]
-        for between, raw in demo.later:
+        messages = self.messages(demo.prompt) + [demo.assistant(0)]
+        for k, (between, raw) in enumerate(demo.later, 1):
             after = len(messages) - 1
             messages = messages + list(between)
-            (context,) = self.encode_segments([self.followup_segments(messages, after)], bos=False)
-            (response,) = self.encode_responses([raw])
+            (context,) = self.encode_segments([self.followup_segments(messages, after, tools)], bos=False)
+            calls = self.calls_text(messages + [demo.assistant(k)], tools) if tools is not None else ""
+            (response,) = self.encode_responses([raw], [calls])
             if len(ids) + len(context) + len(response) > max_length:
                 truncated = True
                 break
             ids, mask = ids + context + response, mask + [0] * len(context) + [1] * len(response)
-            messages = messages + [{"role": "assistant", "content": raw.strip()}]
+            messages = messages + [demo.assistant(k)]
         return ids, mask, truncated
 
 

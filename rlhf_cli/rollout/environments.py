@@ -31,9 +31,10 @@ those sampling to the end would keep; a turn whose calls end with the end-of-tur
 Token in, token out (STYLE 17): each turn's sampled ids are kept as sampled (action mask 1); only the messages
 after them (the end of the assistant turn when a `</tool_call>` cut it, tool results or the environment's reply,
 the next assistant header) are rendered and tokenized, as the difference between the chat template's rendering
-of the conversation with and without them (TRL's `_get_tool_suffix_ids` does the same), and appended with action
-mask 0. The history is never re-tokenized. A template that cannot render `tools=` (SmolLM2's ignores them) is
-replaced by the shipped ChatML tool template (`rlhf_cli/templates/chatml_tools.jinja`), said once.
+of the conversation with and without them (TRL's `_get_tool_suffix_ids` does the same), their contents as plain
+text (a special-token string in a tool result or a reply stays those characters, as in the data's user text), and
+appended with action mask 0. The history is never re-tokenized. A template that cannot render `tools=` (SmolLM2's
+ignores them) is replaced by the shipped ChatML tool template (`rlhf_cli/templates/chatml_tools.jinja`), said once.
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from importlib import resources
 from typing import Any
 
 import torch
 
 from rlhf_cli import engine
+from rlhf_cli.data.chat_tools import choose_tool_template
 from rlhf_cli.data.formats import Prompt
 from rlhf_cli.data.tokenize import Encoder
 from rlhf_cli.errors import ConfigError
@@ -69,11 +70,6 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 CALL_END = "</tool_call>"
 STOP_WINDOW = 24
 """A turn's last tokens in which `EnvironmentRunner._past_calls` looks for a `</tool_call>` before decoding it all."""
-
-
-def tool_template() -> str:
-    """The shipped ChatML tool template (Hermes form), a Jinja chat template."""
-    return resources.files("rlhf_cli").joinpath("templates/chatml_tools.jinja").read_text()
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -244,23 +240,11 @@ class Environment:
 
     def _choose_template(self) -> tuple[str | None, str]:
         """The chat template to render with (None: the tokenizer's own) and why, in words: the tokenizer's own
-        when there are no tools or it renders `tools=`, else (or when the model has none) the shipped ChatML tool
-        template."""
-        shipped = "the shipped ChatML tool template (rlhf_cli/templates/chatml_tools.jinja)"
-        if not getattr(self.tokenizer, "chat_template", None):
-            return tool_template(), f"{shipped}: the model has no chat template"
-        if not self.schemas:
+        when there are no tools, else `chat_tools.choose_tool_template` (the shipped ChatML tool template when the
+        model's own cannot render `tools=` or it has none)."""
+        if not self.schemas and getattr(self.tokenizer, "chat_template", None):
             return None, "the model's own chat template"
-        msgs = [{"role": "user", "content": "x"}]
-        try:
-            own = self.tokenizer.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
-                                                     add_generation_prompt=True)
-            renders = self.schemas[0]["function"]["name"] in own
-        except Exception:  # noqa: BLE001 - no template, or one that rejects tools
-            renders = False
-        if renders:
-            return None, "the model's own chat template (it renders tools=)"
-        return tool_template(), f"{shipped}: the model's own chat template does not render tools="
+        return choose_tool_template(self.tokenizer, self.schemas)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         """The conversation as the chat template renders it, with the environment's tools."""
@@ -546,7 +530,7 @@ class EnvironmentRunner:
             e.tool_errors += 1
             return {"role": "tool", "name": name, "content": f"Error: the tool {name!r} raised {type(ex).__name__}: "
                     f"{str(ex)[:500]}"}
-        ids = self.encode(text)
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # plain, as sent
         if len(ids) > self.s.max_tool_tokens:
             text = self.tokenizer.decode(ids[:self.s.max_tool_tokens], skip_special_tokens=False)
         return {"role": "tool", "name": name, "content": text}
@@ -572,7 +556,7 @@ class EnvironmentRunner:
             new = [{"role": "user", "content": reply}]
         else:
             return e.finish(True)
-        ids = self.encode(self._suffix(e, new))
+        (ids,) = e.kind.encoder.encode_segments([self._suffix(e, new)], bos=False)
         if len(e.ids) + len(ids) >= self.s.max_episode_tokens:
             return e.finish(False)
         e.ids += ids
@@ -580,10 +564,13 @@ class EnvironmentRunner:
         e.env_tokens += len(ids)
         e.messages += new
 
-    def _suffix(self, e: _Episode, new: list[dict[str, Any]]) -> str:
-        """The text after the last sampled token up to the next assistant turn's first: the rest of the assistant
-        turn's closing (all of it after a `</tool_call>` cut; after the end-of-turn id the part past it), then the
-        rendering of `new` and the generation prompt, the difference of the template's two renderings."""
+    def _suffix(self, e: _Episode, new: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+        """The text after the last sampled token up to the next assistant turn's first, as (text, plain) pieces
+        (`Encoder.segments`' form): the rest of the assistant turn's closing (all of it after a `</tool_call>` cut;
+        after the end-of-turn id the part past it), then the rendering of `new` and the generation prompt, the
+        difference of the template's two renderings. The new messages' contents are plain text
+        (`Encoder.continuation_segments`), so a special-token string in a tool result or a reply stays those
+        characters, as in the data's user text; a template that edits message text gives one piece."""
         before, after = e.kind.render(e.messages, False), e.kind.render(e.messages + new, True)
         if not after.startswith(before):
             raise ConfigError(f"rollout.env={self.spec}: the chat template does not render a conversation as the "
@@ -593,7 +580,8 @@ class EnvironmentRunner:
         if e.ended == "eot":
             eot = self.tokenizer.decode(e.ids[-1:], skip_special_tokens=False)
             rest = rest[len(eot):] if rest.startswith(eot) else rest
-        return rest + after[len(before):]
+        tail = e.kind.encoder.continuation_segments(e.messages + new, len(e.messages))
+        return [(rest, False), *(tail if tail is not None else [(after[len(before):], False)])]
 
     # -- the batch ----------------------------------------------------------------------------------------------
     def _episodes(self, eps: list[_Episode], pad_id: int) -> Episodes:

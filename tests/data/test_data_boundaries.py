@@ -73,8 +73,8 @@ class TrimmingTemplate:
         self.tok = tokenizer
         self.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | trim")
 
-    def apply_chat_template(self, messages, **kwargs):
-        return self.tok.apply_chat_template(messages, chat_template=self.chat_template, **kwargs)
+    def apply_chat_template(self, messages, chat_template=None, **kwargs):
+        return self.tok.apply_chat_template(messages, chat_template=chat_template or self.chat_template, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.tok, name)

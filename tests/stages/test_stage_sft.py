@@ -138,3 +138,28 @@ def test_lora_under_zero3_saves_a_merged_causal_lm_with_its_adapter(run_stage, t
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(merged[key], base[key])
     torch.testing.assert_close(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"], rtol=0, atol=0)
+
+
+def test_train_sft_on_tool_transcripts_end_to_end(run_stage, tmp_path):
+    """`train-sft data.format=messages` on multi-turn tool transcripts (assistant tool calls, `tool` results, a
+    `tools` column) trains: the loss falls, and the response tokens it counts are the assistant turns' only."""
+    tools = [{"type": "function", "function": {"name": "calculate", "description": "Evaluate an expression.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"expression": {"type": "string"}}}}}]
+    rows = []
+    for a in range(10):
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": f"{a} * 7"}}}
+        rows.append({"tools": tools, "messages": [
+            {"role": "user", "content": f"What is {a} * 7?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculate", "content": str(a * 7)},
+            {"role": "assistant", "content": f"It is {a * 7}."}]})
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, run_dir, _ = run_stage("train_sft", [*SMOKE, "data.format=messages", f"data.path={path}", "sft.max_steps=3"])
+    train = train_records(run_dir)
+    assert sorted(train) == [1, 2, 3] and train[3]["sft/loss"] < train[1]["sft/loss"]
+    # 8 rows a step, each trained on its call turn and its answer with their EOS: 38 or 39 of its 234-236 tokens
+    # (the tools block, the question, the tool result and the headers are context)
+    assert 8 * 38 <= train[1]["sft/response_tokens"] <= 8 * 39
+    assert (run_dir / "final" / "model.safetensors").is_file()
