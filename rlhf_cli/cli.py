@@ -335,6 +335,11 @@ def run_command(command: str, cfg) -> float | None:
         _err(f"{e}; the last checkpoint is kept: continue with resume=true once it is up" if server_down else str(e))
         sys.exit(2)
     except Exception as e:  # a crash in our code; the traceback follows
+        if engine.lost_rank(e):  # another node or rank went away: not our fault, the run stays resumable
+            close_open_loggers("failed")
+            _err(f"rank {engine.rank()}: another rank stopped answering ({str(e).splitlines()[0]}); the last "
+                 f"checkpoint is kept: continue with resume=true once every node is up")
+            sys.exit(1)
         if not cfg.get("resume"):
             mark_failed(run_dir, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         close_open_loggers("failed")

@@ -9,8 +9,9 @@ its Hydra dir: rank 0's is the run's, `lifecycle.prepare_run_dir`) and its own D
 from C++: the hook sees their directories).
 
 A killed node (its launcher and its worker SIGKILLed, as a machine that goes away) stops the other within a bound:
-its rank's next collective fails on the closed connection (gloo), the launcher exits non-zero, and the run resumes
-from its last checkpoint (`resume=<run dir>`) to the uninterrupted run's metrics and weights. A node that hangs
+its rank's next collective fails on the closed connection (gloo), it says so in one line (`engine.lost_rank`), the
+launcher exits non-zero, and the run, still `running`, resumes from its last checkpoint (`resume=true`) to the
+uninterrupted run's metrics and weights. A node that hangs
 without closing its connections is bounded by the process group's timeout instead (DeepSpeed's `DEEPSPEED_TIMEOUT`,
 minutes; README "Use several GPUs or nodes").
 """
@@ -195,13 +196,30 @@ def test_a_killed_node_stops_the_other_and_the_run_resumes(one_node_sft, tmp_pat
     out = node0.communicate(timeout=120)[0]
     stopped = time.monotonic() - t1
     node1.wait(timeout=10)
-    assert node0.returncode != 0 and "Connection" in out, out[-3000:]  # gloo: the peer closed its connection
+    assert node0.returncode != 0, out[-3000:]
+    assert "error: rank 0: another rank stopped answering ([" in out, out[-3000:]  # gloo's closed connection
+    assert "continue with resume=true once every node is up" in out and "Error executing job" not in out  # no crash
     assert stopped < 60, stopped
     (run,) = list((tmp_path / "sft").iterdir())
     assert (run / "ds" / "latest").read_text().strip() == "step-2"
     assert not (run / "final").exists() and not (tmp_path / "latest_sft").exists()
+    assert json.loads((run / "status.json").read_text())["state"] == "running"  # resume=true finds it
 
-    launch([*SFT, f"resume={run}"], tmp_path, nodes=1)
+    launch([*SFT, "resume=true"], tmp_path, nodes=1)
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
     assert_same_metrics(metrics(one_node_sft, "sft"), metrics(tmp_path, "sft"), SFT_KEYS, tol=1e-5)
     assert_same_weights(final_dir(one_node_sft, "sft"), run / "final")
+
+
+def test_a_lost_rank_is_told_from_a_crash():
+    """`engine.lost_rank`: gloo's closed connection (the kill above) and its timeout (a node that hangs: measured with
+    DEEPSPEED_TIMEOUT=1, rank 0 stopped 68 s after rank 1 stalled, in this line) leave the run resumable; an error of
+    the run's own code does not."""
+    from rlhf_cli import engine
+
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/{}] {}"
+    assert engine.lost_rank(RuntimeError(gloo.format("pair.cc:537", "Read error [127.0.0.1]:6490: Connection reset")))
+    assert engine.lost_rank(RuntimeError(gloo.format("unbound_buffer.cc:78", "Timed out waiting 60000ms for recv")))
+    assert engine.lost_rank(torch.distributed.DistNetworkError("failed to connect to the store"))
+    assert not engine.lost_rank(RuntimeError("shape mismatch in the loss"))
+    assert not engine.lost_rank(ValueError(gloo.format("pair.cc:537", "not from torch")))
