@@ -255,7 +255,11 @@ def resume_overrides(command: str, overrides: list[str], root: str | None = None
             raise ConfigError(f"resume={value}: the run finished and its DeepSpeed checkpoint in ds/ is gone (e.g. "
                               f"paths.keep_checkpoints=0): nothing to continue from; its model is {run / 'final'}")
     kept = [o for o in overrides if not o.lstrip("+").startswith("resume=")]
-    return [*kept, f"resume={run}", f"hydra.run.dir={run}"], found
+    # every rank's Hydra runs in the run's own dir now: only global rank 0 writes Hydra's files there (`.hydra/`, the
+    # log); another rank's lines go to its console, as when it starts a run (lifecycle.prepare_run_dir)
+    quiet = [] if os.environ.get("RANK", "0") == "0" else [
+        "hydra.output_subdir=null", "~hydra.job_logging.handlers.file", "hydra.job_logging.root.handlers=[console]"]
+    return [*kept, f"resume={run}", f"hydra.run.dir={run}", *quiet], found
 
 
 def check_output_root(root: str | None) -> None:
