@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
             for warning in warnings:
                 if os.environ.get("RANK", "0") == "0":
                     print(f"warning: {warning}", file=sys.stderr)
-        if resuming:
+        if resuming and os.environ.get("RANK", "0") == "0":  # once, not once per rank
             print(resuming, file=sys.stderr)
         reuse_freed_memory(command, adapters)  # the run's own mode, now that its config says whether it trains LoRA
         check_output_root(root)
