@@ -255,7 +255,11 @@ def resume_overrides(command: str, overrides: list[str], root: str | None = None
             raise ConfigError(f"resume={value}: the run finished and its DeepSpeed checkpoint in ds/ is gone (e.g. "
                               f"paths.keep_checkpoints=0): nothing to continue from; its model is {run / 'final'}")
     kept = [o for o in overrides if not o.lstrip("+").startswith("resume=")]
-    return [*kept, f"resume={run}", f"hydra.run.dir={run}"], found
+    # every rank's Hydra runs in the run's own dir now: only global rank 0 writes Hydra's files there (`.hydra/`, the
+    # log); another rank's lines go to its console, as when it starts a run (lifecycle.prepare_run_dir)
+    quiet = [] if os.environ.get("RANK", "0") == "0" else [
+        "hydra.output_subdir=null", "~hydra.job_logging.handlers.file", "hydra.job_logging.root.handlers=[console]"]
+    return [*kept, f"resume={run}", f"hydra.run.dir={run}", *quiet], found
 
 
 def check_output_root(root: str | None) -> None:
@@ -335,6 +339,11 @@ def run_command(command: str, cfg) -> float | None:
         _err(f"{e}; the last checkpoint is kept: continue with resume=true once it is up" if server_down else str(e))
         sys.exit(2)
     except Exception as e:  # a crash in our code; the traceback follows
+        if engine.lost_rank(e):  # another node or rank went away: not our fault, the run stays resumable
+            close_open_loggers("failed")
+            _err(f"rank {engine.rank()}: another rank stopped answering ({str(e).splitlines()[0]}); the last "
+                 f"checkpoint is kept: continue with resume=true once every node is up")
+            sys.exit(1)
         if not cfg.get("resume"):
             mark_failed(run_dir, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         close_open_loggers("failed")
@@ -519,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
             for warning in warnings:
                 if os.environ.get("RANK", "0") == "0":
                     print(f"warning: {warning}", file=sys.stderr)
-        if resuming:
+        if resuming and os.environ.get("RANK", "0") == "0":  # once, not once per rank
             print(resuming, file=sys.stderr)
         reuse_freed_memory(command, adapters)  # the run's own mode, now that its config says whether it trains LoRA
         check_output_root(root)

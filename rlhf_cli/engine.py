@@ -179,6 +179,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def lost_rank(e: BaseException) -> bool:
+    """Whether `e` is a collective (or the launcher's store) failing because another rank went away: its process or
+    node was killed (gloo: the connection was reset or closed), or it stopped answering past the process group's
+    timeout (DeepSpeed's `DEEPSPEED_TIMEOUT`, minutes). Not a fault of this run's code or data: the run stays
+    resumable. torch raises gloo's transport errors as plain RuntimeErrors naming their source file."""
+    if isinstance(e, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return isinstance(e, RuntimeError) and "gloo/transport/" in str(e)
+
+
 WATCHDOG_EXIT = 3
 """The exit status of a process a `watchdog` stopped (a stall: not a user's mistake, 2, nor a crash, 1)."""
 WATCHDOG_GRACE = 5.0

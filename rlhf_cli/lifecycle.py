@@ -417,7 +417,8 @@ class Checkpoints:
         return step, state
 
 def mark_failed(run_dir: Path, reason: str) -> None:
-    """Rank 0: a run that stopped on an error (a data or size check, a crash in the code) is marked `failed`
+    """Rank 0: a run that stopped on an error (a data or size check, a crash in the code; not a lost node, see
+    `engine.lost_rank`) is marked `failed`
     with the one-line `reason`, so `resume=true` never picks it (runs.find_resumable). Only a `running` run
     changes: a finished, aborted or dry run keeps its state, and a dir that was never prepared (no
     config.yaml: the config was rejected first) gets no status."""

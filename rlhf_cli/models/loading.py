@@ -125,7 +125,8 @@ def load_tokenizer(model_cfg: Any) -> Any:
         if not (tdir / "tokenizer_config.json").is_file():
             path = resolve_gguf(spec)
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            _atomic_save(tok, tdir)
+            with atomic_dir(tdir, overwrite=False) as tmp:  # every rank may fill it at once: first writer wins
+                tok.save_pretrained(str(tmp))
         tok = AutoTokenizer.from_pretrained(str(tdir))
     else:
         tok = AutoTokenizer.from_pretrained(resolve_hf_dir(spec))
@@ -156,12 +157,6 @@ def resolve_hf_dir(spec: str) -> str:
     return spec  # a hub id
 
 
-def _atomic_save(obj: Any, target: Path, **kwargs: Any) -> None:
-    """save_pretrained into a temp dir beside `target`, then rename it into place."""
-    with atomic_dir(target) as tmp:
-        obj.save_pretrained(str(tmp), **kwargs)
-
-
 @contextlib.contextmanager
 def atomic_dir(target: Path, overwrite: bool = True) -> Iterator[Path]:
     """Yield a fresh temp dir beside `target`; on a clean exit, rename it to `target`.
@@ -170,7 +165,9 @@ def atomic_dir(target: Path, overwrite: bool = True) -> Iterator[Path]:
     (or, after a hard crash, left as a hidden `.<name>.tmp-*` sibling). An existing `target` is
     moved aside, the new dir renamed in, then the old one deleted. With `overwrite=False` an
     existing `target` wins and the new content is discarded (first writer wins, for caches that
-    several ranks may fill at once).
+    several ranks may fill at once: the ranks of a node, or every node when the cache is on a shared
+    filesystem; a writer that renames its dir in between this one's check and its rename wins too, and
+    a reader never sees the dir moved aside).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +190,11 @@ def atomic_dir(target: Path, overwrite: bool = True) -> Iterator[Path]:
             finally:
                 shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, target)
+            try:
+                os.replace(tmp, target)
+            except OSError:  # another writer renamed its dir in since the check (a non-empty target)
+                if overwrite or not target.is_dir():
+                    raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

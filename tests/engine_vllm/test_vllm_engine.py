@@ -550,3 +550,28 @@ def test_two_ranks_on_the_engine_match_one_rank(tmp_path):
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-4)
     assert not (runs[2] / "engine_model").exists()
+
+
+def test_two_nodes_on_the_engine_equal_one_node(tmp_path):
+    """Two nodes, simulated (tests/test_two_nodes.py): an engine per rank on two torchrun launchers of one rank each
+    (each LOCAL_RANK 0) samples and trains as one launcher of two ranks, within 1e-5 (fp32), and global rank 1 writes
+    nothing of the run's but its DeepSpeed files (rank 0 writes the engine's start-up `engine_model/`, then deletes
+    it)."""
+    from test_two_nodes import assert_only_rank0_writes, assert_same_weights, launch
+
+    args = ["train-ppo", "model=tiny", "precision=fp32", *PPO, "ppo.iterations=2", "deepspeed=zero2",
+            "ppo.mini_batch_size=8"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(args, one, nodes=1)
+    launch(args, two, nodes=2)
+    (run_one,), (run_two,) = (list((root / "ppo").iterdir()) for root in (one, two))
+    a, b = read_metrics(run_one), read_metrics(run_two)
+    assert len(a) == len(b) == 2 and a[-1]["objective/kl"] != 0
+    for key in ("objective/scores", "objective/kl", "response/length_mean", "policy/loss", "val/loss",
+                "rollout/engine_logprob_diff_mean", "rollout/engine_tensors_changed"):
+        for ra, rb in zip(a, b):
+            assert rb[key] == pytest.approx(ra[key], abs=1e-5, rel=1e-5), key
+    for name in ("", "critic"):
+        assert_same_weights(run_one / "final" / name, run_two / "final" / name)
+    assert not (run_two / "engine_model").exists()
+    assert_only_rank0_writes(two, "ppo")

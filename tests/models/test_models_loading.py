@@ -2,6 +2,8 @@
 
 import copy
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +87,25 @@ def test_atomic_dir_keeps_previous_dir_on_failure(tmp_path):
         (tmp / "a.txt").write_text("new")
     assert (target / "a.txt").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or backup dirs left
+
+
+def test_atomic_dir_first_writer_wins_a_race(tmp_path, monkeypatch):
+    """Two writers of a cache (the ranks of a node, or nodes sharing the cache) both miss it: the one renaming its dir
+    in second, after its own check said there was none, keeps the first one's and raises nothing."""
+    target = tmp_path / "cache" / "tokenizer"
+    real = os.replace
+
+    def other_writer_first(src, dst):  # the other writer's rename lands between this one's check and its rename
+        if Path(dst) == target and not target.exists():
+            target.mkdir()
+            (target / "a.txt").write_text("first")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", other_writer_first)
+    with atomic_dir(target, overwrite=False) as tmp:
+        (tmp / "a.txt").write_text("second")
+    assert (target / "a.txt").read_text() == "first"
+    assert [p.name for p in target.parent.iterdir()] == ["tokenizer"]  # its temp dir removed
 
 
 def test_gguf_is_dequantised_once_then_loaded_from_cache(tiny_model_cfg, tokenizer, tiny_causal, tmp_path, monkeypatch):
