@@ -498,15 +498,16 @@ class VLLMGenerator:
 
     def _bounded(self, doing: str) -> contextlib.AbstractContextManager[None]:
         """`engine.watchdog` over one push, self-test or probe: past `rollout.sync_timeout_s` the process writes one
-        line naming the rank and what it was doing (`doing`, and the tensor a push had reached), marks the run
-        failed, and exits; the other ranks' own watchdogs stop them as they wait for it."""
+        line naming the rank and what it was doing (`doing`, and the tensor a push had reached), records it in the
+        run's status (`stopped`), left `running`: a stall is no fault of the run's, so `resume=true` continues it
+        from its last checkpoint; then it exits, and the other ranks' own watchdogs stop them as they wait for it."""
         self._doing = doing
 
-        def failed(line: str) -> None:
+        def stopped(line: str) -> None:
             if engine.is_main():
-                set_status(self.workdir, "failed", reason=line)
+                set_status(self.workdir, "running", stopped=line)
 
-        return engine.watchdog(self.sync_timeout_s, lambda: self._doing, failed)
+        return engine.watchdog(self.sync_timeout_s, lambda: self._doing, stopped)
 
     def _push_everywhere(self, model: Any, gather: Gather | None) -> None:
         """`_push` under `_bounded`, then every rank learns whether any rank's push failed, so that all stop
