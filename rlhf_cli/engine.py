@@ -88,6 +88,7 @@ def init_distributed() -> None:
         if "LOCAL_RANK" not in os.environ and dist.get_world_size() == 1:  # a lone group another library made
             _lone_process_env()  # (an in-process vLLM engine started first): DeepSpeed reads these
         return
+    _forget_destroyed_groups()
     if "RANK" not in os.environ:  # a lone process: rendezvous with itself
         _lone_process_env()
     backend = "nccl" if _has_gpu() else "gloo"
@@ -95,6 +96,22 @@ def init_distributed() -> None:
         torch.cuda.set_device(local_rank())
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     _unlink_shm_buffers()
+
+
+def _forget_destroyed_groups() -> None:
+    """Drop DeepSpeed's cached process groups of a world that is gone, before a new one is made in this process.
+
+    DeepSpeed keeps a clone of the world group (and its data-parallel groups) in module globals and forgets them only
+    when the world is destroyed through `deepspeed.comm`. vLLM's in-process shutdown destroys the world through
+    torch (`cleanup_dist_env_and_memory`), so a second run in the same process (a Hydra `-m` sweep, an eval after
+    a train) found the dead clone and failed in `deepspeed.initialize` ("Group ... is not registered")."""
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(group=None)
+    else:  # older DeepSpeed: the world clone is the one every engine reads
+        groups._WORLD_GROUP = None
 
 
 def close_distributed() -> None:

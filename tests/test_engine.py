@@ -155,6 +155,31 @@ def test_cpu_init_builds_no_shared_memory_op():
     assert out.stdout.strip().splitlines()[-1] == "True False [1.0, 1.0, 1.0]"
 
 
+def test_a_world_destroyed_by_another_library_leaves_no_dead_group_to_the_next_engine():
+    """vLLM's in-process shutdown destroys the world through torch, not DeepSpeed; the next run in that process
+    (a `-m` sweep, or the engine tests' next case) built its engine on DeepSpeed's clone of the dead world and
+    failed in `deepspeed.initialize` ("Group ... is not registered"). In a child: its world is destroyed."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from types import SimpleNamespace; from rlhf_cli import engine\n"
+            "ds = SimpleNamespace(zero_stage=3, offload_optimizer=False, offload_param=False, extra={})\n"
+            "for run in range(2):\n"
+            "    engine.init_distributed()\n"
+            "    m = torch.nn.Linear(4, 4)\n"
+            "    eng = engine.TrainEngine(m, ds, 'fp32', lr=1e-2, train_batch_size=1, micro_batch_size=1,\n"
+            "                             total_steps=1, max_grad_norm=1.0)\n"
+            "    print('engine', run)\n"
+            "    torch.distributed.destroy_process_group()  # as vLLM's cleanup_dist_env_and_memory does\n")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["engine", "0", "engine", "1"]
+
+
 def test_ds_config_from_groups():
     from omegaconf import OmegaConf
 
