@@ -31,6 +31,16 @@ and each engine's training wall seconds.
 
     python benchmarks/engine_bench.py --parity --seeds 42,1 [--workdir DIR] [--out results/engine_parity.json]
 
+`--prefix-cache` measures vLLM's prefix caching (on by default, reset after every push), on against off, at
+grpo_bench's shape: `--iterations` GRPO iterations of 4 prompts x 8 samples x 48 new tokens, each after a push of
+changed weights, the vLLM engine only, each setting in its own process in the order on off off on (`--rounds`).
+It gives the generation seconds per iteration and the share of prompt tokens read from the cache. vLLM caches
+whole KV blocks (128 tokens on the CPU backend, 16 on a GPU): the built-in task's prompts (~52 tokens) fill none
+on the CPU, so `--system-prompt-words N` puts a system prompt of N words before each prompt (a long shared
+prefix, as an agent's instructions or a multi-turn history give).
+
+    python benchmarks/engine_bench.py --prefix-cache [--iterations 4] [--system-prompt-words 120]
+
 With `--workdir`, each finished seed is kept in `seed_<s>/paired_seed.json`, and a later call at the same
 `--precision` reads it instead of training that seed again (a run stopped midway, or more seeds added to the pool).
 This comparison is `preset_bench.py`'s, with a = `rollout.engine=hf` and b = `rollout.engine=vllm`.
@@ -141,6 +151,110 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
     return out
 
 
+GROUP_SHAPE = (4, 8, 48)
+"""`--prefix-cache`: prompts per iteration, samples per prompt, new tokens (grpo_bench's defaults)."""
+
+
+def prefix_cache_worker(on: bool, model: str, precision: str, workdir: Path, engine_dtype: str, iterations: int,
+                        system_words: int) -> dict[str, Any]:
+    """`--prefix-cache`: train-ppo's vLLM engine with prefix caching `on` or off, in this process: started and
+    warmed up untimed, then `iterations` GRPO iterations (a push of changed weights, then 4 prompts x 8 samples, a
+    seed each), timed as the grpo shape is (generation seconds without the probe's check)."""
+    import torch
+
+    from rlhf_cli.data import load_prompt_data
+    from rlhf_cli.engine import resolve_precision, scoring_precision
+    from rlhf_cli.models import load_causal_lm
+    from rlhf_cli.models.loading import load_tokenizer
+    from rlhf_cli.rollout import EngineSettings, Sampling, dtype_setting, make_generator
+
+    overrides = [f"model={model}", f"precision={precision}", "data.builtin.ppo_train=256",
+                 f"rollout.engine_dtype={engine_dtype}"]
+    if system_words:  # a fixed instruction of that many words, the same before every prompt
+        words = ("Think step by step and give the final answer as a number " * system_words).split()[:system_words]
+        overrides.append(f"data.system_prompt='{' '.join(words)}.'")
+    if model == "tiny":
+        overrides += ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
+    cfg = compose("train_ppo", overrides)
+    precision = resolve_precision(cfg.precision)
+    tok = load_tokenizer(cfg.model)
+    lm = load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tok)
+    prompts = [p["prompt_ids"] for p in load_prompt_data(cfg.data, tok, "train")]
+    P, G, n = GROUP_SHAPE
+    gen = make_generator("vllm", EngineSettings(
+        precision=precision, chunk=32, workdir=workdir, max_model_len=max(map(len, prompts)) + n + 8,
+        engine_dtype=cfg.rollout.engine_dtype, score_precision=scoring_precision(precision, cfg.scoring_precision),
+        prefix_caching=on))
+    sampling = Sampling(eos_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id, max_new_tokens=n, temperature=1.0,
+                        top_p=1.0)
+    gen.update_weights(lm)
+    gen.generate(prompts[:8], list(range(8)), sampling)  # the start's self-test and warm-up, untimed
+    cached = [0, 0]  # prompt tokens read from the prefix cache, prompt tokens, over the timed calls
+    llm_generate = gen.llm.generate
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        outs = llm_generate(*args, **kwargs)
+        cached[0] += sum(o.num_cached_tokens or 0 for o in outs)
+        cached[1] += sum(len(o.prompt_token_ids) for o in outs)
+        return outs
+
+    gen.llm.generate = counted
+    seconds = []
+    for it in range(iterations):
+        with torch.no_grad():  # a policy update's worth of change, so the push has something to carry
+            for p in lm.parameters():
+                p.mul_(1.0 + 1e-4)
+        gen.update_weights(lm)
+        batch = [prompts[8 + it * P + k] for k in range(P) for _ in range(G)]  # a group of G per prompt
+        before, t0 = gen.sync_seconds, time.perf_counter()
+        gen.generate(batch, list(range(it * P * G, (it + 1) * P * G)), sampling)
+        seconds.append(time.perf_counter() - t0 - (gen.sync_seconds - before))
+    gen.close()
+    return {"prefix_caching": on, "precision": precision, "engine_dtype": dtype_setting(gen.dtype),
+            "generation": seconds, "cached_frac": cached[0] / max(cached[1], 1),
+            "prompt_tokens": sum(len(prompts[8 + k]) for k in range(P * iterations)) / (P * iterations)}
+
+
+def prefix_cache(args: argparse.Namespace) -> None:
+    """`--prefix-cache` (see the module docstring): on off off on, each in its own process; a table of the means."""
+    order = ["on", "off", "off", "on"] * args.rounds
+    results: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
+        for i, name in enumerate(order):
+            cmd = [sys.executable, __file__, "--worker", f"prefix-{name}", "--model", args.model, "--precision",
+                   args.precision, "--engine-dtype", args.engine_dtype, "--iterations", str(args.iterations),
+                   "--system-prompt-words", str(args.system_prompt_words), "--worker-dir", str(Path(tmp) / str(i))]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ})
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                sys.exit(f"error: the {name} worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            results[name].append(json.loads(line[-1][len("RESULT "):]))
+            print(f"  run {i + 1}/{len(order)} (prefix caching {name}): "
+                  f"{[round(x, 2) for x in results[name][-1]['generation']]} s", file=sys.stderr)
+
+    def mean(name: str, key: str) -> float:
+        vals = [x for r in results[name] for x in (r[key] if isinstance(r[key], list) else [r[key]])]
+        return sum(vals) / len(vals)
+
+    P, G, n = GROUP_SHAPE
+    table = Table(ours="on")
+    table.columns = ("metric", "on", "off", "on/off")
+    table.add("generation", f"grpo ({P} prompts x {G} samples x {n}): generation per iteration, s",
+              mean("on", "generation"), mean("off", "generation"))
+    table.add("cached_frac", "prompt tokens read from the prefix cache", mean("on", "cached_frac"),
+              mean("off", "cached_frac"), ratio=False)
+    info = machine_info()
+    first = results["on"][0]
+    header = [f"vLLM prefix caching, on vs off: {args.model}, {first['precision']}, engine {first['engine_dtype']}, "
+              f"prompts {first['prompt_tokens']:.0f} tokens (system prompt {args.system_prompt_words} words)",
+              f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores",
+              f"order: {' '.join(order)} ({args.iterations} iterations per run, each after a push)"]
+    print("\n".join(header))
+    print("\n".join(table.lines()))
+    write_outputs(args.out, header, table, ["the vLLM engine only; a push of changed weights before each iteration"],
+                  {"runs": results})
+
+
 def parity(args: argparse.Namespace) -> None:
     """`--parity` (see the module docstring): experiment=grpo trained on each engine, per seed, judged paired
     (`preset_bench.paired_training` with a = hf, b = vllm)."""
@@ -161,9 +275,18 @@ def main() -> None:
     ap.add_argument("--parity", action="store_true", help="train experiment=grpo on each engine and judge them paired")
     ap.add_argument("--seeds", default="42,1", help="--parity: the training seeds, comma-separated")
     ap.add_argument("--workdir", default=None, help="--parity: keep run dirs here (default: a temp dir, removed)")
+    ap.add_argument("--prefix-cache", action="store_true", help="vLLM's prefix caching on vs off at the grpo shape")
+    ap.add_argument("--iterations", type=int, default=4, help="--prefix-cache: GRPO iterations per run")
+    ap.add_argument("--system-prompt-words", type=int, default=0,
+                    help="--prefix-cache: a system prompt of this many words before every prompt (0: none)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker and args.worker.startswith("prefix-"):
+        print("RESULT " + json.dumps(prefix_cache_worker(args.worker == "prefix-on", args.model, args.precision,
+                                                         Path(args.worker_dir), args.engine_dtype, args.iterations,
+                                                         args.system_prompt_words)))
+        return
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.model, args.precision, Path(args.worker_dir),
                                             args.engine_dtype)))
@@ -174,6 +297,9 @@ def main() -> None:
         sys.exit("error: engine_bench needs vLLM in this venv: run `make install-vllm` first")
     if args.parity:
         parity(args)
+        return
+    if args.prefix_cache:
+        prefix_cache(args)
         return
     order = ["hf", "vllm", "vllm", "hf"] * args.rounds
     results: dict[str, list[dict[str, Any]]] = {"hf": [], "vllm": []}

@@ -47,6 +47,9 @@ class EngineSettings:
     """`rollout.engine_selftest`: an engine that holds its own weights (`vllm`) tests its push once after it starts."""
     sync_timeout_s: float = 600.0
     """`rollout.sync_timeout_s`: the bound on each push, self-test and probe of an engine that pushes (`vllm`)."""
+    prefix_caching: bool = True
+    """An engine's prefix cache (`vllm`: reset after every push); no config key: off only where a benchmark measures
+    it (`benchmarks/engine_bench.py --prefix-cache`)."""
 
 
 def _hf(settings: EngineSettings) -> Generator:
@@ -60,7 +63,7 @@ def _vllm(settings: EngineSettings) -> Generator:
                          kv_cache_gb=settings.kv_cache_gb, max_model_len=settings.max_model_len,
                          engine_dtype=settings.engine_dtype, score_precision=settings.score_precision,
                          verbose=settings.verbose, selftest=settings.selftest,
-                         sync_timeout_s=settings.sync_timeout_s)
+                         sync_timeout_s=settings.sync_timeout_s, prefix_caching=settings.prefix_caching)
 
 
 GENERATORS: dict[str, Callable[[EngineSettings], Generator]] = {"hf": _hf, "vllm": _vllm}

@@ -24,6 +24,13 @@ ids out: the caller tokenizes), without chunked prefill (a prompt's prefill spli
 sampled token and rewinds its seeded generator, which the CPU backend cannot do: "CPU Generator does not use
 offset", seen at 128 prompts) and, on the CPU, `enforce_eager` (compilation costs minutes and gains nothing at
 these sizes).
+
+Prefix caching is on (GRPO's samples of a prompt, and a multi-turn episode's turns, share the KV of their common
+prefix; whole blocks only: 128 tokens on the CPU backend, 16 on a GPU), and every push resets the prefix cache
+(`LLM.reset_prefix_cache`): its entries hold the keys and values the old weights computed, and a prompt that hit
+them after a push would be sampled from the old weights silently, where neither the push's checks nor a log-prob
+far from the trainer's would say why. After the reset the first prompt computes its prefix afresh: a cached
+prompt after a push samples as a fresh engine from the pushed weights does (tests/engine_vllm).
 """
 
 from __future__ import annotations
@@ -368,7 +375,8 @@ class VLLMGenerator:
     max_model_len: the longest prompt + response, tokens; probe: the greedy probe after each push (where the
     engine and the trainer's scoring passes are fp32: `probes`; see `probe`); selftest: the push self-test at the
     first `generate` after a start (`rollout.engine_selftest`; see `selftest`); sync_timeout_s: the bound on each
-    push, self-test and probe (`rollout.sync_timeout_s`; see `_bounded`).
+    push, self-test and probe (`rollout.sync_timeout_s`; see `_bounded`); prefix_caching: vLLM's prefix caching,
+    its cache reset after every push (see the module docstring; off only to measure it: `engine_bench.py`).
 
     Weights: the first `update_weights(model)` writes `engine_weights(model)` and the model's config to
     `<workdir>/engine_model/` and starts the engine from it; later calls push the same names through vLLM's
@@ -384,7 +392,7 @@ class VLLMGenerator:
     def __init__(self, precision: str, chunk: int = 32, workdir: str | Path | None = None, kv_cache_gb: int = 2,
                  max_model_len: int = 2048, probe: bool = True, engine_dtype: str = "auto",
                  score_precision: str | None = None, verbose: bool = False, selftest: bool = True,
-                 sync_timeout_s: float = 600.0) -> None:
+                 sync_timeout_s: float = 600.0, prefix_caching: bool = True) -> None:
         if workdir is None:
             raise ValueError("VLLMGenerator needs a workdir (the run dir) for its model dir")
         self.precision, self.chunk = precision, int(chunk)
@@ -417,6 +425,7 @@ class VLLMGenerator:
         """How many of the engine's tensors the last push changed (a tied tensor once; a LoRA layer's merged weight
         once per adapted module), found by `fingerprint`; None after a start, 0 after the self-test's push of the
         unchanged weights. train-ppo logs it as `rollout/engine_tensors_changed`."""
+        self.prefix_caching = bool(prefix_caching)  # vLLM's, reset after every push (`_reset_prefix_cache`)
         self.own_weights = True  # the engine's copy: train-ppo pushes with one layer gathered at a time (ZeRO-3)
 
     # -- weights -------------------------------------------------------------------------------------------
@@ -487,7 +496,7 @@ class VLLMGenerator:
         self.llm = LLM(model=str(self.model_dir), dtype=self.dtype, skip_tokenizer_init=True,
                        logprobs_mode="processed_logprobs", generation_config="vllm",
                        enforce_eager=cpu_backend(), max_model_len=self.max_model_len, seed=0,
-                       enable_prefix_caching=False, enable_chunked_prefill=False,
+                       enable_prefix_caching=self.prefix_caching, enable_chunked_prefill=False,
                        max_num_batched_tokens=max(self.max_model_len, 8192), **kwargs)
         # a push carries a tied tensor under each name the engine's model has a module for: vLLM's in-place reload
         # finishes a layer only when its own weight arrives (Llama's `lm_head`), and refuses a name it has no
@@ -577,6 +586,15 @@ class VLLMGenerator:
         self.tensors_changed = len({canonical[n] for n, f in prints.items()
                                     if self.fingerprints.get(canonical[n]) != f})
         self.fingerprints = {n: f for n, f in prints.items() if canonical[n] == n}
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the engine's prefix cache after a push (see the module docstring): its KV entries are the old
+        weights'. Raises RuntimeError when vLLM cannot (a block still held by a request: none is between calls)."""
+        if self.prefix_caching and not self.llm.reset_prefix_cache():
+            raise RuntimeError("rollout.engine=vllm: vLLM could not reset its prefix cache after the weight push "
+                               "(a request still holds its blocks); sampling on would read the old weights' keys "
+                               "and values")
 
     def _check_push(self, got: dict[str, tuple[int, ...]], partial: bool = False) -> None:
         """Raise ValueError naming the pushed names the engine does not load, the engine weights not pushed (unless
