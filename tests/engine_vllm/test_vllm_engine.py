@@ -366,6 +366,77 @@ def test_auto_samples_with_vllm_where_it_serves_the_model_and_with_hf_elsewhere(
 
 
 # ----------------------------------------------------------------------------------------------
+# prefix caching, reset by every push (issue 60)
+
+def long_prompts(prompts):
+    """Four prompts of 150 tokens: longer than one KV block of vLLM's CPU backend (128 tokens), the unit its prefix
+    cache holds, so a later request for one reads its first 128 tokens from the cache."""
+    return [(p * 10)[:150] for p in prompts[:4]]
+
+
+def cached_tokens(gen, batch):
+    """The prompt tokens vLLM read from its prefix cache for each prompt of `batch` (a greedy decode)."""
+    outs = gen.llm.generate([{"prompt_token_ids": p} for p in batch], vllm_engine.greedy_params(), use_tqdm=False)
+    return [o.num_cached_tokens for o in outs]
+
+
+def nudge(lm, scale, seed):
+    """An update's worth of change to every weight: Gaussian noise of std `scale`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def test_a_cached_prompt_after_a_push_samples_as_a_fresh_engine(gen, model_cfg, tokenizer, prompts, monkeypatch):
+    """fp32. Prompts cached under the old weights (their first 128 tokens read from the cache on a repeat), sampled
+    after a push of changed weights, give the ids and log-probs a fresh engine started from the pushed weights
+    gives them, and the trainer's log-probs within 1e-4; the push's greedy probe passed and the fresh engine's fp32
+    self-test (equal log-probs) too. Without the push's cache reset this fails: the first 128 tokens of each prompt
+    would be the old weights' keys and values (the next test shows it)."""
+    probes = spy_probes(monkeypatch)
+    lm = load_causal_lm(model_cfg, seed=9, tokenizer=tokenizer)
+    batch, seeds = long_prompts(prompts), [21, 22, 23, 24]
+    fresh_start(gen, lm)  # an engine of its own: another test's engine, shut down, takes vLLM's groups with it
+    gen.probe_prompts = [list(prompts[0]), list(prompts[1])]  # short: never cached, the same in both engines' calls
+    gen.generate(batch, seeds, sampling(tokenizer))
+    assert min(cached_tokens(gen, batch)) >= 128
+    nudge(lm, 0.02, seed=9)
+    gen.update_weights(lm)
+    pushed = gen.generate(batch, seeds, sampling(tokenizer))
+    assert probes == [torch.float32, torch.float32]
+    gap, tokens = max_gap(lm, batch, pushed, tokenizer.pad_token_id)
+    assert tokens >= 32 and gap <= 1e-4, gap
+    fresh_start(gen, lm)  # the same probe prompts ride in its first call, as in the pushed engine's
+    cold = gen.generate(batch, seeds, sampling(tokenizer))
+    assert gen.tensors_changed == 0  # its self-test ran, and passed
+    assert torch.equal(pushed.responses, cold.responses)
+    assert torch.equal(pushed.logprobs, cold.logprobs), float((pushed.logprobs - cold.logprobs).abs().max())
+
+
+def test_without_the_reset_a_cached_prompt_samples_from_the_old_weights(gen, model_cfg, tokenizer, prompts,
+                                                                          monkeypatch):
+    """The previous test's negative: the push's cache reset taken out (and the probe, which would catch it in fp32
+    where its prompts are long enough to be cached; a bf16 engine has none), a cached prompt after a push is
+    sampled from the old weights' keys and values, silently: its log-probs are > 1e-2 nats from the trainer's,
+    and the same prompts once the cache is reset by hand are back within 1e-4."""
+    lm = load_causal_lm(model_cfg, seed=10, tokenizer=tokenizer)
+    batch, seeds = long_prompts(prompts), [31, 32, 33, 34]
+    fresh_start(gen, lm)
+    gen.generate(batch, seeds, sampling(tokenizer))
+    monkeypatch.setattr(vllm_engine.VLLMGenerator, "_reset_prefix_cache", lambda self: None)
+    monkeypatch.setattr(gen, "probes", False)
+    nudge(lm, 0.02, seed=10)
+    gen.update_weights(lm)
+    stale = gen.generate(batch, seeds, sampling(tokenizer))
+    gap, _ = max_gap(lm, batch, stale, tokenizer.pad_token_id)
+    assert gap > 1e-2, gap
+    assert gen.llm.reset_prefix_cache()
+    gap, _ = max_gap(lm, batch, gen.generate(batch, seeds, sampling(tokenizer)), tokenizer.pad_token_id)
+    assert gap <= 1e-4, gap
+
+
+# ----------------------------------------------------------------------------------------------
 # the stages on the engine
 
 def spy_probes(monkeypatch):
@@ -575,74 +646,3 @@ def test_two_nodes_on_the_engine_equal_one_node(tmp_path):
         assert_same_weights(run_one / "final" / name, run_two / "final" / name)
     assert not (run_two / "engine_model").exists()
     assert_only_rank0_writes(two, "ppo")
-
-
-# ----------------------------------------------------------------------------------------------
-# prefix caching, reset by every push (issue 60)
-
-def long_prompts(prompts):
-    """Four prompts of 150 tokens: longer than one KV block of vLLM's CPU backend (128 tokens), the unit its prefix
-    cache holds, so a later request for one reads its first 128 tokens from the cache."""
-    return [(p * 10)[:150] for p in prompts[:4]]
-
-
-def cached_tokens(gen, batch):
-    """The prompt tokens vLLM read from its prefix cache for each prompt of `batch` (a greedy decode)."""
-    outs = gen.llm.generate([{"prompt_token_ids": p} for p in batch], vllm_engine.greedy_params(), use_tqdm=False)
-    return [o.num_cached_tokens for o in outs]
-
-
-def nudge(lm, scale, seed):
-    """An update's worth of change to every weight: Gaussian noise of std `scale`."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lm.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-
-
-def test_a_cached_prompt_after_a_push_samples_as_a_fresh_engine(gen, model_cfg, tokenizer, prompts, monkeypatch):
-    """fp32. Prompts cached under the old weights (their first 128 tokens read from the cache on a repeat), sampled
-    after a push of changed weights, give the ids and log-probs a fresh engine started from the pushed weights
-    gives them, and the trainer's log-probs within 1e-4; the push's greedy probe passed and the fresh engine's fp32
-    self-test (equal log-probs) too. Without the push's cache reset this fails: the first 128 tokens of each prompt
-    would be the old weights' keys and values (the next test shows it)."""
-    probes = spy_probes(monkeypatch)
-    lm = load_causal_lm(model_cfg, seed=9, tokenizer=tokenizer)
-    batch, seeds = long_prompts(prompts), [21, 22, 23, 24]
-    gen.update_weights(lm)
-    gen.probe_prompts = [list(prompts[0]), list(prompts[1])]  # short: never cached, the same in both engines' calls
-    gen.generate(batch, seeds, sampling(tokenizer))
-    assert min(cached_tokens(gen, batch)) >= 128
-    nudge(lm, 0.02, seed=9)
-    gen.update_weights(lm)
-    pushed = gen.generate(batch, seeds, sampling(tokenizer))
-    assert probes == [torch.float32, torch.float32]
-    gap, tokens = max_gap(lm, batch, pushed, tokenizer.pad_token_id)
-    assert tokens >= 32 and gap <= 1e-4, gap
-    fresh_start(gen, lm)  # the same probe prompts ride in its first call, as in the pushed engine's
-    cold = gen.generate(batch, seeds, sampling(tokenizer))
-    assert gen.tensors_changed == 0  # its self-test ran, and passed
-    assert torch.equal(pushed.responses, cold.responses)
-    assert torch.equal(pushed.logprobs, cold.logprobs), float((pushed.logprobs - cold.logprobs).abs().max())
-
-
-def test_without_the_reset_a_cached_prompt_samples_from_the_old_weights(gen, model_cfg, tokenizer, prompts,
-                                                                          monkeypatch):
-    """The previous test's negative: the push's cache reset taken out (and the probe, which would catch it in fp32
-    where its prompts are long enough to be cached; a bf16 engine has none), a cached prompt after a push is
-    sampled from the old weights' keys and values, silently: its log-probs are > 1e-2 nats from the trainer's,
-    and the same prompts once the cache is reset by hand are back within 1e-4."""
-    lm = load_causal_lm(model_cfg, seed=10, tokenizer=tokenizer)
-    batch, seeds = long_prompts(prompts), [31, 32, 33, 34]
-    gen.update_weights(lm)
-    gen.generate(batch, seeds, sampling(tokenizer))
-    monkeypatch.setattr(vllm_engine.VLLMGenerator, "_reset_prefix_cache", lambda self: None)
-    monkeypatch.setattr(gen, "probes", False)
-    nudge(lm, 0.02, seed=10)
-    gen.update_weights(lm)
-    stale = gen.generate(batch, seeds, sampling(tokenizer))
-    gap, _ = max_gap(lm, batch, stale, tokenizer.pad_token_id)
-    assert gap > 1e-2, gap
-    assert gen.llm.reset_prefix_cache()
-    gap, _ = max_gap(lm, batch, gen.generate(batch, seeds, sampling(tokenizer)), tokenizer.pad_token_id)
-    assert gap <= 1e-4, gap
