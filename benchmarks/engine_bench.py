@@ -243,16 +243,12 @@ def prefix_cache(args: argparse.Namespace) -> None:
               mean("on", "generation"), mean("off", "generation"))
     table.add("cached_frac", "prompt tokens read from the prefix cache", mean("on", "cached_frac"),
               mean("off", "cached_frac"), ratio=False)
-    info = machine_info()
     first = results["on"][0]
-    header = [f"vLLM prefix caching, on vs off: {args.model}, {first['precision']}, engine {first['engine_dtype']}, "
-              f"prompts {first['prompt_tokens']:.0f} tokens (system prompt {args.system_prompt_words} words)",
-              f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores",
-              f"order: {' '.join(order)} ({args.iterations} iterations per run, each after a push)"]
-    print("\n".join(header))
-    print("\n".join(table.lines()))
-    write_outputs(args.out, header, table, ["the vLLM engine only; a push of changed weights before each iteration"],
-                  {"runs": results})
+    report(args.out, table, results,
+           f"vLLM prefix caching, on vs off: {args.model}, {first['precision']}, engine {first['engine_dtype']}, "
+           f"prompts {first['prompt_tokens']:.0f} tokens (system prompt {args.system_prompt_words} words)",
+           f"order: {' '.join(order)} ({args.iterations} iterations per run, each after a push)",
+           ["the vLLM engine only; a push of changed weights before each iteration"])
 
 
 def parity(args: argparse.Namespace) -> None:
@@ -263,6 +259,15 @@ def parity(args: argparse.Namespace) -> None:
     paired_training([int(x) for x in args.seeds.split(",")], ("hf", ["rollout.engine=hf"]),
                     ("vllm", ["rollout.engine=vllm", f"rollout.engine_dtype={args.engine_dtype}"]),
                     precision=args.precision, workdir=args.workdir, out=args.out)
+
+
+def report(out: str | None, table: Any, results: dict[str, Any], title: str, order: str, notes: list[str]) -> None:
+    """Print the table under its header (title, machine, order) and write it to `out` with every run's figures."""
+    info = machine_info()
+    header = [title, f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores", order]
+    print("\n".join(header))
+    print("\n".join(table.lines()))
+    write_outputs(out, header, table, notes, {"runs": results})
 
 
 def main() -> None:
@@ -336,20 +341,16 @@ def main() -> None:
         table.add(f"{shape}_tps", f"{shape}: generated tokens/s",
                   mean("vllm", shape, "tokens") / mean("vllm", shape, "generation"),
                   mean("hf", shape, "tokens") / mean("hf", shape, "generation"))
-    info = machine_info()
     cfg = compose("train_ppo", [f"model={args.model}"] + (["model.arch.num_attention_heads=2",
                                                             "model.arch.num_key_value_heads=2"]
                                                            if args.model == "tiny" else []))
     precision = results["hf"][0]["precision"]
-    header = [f"sampling engines, hf vs vllm: {model_label(cfg.model)}, {precision}, vLLM's weights: eval "
-              f"{results['vllm'][0]['engine_dtype']}, grpo and ppo {results['vllm'][0]['train_engine_dtype']}",
-              f"machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores",
-              f"order: {' '.join(order)} (means over {args.rounds * 2} runs per engine)"]
-    print("\n".join(header))
-    print("\n".join(table.lines()))
-    notes = ["each engine in its own process; temperature 1, top-p 1, one seed per prompt",
-             "eval: a fresh engine, its start and first-call warm-up included; grpo and ppo: warm, after a push"]
-    write_outputs(args.out, header, table, notes, {"runs": results})
+    report(args.out, table, results,
+           f"sampling engines, hf vs vllm: {model_label(cfg.model)}, {precision}, vLLM's weights: eval "
+           f"{results['vllm'][0]['engine_dtype']}, grpo and ppo {results['vllm'][0]['train_engine_dtype']}",
+           f"order: {' '.join(order)} (means over {args.rounds * 2} runs per engine)",
+           ["each engine in its own process; temperature 1, top-p 1, one seed per prompt",
+            "eval: a fresh engine, its start and first-call warm-up included; grpo and ppo: warm, after a push"])
 
 
 if __name__ == "__main__":
