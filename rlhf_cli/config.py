@@ -166,6 +166,10 @@ class ReasoningGymConfig:
     text."""
     seed: int = 0
     """Seed of the training prompts' generator (item i from seed + i)."""
+    task_config: dict[str, Any] = field(default_factory=dict)
+    """Each task's generator settings by task name: fields of the package's config class for that task, e.g.
+    `{chain_sum: {max_terms: 2, max_digits: 1}}` for sums of two one-digit numbers; a task not named keeps the
+    package's defaults. `size` and `seed` are this section's own."""
 
 
 @dataclass
@@ -1107,6 +1111,14 @@ def validate_common(cfg: Any) -> None:
                                                  f"{rg.size}, {rg.eval_size})")
         _check(all(isinstance(t, str) and t for t in rg.tasks),
                f"data.reasoning_gym.tasks must be task names (got {list(rg.tasks)})")
+    for task, settings in rg.task_config.items():
+        _check(task in rg.tasks, f"data.reasoning_gym.task_config.{task}: {task} is not among "
+                                 f"data.reasoning_gym.tasks={list(rg.tasks)}; add it there or drop its settings")
+        _check(hasattr(settings, "items"), f"data.reasoning_gym.task_config.{task} must be a mapping of the task's "
+                                           f"settings, e.g. {{max_terms: 2}} (got {settings!r})")
+        for own in ("size", "seed"):
+            _check(own not in settings, f"data.reasoning_gym.task_config.{task}.{own}: set data.reasoning_gym.{own}, "
+                                        "which also keeps the held-out seeds apart")
     _check(cfg.paths.keep_checkpoints >= 0,
            "paths.keep_checkpoints must be >= 0 (0 = delete ds/ once final/ is written; "
            f"got {cfg.paths.keep_checkpoints})")

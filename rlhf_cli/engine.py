@@ -102,9 +102,9 @@ def _forget_destroyed_groups() -> None:
     """Drop DeepSpeed's cached process groups of a world that is gone, before a new one is made in this process.
 
     DeepSpeed keeps a clone of the world group (and its data-parallel groups) in module globals and forgets them only
-    when the world is destroyed through `deepspeed.comm`. vLLM's in-process shutdown destroys the world through
+    when the world is destroyed through its own comm module. vLLM's in-process shutdown destroys the world through
     torch (`cleanup_dist_env_and_memory`), so a second run in the same process (a Hydra `-m` sweep, an eval after
-    a train) found the dead clone and failed in `deepspeed.initialize` ("Group ... is not registered")."""
+    a train) found the dead clone and failed in DeepSpeed's initialize ("Group ... is not registered")."""
     from deepspeed.utils import groups
 
     release = getattr(groups, "_release_process_group_references", None)

@@ -9,7 +9,8 @@ from `seed` + `EVAL_SEED_OFFSET` (the package draws item i from seed + i, so the
 for any size below the offset, and the held-out set does not move with `size`). Within a split a question text
 is kept once (small tasks repeat questions), and a held-out question that is also a training one is dropped, so
 the splits share no text. A prompt is the package's default system prompt (answer inside `<answer></answer>`
-tags; `data.system_prompt` replaces it) and the question; its `answer` is the entry's answer and its columns the
+tags; `data.system_prompt` replaces it) and the question (each task drawn with the package's settings for it,
+overridden by `data.reasoning_gym.task_config.<task>`); its `answer` is the entry's answer and its columns the
 whole entry (question, answer, metadata), which the checker and a reward server receive. A few tasks draw their
 questions with Python's string hashing too (`HASH_SEEDED`): they need PYTHONHASHSEED fixed, which is checked.
 
@@ -71,8 +72,31 @@ def check_tasks(tasks: Sequence[str]) -> None:
                               f"so every process would get other ones: run with PYTHONHASHSEED=0 exported")
 
 
-def _entries(task: str, size: int, seed: int) -> list[dict[str, Any]]:
-    return list(_package().create_dataset(task, size=size, seed=seed))
+def check_settings(task: str, settings: dict[str, Any]) -> None:
+    """`settings` (`data.reasoning_gym.task_config.<task>`) are fields of the package's config class for `task`, with
+    values it accepts. Raises ConfigError naming the first unknown field (and the task's fields), or the package's
+    own complaint about a value."""
+    import dataclasses
+
+    from reasoning_gym.factory import DATASETS
+
+    config_class = DATASETS[task][1]
+    fields = [f.name for f in dataclasses.fields(config_class) if f.name not in ("size", "seed")]
+    for name in settings:
+        if name not in fields:
+            raise ConfigError(f"data.reasoning_gym.task_config.{task}.{name}: {task} has no setting {name!r} (its "
+                              f"settings: {', '.join(fields)})")
+    try:
+        made = config_class(**settings, size=1, seed=0)
+        if hasattr(made, "validate"):
+            made.validate()
+    except (AssertionError, ValueError, TypeError) as e:
+        raise ConfigError(f"data.reasoning_gym.task_config.{task}: reasoning-gym refuses {settings}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _entries(task: str, size: int, seed: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(_package().create_dataset(task, size=size, seed=seed, **settings))
 
 
 def reasoning_gym_splits(data_cfg: Any) -> dict[str, list[tuple[int, Prompt]]]:
@@ -84,8 +108,11 @@ def reasoning_gym_splits(data_cfg: Any) -> dict[str, list[tuple[int, Prompt]]]:
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     system = data_cfg.system_prompt if data_cfg.system_prompt is not None else SYSTEM_PROMPTS["default"]
-    train = [e for t in rg.tasks for e in _entries(t, rg.size, rg.seed)]
-    held = [e for t in rg.tasks for e in _entries(t, rg.eval_size, rg.seed + EVAL_SEED_OFFSET)]
+    settings = {t: _plain(rg.task_config.get(t, {})) for t in rg.tasks}
+    for t in rg.tasks:
+        check_settings(t, settings[t])
+    train = [e for t in rg.tasks for e in _entries(t, rg.size, rg.seed, settings[t])]
+    held = [e for t in rg.tasks for e in _entries(t, rg.eval_size, rg.seed + EVAL_SEED_OFFSET, settings[t])]
     seen: set[str] = set()
     out: dict[str, list[tuple[int, Prompt]]] = {}
     for split, entries in (("train", train), ("eval", held)):
@@ -96,6 +123,14 @@ def reasoning_gym_splits(data_cfg: Any) -> dict[str, list[tuple[int, Prompt]]]:
                 kept.append(e)
         out[split] = [(i, _prompt(e, system)) for i, e in enumerate(kept, 1)]
     return out
+
+
+def _plain(settings: Any) -> dict[str, Any]:
+    """A task's settings as plain Python values (the package's config classes check types such as tuples)."""
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.to_container(settings) if OmegaConf.is_config(settings) else dict(settings)
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
 def _prompt(entry: dict[str, Any], system: str) -> Prompt:

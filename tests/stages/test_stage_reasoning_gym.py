@@ -44,6 +44,26 @@ def test_splits_are_generated_per_task_deduplicated_and_disjoint():
     assert own.messages[0] == {"role": "system", "content": "Be brief."}
 
 
+def test_a_tasks_settings_reach_its_generator_in_both_splits_and_the_other_task_keeps_its_defaults():
+    """`data.reasoning_gym.task_config.chain_sum`: sums of two one-digit numbers, training and held-out; the
+    package's default chain_sum draws up to 6 terms of up to 4 digits, and basic_arithmetic is left as it was."""
+    import re
+
+    easy = reasoning_gym_splits(rg_cfg(["+data.reasoning_gym.task_config.chain_sum={max_terms:2,max_digits:1}"]).data)
+    default = reasoning_gym_splits(rg_cfg().data)
+
+    def sums(splits, split):
+        return [re.findall(r"\d+", p.text.split(":")[-1]) for _, p in splits[split]
+                if p.columns["metadata"]["source_dataset"] == "chain_sum"]
+
+    for split in ("train", "eval"):
+        assert sums(easy, split) and all(len(n) == 2 and all(len(d) == 1 for d in n) for n in sums(easy, split))
+        assert any(len(n) > 2 or any(len(d) > 1 for d in n) for n in sums(default, split))
+        others = [[p.text for _, p in s[split] if p.columns["metadata"]["source_dataset"] == "basic_arithmetic"]
+                  for s in (easy, default)]
+        assert others[0] == others[1]
+
+
 def test_the_checker_is_the_package_score_with_partial_credit():
     import reasoning_gym
 
@@ -75,6 +95,13 @@ def test_prompts_load_with_answers_and_columns_and_the_supervised_commands_refus
     (["data.reasoning_gym.tasks=[basic_arithmatic]"], "no task 'basic_arithmatic' in reasoning-gym (did you mean "
                                                       "basic_arithmetic"),
     (["data.path=x.jsonl"], "data.path=x.jsonl and data.reasoning_gym.tasks=['basic_arithmetic', 'chain_sum'] both"),
+    (["+data.reasoning_gym.task_config.gcd={max_value:5}"], "task_config.gcd: gcd is not among data.reasoning_gym"),
+    (["+data.reasoning_gym.task_config.chain_sum={max_trms:2}"], "chain_sum.max_trms: chain_sum has no setting "
+                                                                 "'max_trms' (its settings: min_terms, max_terms"),
+    (["+data.reasoning_gym.task_config.chain_sum={min_terms:3,max_terms:2}"], "chain_sum: reasoning-gym refuses "
+                                                                              "{'min_terms': 3, 'max_terms': 2}"),
+    (["+data.reasoning_gym.task_config.chain_sum={seed:1}"], "task_config.chain_sum.seed: set data.reasoning_gym.seed"),
+    (["+data.reasoning_gym.task_config.chain_sum=3"], "task_config.chain_sum must be a mapping"),
 ])
 def test_bad_settings_are_one_line(tokenizer, overrides, needle):
     from rlhf_cli.preflight import VALIDATORS
