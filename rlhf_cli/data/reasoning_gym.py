@@ -72,27 +72,32 @@ def check_tasks(tasks: Sequence[str]) -> None:
                               f"so every process would get other ones: run with PYTHONHASHSEED=0 exported")
 
 
-def check_settings(task: str, settings: dict[str, Any]) -> None:
-    """`settings` (`data.reasoning_gym.task_config.<task>`) are fields of the package's config class for `task`, with
-    values it accepts. Raises ConfigError naming the first unknown field (and the task's fields), or the package's
-    own complaint about a value."""
+def task_settings(task: str, settings: Any) -> dict[str, Any]:
+    """`data.reasoning_gym.task_config.<task>` as the keyword arguments of the package's config class for `task`:
+    plain values, a list given for a field whose default is a tuple made a tuple (the package checks such types).
+    Raises ConfigError naming the first unknown field (and the task's fields), or the package's own complaint
+    about a value."""
     import dataclasses
 
+    from omegaconf import OmegaConf
     from reasoning_gym.factory import DATASETS
 
     config_class = DATASETS[task][1]
-    fields = [f.name for f in dataclasses.fields(config_class) if f.name not in ("size", "seed")]
-    for name in settings:
+    fields = {f.name: f for f in dataclasses.fields(config_class) if f.name not in ("size", "seed")}
+    given = OmegaConf.to_container(settings) if OmegaConf.is_config(settings) else dict(settings)
+    for name in given:
         if name not in fields:
             raise ConfigError(f"data.reasoning_gym.task_config.{task}.{name}: {task} has no setting {name!r} (its "
                               f"settings: {', '.join(fields)})")
+    out = {k: tuple(v) if isinstance(v, list) and isinstance(fields[k].default, tuple) else v for k, v in given.items()}
     try:
-        made = config_class(**settings, size=1, seed=0)
+        made = config_class(**out, size=1, seed=0)
         if hasattr(made, "validate"):
             made.validate()
     except (AssertionError, ValueError, TypeError) as e:
-        raise ConfigError(f"data.reasoning_gym.task_config.{task}: reasoning-gym refuses {settings}: "
+        raise ConfigError(f"data.reasoning_gym.task_config.{task}: reasoning-gym refuses {given}: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return out
 
 
 def _entries(task: str, size: int, seed: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,9 +113,7 @@ def reasoning_gym_splits(data_cfg: Any) -> dict[str, list[tuple[int, Prompt]]]:
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     system = data_cfg.system_prompt if data_cfg.system_prompt is not None else SYSTEM_PROMPTS["default"]
-    settings = {t: _plain(rg.task_config.get(t, {})) for t in rg.tasks}
-    for t in rg.tasks:
-        check_settings(t, settings[t])
+    settings = {t: task_settings(t, rg.task_config.get(t, {})) for t in rg.tasks}
     train = [e for t in rg.tasks for e in _entries(t, rg.size, rg.seed, settings[t])]
     held = [e for t in rg.tasks for e in _entries(t, rg.eval_size, rg.seed + EVAL_SEED_OFFSET, settings[t])]
     seen: set[str] = set()
@@ -123,14 +126,6 @@ def reasoning_gym_splits(data_cfg: Any) -> dict[str, list[tuple[int, Prompt]]]:
                 kept.append(e)
         out[split] = [(i, _prompt(e, system)) for i, e in enumerate(kept, 1)]
     return out
-
-
-def _plain(settings: Any) -> dict[str, Any]:
-    """A task's settings as plain Python values (the package's config classes check types such as tuples)."""
-    from omegaconf import OmegaConf
-
-    out = OmegaConf.to_container(settings) if OmegaConf.is_config(settings) else dict(settings)
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
 def _prompt(entry: dict[str, Any], system: str) -> Prompt:
