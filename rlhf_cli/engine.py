@@ -84,11 +84,11 @@ def init_distributed() -> None:
     """Join (or create) the process group. Idempotent. Reads LOCAL_RANK/RANK/WORLD_SIZE from env."""
     if not _has_gpu():  # also when the group exists already: deepspeed.initialize may still build its backend
         _skip_shm_comm_op()
+    _forget_destroyed_groups()  # also when another library made the new world (an in-process vLLM engine)
     if dist.is_available() and dist.is_initialized():
         if "LOCAL_RANK" not in os.environ and dist.get_world_size() == 1:  # a lone group another library made
             _lone_process_env()  # (an in-process vLLM engine started first): DeepSpeed reads these
         return
-    _forget_destroyed_groups()
     if "RANK" not in os.environ:  # a lone process: rendezvous with itself
         _lone_process_env()
     backend = "nccl" if _has_gpu() else "gloo"
@@ -98,8 +98,16 @@ def init_distributed() -> None:
     _unlink_shm_buffers()
 
 
+_DEEPSPEED_GROUPS = ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mesh_device", "mpu")
+"""DeepSpeed's module-level references to process groups (its `groups` module), dropped by hand where its own
+`_release_process_group_references` is missing (DeepSpeed before 0.18)."""
+
+
 def _forget_destroyed_groups() -> None:
-    """Drop DeepSpeed's cached process groups of a world that is gone, before a new one is made in this process.
+    """Drop DeepSpeed's cached process groups when they belong to a world that is gone: none exists now, or the one
+    that does (made by us or by another library) does not hold DeepSpeed's clone. A live clone is kept (each engine
+    calls `init_distributed`; re-cloning the world would be a collective on every rank).
 
     DeepSpeed keeps a clone of the world group (and its data-parallel groups) in module globals and forgets them only
     when the world is destroyed through its own comm module. vLLM's in-process shutdown destroys the world through
@@ -107,11 +115,22 @@ def _forget_destroyed_groups() -> None:
     a train) found the dead clone and failed in DeepSpeed's initialize ("Group ... is not registered")."""
     from deepspeed.utils import groups
 
+    clone = getattr(groups, "_WORLD_GROUP", None)
+    if clone is None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.get_process_group_ranks(clone)
+            return  # registered in the live world
+        except (KeyError, ValueError, RuntimeError):
+            pass
     release = getattr(groups, "_release_process_group_references", None)
     if release is not None:
         release(group=None)
-    else:  # older DeepSpeed: the world clone is the one every engine reads
-        groups._WORLD_GROUP = None
+        return
+    for name in _DEEPSPEED_GROUPS:
+        if hasattr(groups, name):
+            setattr(groups, name, None)
 
 
 def close_distributed() -> None:

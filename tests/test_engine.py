@@ -155,17 +155,27 @@ def test_cpu_init_builds_no_shared_memory_op():
     assert out.stdout.strip().splitlines()[-1] == "True False [1.0, 1.0, 1.0]"
 
 
-def test_a_world_destroyed_by_another_library_leaves_no_dead_group_to_the_next_engine():
+@pytest.mark.parametrize("world", ["ours", "another library's", "ours, older DeepSpeed"])
+def test_a_world_destroyed_by_another_library_leaves_no_dead_group_to_the_next_engine(world):
     """vLLM's in-process shutdown destroys the world through torch, not DeepSpeed; the next run in that process
     (a `-m` sweep, or the engine tests' next case) built its engine on DeepSpeed's clone of the dead world and
-    failed in `deepspeed.initialize` ("Group ... is not registered"). In a child: its world is destroyed."""
+    failed in `deepspeed.initialize` ("Group ... is not registered"). In a child: its world is destroyed, and the
+    next is made by `init_distributed`, or first by another library (as an in-process vLLM engine does), or with
+    a DeepSpeed that has no `_release_process_group_references` (its globals dropped by hand)."""
     import os
     import subprocess
     import sys
 
-    code = ("import torch; from types import SimpleNamespace; from rlhf_cli import engine\n"
+    new_world = ("    if run:\n"
+                 "        s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+                 "        torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0,\n"
+                 "                                             world_size=1)\n"
+                 if world == "another library's" else "")
+    older = ("import deepspeed.utils.groups as g; del g._release_process_group_references\n"
+             if world == "ours, older DeepSpeed" else "")
+    code = (older + "import socket, torch; from types import SimpleNamespace; from rlhf_cli import engine\n"
             "ds = SimpleNamespace(zero_stage=3, offload_optimizer=False, offload_param=False, extra={})\n"
-            "for run in range(2):\n"
+            "for run in range(2):\n" + new_world +
             "    engine.init_distributed()\n"
             "    m = torch.nn.Linear(4, 4)\n"
             "    eng = engine.TrainEngine(m, ds, 'fp32', lr=1e-2, train_batch_size=1, micro_batch_size=1,\n"

@@ -84,7 +84,7 @@ def task_settings(task: str, settings: Any) -> dict[str, Any]:
 
     config_class = DATASETS[task][1]
     fields = {f.name: f for f in dataclasses.fields(config_class) if f.name not in ("size", "seed")}
-    given = OmegaConf.to_container(settings) if OmegaConf.is_config(settings) else dict(settings)
+    given = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else dict(settings)
     for name in given:
         if name not in fields:
             raise ConfigError(f"data.reasoning_gym.task_config.{task}.{name}: {task} has no setting {name!r} (its "

@@ -25,12 +25,12 @@ sampled token and rewinds its seeded generator, which the CPU backend cannot do:
 offset", seen at 128 prompts) and, on the CPU, `enforce_eager` (compilation costs minutes and gains nothing at
 these sizes).
 
-Prefix caching is on (GRPO's samples of a prompt, and a multi-turn episode's turns, share the KV of their common
-prefix; whole blocks only: 128 tokens on the CPU backend, 16 on a GPU), and every push resets the prefix cache
-(`LLM.reset_prefix_cache`): its entries hold the keys and values the old weights computed, and a prompt that hit
-them after a push would be sampled from the old weights silently, where neither the push's checks nor a log-prob
-far from the trainer's would say why. After the reset the first prompt computes its prefix afresh: a cached
-prompt after a push samples as a fresh engine from the pushed weights does (tests/engine_vllm).
+Prefix caching is on (GRPO's samples of a prompt share the KV of their common prefix; whole blocks only: 128 tokens
+on the CPU backend, 16 on a GPU, so the built-in task's ~52-token prompts hit nothing on the CPU), and every push
+resets the prefix cache (`LLM.reset_prefix_cache`): its entries hold the keys and values the old weights computed,
+and a prompt that hit them after a push would be sampled from the old weights silently, where neither the push's
+checks nor a log-prob far from the trainer's would say why. After the reset the first prompt computes its prefix
+afresh: a cached prompt after a push samples as a fresh engine from the pushed weights does (tests/engine_vllm).
 """
 
 from __future__ import annotations

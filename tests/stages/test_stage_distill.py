@@ -118,7 +118,6 @@ def test_a_short_distillation_run_through_latest_sft(run_stage, tmp_path, teache
     assert (run_dir / "final" / "config.json").is_file()
 
 
-
 @pytest.mark.parametrize("scoring,want", [("fp32", "fp32"), ("same", "bf16-autocast")])
 def test_under_bf16_autocast_the_teacher_scores_in_scoring_precision(tmp_path, teachers, scoring, want):
     """precision=bf16-autocast samples in bf16; the teacher's pass runs in `scoring_precision`, as the student's
