@@ -101,7 +101,7 @@ def init_distributed() -> None:
 _DEEPSPEED_GROUPS = ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
                      "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mesh_device", "mpu")
 """DeepSpeed's module-level references to process groups (its `groups` module), dropped by hand where its own
-`_release_process_group_references` is missing (DeepSpeed before 0.18)."""
+`_release_process_group_references` is missing (older DeepSpeed releases)."""
 
 
 def _forget_destroyed_groups() -> None:
