@@ -62,28 +62,65 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, Table, compose, machine_info, model_label, write_outputs  # noqa: E402
 
 SHAPES = {"grpo": (32, 48), "ppo": (16, 32), "eval": (128, 48)}
+TINY_HEADS = ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
+"""`--model tiny`'s heads, made fewer and wider: vLLM's CPU attention needs a head size of 32 or more."""
+
+
+def setup(model: str, precision: str, engine_dtype: str, extra: tuple[str, ...] = ()
+          ) -> tuple[Any, str, Any, Any, list[list[int]]]:
+    """A worker's train-ppo config (`extra` overrides added), its resolved precision, tokenizer, fp32 policy (autocast
+    does the rest) and the built-in task's training prompts as ids."""
+    from rlhf_cli.data import load_prompt_data
+    from rlhf_cli.engine import resolve_precision
+    from rlhf_cli.models import load_causal_lm
+    from rlhf_cli.models.loading import load_tokenizer
+
+    overrides = [f"model={model}", f"precision={precision}", "data.builtin.ppo_train=256",
+                 f"rollout.engine_dtype={engine_dtype}", *extra]
+    if model == "tiny":
+        overrides += TINY_HEADS
+    cfg = compose("train_ppo", overrides)
+    tok = load_tokenizer(cfg.model)
+    lm = load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tok)
+    prompts = [p["prompt_ids"] for p in load_prompt_data(cfg.data, tok, "train")]
+    return cfg, resolve_precision(cfg.precision), tok, lm, prompts
+
+
+def nudge(lm: Any) -> None:
+    """A policy update's worth of change to every weight, so the next push has something to carry."""
+    import torch
+
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.mul_(1.0 + 1e-4)
+
+
+def run_workers(order: list[str], worker_args: Any, progress: Any = lambda name, result: f"({name}) done"
+                ) -> dict[str, list[dict[str, Any]]]:
+    """Each name of `order` in its own process (`--worker` followed by `worker_args(name)`, and a dir of its own),
+    in that order, each done said on stderr (`progress(name, result)`); every worker's RESULT by name. Exits naming
+    the worker that failed, with its stderr's tail."""
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in order}
+    with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
+        for i, name in enumerate(order):
+            cmd = [sys.executable, __file__, "--worker", *worker_args(name), "--worker-dir",
+                   str(Path(tmp) / f"{i}-{name}")]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ})
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                sys.exit(f"error: the {name} worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            results[name].append(json.loads(line[-1][len("RESULT "):]))
+            print(f"  run {i + 1}/{len(order)} {progress(name, results[name][-1])}", file=sys.stderr)
+    return results
 
 
 def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_dtype: str = "auto"
            ) -> dict[str, Any]:
     """One engine's measurements in this process (see the module docstring)."""
-    import torch
-
-    from rlhf_cli.data import load_prompt_data
-    from rlhf_cli.engine import resolve_precision, scoring_precision
-    from rlhf_cli.models import load_causal_lm
-    from rlhf_cli.models.loading import load_tokenizer
+    from rlhf_cli.engine import scoring_precision
     from rlhf_cli.rollout import EngineSettings, Sampling, dtype_setting, make_generator
 
-    overrides = [f"model={model}", f"precision={precision}", "data.builtin.ppo_train=256",
-                 f"rollout.engine_dtype={engine_dtype}"]
-    if model == "tiny":
-        overrides += ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
-    cfg = compose("train_ppo", overrides)
-    precision = resolve_precision(cfg.precision)
-    tok = load_tokenizer(cfg.model)
-    lm = load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tok)  # fp32 weights; autocast does the rest
-    prompts = [p["prompt_ids"] for p in load_prompt_data(cfg.data, tok, "train")]
+    cfg, precision, tok, lm, prompts = setup(model, precision, engine_dtype)
 
     def build(score_precision: str | None) -> Any:
         """The engine as the commands build it: train-ppo's beside its scoring passes' precision, eval's with
@@ -100,11 +137,6 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
     def sampling(n: int) -> Sampling:
         return Sampling(eos_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id, max_new_tokens=n, temperature=1.0,
                         top_p=1.0)
-
-    def nudge() -> None:  # a policy update's worth of change, so the push has something to carry
-        with torch.no_grad():
-            for p in lm.parameters():
-                p.mul_(1.0 + 1e-4)
 
     def timed(fn: Any, *args: Any) -> tuple[Any, float]:
         t0 = time.perf_counter()
@@ -127,7 +159,7 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
     _, start = timed(lambda: gen.update_weights(lm))
     pol, t_pol, probe = generated(batch, seeds, n)
     start += probe
-    nudge()
+    nudge(lm)
     _, sync = timed(lambda: gen.update_weights(lm))
     ref, t_ref, probe = generated(batch, seeds, n)
     sync += probe
@@ -142,7 +174,7 @@ def worker(engine_name: str, model: str, precision: str, workdir: Path, engine_d
     for shape in ("grpo", "ppo"):
         rows, n = SHAPES[shape]
         batch, seeds = prompts[rows:2 * rows], list(range(rows))
-        nudge()
+        nudge(lm)
         _, sync = timed(gen.update_weights, lm)
         g, t, probe = generated(batch, seeds, n)
         sync += probe
@@ -160,26 +192,14 @@ def prefix_cache_worker(on: bool, model: str, precision: str, workdir: Path, eng
     """`--prefix-cache`: train-ppo's vLLM engine with prefix caching `on` or off, in this process: started and
     warmed up untimed, then `iterations` GRPO iterations (a push of changed weights, then 4 prompts x 8 samples, a
     seed each), timed as the grpo shape is (generation seconds without the probe's check)."""
-    import torch
-
-    from rlhf_cli.data import load_prompt_data
-    from rlhf_cli.engine import resolve_precision, scoring_precision
-    from rlhf_cli.models import load_causal_lm
-    from rlhf_cli.models.loading import load_tokenizer
+    from rlhf_cli.engine import scoring_precision
     from rlhf_cli.rollout import EngineSettings, Sampling, dtype_setting, make_generator
 
-    overrides = [f"model={model}", f"precision={precision}", "data.builtin.ppo_train=256",
-                 f"rollout.engine_dtype={engine_dtype}"]
+    extra = ()
     if system_words:  # a fixed instruction of that many words, the same before every prompt
         words = ("Think step by step and give the final answer as a number " * system_words).split()[:system_words]
-        overrides.append(f"data.system_prompt='{' '.join(words)}.'")
-    if model == "tiny":
-        overrides += ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
-    cfg = compose("train_ppo", overrides)
-    precision = resolve_precision(cfg.precision)
-    tok = load_tokenizer(cfg.model)
-    lm = load_causal_lm(cfg.model, "fp32", cfg.seed, tokenizer=tok)
-    prompts = [p["prompt_ids"] for p in load_prompt_data(cfg.data, tok, "train")]
+        extra = (f"data.system_prompt='{' '.join(words)}.'",)
+    cfg, precision, tok, lm, prompts = setup(model, precision, engine_dtype, extra)
     P, G, n = GROUP_SHAPE
     gen = make_generator("vllm", EngineSettings(
         precision=precision, chunk=32, workdir=workdir, max_model_len=max(map(len, prompts)) + n + 8,
@@ -201,9 +221,7 @@ def prefix_cache_worker(on: bool, model: str, precision: str, workdir: Path, eng
     gen.llm.generate = counted
     seconds = []
     for it in range(iterations):
-        with torch.no_grad():  # a policy update's worth of change, so the push has something to carry
-            for p in lm.parameters():
-                p.mul_(1.0 + 1e-4)
+        nudge(lm)
         gen.update_weights(lm)
         batch = [prompts[8 + it * P + k] for k in range(P) for _ in range(G)]  # a group of G per prompt
         before, t0 = gen.sync_seconds, time.perf_counter()
@@ -218,19 +236,11 @@ def prefix_cache_worker(on: bool, model: str, precision: str, workdir: Path, eng
 def prefix_cache(args: argparse.Namespace) -> None:
     """`--prefix-cache` (see the module docstring): on off off on, each in its own process; a table of the means."""
     order = ["on", "off", "off", "on"] * args.rounds
-    results: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-    with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
-        for i, name in enumerate(order):
-            cmd = [sys.executable, __file__, "--worker", f"prefix-{name}", "--model", args.model, "--precision",
-                   args.precision, "--engine-dtype", args.engine_dtype, "--iterations", str(args.iterations),
-                   "--system-prompt-words", str(args.system_prompt_words), "--worker-dir", str(Path(tmp) / str(i))]
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ})
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode or not line:
-                sys.exit(f"error: the {name} worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-            results[name].append(json.loads(line[-1][len("RESULT "):]))
-            print(f"  run {i + 1}/{len(order)} (prefix caching {name}): "
-                  f"{[round(x, 2) for x in results[name][-1]['generation']]} s", file=sys.stderr)
+    results = run_workers(order, lambda name: [f"prefix-{name}", "--model", args.model, "--precision", args.precision,
+                                               "--engine-dtype", args.engine_dtype, "--iterations",
+                                               str(args.iterations), "--system-prompt-words",
+                                               str(args.system_prompt_words)],
+                          lambda name, r: f"(prefix caching {name}): {[round(x, 2) for x in r['generation']]} s")
 
     def mean(name: str, key: str) -> float:
         vals = [x for r in results[name] for x in (r[key] if isinstance(r[key], list) else [r[key]])]
@@ -307,17 +317,8 @@ def main() -> None:
         prefix_cache(args)
         return
     order = ["hf", "vllm", "vllm", "hf"] * args.rounds
-    results: dict[str, list[dict[str, Any]]] = {"hf": [], "vllm": []}
-    with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
-        for i, name in enumerate(order):
-            cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--precision", args.precision,
-                   "--engine-dtype", args.engine_dtype, "--worker-dir", str(Path(tmp) / f"{i}-{name}")]
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ})
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode or not line:
-                sys.exit(f"error: the {name} worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-            results[name].append(json.loads(line[-1][len("RESULT "):]))
-            print(f"  run {i + 1}/{len(order)} ({name}) done", file=sys.stderr)
+    results = run_workers(order, lambda name: [name, "--model", args.model, "--precision", args.precision,
+                                               "--engine-dtype", args.engine_dtype])
 
     def mean(name: str, shape: str, key: str) -> float:
         vals = [r[shape][key] for r in results[name]]
@@ -341,9 +342,7 @@ def main() -> None:
         table.add(f"{shape}_tps", f"{shape}: generated tokens/s",
                   mean("vllm", shape, "tokens") / mean("vllm", shape, "generation"),
                   mean("hf", shape, "tokens") / mean("hf", shape, "generation"))
-    cfg = compose("train_ppo", [f"model={args.model}"] + (["model.arch.num_attention_heads=2",
-                                                            "model.arch.num_key_value_heads=2"]
-                                                           if args.model == "tiny" else []))
+    cfg = compose("train_ppo", [f"model={args.model}", *(TINY_HEADS if args.model == "tiny" else [])])
     precision = results["hf"][0]["precision"]
     report(args.out, table, results,
            f"sampling engines, hf vs vllm: {model_label(cfg.model)}, {precision}, vLLM's weights: eval "
