@@ -23,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -102,19 +103,48 @@ def test_two_ranks_reward_model_matches_one_rank(one_rank, tmp_path, zero):
     assert (tmp_path / "latest_rm").is_file()
 
 
-@pytest.mark.slow
-def test_two_ranks_ppo_matches_one_rank_zero2(one_rank, tmp_path):
-    rm = f"reward_model.path={final_dir(one_rank, 'rm')}"
+@pytest.fixture(scope="module")
+def ppo_two_ranks(one_rank, tmp_path_factory):
+    """PPO against `one_rank`'s reward model on one launcher of two ranks (ZeRO-2, packed): compared with one rank
+    here and with two nodes (test_two_nodes.py's layout) below."""
+    root = tmp_path_factory.mktemp("ppo_two_ranks")
     # both micro-batches of each rank's first minibatch run their training forward in the rollout, graphs held
     # through ZeRO-2's gradient reduction (`ppo.carried_forwards`)
-    launch([*PPO_ARGS, "deepspeed=zero2", "ppo.carried_forwards=2", rm], tmp_path, ranks=2)
-    a, b = metrics(one_rank, "ppo"), metrics(tmp_path, "ppo")
+    launch(ppo_two_ranks_args(one_rank), root, ranks=2)
+    return root
+
+
+def ppo_two_ranks_args(one_rank):
+    return [*PPO_ARGS, "deepspeed=zero2", "ppo.carried_forwards=2", f"reward_model.path={final_dir(one_rank, 'rm')}"]
+
+
+@pytest.mark.slow
+def test_two_ranks_ppo_matches_one_rank_zero2(one_rank, ppo_two_ranks):
+    a, b = metrics(one_rank, "ppo"), metrics(ppo_two_ranks, "ppo")
     assert a[-1]["objective/kl"] != 0  # the policy moved: iteration 2 compares a trained policy
     assert all(r["time/scoring_policy"] == r["time/scoring_critic"] == 0 for r in b)  # no no-grad pass left
     assert all(r["time/scoring_policy"] > 0 for r in a)
     assert_same_metrics(a, b, PPO_KEYS)
     for name in ("", "critic"):
-        assert_same_weights(final_dir(one_rank, "ppo") / name, final_dir(tmp_path, "ppo") / name)
+        assert_same_weights(final_dir(one_rank, "ppo") / name, final_dir(ppo_two_ranks, "ppo") / name)
+
+
+@pytest.mark.slow
+def test_two_nodes_ppo_equal_one_node_and_only_global_rank_0_writes(one_rank, ppo_two_ranks, tmp_path):
+    """PPO on two nodes, simulated (test_two_nodes.py): each node's one rank is LOCAL_RANK 0, and the run equals
+    the one-node, two-rank run within 1e-5 (fp32), metrics and both final models, with only global rank 0 writing
+    the run's files."""
+    from test_two_nodes import assert_only_rank0_writes
+    from test_two_nodes import assert_same_weights as assert_same_to_1e5
+    from test_two_nodes import launch as launch_nodes
+
+    launch_nodes(ppo_two_ranks_args(one_rank), tmp_path, nodes=2)
+    a, b = metrics(ppo_two_ranks, "ppo"), metrics(tmp_path, "ppo")
+    assert len(a) == 2 and a[-1]["objective/kl"] != 0
+    assert_same_metrics(a, b, PPO_KEYS, tol=1e-5)
+    for name in ("", "critic"):
+        assert_same_to_1e5(final_dir(ppo_two_ranks, "ppo") / name, final_dir(tmp_path, "ppo") / name)
+    assert_only_rank0_writes(tmp_path, "ppo")
 
 
 @pytest.mark.slow
@@ -248,19 +278,71 @@ SFT_ARGS = ["train-sft", *COMMON, "sft.max_steps=3", "sft.batch_size=8", "sft.mi
 SFT_KEYS = ("sft/loss", "sft/response_tokens", "sft/grad_norm", "eval/sft/loss")
 
 
+@pytest.fixture(scope="module")
+def sft_two_ranks(tmp_path_factory):
+    """train-sft on one launcher of two ranks (ZeRO-2, packed, a checkpoint at step 2): compared with one rank
+    here and with two nodes, one of them killed after step 2, below."""
+    root = tmp_path_factory.mktemp("sft_two_ranks")
+    launch(SFT_TWO_RANKS, root, ranks=2)
+    return root
+
+
+SFT_TWO_RANKS = [*SFT_ARGS, "sft.save_every=2", "deepspeed=zero2"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
-def test_two_ranks_sft_matches_one_rank(tmp_path, lora):
+def test_two_ranks_sft_matches_one_rank(tmp_path, lora, request):
     """train-sft on two ranks (ZeRO-2; LoRA under ZeRO-3; two micro-batches per rank and step), packed, against
     one rank, padded: each rank's micro-batch NLL sums are divided by the step's response tokens over both ranks,
     so the loss and the update are one rank's."""
     extra = ["model.lora.r=4", "sft.lr=1e-2"] if lora else []
     launch([*SFT_ARGS, *extra, "deepspeed=zero0", "data.packing=false"], tmp_path / "one")
-    launch([*SFT_ARGS, *extra, "deepspeed=zero3" if lora else "deepspeed=zero2"], tmp_path / "two", ranks=2)
-    one, two = metrics(tmp_path / "one", "sft"), metrics(tmp_path / "two", "sft")
-    assert_same_metrics(one, two, SFT_KEYS, tol=1e-5)
-    (a,), (b,) = (list((tmp_path / d).glob("sft/*/final")) for d in ("one", "two"))
-    assert_same_weights(a, b)
+    if lora:
+        two = tmp_path / "two"
+        launch([*SFT_ARGS, *extra, "deepspeed=zero3"], two, ranks=2)
+    else:
+        two = request.getfixturevalue("sft_two_ranks")
+    one, two_rows = metrics(tmp_path / "one", "sft"), metrics(two, "sft")
+    assert_same_metrics(one, two_rows, SFT_KEYS, tol=1e-5)
+    assert_same_weights(final_dir(tmp_path / "one", "sft"), final_dir(two, "sft"))
+
+
+@pytest.mark.slow
+def test_two_nodes_sft_stop_when_one_is_killed_and_resume_to_the_one_node_run(sft_two_ranks, tmp_path):
+    """train-sft on two nodes (test_two_nodes.py): node 1 is killed after its step-2 checkpoint, while node 0's
+    rank waits for it in step 3's collectives; node 0 stops, and the two nodes resume the run to the one-node run's
+    metrics (steps 1-2 from the first attempt, 3 from the resumed one) and final weights, global rank 1 writing
+    nothing but its DeepSpeed files in both attempts (a resumed rank's Hydra runs in the run's own dir:
+    `cli.resume_overrides`)."""
+    from test_two_nodes import assert_only_rank0_writes, kill_node, start
+    from test_two_nodes import assert_same_weights as assert_same_to_1e5
+    from test_two_nodes import launch as launch_nodes
+
+    node0, node1 = start(SFT_TWO_RANKS, tmp_path, tmp_path / "audit", nodes=2, pause_at="step-2")
+    t0 = time.monotonic()
+    while not (tmp_path / "audit" / "paused").exists():
+        assert node0.poll() is None and node1.poll() is None and time.monotonic() - t0 < 300
+        time.sleep(0.2)
+    kill_node(node1)
+    t1 = time.monotonic()
+    out = node0.communicate(timeout=120)[0]
+    stopped = time.monotonic() - t1
+    node1.wait(timeout=10)
+    assert node0.returncode != 0, out[-3000:]
+    assert "error: rank 0: another rank stopped answering ([" in out, out[-3000:]  # gloo's closed connection
+    assert "continue with resume=true once every node is up" in out and "Error executing job" not in out  # no crash
+    assert stopped < 60, stopped
+    (run,) = list((tmp_path / "sft").iterdir())
+    assert (run / "ds" / "latest").read_text().strip() == "step-2"
+    assert not (run / "final").exists() and not (tmp_path / "latest_sft").exists()
+    assert json.loads((run / "status.json").read_text())["state"] == "running"  # resume=true finds it
+
+    launch_nodes([*SFT_TWO_RANKS, "resume=true"], tmp_path, nodes=2)
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    assert_only_rank0_writes(tmp_path, "sft")  # both attempts
+    assert_same_metrics(metrics(sft_two_ranks, "sft"), metrics(tmp_path, "sft"), SFT_KEYS, tol=1e-5)
+    assert_same_to_1e5(final_dir(sft_two_ranks, "sft"), run / "final")
 
 
 DPO_ARGS = ["train-dpo", *COMMON, "dpo.max_steps=3", "dpo.batch_size=8", "dpo.micro_batch_size=4", "dpo.eval_every=2"]

@@ -14,27 +14,22 @@ launcher exits non-zero, and the run, still `running`, resumes on two nodes from
 to the one-node run's metrics and weights (train-sft's comparison). A node that hangs without closing its
 connections is bounded by the process group's timeout instead (DeepSpeed's `DEEPSPEED_TIMEOUT`, minutes; README
 "Use several GPUs or nodes"): too long for CI, measured once (`test_a_lost_rank_is_told_from_a_crash`).
+
+This module holds the launchers and the checks; the runs are in test_distributed.py, beside the one-node, two-rank
+runs they equal (one run serves both comparisons), and the engine's (`rollout.engine=vllm`) in tests/engine_vllm.
 """
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import COMMON, SFT_KEYS, assert_same_metrics, final_dir, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SFT = ["train-sft", *COMMON, "sft.max_steps=3", "sft.batch_size=8", "sft.micro_batch_size=2", "sft.save_every=2",
-       "deepspeed=zero2"]
-PPO_KEYS = ("objective/scores", "objective/kl", "objective/entropy_sampled", "response/length_mean",
-            "policy/loss", "policy/approx_kl", "policy/grad_norm", "val/loss", "val/explained_var")
 
 # Every rank runs the CLI under an audit hook that appends what it writes to `$AUDIT_DIR/rank<RANK>`; with
 # `PAUSE_AT=<tag>`, global rank 1 stops (sleeps) once that checkpoint is committed, for the test to kill its node at
@@ -141,24 +136,6 @@ def assert_same_weights(dir_a, dir_b):
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{dir_b}/{k}: {m}")
 
 
-@pytest.mark.slow
-def test_two_nodes_ppo_equal_one_node_and_only_global_rank_0_writes(tmp_path):
-    fn = tmp_path / "rewards.py"  # the tiny model's checker score is 0 everywhere: a reward that varies
-    fn.write_text("def length(prompts, completions, answer, **kw):\n    return [len(c) / 10 for c in completions]\n")
-    args = ["train-ppo", *COMMON, "rollout.engine=hf", "reward.type=function", f"reward.function={fn}:length",
-            "ppo.iterations=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", "ppo.micro_batch_size=2",
-            "ppo.epochs=1", "ppo.max_new_tokens=8", "deepspeed=zero2"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    launch(args, one, nodes=1)
-    launch(args, two, nodes=2)
-    a, b = metrics(one, "ppo"), metrics(two, "ppo")
-    assert len(a) == 2 and a[-1]["objective/kl"] != 0  # the policy moved: iteration 2 compares a trained policy
-    assert_same_metrics(a, b, PPO_KEYS, tol=1e-5)
-    for name in ("", "critic"):
-        assert_same_weights(final_dir(one, "ppo") / name, final_dir(two, "ppo") / name)
-    assert_only_rank0_writes(two, "ppo")
-
-
 def kill_node(launcher):
     """SIGKILL a node: its launcher and the workers it started (in sessions of their own)."""
     import psutil
@@ -166,40 +143,6 @@ def kill_node(launcher):
     victims = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
     for p in victims:
         p.send_signal(signal.SIGKILL)
-
-
-@pytest.mark.slow
-def test_two_nodes_sft_stop_when_one_is_killed_and_resume_to_the_one_node_run(tmp_path):
-    """train-sft on two nodes: node 1 is killed after its step-2 checkpoint, while node 0's rank waits for it in step
-    3's collectives; node 0 stops, and the two nodes resume the run to the one-node run's metrics (steps 1-2 from
-    the first attempt, 3 from the resumed one) and final weights, global rank 1 writing nothing but its DeepSpeed
-    files in both attempts (a resumed rank's Hydra runs in the run's own dir: `cli.resume_overrides`)."""
-    one_node = tmp_path / "one"
-    launch(SFT, one_node, nodes=1)
-    node0, node1 = start(SFT, tmp_path, tmp_path / "audit", nodes=2, pause_at="step-2")
-    t0 = time.monotonic()
-    while not (tmp_path / "audit" / "paused").exists():
-        assert node0.poll() is None and node1.poll() is None and time.monotonic() - t0 < 300
-        time.sleep(0.2)
-    kill_node(node1)
-    t1 = time.monotonic()
-    out = node0.communicate(timeout=120)[0]
-    stopped = time.monotonic() - t1
-    node1.wait(timeout=10)
-    assert node0.returncode != 0, out[-3000:]
-    assert "error: rank 0: another rank stopped answering ([" in out, out[-3000:]  # gloo's closed connection
-    assert "continue with resume=true once every node is up" in out and "Error executing job" not in out  # no crash
-    assert stopped < 60, stopped
-    (run,) = list((tmp_path / "sft").iterdir())
-    assert (run / "ds" / "latest").read_text().strip() == "step-2"
-    assert not (run / "final").exists() and not (tmp_path / "latest_sft").exists()
-    assert json.loads((run / "status.json").read_text())["state"] == "running"  # resume=true finds it
-
-    launch([*SFT, "resume=true"], tmp_path, nodes=2)
-    assert json.loads((run / "status.json").read_text())["state"] == "finished"
-    assert_only_rank0_writes(tmp_path, "sft")  # both attempts
-    assert_same_metrics(metrics(one_node, "sft"), metrics(tmp_path, "sft"), SFT_KEYS, tol=1e-5)
-    assert_same_weights(final_dir(one_node, "sft"), run / "final")
 
 
 def test_a_lost_rank_is_told_from_a_crash():
