@@ -837,19 +837,20 @@ class RolloutConfig:
     `kv_cache_memory_bytes` on a GPU. 2 GiB holds ~90k tokens of SmolLM2-135M in bf16 (half that in fp32); the
     `hf` engine ignores it."""
     env: str | None = None
-    """train-ppo's environment, `path/to/file.py:Class` (or `package.module:Class`), or `path/to/file.py:ENVS`, a
-    dict of classes by name that each data row's `environment` column chooses from: episodes of several turns, one
-    instance of the class per episode (`rollout/environments.py`). TRL's `environment_factory` interface, so a TRL
-    environment runs unchanged: `reset(**row)` gets the data row's columns and may return a first observation
-    (appended to the last user message); every other public method with a docstring and type hints is a tool the
-    model calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `get_reward()`, when defined, is the
+    """The environment of train-ppo's and eval's episodes, `path/to/file.py:Class` (or `package.module:Class`), or
+    `path/to/file.py:ENVS`, a dict of classes by name that each data row's `environment` column chooses from: episodes
+    of several turns, one instance of the class per episode (`rollout/environments.py`). TRL's `environment_factory`
+    interface, so a TRL environment runs unchanged: `reset(**row)` gets the data row's columns and may return a first
+    observation (appended to the last user message); every other public method with a docstring and type hints is a tool
+    the model calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `get_reward()`, when defined, is the
     episode's score (the `reward.*` sources are then not called; in a dict, every class or none defines it);
-    `env_response(messages) -> str | None` replies as the next user message (None ends the episode). Tool results
-    and replies are appended as tokens the policy did not sample: they condition the next turn and are never
-    trained. `reward.function` receives the conversation as messages (TRL's conversational form); the reward model,
-    checker, server and judge score the text of the sampled tokens alone (a tool's result earns nothing). The
-    prompt, rendered with the tools and the first observation, is cut to `data.max_prompt_length` as the data's
-    are. null = one response per prompt. `hf` engine only for now (issue 57 step B2 brings vllm)."""
+    `env_response(messages) -> str | None` replies as the next user message (None ends the episode). Tool results and
+    replies are appended as tokens the policy did not sample: they condition the next turn and are never trained.
+    `reward.function` receives the conversation as messages (TRL's conversational form); the reward model, checker,
+    server and judge score the text of the sampled tokens alone (a tool's result earns nothing). The prompt, rendered
+    with the tools and the first observation, is cut to `data.max_prompt_length` as the data's are. Either engine: on
+    `vllm` each turn is one engine call over the running episodes, and the engine's log-probs cover the sampled tokens
+    only. null = one response per prompt."""
     max_turns: int = 8
     """With `rollout.env`: the policy's turns per episode (>= 1); an episode that wants another turn past it is cut
     as truncated (`ppo.truncated` applies)."""
@@ -1430,8 +1431,6 @@ def validate_rollout(cfg: Any, world_size: int = 1) -> None:
     _check(cfg.rollout.kv_cache_gb >= 1, f"rollout.kv_cache_gb must be >= 1 (got {cfg.rollout.kv_cache_gb})")
     _check(0 < cfg.rollout.sync_timeout_s < math.inf,
            f"rollout.sync_timeout_s must be a finite number of seconds > 0 (got {cfg.rollout.sync_timeout_s})")
-    _check(r.env is None or r.engine != "vllm",
-           "rollout.env runs on rollout.engine=hf for now (vLLM multi-turn is issue 57 step B2): set rollout.engine=hf")
     _check(r.env is None or cfg.data.chat_template,
            "rollout.env renders its conversations with a chat template: data.chat_template=false leaves none")
     _check(cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None,

@@ -15,7 +15,8 @@
     generation.py   the sampling-engine seam (`Generator`: prompt ids + one seed per prompt + `Sampling` ->
                     `Generation`), its HF engine (`HFGenerator`: per-row sampling inside HF `generate`), the cut
                     at the first EOS, the rollout batch layout
-    engines.py      the engines' registry `GENERATORS` (`rollout.engine`), `make_generator`, `resolve_engine`
+    engines.py      the engines' registry `GENERATORS` (`rollout.engine`), `make_generator`, `resolve_engine`,
+                    `max_model_len`
     scores.py       `ScoreMixer`: the run's sequence score, one source or a weighted sum (model, checker, function,
                     http, judge)
     stats.py        whitening, explained variance and the rollout's KL statistics over all ranks
@@ -29,7 +30,14 @@ action mask (B, R) marks the tokens the policy sampled: every loss, KL, advantag
 loss mask built from it), never the attention mask's response columns (`episodes.py`).
 """
 
-from rlhf_cli.rollout.engines import GENERATORS, EngineSettings, describe_engine, make_generator, resolve_engine
+from rlhf_cli.rollout.engines import (
+    GENERATORS,
+    EngineSettings,
+    describe_engine,
+    make_generator,
+    max_model_len,
+    resolve_engine,
+)
 from rlhf_cli.rollout.episodes import EpisodeRunner, Episodes, SingleTurnRunner, join_episodes
 from rlhf_cli.rollout.experience import Experience
 from rlhf_cli.rollout.generation import (
@@ -89,6 +97,7 @@ __all__ = [
     "kl_stats",
     "describe_engine",
     "make_generator",
+    "max_model_len",
     "resolve_engine",
     "response_mask",
     "rollout_batch",

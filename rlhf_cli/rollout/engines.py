@@ -4,6 +4,7 @@
     GENERATORS        {`rollout.engine` value: engine builder, its module imported on use}
     make_generator    the engine `rollout.engine=<name>` names, built from `EngineSettings`
     resolve_engine    `auto` turned into `hf` or `vllm`, and why; `describe_engine`, the same for a start table
+    max_model_len     the longest prompt + completion a run's engine must hold
 
 Apart from `generation.py` (the seam and the `hf` engine) so that an engine's module (`vllm_engine.py`) imports the
 seam without an import circle: this module imports the engines, none of them imports it.
@@ -50,6 +51,15 @@ class EngineSettings:
     prefix_caching: bool = True
     """An engine's prefix cache (`vllm`: reset after every push); no config key: off only where a benchmark measures
     it (`benchmarks/engine_bench.py --prefix-cache`)."""
+
+
+def max_model_len(cfg: Any, max_new_tokens: int) -> int:
+    """Tokens: the longest sequence an engine must hold for a run whose turn is at most `max_new_tokens` long
+    (`ppo.max_new_tokens`, `eval.max_new_tokens`). One response: `data.max_prompt_length` + `max_new_tokens`. With
+    `rollout.env`, a turn's prompt is the episode so far, up to `rollout.max_episode_tokens` past the prompt, and
+    one call's `max_new_tokens` is its longest row's budget, so that bound + `max_new_tokens`."""
+    episode = cfg.rollout.max_episode_tokens if cfg.rollout.env is not None else 0
+    return int(cfg.data.max_prompt_length + episode + max_new_tokens)
 
 
 def _hf(settings: EngineSettings) -> Generator:

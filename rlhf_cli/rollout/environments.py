@@ -1,4 +1,4 @@
-"""Multi-turn episodes with an environment (`rollout.env=FILE.py:Class`) on the `hf` engine.
+"""Multi-turn episodes with an environment (`rollout.env=FILE.py:Class`), on either sampling engine.
 
     load_environment     the class `rollout.env` names (or its dict of classes by name), checked: a callable `reset`
     Environment          one environment class probed: its tools (docstrings and hints checked), template, encoder
@@ -33,8 +33,15 @@ after them (the end of the assistant turn when a `</tool_call>` cut it, tool res
 the next assistant header) are rendered and tokenized, as the difference between the chat template's rendering
 of the conversation with and without them (TRL's `_get_tool_suffix_ids` does the same), their contents as plain
 text (a special-token string in a tool result or a reply stays those characters, as in the data's user text), and
-appended with action mask 0. The history is never re-tokenized. A template that cannot render `tools=` (SmolLM2's
-ignores them) is replaced by the shipped ChatML tool template (`rlhf_cli/templates/chatml_tools.jinja`), said once.
+appended with action mask 0. The history is never re-tokenized.
+
+Both engines run it: each turn is one `Generator.generate` call over the episodes still running, their prompts the
+episode's ids so far (vLLM's prefix cache holds their shared history). The `vllm` engine ignores `Sampling.stop`
+and samples each turn to its EOS or budget; `_cut` keeps the same prefix the `hf` engine's stop gives. The engine's
+log-probs of the kept tokens become `Episodes.engine_logprobs` (0 on the environment's tokens).
+
+A template that cannot render `tools=` (SmolLM2's ignores them) is replaced by the shipped ChatML tool template
+(`rlhf_cli/templates/chatml_tools.jinja`), said once.
 """
 
 from __future__ import annotations
@@ -270,6 +277,7 @@ class _Episode:
     n_prompt: int = 0  # the prompt's messages, the first of `messages`
     ids: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # the engine's, of `ids` (0 where mask is 0)
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -421,6 +429,7 @@ class EnvironmentRunner:
     def _run(self, prompts: Sequence[dict[str, Any]], seeds: Sequence[int], generator: Generator,
              sampling: Sampling) -> Episodes:
         eps = [self.start(p) for p in prompts]
+        self._engine_logprobs = True  # until a turn's generation comes without them (the hf engine)
         turn = 0
         while True:
             active = [i for i, e in enumerate(eps) if not e.done]
@@ -444,12 +453,15 @@ class EnvironmentRunner:
             sampling, max_new_tokens=max(limits), stop=(lambda b, ids: tools[b] and self._past_calls(ids))
             if any(tools) else None))
         eos = set(sampling.eos_ids)
+        self._engine_logprobs &= gen.logprobs is not None
         for k, e in enumerate(eps):
             n = min(int(gen.mask[k].sum().item()), limits[k])
             ids = [int(x) for x in gen.responses[k, :n].tolist()]
             ids, e.ended = self._cut(e.kind, ids, eos)
             e.ids += ids
             e.mask += [1] * len(ids)
+            if gen.logprobs is not None:
+                e.logprobs += [float(x) for x in gen.logprobs[k, :len(ids)].tolist()]
             e.turns += 1
             content = self.tokenizer.decode(ids[:-1] if e.ended == "eot" else ids, skip_special_tokens=False)
             e.messages.append({"role": "assistant", "content": content})
@@ -561,6 +573,7 @@ class EnvironmentRunner:
             return e.finish(False)
         e.ids += ids
         e.mask += [0] * len(ids)
+        e.logprobs += [0.0] * len(ids)
         e.env_tokens += len(ids)
         e.messages += new
 
@@ -585,7 +598,8 @@ class EnvironmentRunner:
 
     # -- the batch ----------------------------------------------------------------------------------------------
     def _episodes(self, eps: list[_Episode], pad_id: int) -> Episodes:
-        """The episodes as tensors: `[left-padded prompt | right-padded completion]` (see `Episodes`)."""
+        """The episodes as tensors: `[left-padded prompt | right-padded completion]` (see `Episodes`), with the
+        engine's log-probs where every turn's generation gave them."""
         from rlhf_cli import engine
 
         dev = engine.device()
@@ -593,15 +607,18 @@ class EnvironmentRunner:
         ids = torch.full((len(eps), P + R), pad_id, dtype=torch.long)
         am = torch.zeros(len(eps), P + R, dtype=torch.long)
         action = torch.zeros(len(eps), R, dtype=torch.float32)
+        logprobs = torch.zeros(len(eps), R, dtype=torch.float32) if self._engine_logprobs else None
         for b, e in enumerate(eps):
             ids[b, P - len(e.prompt_ids):P] = torch.tensor(e.prompt_ids)
             am[b, P - len(e.prompt_ids):P + len(e.ids)] = 1
             if e.ids:
                 ids[b, P:P + len(e.ids)] = torch.tensor(e.ids)
                 action[b, :len(e.ids)] = torch.tensor(e.mask, dtype=torch.float32)
+                if logprobs is not None:
+                    logprobs[b, :len(e.ids)] = torch.tensor(e.logprobs, dtype=torch.float32)
         score = torch.tensor([self._reward(e) for e in eps], dtype=torch.float32) if self.owns_reward else None
         return Episodes(ids.to(dev), am.to(dev), P, action.to(dev), torch.tensor([e.has_eos for e in eps]).to(dev),
-                        None, None if score is None else score.to(dev),
+                        None if logprobs is None else logprobs.to(dev), None if score is None else score.to(dev),
                         torch.tensor([e.turns for e in eps]).to(dev), [_conversation(e) for e in eps])
 
     def _reward(self, e: _Episode) -> float:

@@ -24,7 +24,6 @@ import torch
 from rlhf_cli import engine
 from rlhf_cli.core import ESTIMATORS, group_stats, overlong_penalty, teacher_token_rewards
 from rlhf_cli.eos import eos_ids
-from rlhf_cli.errors import ConfigError
 from rlhf_cli.forwards import (
     Forward,
     PackedRollout,
@@ -36,7 +35,7 @@ from rlhf_cli.forwards import (
     use_packing,
 )
 from rlhf_cli.models import attention_tokens, has_value_head, lm_of
-from rlhf_cli.rollout.engines import EngineSettings, make_generator, resolve_engine
+from rlhf_cli.rollout.engines import EngineSettings, make_generator, max_model_len, resolve_engine
 from rlhf_cli.rollout.environments import environment_runner
 from rlhf_cli.rollout.episodes import EpisodeRunner, Episodes, SingleTurnRunner
 from rlhf_cli.rollout.experience import Experience
@@ -91,7 +90,7 @@ class ExperienceMaker:
                         cfg.rollout.is_correction)
         self.generator = make_generator(self.engine_name, EngineSettings(
             precision=cfg.precision, chunk=self.p.micro_batch_size * 4, workdir=workdir,
-            kv_cache_gb=cfg.rollout.kv_cache_gb, max_model_len=cfg.data.max_prompt_length + self.p.max_new_tokens,
+            kv_cache_gb=cfg.rollout.kv_cache_gb, max_model_len=max_model_len(cfg, self.p.max_new_tokens),
             engine_dtype=cfg.rollout.engine_dtype, score_precision=score_precision,
             verbose=cfg.rollout.engine_verbose, selftest=cfg.rollout.engine_selftest,
             sync_timeout_s=cfg.rollout.sync_timeout_s))
@@ -100,11 +99,7 @@ class ExperienceMaker:
         self.runner: EpisodeRunner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(
             cfg, tokenizer, prompts)
         """How an episode runs (`episodes.EpisodeRunner`): one response per prompt, or several turns against
-        `rollout.env` (`environments.EnvironmentRunner`, the `hf` engine only for now)."""
-        if cfg.rollout.env is not None and self.engine_name != "hf":
-            raise ConfigError(f"rollout.env runs on the hf engine for now (vLLM multi-turn is issue 57 step B2), but "
-                              f"rollout.engine={cfg.rollout.engine} resolved to {self.engine_name}: set "
-                              f"rollout.engine=hf")
+        `rollout.env` (`environments.EnvironmentRunner`)."""
         self.sampling = Sampling(eos_ids=self.eos_ids, pad_id=self.pad_id, max_new_tokens=self.p.max_new_tokens,
                                  temperature=self.p.temperature, top_p=self.p.top_p)
         self.score_precision = score_precision  # resolved once per run (it warns under precision=bf16)
