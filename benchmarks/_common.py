@@ -76,8 +76,9 @@ def malloc_env() -> dict[str, str]:
 
 def require_trl(python: str | None = None) -> None:
     """Exit with one line when trl (the comparison) is not installed or is not the pinned version, in this
-    interpreter or in `python` (`--trl-python`)."""
-    if python and Path(python).resolve() != Path(sys.executable).resolve():
+    interpreter or in `python` (`--trl-python`), asked in a process of its own: two venvs' interpreters resolve to
+    one base binary, so a path comparison cannot tell them apart."""
+    if python:
         proc = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('trl'))"],
                               capture_output=True, text=True)
         version = proc.stdout.strip() if proc.returncode == 0 else None

@@ -158,8 +158,8 @@ IGNORED: tuple[Ignored, ...] = (
     *(Ignored(f"rollout.{k}", "`rollout.env=null` (one response per prompt)", lambda cfg, c: cfg.rollout.env is None,
               "set `rollout.env=FILE.py:Class`")
       for k in ("max_turns", "max_tool_calls", "max_episode_tokens", "max_tool_tokens", "tool_timeout_s")),
-    Ignored("rollout.env", "a command that runs no PPO rollout (eval with an environment is issue 57 step B2)",
-            lambda cfg, c: "ppo" not in c.reads, "use it where PPO rollouts run"),
+    Ignored("rollout.env", "a command that samples no episodes (train-ppo and eval do)",
+            lambda cfg, c: "ppo" not in c.reads and "eval" not in c.reads, "use it with train-ppo or eval"),
 )
 """Every key that a setting makes do nothing, checked against the command line (README: "Keys a setting ignores")."""
 

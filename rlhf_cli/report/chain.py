@@ -6,7 +6,8 @@
     responses.jsonl    policy eval: a line per held-out prompt, {"prompt", "policy", "reference",
                        "policy_score", "reference_score", "policy_length", "reference_length",
                        "policy_correct", "reference_correct", "policy_function", "reference_function"}
-                       (null where not measured)
+                       (null where not measured); with `rollout.env` also "policy_conversation" and
+                       "reference_conversation", each episode's messages after the prompt
     rewards.json       the score lists of the histogram (policy/reference, or chosen/rejected)
     lineage.json       the parents it evaluated (see `rlhf_cli.lineage`)
 
@@ -27,7 +28,7 @@ from typing import Any
 from rlhf_cli import lineage
 from rlhf_cli.commands import COMMANDS, reporter
 from rlhf_cli.core import reward_hacking
-from rlhf_cli.report.html import Section, Table
+from rlhf_cli.report.html import Messages, Section, Table
 from rlhf_cli.report.plots import HIST_FILE, plot_length_vs_reward, plot_rewards, plot_run
 from rlhf_cli.report.read import (
     UnreadableFile,
@@ -240,12 +241,18 @@ def _verdict(correct: Any) -> str:
 
 def _samples(rows: list[dict[str, Any]], n: int) -> Table:
     """The first `n` prompts side by side: each reply with its RM score (reward.function's when no reward model
-    scored them) and the checker's verdict."""
+    scored them) and the checker's verdict. An episode of several turns (`rollout.env`) is its conversation, the
+    tool calls, results and environment replies set apart (`html.Messages`)."""
     key, label = ("function", "function") if rows and rows[0].get("policy_score") is None \
         and rows[0].get("policy_function") is not None else ("score", "RM score")
     columns = ["prompt", "policy", label, "checker", "reference", label, "checker"]
-    return Table(columns, [[x.get("prompt"), x.get("policy"), x.get(f"policy_{key}"),
-                            _verdict(x.get("policy_correct")), x.get("reference"), x.get(f"reference_{key}"),
+
+    def reply(x: dict[str, Any], side: str) -> Any:
+        conversation = x.get(f"{side}_conversation")
+        return Messages(conversation) if isinstance(conversation, list) else x.get(side)
+
+    return Table(columns, [[x.get("prompt"), reply(x, "policy"), x.get(f"policy_{key}"),
+                            _verdict(x.get("policy_correct")), reply(x, "reference"), x.get(f"reference_{key}"),
                             _verdict(x.get("reference_correct"))] for x in rows[:n]], widths=SAMPLE_WIDTHS)
 
 

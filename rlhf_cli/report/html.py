@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -16,13 +17,42 @@ from rlhf_cli.runs import atomic_write_text
 
 
 def fmt(value: Any) -> str:
-    """A table cell as text: floats to 4 significant digits, None as `–`."""
+    """A table cell as text: floats to 4 significant digits, None as `–`, `Messages` a line per part."""
     if value is None:
         return "–"
+    if isinstance(value, Messages):
+        return "\n".join(f"{label}{text}" for kind, label, text in value.parts())
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
 
+
+
+@dataclass(frozen=True)
+class Messages:
+    """A table cell holding an episode's messages after its prompt (`rlhf eval` with `rollout.env`: TRL's
+    conversational form, `rollout.episodes.Conversation.completion`), drawn as blocks: the policy's words plain, its
+    tool calls, the tools' results and the environment's replies each set apart by a label and a style."""
+
+    messages: list[dict[str, Any]]
+
+    def parts(self) -> list[tuple[str, str, str]]:
+        """(kind, label, text) per block: kind `say` (the assistant's text), `call` (one tool call, as
+        `name({arguments})`), `tool` (a result) or `env` (a user turn: the environment's reply)."""
+        out = []
+        for m in self.messages:
+            role, content = m.get("role"), str(m.get("content") or "")
+            if role == "assistant":
+                if content:
+                    out.append(("say", "", content))
+                for call in m.get("tool_calls") or []:
+                    fn = call.get("function", {})
+                    out.append(("call", "tool call: ", f"{fn.get('name')}({json.dumps(fn.get('arguments'))})"))
+            elif role == "tool":
+                out.append(("tool", f"{m.get('name') or 'tool'} returned: ", content))
+            else:
+                out.append(("env", "environment: ", content))
+        return out
 
 
 @dataclass
@@ -69,6 +99,10 @@ table { border-collapse: collapse; margin: 0.5em 0 1em; font-size: 0.85em; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
 td { overflow-wrap: anywhere; } td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 table.wrap { table-layout: fixed; width: 100%; } table.wrap td { white-space: pre-wrap; }
+td div.call, td div.tool, td div.env { margin: 3px 0; padding: 2px 6px; font-family: ui-monospace, monospace;
+  font-size: 0.95em; } td div.call { border-left: 3px solid #1565c0; background: #e8f0fb; }
+td div.tool { border-left: 3px solid #6d4c41; background: #f3efed; } td div.env { border-left: 3px solid #777;
+  background: #f1f1f1; } td div.say { margin: 3px 0; } td div span.label { font-weight: 600; }
 th { background: #f4f4f4; } tr:nth-child(even) td { background: #fafafa; }
 tr.best td { background: #e8f5e9; font-weight: 600; }
 caption { text-align: left; font-weight: bold; padding: 4px 0; }
@@ -86,12 +120,19 @@ def _table_html(t: Table) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in t.columns)
     body = "".join(
         ("<tr class=best>" if i == t.marked else "<tr>")
-        + "".join(f'<td{" class=num" if is_num(v) else ""}>{html.escape(fmt(v))}</td>' for v in row) + "</tr>"
+        + "".join(f"<td>{_messages_html(v)}</td>" if isinstance(v, Messages) else
+                  f'<td{" class=num" if is_num(v) else ""}>{html.escape(fmt(v))}</td>' for v in row) + "</tr>"
         for i, row in enumerate(t.rows)
     )
     table = (f'<table{" class=wrap" if t.widths else ""}>{caption}{f"<colgroup>{cols}</colgroup>" if cols else ""}'
              f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
     return table if t.widths else f'<div class="scroll">{table}</div>'
+
+
+def _messages_html(cell: Messages) -> str:
+    """A `Messages` cell: a `<div>` per block, its class the block's kind, its label in bold."""
+    return "".join(f'<div class={kind}>{f"<span class=label>{html.escape(label)}</span>" if label else ""}'
+                   f"{html.escape(text)}</div>" for kind, label, text in cell.parts()) or "–"
 
 
 def _paragraphs(text: str, cls: str = "") -> list[str]:

@@ -65,8 +65,10 @@ from rlhf_cli.rollout import (
     http_on_every_rank,
     judge_on_every_rank,
     make_generator,
+    max_model_len,
     resolve_engine,
 )
+from rlhf_cli.rollout.environments import environment_runner
 from rlhf_cli.runs import atomic_write_json, atomic_write_text, read_pointer, set_status
 from rlhf_cli.seeds import derive_seed
 from rlhf_cli.stages.common import check_same_tokenizer, console, print_table
@@ -136,14 +138,16 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     tokenizer = load_tokenizer(_model_cfg(src["policy_dir"], cfg.model))
     mine = eval_prompts(cfg, tokenizer, run_dir, src)
     models = load_eval_models(cfg, src, tokenizer)
-    sampled = sample_both(cfg, models, mine, tokenizer.pad_token_id, run_dir)
+    sampled, episode_stats = sample_both(cfg, models, mine, tokenizer, run_dir)
     scores = {}
-    if models["reward_model"] is not None:  # both sides in one pass: a prompt's two samples share its computation
-        pol_ep, ref_ep = sampled["policy"], sampled["reference"]
-        scores = side_by_side_scores(models["reward_model"], (pol_ep.input_ids, pol_ep.attention_mask, pol_ep.P),
-                                     (ref_ep.input_ids, ref_ep.attention_mask, ref_ep.P),
-                                     tokenizer.pad_token_id, e.batch_size, models["score_precision"],
-                                     cfg.data.packing, models["eos"])
+    if sampled["policy"].score is not None:  # the environment's get_reward: the run's reward sources are not called
+        scores = {who: ep.score.float().cpu() for who, ep in sampled.items()}
+    elif models["reward_model"] is not None:  # both sides in one pass: a prompt's two samples share its computation
+        pad = tokenizer.pad_token_id
+        (pol_ids, pol_am), (ref_ids, ref_am) = (sampled[who].sampled_view(pad) for who in ("policy", "reference"))
+        scores = side_by_side_scores(models["reward_model"], (pol_ids, pol_am, sampled["policy"].P),
+                                     (ref_ids, ref_am, sampled["reference"].P), pad, e.batch_size,
+                                     models["score_precision"], cfg.data.packing, models["eos"])
     elif cfg.reward.type == "http":  # the server's scores take the reward model's place: win rate, score_gain, ...
         scores = {who: server_scores(cfg, tokenizer, ep, mine) for who, ep in sampled.items()}
     elif cfg.reward.type == "judge":  # so do the judge's
@@ -159,11 +163,16 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     results: dict[str, Any] = {
         "mode": "policy", "policy": str(Path(src["policy_dir"]).resolve()), "reference": str(src["ref_path"]),
         "reward_model": str(src["rm_path"]) if src["rm_path"] else None, "prompts": len(prompt_texts),
-        "reward_source": score_source(cfg, models, src["rm_path"]), "temperature": e.temperature,
+        "reward_source": score_source(cfg, models, src["rm_path"], sampled["policy"]), "temperature": e.temperature,
         "max_new_tokens": e.max_new_tokens, "seed": cfg.seed, **_small_sample(len(prompt_texts), "prompts"),
     }
     rm_stats = models["rm_stats"]
     results.update(policy_eval_stats(pol, ref, rm_stats[1] if rm_stats is not None else None))
+    for who, stats in episode_stats.items():  # rollout.env: each side's episodes, over every rank's prompts
+        for key, value in stats.items():
+            total = engine.all_reduce_sum(torch.tensor(value * len(mine), dtype=torch.float64)).item()
+            name = f"{who}/{key.replace('/', '_')}"  # policy/episode_turns_mean, ...
+            results[name] = total if key == "episode/tool_errors" else total / len(prompt_texts)
     if results.get("reward_hacking", "none") != "none":
         log.warning("%s", results["headline"])
     results["samples"] = write_responses(run_dir, pol, ref, prompt_texts, e.num_samples)
@@ -174,7 +183,7 @@ def server_scores(cfg: Any, tokenizer: Any, sampled: Episodes, mine: list[dict[s
     """The reward server's (`reward.type=http`, `reward.url`) scores (N,) float32 on the CPU of one side's
     `Episodes` of this rank's prompts `mine`: the same request as train-ppo's (`rlhf_cli.reward_http`).
     Raises RewardServerError (on every rank) when the server fails."""
-    ids, am, P = sampled.input_ids, sampled.attention_mask, sampled.P
+    (ids, am), P = sampled.sampled_view(tokenizer.pad_token_id), sampled.P
     texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
     return http_on_every_rank(HttpReward.from_config(cfg.reward), queries(tokenizer, ids, am), texts, mine).cpu()
 
@@ -183,13 +192,18 @@ def judge_scores(cfg: Any, tokenizer: Any, sampled: Episodes, mine: list[dict[st
     """The LLM judge's (`reward.type=judge`, `reward.judge.*`) scores (N,) float32 on the CPU of one side's
     `Episodes` of this rank's prompts `mine`, NaN where its reply held no score: train-ppo's requests
     (`rlhf_cli.reward_judge`). Raises RewardServerError (on every rank) when the endpoint fails."""
-    texts = tokenizer.batch_decode(sampled.input_ids[:, sampled.P:], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(sampled.sampled_view(tokenizer.pad_token_id)[0][:, sampled.P:],
+                                   skip_special_tokens=True)
     return judge_on_every_rank(JudgeReward.from_config(cfg.reward.judge, cfg.seed), texts, mine).cpu()
 
 
-def score_source(cfg: Any, models: dict[str, Any], rm_path: str | None) -> str | None:
+def score_source(cfg: Any, models: dict[str, Any], rm_path: str | None, sampled: Episodes | None = None
+                 ) -> str | None:
     """What eval.json's `score` figures (`<side>/score_mean`, `win_rate`, `score_gain`) were scored by:
-    `reward model <path>`, `reward server <url>`, `judge <model> at <base_url>`, or None (no such score)."""
+    `environment <rollout.env>` (its `get_reward`, in `sampled`'s episodes), `reward model <path>`, `reward server
+    <url>`, `judge <model> at <base_url>`, or None (no such score)."""
+    if sampled is not None and sampled.score is not None:
+        return f"environment {cfg.rollout.env}"
     if cfg.reward.type == "http":
         return f"reward server {cfg.reward.url}"
     if cfg.reward.type == "judge":
@@ -315,12 +329,15 @@ def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str,
             "eos": eos_ids(tokenizer, policy.generation_config)}
 
 
-def sample_both(cfg: Any, models: dict[str, Any], prompts: list[dict[str, Any]], pad_id: int, run_dir: Path
-                ) -> dict[str, Episodes]:
+def sample_both(cfg: Any, models: dict[str, Any], prompts: list[dict[str, Any]], tokenizer: Any, run_dir: Path
+                ) -> tuple[dict[str, Episodes], dict[str, dict[str, float]]]:
     """Each side's episodes on this rank's prompt rows (`prompts`, with `prompt_ids`) from one generator
-    (`rollout.engine`) and one runner (`SingleTurnRunner`), with one noise stream per prompt shared by policy and
-    reference (common random numbers): the same samples whatever the world size, and identical responses wherever
-    the two models agree. Returns {"policy": ..., "reference": ...}, each N `Episodes`."""
+    (`rollout.engine`) and one runner (`SingleTurnRunner`, or with `rollout.env` the environment's
+    `EnvironmentRunner`: the same environment, budgets and per-turn seeds on both sides), with one noise stream
+    per prompt shared by policy and reference (common random numbers): the same samples whatever the world size,
+    and identical episodes wherever the two models agree. `eval.max_new_tokens` bounds a turn, as
+    `ppo.max_new_tokens` does in train-ppo. Returns ({"policy": ..., "reference": ...}, each N `Episodes`; each
+    side's `episode/*` statistics of this rank's rows, {} without an environment)."""
     e = cfg.eval
     # prompt j of the eval (this rank's i-th) samples with seed derive_seed(seed, j) on both sides
     seeds = [derive_seed(cfg.seed, engine.rank() + i * engine.world_size()) for i in range(len(prompts))]
@@ -330,23 +347,26 @@ def sample_both(cfg: Any, models: dict[str, Any], prompts: list[dict[str, Any]],
         log.info("rollout.engine=auto samples with %s (%s)", cfg.rollout.engine, why)
     generator = make_generator(cfg.rollout.engine, EngineSettings(
         precision=cfg.precision, chunk=e.generation_batch_size, workdir=run_dir, kv_cache_gb=cfg.rollout.kv_cache_gb,
-        max_model_len=cfg.data.max_prompt_length + e.max_new_tokens, engine_dtype=cfg.rollout.engine_dtype,
+        max_model_len=max_model_len(cfg, e.max_new_tokens), engine_dtype=cfg.rollout.engine_dtype,
         verbose=cfg.rollout.engine_verbose, selftest=cfg.rollout.engine_selftest,
         sync_timeout_s=cfg.rollout.sync_timeout_s))
     # no score_precision: nothing trains on eval's samples, so `auto` gives the engine the run's precision, as the
     # hf sampler samples under it
     if cfg.rollout.engine == "vllm":  # eval.json and the results table: the dtype used
         cfg.rollout.engine_dtype = dtype_setting(generator.dtype)
-    sampling = Sampling(eos_ids=models["eos"], pad_id=pad_id, max_new_tokens=e.max_new_tokens,
+    sampling = Sampling(eos_ids=models["eos"], pad_id=tokenizer.pad_token_id, max_new_tokens=e.max_new_tokens,
                         temperature=e.temperature, top_p=e.top_p)
-    sampled, runner = {}, SingleTurnRunner()
+    runner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(cfg, tokenizer, prompts)
+    sampled, stats = {}, {}
     try:
         for who in ("policy", "reference"):  # one engine, the same seeds on both sides
             generator.update_weights(models[who])
             sampled[who] = runner.run(prompts, seeds, generator, sampling)
+            if cfg.rollout.env is not None:
+                stats[who] = dict(runner.stats)
     finally:
         generator.close()
-    return sampled
+    return sampled, stats
 
 
 def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dict[str, Any]], who: str,
@@ -357,11 +377,18 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
     `score` (the reward model's, given), `correct` (the data's checker, when every rank's prompts have answers: 0/1, or
     reasoning-gym's score in [0, 1] with its partial credit), `function`
     (`reward.function`); the policy's KL(policy ‖ reference) `kl_k1`, `kl_k3` (nats per sequence) on its own
-    samples, temperature-scaled, the policy's log-probs renormalised over its nucleus under `eval.top_p` < 1."""
+    samples, temperature-scaled, the policy's log-probs renormalised over its nucleus under `eval.top_p` < 1. With
+    `rollout.env`, the text, the length and every source score the tokens the policy sampled
+    (`Episodes.sampled_view`), as train-ppo's sources do, `reward.function` gets the conversation, and
+    `conversation` holds each episode's messages after the prompt (TRL's conversational form,
+    `episodes.Conversation`); the KL runs over the whole episode, on the sampled tokens."""
     ids, am, P, mask = sampled.input_ids, sampled.attention_mask, sampled.P, sampled.action_mask
-    texts = tokenizer.batch_decode(ids[:, P:], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(sampled.sampled_view(tokenizer.pad_token_id)[0][:, P:], skip_special_tokens=True)
     out: dict[str, Any] = {"text": texts, "length": mask.sum(1), "eos": sampled.has_eos.float(),
                            "tokens": [tuple(r[m.bool()].tolist()) for r, m in zip(ids[:, P:].cpu(), mask.cpu())]}
+    conversations = sampled.conversations
+    if conversations is not None:
+        out["conversation"] = [c.completion for c in conversations]
     if score is not None:
         out["score"] = score
     unanswered = float(any(x.get("answer") is None for x in mine))
@@ -369,7 +396,7 @@ def side_values(cfg: Any, models: dict[str, Any], tokenizer: Any, mine: list[dic
         out["correct"] = call_on_every_rank({"checker": task_checker(cfg.data)}, texts, mine)["checker"]
     if models["function"] is not None:
         out["function"] = call_on_every_rank({"function": (cfg.reward.function, models["function"])}, texts,
-                                             mine)["function"]
+                                             mine, conversations)["function"]
     if who == "policy":  # KL(policy ‖ reference) on the policy's own samples, temperature-scaled
         kl = sequence_kl(models["policy"], models["reference"], ids, am, mask, cfg.eval.temperature,
                          cfg.eval.batch_size, models["score_precision"], ("k1", "k3"), packing=cfg.data.packing,
@@ -397,6 +424,8 @@ def write_responses(run_dir: Path, pol: dict[str, Any], ref: dict[str, Any], pro
                 line[f"{side}_length"] = int(t["length"][i])
                 for key in ("score", "correct", "function"):
                     line[f"{side}_{key}"] = _get(t, key, i)
+                if "conversation" in t:  # rollout.env: the episode's messages after the prompt
+                    line[f"{side}_conversation"] = t["conversation"][i]
             lines.append(json.dumps(line) + "\n")
         atomic_write_text(run_dir / RESPONSES_FILE, "".join(lines))
     return [dict(zip(keys, s)) for s in samples]

@@ -1,11 +1,13 @@
-"""`rollout.env` on the hf engine (`rollout/environments.py`): the TRL-compatible interface, token in / token out
-against the shipped tool template's rendering, the action mask through a real tiny-model rollout, turns and
-budgets, tool errors, seeds, and each bad input."""
+"""`rollout.env` (`rollout/environments.py`): the TRL-compatible interface, token in / token out against the shipped
+tool template's rendering, the action mask through a real tiny-model rollout (hf engine), an engine's log-probs
+across turns (the vllm engine's own test is in tests/engine_vllm), turns and budgets, tool errors, seeds, each bad
+input, and `rlhf eval` with an environment."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import textwrap
 
 import pytest
@@ -349,15 +351,43 @@ def test_bad_input_is_one_line_naming_the_file_and_the_fix(tokenizer, env_file, 
     assert "env_response returned a int" in msg and "data row 9" in msg
 
 
-def test_rollout_env_is_refused_on_vllm():
-    from omegaconf import OmegaConf
+class WithLogprobs(Scripted):
+    """`Scripted`, with engine log-probs as the `vllm` engine gives them (it ignores `sampling.stop`): a value of its
+    own for every (seed, position) sampled, 0 after the response."""
 
-    from rlhf_cli.config import RolloutConfig, validate_rollout
+    def generate(self, prompt_ids, seeds, sampling):
+        g = super().generate(prompt_ids, seeds, sampling)
+        lp = -torch.tensor([[(int(s) % 89 + j + 1) / 1000 for j in range(g.mask.shape[1])] for s in seeds])
+        return g._replace(logprobs=lp * g.mask)
 
-    cfg = OmegaConf.create({"rollout": OmegaConf.structured(RolloutConfig)})
-    cfg.rollout.env, cfg.rollout.engine = "envs.py:Calc", "vllm"
-    with pytest.raises(ConfigError, match="B2"):
-        validate_rollout(cfg)
+
+def test_an_engines_logprobs_cover_the_sampled_tokens_of_every_turn_and_zero_the_rest(tokenizer, env_file):
+    """An engine that gives log-probs (`vllm`): the episode's `engine_logprobs` are, at action mask 1, each turn's
+    log-probs of the ids kept from that turn (the prefix `_cut` keeps of a turn that went on after its calls, as the
+    vllm engine samples past them), in order, and 0 on the tool results and headers between turns; the ids and masks
+    are those of an engine without log-probs. A row's log-probs are its own, not its neighbour's."""
+    own_result = call("add", a=1, b=2) + "<tool_response>\n3\n</tool_response> so it is 3<EOT>"
+    script = {7: [own_result, "The answer is 3.<EOT>"], 8: [call("add", a=5, b=5) + "<EOT>", "It is 10.<EOT>"]}
+    prompts = [prompt("What is 1 + 2?", row=7), prompt("What is 5 + 5?", row=8)]
+    plain = run(tokenizer, env_file, "Calc", script, prompts=prompts, n=96)[1]
+    assert plain.engine_logprobs is None  # the hf engine gives none
+    runner = EnvironmentRunner(f"{env_file}:Calc", tokenizer, EnvSettings())
+    ep = runner.run(prompts, [7, 8], WithLogprobs(tokenizer, script), sampling(96))
+    for name in ("input_ids", "attention_mask", "action_mask", "has_eos", "turns"):
+        assert torch.equal(getattr(ep, name), getattr(plain, name)), name
+    assert ep.turns.tolist() == [2, 2]
+    for b, row in enumerate(script):
+        want = []
+        for t, text in enumerate(script[row]):
+            n = len(tokenizer(text.removesuffix("<EOT>"), add_special_tokens=False)["input_ids"]) + text.endswith(
+                "<EOT>")
+            if t == 0 and row == 7:  # cut after the call: its own tool result is not kept
+                n = len(tokenizer(call("add", a=1, b=2), add_special_tokens=False)["input_ids"])
+            want += [-(turn_seed(row, t) % 89 + j + 1) / 1000 for j in range(n)]
+        action = ep.action_mask[b].bool()
+        assert ep.engine_logprobs[b][action].tolist() == pytest.approx(want, abs=1e-7)
+        assert bool((ep.engine_logprobs[b][~action] == 0).all())
+    assert bool(((ep.action_mask == 0) & (ep.attention_mask[:, ep.P:] == 1)).any())  # there are tool tokens
 
 
 def test_overlong_shaping_is_refused_with_an_environment(env_file):
@@ -771,3 +801,69 @@ def test_the_hf_engine_ends_a_row_where_sampling_stop_holds(tiny_causal):
     assert int(free.mask.sum()) == 30 and cut.mask.sum(1).tolist() == [4.0, 10.0, 4.0]
     assert torch.equal(cut.responses[:, :4], free.responses[:, :4]) and torch.equal(cut.responses[1], free.responses[1])
     assert bool((cut.responses[[0, 2], 4:] == PAD).all()) and cut.has_eos.tolist() == [False] * 3
+
+
+class EvalScripted(Scripted):
+    """`Scripted` for `rlhf eval`: each side (told apart by the model pushed, `update_weights`) answers every prompt
+    with its own turns, found from eval's seeds (`derive_seed(seed, j)`, then `turn_seed`)."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], policy_dir, seed: int, n: int) -> None:
+        from rlhf_cli.seeds import derive_seed
+
+        self.tok, self.scripts, self.policy_dir, self.n = tokenizer, scripts, str(policy_dir), n
+        self.by_seed = {turn_seed(derive_seed(seed, j), t): (j, t) for j in range(n) for t in range(4)}
+
+    def update_weights(self, model, gather=None):
+        side = "policy" if str(model.name_or_path) == self.policy_dir else "reference"
+        self.script = {j: self.scripts[side] for j in range(self.n)}
+
+
+@pytest.fixture(scope="module")
+def two_lms(tmp_path_factory, tiny_model_cfg, tokenizer):
+    from rlhf_cli.models import load_causal_lm, save_hf
+
+    root = tmp_path_factory.mktemp("lms")
+    return {name: save_hf(load_causal_lm(tiny_model_cfg, "fp32", seed, tokenizer=tokenizer), tokenizer, root / name)
+            for name, seed in (("policy", 1), ("reference", 2))}
+
+
+def test_eval_runs_the_environment_on_both_sides_and_sets_tool_turns_apart(run_stage, env_file, two_lms, tokenizer,
+                                                                           monkeypatch):
+    """`rlhf eval` with `rollout.env` (issue 57 step B2): both sides run the same environment with the same seeds;
+    the environment's `get_reward` is the paired score (the reward sources are not called), the checker reads the
+    sampled text only (a tool's result is not the policy's answer), `episode/*` is reported per side, and the
+    responses file and the report show each conversation with its tool calls and results set apart."""
+    from rlhf_cli.rollout import engines
+
+    policy_turns = [call("add", a=3, b=4), "The answer is 5.<EOT>"]
+    scripts = {"policy": policy_turns, "reference": ["I think 9.<EOT>"]}
+    n = 4
+    gen = EvalScripted(tokenizer, scripts, two_lms["policy"], seed=42, n=n)
+    monkeypatch.setitem(engines.GENERATORS, "hf", lambda settings: gen)
+    _, eval_dir, _ = run_stage("eval", [
+        f"policy.path={two_lms['policy']}", f"reference.path={two_lms['reference']}", "reward.type=checker",
+        f"rollout.env={env_file}:Calc", f"data.builtin.ppo_eval={n}", "eval.max_new_tokens=64",
+        "data.max_prompt_length=500", "rollout.engine=hf", "seed=42"])
+    out = json.loads((eval_dir / "eval.json").read_text())["results"]
+    assert out["reward_source"] == f"environment {env_file}:Calc"
+    assert out["policy/score_mean"] == 1.0 and out["reference/score_mean"] == 0.0 and out["score_gain"] == 1.0
+    assert out["policy/episode_turns_mean"] == 2.0 and out["reference/episode_turns_mean"] == 1.0
+    assert out["policy/episode_tool_calls_mean"] == 1.0 and out["reference/episode_tool_calls_mean"] == 0.0
+    assert out["policy/accuracy"] == 0.0  # "5" is wrong
+    assert math.isfinite(out["kl_k1"])
+    lines = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
+    assert len(lines) == n
+    sampled = tokenizer(policy_turns[0], add_special_tokens=False)["input_ids"] + \
+        tokenizer("The answer is 5.", add_special_tokens=False)["input_ids"] + [EOS]
+    assert lines[0]["policy"] == tokenizer.decode(sampled, skip_special_tokens=True)
+    assert lines[0]["policy_length"] == len(sampled)
+    assert lines[0]["policy_conversation"] == [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]},
+        {"role": "tool", "name": "add", "content": "7"},
+        {"role": "assistant", "content": "The answer is 5."}]
+    assert lines[0]["reference_conversation"] == [{"role": "assistant", "content": "I think 9."}]
+    page = (eval_dir / "report" / "report.html").read_text()
+    assert '<div class=call><span class=label>tool call: </span>add({&quot;a&quot;: 3, &quot;b&quot;: 4})</div>' \
+        in page
+    assert "<div class=tool><span class=label>add returned: </span>7</div>" in page
