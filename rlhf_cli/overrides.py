@@ -88,6 +88,14 @@ def _critic_free(cfg: Any, command: Command) -> bool:
     return "ppo" in command.reads and not ADVANTAGE_ESTIMATORS[cfg.ppo.advantage_estimator].needs_critic
 
 
+def _samples_no_policy(cfg: Any, command: Command) -> bool:
+    """Whether `command` with `cfg` samples no episodes: train-ppo always does; eval does in its policy mode only
+    (`stages.evaluate`'s order: `run_dir`, then `policy.path`, then `reward_model.path`)."""
+    if "ppo" in command.reads or "policy" not in command.reads:
+        return "ppo" not in command.reads
+    return cfg.get("run_dir") is not None or (cfg.policy.path is None and cfg.reward_model.path is not None)
+
+
 def _no_model_reward(cfg: Any, command: Command) -> bool:
     """Whether `command` loads no reward model with `cfg`: it loads one only for a `model` reward source (train-ppo's
     `ModelPath.needs_model_reward`), or, measuring a policy (`policy.path`), only with `reward.type=model`."""
@@ -158,8 +166,8 @@ IGNORED: tuple[Ignored, ...] = (
     *(Ignored(f"rollout.{k}", "`rollout.env=null` (one response per prompt)", lambda cfg, c: cfg.rollout.env is None,
               "set `rollout.env=FILE.py:Class`")
       for k in ("max_turns", "max_tool_calls", "max_episode_tokens", "max_tool_tokens", "tool_timeout_s")),
-    Ignored("rollout.env", "a command that samples no episodes (train-ppo and eval do)",
-            lambda cfg, c: "ppo" not in c.reads and "eval" not in c.reads, "use it with train-ppo or eval"),
+    Ignored("rollout.env", "an eval that samples no policy (a reward model's, `reward_model.path` without "
+            "`policy.path`, or a past run's report, `run_dir`)", _samples_no_policy, "give `policy.path`"),
 )
 """Every key that a setting makes do nothing, checked against the command line (README: "Keys a setting ignores")."""
 

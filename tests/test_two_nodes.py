@@ -2,7 +2,7 @@
 rank each, one shared `paths.root`), as README's multi-node how-to starts them.
 
 Each process is then LOCAL_RANK 0 of its node: code that chose its writer by the local rank would write twice.
-train-sft and train-ppo (`rollout.engine=hf`) on two nodes equal the one-node, two-rank run (`--nproc_per_node 2`)
+train-sft and train-ppo (the `hf` sampler) on two nodes equal the one-node, two-rank run (`--nproc_per_node 2`)
 within 1e-5 (fp32), and an audit hook in every rank (Python's `sys.addaudithook`: opens for writing, renames,
 mkdirs, deletions) shows global rank 1 writing under `paths.root` only what it removes again (its writability probe,
 its Hydra dir: rank 0's is the run's, `lifecycle.prepare_run_dir`) and its own DeepSpeed files under `ds/` (written

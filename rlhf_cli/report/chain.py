@@ -130,6 +130,19 @@ def _bounds(r: dict[str, Any], key: str) -> str:
     return f" (95 % interval {low:.1%}–{high:.1%})"
 
 
+def score_names(r: dict[str, Any]) -> tuple[str, str]:
+    """(the scorer in words, the column/axis label) of a policy eval's `score` figures, from its `reward_source`
+    (`stages.evaluate.score_source`): a reward model (and an older eval without the field), a reward server, a judge
+    or an environment's `get_reward`."""
+    source = str(r.get("reward_source") or "reward model")
+    for start, name, label in (("reward server", "the reward server", "server score"),
+                               ("judge", "the judge", "judge score"),
+                               ("environment", "the environment's get_reward", "environment reward")):
+        if source.startswith(start):
+            return name, label
+    return "the reward model", "RM score"
+
+
 def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
     """(sentences, alert) summing up a policy eval's `results` in plain words, at most 5 sentences: whether the
     policy beats the reference on the reward model (gain in RM std when known), what the ground truth says
@@ -138,16 +151,18 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
     comes with its 95 % interval (paired: policy − reference). An older eval's results (a boolean verdict) get
     the verdict recomputed from their gains."""
     out = []
+    scorer, label = score_names(r)
+    units = "RM units" if label == "RM score" else "its units"
     if "score_gain" in r:
         if "score_gain_rm_std" in r:
             amount = (f"{r['score_gain_rm_std']:+.2f} RM std (95 % interval ± {r['score_gain_rm_std_ci95']:.2f}; "
                       f"{_interval(r['score_gain'], r['score_gain_ci95'])} in RM units)")
         else:
-            amount = f"{_interval(r['score_gain'], r['score_gain_ci95'])} in RM units (95 % interval)"
+            amount = f"{_interval(r['score_gain'], r['score_gain_ci95'])} in {units} (95 % interval)"
         verb = _moved(r["score_gain"], r["score_gain_ci95"], "beats", "loses to", "does not measurably beat")
         wins = (f", and it wins {r['win_rate']:.0%} of {r.get('prompts')} held-out prompts{_bounds(r, 'win_rate')}"
                 if "win_rate" in r else "")
-        out.append(f"On the reward model, the policy {verb} the reference: paired score gain {amount}{wins}.")
+        out.append(f"On {scorer}, the policy {verb} the reference: paired score gain {amount}{wins}.")
     else:
         out.append("No reward model scored these samples, so this eval says nothing about RM score.")
     cut = [f"{1 - r[f'{side}/eos_rate']:.0%} of the {side}'s" for side in ("reference", "policy")
@@ -175,7 +190,7 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
         out.append(f"The ground truth says: {'; '.join(truths)}.")
     else:
         out.append("There is no ground truth for these prompts (no answers for the checker, no reward.function "
-                   f"given to {reporter().invocation}): the reward model is the only judge.")
+                   f"given to {reporter().invocation}): {scorer} is the only judge.")
     if "kl_k3" in r:
         out.append(f"The policy spent {r['kl_k3']:.3f} ± {r['kl_k3_ci95']:.3f} nats of KL from the reference per "
                    f"response (k3 estimator, never negative; k1, the training curves' objective/kl, reads "
@@ -187,7 +202,7 @@ def policy_headline(r: dict[str, Any]) -> tuple[list[str], str]:
     if verdict == "warning":
         alert = f"Warning: {line}. Both moves lie beyond their 95 % intervals."
     elif verdict == "possible":
-        out.append("Possible reward hacking: the RM score went up while the ground truth went down, but at least one "
+        out.append(f"Possible reward hacking: the {label} went up while the ground truth went down, but at least one "
                    "of the two intervals contains 0; more held-out prompts (eval.num_prompts) would tell.")
     if r.get("warning"):
         out.append(f"Caution: {r['warning']}.")
@@ -239,12 +254,13 @@ def _verdict(correct: Any) -> str:
     return "–" if correct is None else "✓" if correct >= 0.5 else "✗"
 
 
-def _samples(rows: list[dict[str, Any]], n: int) -> Table:
-    """The first `n` prompts side by side: each reply with its RM score (reward.function's when no reward model
-    scored them) and the checker's verdict. An episode of several turns (`rollout.env`) is its conversation, the
-    tool calls, results and environment replies set apart (`html.Messages`)."""
+def _samples(rows: list[dict[str, Any]], n: int, score_label: str = "RM score") -> Table:
+    """The first `n` prompts side by side: each reply with its score (`score_label`: what scored it,
+    `score_names`; reward.function's when nothing else scored them) and the checker's verdict. An episode of several
+    turns (`rollout.env`) is its conversation, the tool calls, results and environment replies set apart
+    (`html.Messages`)."""
     key, label = ("function", "function") if rows and rows[0].get("policy_score") is None \
-        and rows[0].get("policy_function") is not None else ("score", "RM score")
+        and rows[0].get("policy_function") is not None else ("score", score_label)
     columns = ["prompt", "policy", label, "checker", "reference", label, "checker"]
 
     def reply(x: dict[str, Any], side: str) -> Any:
@@ -256,9 +272,9 @@ def _samples(rows: list[dict[str, Any]], n: int) -> Table:
                             _verdict(x.get("reference_correct"))] for x in rows[:n]], widths=SAMPLE_WIDTHS)
 
 
-def _length_vs_reward(rows: list[dict[str, Any]], out_dir: Path) -> Section:
+def _length_vs_reward(rows: list[dict[str, Any]], out_dir: Path, score_label: str = "RM score") -> Section:
     title = "length vs reward"
-    for key, label in (("score", "RM score"), ("function", "reward.function")):
+    for key, label in (("score", score_label), ("function", "reward.function")):
         if rows and all(x.get(f"policy_{key}") is not None for x in rows):
             points = {side: ([x[f"{side}_length"] for x in rows], [x[f"{side}_{key}"] for x in rows])
                       for side in ("policy", "reference")}
@@ -342,17 +358,19 @@ def eval_sections(eval_dir: Path, out_dir: Path) -> tuple[str, list[Section]]:
                                                       "parents (lineage.json): only this eval's numbers are shown."))
     rewards = read_rewards(eval_dir)
     if rewards:
-        what = "RM score: policy vs reference" if "policy" in rewards else "RM scores: chosen vs rejected"
+        what = f"{score_names(results)[1]}: policy vs reference" if "policy" in rewards else \
+            "RM scores: chosen vs rejected"
         sections.append(Section("reward distributions", images=[plot_rewards(rewards, out_dir / HIST_FILE, what)]))
     rows = read_responses(eval_dir)
     if results.get("mode") != "reward_model":
-        sections.append(_length_vs_reward(rows, out_dir))
+        sections.append(_length_vs_reward(rows, out_dir, score_names(results)[1]))
         n = int((config.get("eval") or {}).get("num_samples", 8))
         shown = rows or [{"prompt": x.get("prompt"), "policy": x.get("policy"), "reference": x.get("reference"),
                           "policy_score": x.get("policy_score"), "reference_score": x.get("reference_score")}
                          for x in results.get("samples") or []]  # an older eval: its stored samples
         of = f"{len(rows)} held-out prompts" if rows else f"{results.get('prompts')} held-out prompts"
-        sections.append(Section(f"samples (the first {min(n, len(shown))} of {of})", tables=[_samples(shown, n)],
+        table = _samples(shown, n, score_names(results)[1])
+        sections.append(Section(f"samples (the first {min(n, len(shown))} of {of})", tables=[table],
                                 text="Both sides answer the same prompt with the same sampling noise."))
     numbers = [[k, v] for k, v in flatten({k: v for k, v in results.items() if k != "samples"}).items()]
     sections.append(Section("every number of eval.json", tables=[Table(["metric", "value"], numbers)],

@@ -277,7 +277,7 @@ class _Episode:
     n_prompt: int = 0  # the prompt's messages, the first of `messages`
     ids: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)  # the engine's, of `ids` (0 where mask is 0)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # an engine's of `ids`, 0 off the mask; hf: unused
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0

@@ -137,8 +137,14 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     src = policy_sources(cfg, policy_path)
     tokenizer = load_tokenizer(_model_cfg(src["policy_dir"], cfg.model))
     mine = eval_prompts(cfg, tokenizer, run_dir, src)
-    models = load_eval_models(cfg, src, tokenizer)
-    sampled, episode_stats = sample_both(cfg, models, mine, tokenizer, run_dir)
+    # rollout.env: the environment before any model or engine (a bad one is one line, nothing to close)
+    runner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(cfg, tokenizer, mine)
+    env_scores = getattr(runner, "owns_reward", False)  # its get_reward is the score: no reward model
+    if env_scores and src["rm_path"] is not None and cfg.reward.type == "model" and engine.is_main():
+        log.info("rollout.env=%s scores the episodes (get_reward): the reward model %s is not loaded",
+                 cfg.rollout.env, src["rm_path"])
+    models = load_eval_models(cfg, src, tokenizer, reward_model=not env_scores)
+    sampled, episode_stats = sample_both(cfg, models, mine, tokenizer, runner, run_dir)
     scores = {}
     if sampled["policy"].score is not None:  # the environment's get_reward: the run's reward sources are not called
         scores = {who: ep.score.float().cpu() for who, ep in sampled.items()}
@@ -170,9 +176,11 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     results.update(policy_eval_stats(pol, ref, rm_stats[1] if rm_stats is not None else None))
     for who, stats in episode_stats.items():  # rollout.env: each side's episodes, over every rank's prompts
         for key, value in stats.items():
-            total = engine.all_reduce_sum(torch.tensor(value * len(mine), dtype=torch.float64)).item()
+            count = key == "episode/tool_errors"  # a count of this rank's episodes; the rest are their means
+            total = engine.all_reduce_sum(torch.tensor(value * (1 if count else len(mine)),
+                                                       dtype=torch.float64)).item()
             name = f"{who}/{key.replace('/', '_')}"  # policy/episode_turns_mean, ...
-            results[name] = total if key == "episode/tool_errors" else total / len(prompt_texts)
+            results[name] = total if count else total / len(prompt_texts)
     if results.get("reward_hacking", "none") != "none":
         log.warning("%s", results["headline"])
     results["samples"] = write_responses(run_dir, pol, ref, prompt_texts, e.num_samples)
@@ -301,9 +309,10 @@ def eval_prompts(cfg: Any, tokenizer: Any, run_dir: Path, src: dict[str, Any]) -
     return prompts[:n][engine.rank()::ws]
 
 
-def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any, reward_model: bool = True) -> dict[str, Any]:
     """The models of a policy eval, on the device in eval mode: `policy`, `reference` (its recorded seed),
-    `reward_model` (None without one, or unless `reward.type=model`) with `rm_stats` (its stored held-out
+    `reward_model` (None without one, unless `reward.type=model`, or with `reward_model=False`: an environment's
+    `get_reward` scores the episodes) with `rm_stats` (its stored held-out
     (mean, std), `models.read_score_stats`), `function` (`reward.function`, or None), `score_precision` (the KL
     and reward passes) and `eos` (the policy's EOS set, which ends both sides' responses)."""
     policy = load_causal_lm(_model_cfg(src["policy_dir"], cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)
@@ -314,7 +323,7 @@ def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str,
         log.warning("%s does not sum reward.weights: it reports each source on its own (the reward model, the "
                     "checker where prompts have answers, and reward.function when set)", COMMAND.invocation)
     function = load_reward_function(cfg.reward.function) if cfg.reward.function else None
-    if src["rm_path"] is not None and cfg.reward.type == "model":
+    if reward_model and src["rm_path"] is not None and cfg.reward.type == "model":
         rm_dir = require_scalar_model_dir(src["rm_path"], "reward model")
         check_same_tokenizer(tokenizer, rm_dir, "reward model")
         reward_model = load_scalar_model(rm_dir, cfg.precision, cfg.seed)
@@ -329,10 +338,10 @@ def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str,
             "eos": eos_ids(tokenizer, policy.generation_config)}
 
 
-def sample_both(cfg: Any, models: dict[str, Any], prompts: list[dict[str, Any]], tokenizer: Any, run_dir: Path
-                ) -> tuple[dict[str, Episodes], dict[str, dict[str, float]]]:
+def sample_both(cfg: Any, models: dict[str, Any], prompts: list[dict[str, Any]], tokenizer: Any, runner: Any,
+                run_dir: Path) -> tuple[dict[str, Episodes], dict[str, dict[str, float]]]:
     """Each side's episodes on this rank's prompt rows (`prompts`, with `prompt_ids`) from one generator
-    (`rollout.engine`) and one runner (`SingleTurnRunner`, or with `rollout.env` the environment's
+    (`rollout.engine`) and one `runner` (`SingleTurnRunner`, or with `rollout.env` the environment's
     `EnvironmentRunner`: the same environment, budgets and per-turn seeds on both sides), with one noise stream
     per prompt shared by policy and reference (common random numbers): the same samples whatever the world size,
     and identical episodes wherever the two models agree. `eval.max_new_tokens` bounds a turn, as
@@ -356,7 +365,6 @@ def sample_both(cfg: Any, models: dict[str, Any], prompts: list[dict[str, Any]],
         cfg.rollout.engine_dtype = dtype_setting(generator.dtype)
     sampling = Sampling(eos_ids=models["eos"], pad_id=tokenizer.pad_token_id, max_new_tokens=e.max_new_tokens,
                         temperature=e.temperature, top_p=e.top_p)
-    runner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(cfg, tokenizer, prompts)
     sampled, stats = {}, {}
     try:
         for who in ("policy", "reference"):  # one engine, the same seeds on both sides

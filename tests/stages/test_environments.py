@@ -830,12 +830,13 @@ def two_lms(tmp_path_factory, tiny_model_cfg, tokenizer):
 def test_eval_runs_the_environment_on_both_sides_and_sets_tool_turns_apart(run_stage, env_file, two_lms, tokenizer,
                                                                            monkeypatch):
     """`rlhf eval` with `rollout.env` (issue 57 step B2): both sides run the same environment with the same seeds;
-    the environment's `get_reward` is the paired score (the reward sources are not called), the checker reads the
-    sampled text only (a tool's result is not the policy's answer), `episode/*` is reported per side, and the
-    responses file and the report show each conversation with its tool calls and results set apart."""
+    the environment's `get_reward` is the paired score (the reward sources are not called), the text every source
+    reads is the sampled tokens' only (the responses file's text: no tool result in it), `episode/*` is reported per
+    side, and the responses file and the report show each conversation with its tool calls and results set
+    apart."""
     from rlhf_cli.rollout import engines
 
-    policy_turns = [call("add", a=3, b=4), "The answer is 5.<EOT>"]
+    policy_turns = [call("add", a=3, b=4) + call("nope", x=1), "The answer is 5.<EOT>"]  # one unknown tool
     scripts = {"policy": policy_turns, "reference": ["I think 9.<EOT>"]}
     n = 4
     gen = EvalScripted(tokenizer, scripts, two_lms["policy"], seed=42, n=n)
@@ -848,7 +849,8 @@ def test_eval_runs_the_environment_on_both_sides_and_sets_tool_turns_apart(run_s
     assert out["reward_source"] == f"environment {env_file}:Calc"
     assert out["policy/score_mean"] == 1.0 and out["reference/score_mean"] == 0.0 and out["score_gain"] == 1.0
     assert out["policy/episode_turns_mean"] == 2.0 and out["reference/episode_turns_mean"] == 1.0
-    assert out["policy/episode_tool_calls_mean"] == 1.0 and out["reference/episode_tool_calls_mean"] == 0.0
+    assert out["policy/episode_tool_calls_mean"] == 2.0 and out["reference/episode_tool_calls_mean"] == 0.0
+    assert out["policy/episode_tool_errors"] == n and out["reference/episode_tool_errors"] == 0  # a count
     assert out["policy/accuracy"] == 0.0  # "5" is wrong
     assert math.isfinite(out["kl_k1"])
     lines = [json.loads(x) for x in (eval_dir / "responses.jsonl").read_text().splitlines()]
@@ -857,13 +859,16 @@ def test_eval_runs_the_environment_on_both_sides_and_sets_tool_turns_apart(run_s
         tokenizer("The answer is 5.", add_special_tokens=False)["input_ids"] + [EOS]
     assert lines[0]["policy"] == tokenizer.decode(sampled, skip_special_tokens=True)
     assert lines[0]["policy_length"] == len(sampled)
-    assert lines[0]["policy_conversation"] == [
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]},
-        {"role": "tool", "name": "add", "content": "7"},
-        {"role": "assistant", "content": "The answer is 5."}]
+    first, add, nope, last = lines[0]["policy_conversation"]
+    assert first == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}},
+        {"type": "function", "function": {"name": "nope", "arguments": {"x": 1}}}]}
+    assert add == {"role": "tool", "name": "add", "content": "7"} and nope["role"] == "tool"
+    assert last == {"role": "assistant", "content": "The answer is 5."}
     assert lines[0]["reference_conversation"] == [{"role": "assistant", "content": "I think 9."}]
     page = (eval_dir / "report" / "report.html").read_text()
     assert '<div class=call><span class=label>tool call: </span>add({&quot;a&quot;: 3, &quot;b&quot;: 4})</div>' \
         in page
     assert "<div class=tool><span class=label>add returned: </span>7</div>" in page
+    assert "On the environment&#x27;s get_reward, the policy beats the reference" in page  # not "the reward model"
+    assert "<th>environment reward</th>" in page
