@@ -51,6 +51,7 @@ REWARD_SOURCES = ("model", "checker", "function", "http", "judge", "teacher")
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # `auto`: rollout.engines.resolve_engine
 # the dtypes `rollout.engine_dtype` names: rollout.generation.resolve_dtype resolves `auto`
 ENGINE_DTYPES = ("auto", "fp32", "bf16")
+BUILTIN_DIFFICULTIES = ("easy", "hard")  # data.builtin.difficulty: rlhf_cli.data.builtin._make_problem
 # the names `logger` takes: `jsonl` and the trackers of runs.TRACKERS (a test keeps the two equal)
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 DATA_FILE_TYPES = {".jsonl.gz": "json", ".json.gz": "json", ".jsonl": "json", ".json": "json",
@@ -146,6 +147,13 @@ class BuiltinTaskConfig:
     """Use at most this many problems of each split (after the seeded shuffle): 256 keeps the default
     `rlhf train-rm` (and `make demo`) within minutes on a 2-core CPU; null = all. The built-in task's own cap:
     it never caps a file (`data.max_samples` caps a file, and overrides this when set)."""
+    difficulty: str = "easy"
+    """`easy`: one step of +, - or × on small numbers; `hard`: a 3-digit × 2-digit product, the split meant for
+    a calculator (`rlhf_cli.data.builtin_envs:Calculator`)."""
+    tool_calls: bool = False
+    """train-sft's demonstrations call the calculator: the question, an assistant turn holding one `calculate`
+    call of the problem's expression, the tool's result, then the worked answer (the tools block rendered with the
+    shipped ChatML tool template). false: the worked answer in one turn."""
 
 
 @dataclass
@@ -1104,6 +1112,7 @@ def validate_common(cfg: Any) -> None:
     _check(d.max_samples is None or d.max_samples > 0, f"data.max_samples must be > 0 or null (got {d.max_samples})")
     _check(d.builtin.max_samples is None or d.builtin.max_samples > 0,
            f"data.builtin.max_samples must be > 0 or null (got {d.builtin.max_samples})")
+    _one_of("data.builtin.difficulty", d.builtin.difficulty, BUILTIN_DIFFICULTIES)
     rg = d.reasoning_gym
     if rg.tasks:
         _check(d.path is None, f"data.path={d.path} and data.reasoning_gym.tasks={list(rg.tasks)} both name the "

@@ -117,6 +117,10 @@ SKIP_RECIPE = {
                                "tests/stages/test_stage_judge.py train and evaluate against a fake one)",
     "Distil a model on-policy": "full-size presets (SmolLM2's SFT, then experiment=distill: hours on a CPU); "
                                 "tests/stages/test_stage_distill.py runs a tiny distillation through latest_sft",
+    "Train a model that uses tools": "full-size presets (SmolLM2's tool SFT, then GRPO with the calculator); "
+                                     "tests/data/test_builtin_tools.py runs the calculator and composes "
+                                     "experiment=tools, tests/stages/test_environments.py trains and evaluates with "
+                                     "an environment",
 }
 RUN_RECIPE = {
     "Train on your own data", "SFT, then RM, then PPO on your own files", "Train with LoRA",

@@ -22,6 +22,10 @@ chosen reply scores 1.0 under `check_answer` and every rejected reply 0.0, so th
 rule-based reward (`reward.type=checker`). A prompt is about 50 tokens and prompt + reply at most
 about 80 with SmolLM2's chat template (its default system prompt included), which keeps CPU PPO fast.
 
+`data.builtin.difficulty=hard` draws every problem as a 3-digit × 2-digit product instead ("Tom has 347 boxes with
+28 apples in each box. ..."): the split meant for a calculator (`builtin_envs.Calculator`); the model's accuracy
+on it, with and without the tool, is not measured yet.
+
 Difficulty, measured: SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantised), chat template, greedy decoding,
 max_new_tokens=48, on the first 64 ppo_eval prompts (by row) of seed 1234 answers 21/64 = 32.8%
 correctly (by operation: × 57%, + 16%, − 12%). It tends to write "a + b = c ... The answer is: c" and
@@ -67,13 +71,20 @@ class BuiltinProblem:
     rejected: str
     op: str
     """`+`, `-` or `*`."""
+    expression: str = ""
+    """The problem's arithmetic, e.g. "3 + 4": what a tool demonstration passes to `calculate`."""
 
 
-def _make_problem(rng: random.Random) -> BuiltinProblem:
+def _make_problem(rng: random.Random, difficulty: str = "easy") -> BuiltinProblem:
     name, other = rng.sample(NAMES, 2)
     item = rng.choice(ITEMS)
-    op = rng.choice("+-*")
-    if op == "+":
+    op = rng.choice("+-*") if difficulty == "easy" else "*"
+    if difficulty == "hard":
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        c = a * b
+        question = f"{name} has {a} boxes with {b} {item} in each box. How many {item} does {name} have?"
+        fmt = "{name} has {a} * {b} = {c} {item}. The answer is {c}."
+    elif op == "+":
         a, b = rng.randint(2, 30), rng.randint(2, 30)
         c = a + b
         question = f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?"
@@ -97,11 +108,12 @@ def _make_problem(rng: random.Random) -> BuiltinProblem:
         rejected = fmt.format(name=name, a=a, b=b, c=wrong, item=item)
     else:
         rejected = rng.choice(UNHELPFUL).format(name=name, item=item)
-    return BuiltinProblem(question=question, answer=c, chosen=chosen, rejected=rejected, op=op)
+    return BuiltinProblem(question=question, answer=c, chosen=chosen, rejected=rejected, op=op,
+                          expression=f"{a} {op} {b}")
 
 
 @functools.lru_cache(maxsize=8)
-def _generate(seed: int, sizes: tuple) -> dict[str, tuple]:
+def _generate(seed: int, sizes: tuple, difficulty: str = "easy") -> dict[str, tuple]:
     rng = random.Random(seed)
     seen: set = set()
     out: dict[str, list] = {}
@@ -112,7 +124,7 @@ def _generate(seed: int, sizes: tuple) -> dict[str, tuple]:
             tries += 1
             if tries > 100 * n + 1000:
                 raise ValueError(f"built-in task: cannot draw {n} distinct problems for split '{split}'")
-            p = _make_problem(rng)
+            p = _make_problem(rng, difficulty)
             if p.question in seen:
                 continue
             seen.add(p.question)
@@ -124,13 +136,14 @@ def _generate(seed: int, sizes: tuple) -> dict[str, tuple]:
 def builtin_splits(builtin_cfg: Any) -> dict[str, list[BuiltinProblem]]:
     """The four disjoint splits {rm_train, rm_eval, ppo_train, ppo_eval} for a BuiltinTaskConfig.
 
-    Deterministic in `builtin_cfg.seed` and the sizes (no two splits share a question).
+    Deterministic in `builtin_cfg.seed`, the sizes and `difficulty` (no two splits share a question).
     """
     sizes = tuple(int(getattr(builtin_cfg, s)) for s in SPLITS)
     for s, n in zip(SPLITS, sizes):
         if n < 0:
             raise ValueError(f"data.builtin.{s} must be >= 0 (got {n})")
-    return {k: list(v) for k, v in _generate(int(builtin_cfg.seed), sizes).items()}
+    difficulty = str(getattr(builtin_cfg, "difficulty", "easy"))
+    return {k: list(v) for k, v in _generate(int(builtin_cfg.seed), sizes, difficulty).items()}
 
 
 # ----------------------------------------------------------------------------------------------
