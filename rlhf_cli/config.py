@@ -152,8 +152,9 @@ class BuiltinTaskConfig:
     a calculator (`rlhf_cli.data.builtin_envs:Calculator`)."""
     tool_calls: bool = False
     """train-sft's demonstrations call the calculator: the question, an assistant turn holding one `calculate`
-    call of the problem's expression, the tool's result, then the worked answer (the tools block rendered with the
-    shipped ChatML tool template). false: the worked answer in one turn."""
+    call of the problem's expression, the tool's result, then the worked answer (rendered with the model's chat
+    template where it renders tools, else the shipped ChatML tool template). false: the worked answer in one
+    turn."""
 
 
 @dataclass

@@ -9,7 +9,8 @@ checker that asks once more after a wrong answer.
     calculate    the arithmetic `Calculator.calculate` evaluates: numbers, + - * / // % **, parentheses
     calculator_schema  the calculator's JSON schema, as the environment runner shows it to the model
 
-Both follow TRL's `environment_factory` interface (`rollout/environments.py`), so TRL runs them unchanged. The
+`Calculator` follows TRL's `environment_factory` interface (`rollout/environments.py`), so TRL runs it unchanged;
+`Retry` uses this project's general form (`env_response`), which TRL has no counterpart for. The
 tool demonstrations `train-sft` learns the call from are written by `data.builtin.tool_calls=true`
 (`data/datasets.py`); `experiment=tools` selects both.
 """
@@ -36,7 +37,7 @@ MAX_MAGNITUDE = 10**100
 
 def calculate(expression: str) -> int | float:
     """The value of an arithmetic `expression`: integers and decimals, `+ - * / // % **` and parentheses, Python's
-    precedence. A whole-valued result is an int.
+    precedence. A whole-valued result is an int (a float's only below 2**53, where it is exact).
 
     Raises:
         ValueError: anything else (a name, a call, a string), an expression over `MAX_EXPRESSION` characters, an
@@ -52,7 +53,7 @@ def calculate(expression: str) -> int | float:
     except SyntaxError:
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
     value = _value(tree.body)
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**53 else value
 
 
 def _value(node: ast.AST) -> int | float:
@@ -93,10 +94,10 @@ class Calculator:
         """Evaluate an arithmetic expression.
 
         Args:
-            expression: numbers with + - * / and parentheses, for example "12 * 7"
+            expression: numbers with + - * / // % ** and parentheses, for example "12 * 7"
         """
         value = calculate(expression)
-        return f"{value:.6g}" if isinstance(value, float) else str(value)
+        return f"{value:.12g}" if isinstance(value, float) else str(value)
 
 
 def calculator_schema() -> dict[str, Any]:

@@ -136,14 +136,17 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     e = cfg.eval
     src = policy_sources(cfg, policy_path)
     tokenizer = load_tokenizer(_model_cfg(src["policy_dir"], cfg.model))
-    mine = eval_prompts(cfg, tokenizer, run_dir, src)
     # rollout.env: the environment before any model or engine (a bad one is one line, nothing to close)
-    runner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(cfg, tokenizer, mine)
-    env_scores = getattr(runner, "owns_reward", False)  # its get_reward is the score: no reward model
-    if env_scores and src["rm_path"] is not None and cfg.reward.type == "model" and engine.is_main():
-        log.info("rollout.env=%s scores the episodes (get_reward): the reward model %s is not loaded",
-                 cfg.rollout.env, src["rm_path"])
-    models = load_eval_models(cfg, src, tokenizer, reward_model=not env_scores)
+    runner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(cfg, tokenizer)
+    if getattr(runner, "owns_reward", False) and src["rm_path"] is not None:  # get_reward scores: no reward model
+        if cfg.reward.type == "model" and engine.is_main():
+            log.info("rollout.env=%s scores the episodes (get_reward): the reward model %s is not loaded",
+                     cfg.rollout.env, src["rm_path"])
+        src = {**src, "rm_path": None}  # nor recorded as this eval's judge (eval.json, lineage)
+    mine = eval_prompts(cfg, tokenizer, run_dir, src)
+    if cfg.rollout.env is not None:
+        runner.check_rows(mine)
+    models = load_eval_models(cfg, src, tokenizer)
     sampled, episode_stats = sample_both(cfg, models, mine, tokenizer, runner, run_dir)
     scores = {}
     if sampled["policy"].score is not None:  # the environment's get_reward: the run's reward sources are not called
@@ -309,10 +312,9 @@ def eval_prompts(cfg: Any, tokenizer: Any, run_dir: Path, src: dict[str, Any]) -
     return prompts[:n][engine.rank()::ws]
 
 
-def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any, reward_model: bool = True) -> dict[str, Any]:
+def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     """The models of a policy eval, on the device in eval mode: `policy`, `reference` (its recorded seed),
-    `reward_model` (None without one, unless `reward.type=model`, or with `reward_model=False`: an environment's
-    `get_reward` scores the episodes) with `rm_stats` (its stored held-out
+    `reward_model` (None without one, or unless `reward.type=model`) with `rm_stats` (its stored held-out
     (mean, std), `models.read_score_stats`), `function` (`reward.function`, or None), `score_precision` (the KL
     and reward passes) and `eos` (the policy's EOS set, which ends both sides' responses)."""
     policy = load_causal_lm(_model_cfg(src["policy_dir"], cfg.model), cfg.precision, cfg.seed, tokenizer=tokenizer)
@@ -323,7 +325,7 @@ def load_eval_models(cfg: Any, src: dict[str, Any], tokenizer: Any, reward_model
         log.warning("%s does not sum reward.weights: it reports each source on its own (the reward model, the "
                     "checker where prompts have answers, and reward.function when set)", COMMAND.invocation)
     function = load_reward_function(cfg.reward.function) if cfg.reward.function else None
-    if reward_model and src["rm_path"] is not None and cfg.reward.type == "model":
+    if src["rm_path"] is not None and cfg.reward.type == "model":
         rm_dir = require_scalar_model_dir(src["rm_path"], "reward model")
         check_same_tokenizer(tokenizer, rm_dir, "reward model")
         reward_model = load_scalar_model(rm_dir, cfg.precision, cfg.seed)

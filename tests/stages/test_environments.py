@@ -390,6 +390,36 @@ def test_an_engines_logprobs_cover_the_sampled_tokens_of_every_turn_and_zero_the
     assert bool(((ep.action_mask == 0) & (ep.attention_mask[:, ep.P:] == 1)).any())  # there are tool tokens
 
 
+def test_rollout_env_is_refused_where_eval_samples_no_policy(env_file, tmp_path):
+    """`rlhf eval` samples episodes in its policy mode only: with `reward_model.path` alone or `run_dir`, a typed
+    `rollout.env` does nothing and is refused in one line; with `policy.path` it is used; train-ppo always uses it."""
+    from stage_helpers import compose
+
+    from rlhf_cli.commands import by_config
+    from rlhf_cli.overrides import ignored_keys
+
+    env = f"rollout.env={env_file}:Calc"
+    for command, args, refused in (("eval", [env, f"reward_model.path={tmp_path}"], True),
+                                   ("eval", [env, f"run_dir={tmp_path}"], True),
+                                   ("eval", [env, f"policy.path={tmp_path}"], False),
+                                   ("eval", [env, f"policy.path={tmp_path}", f"reward_model.path={tmp_path}"], False),
+                                   ("train_ppo", [env], False)):
+        said = ignored_keys(by_config(command), args, compose(command, ["model=tiny", *args]))
+        assert [k for k, _ in said] == (["rollout.env"] if refused else []), (command, args)
+        assert not refused or "give `policy.path`" in said[0][1]
+
+
+def test_the_report_names_what_scored():
+    from rlhf_cli.report.chain import score_names
+
+    assert score_names({}) == ("the reward model", "RM score")  # an eval written before reward_source
+    assert score_names({"reward_source": "reward model /x"}) == ("the reward model", "RM score")
+    assert score_names({"reward_source": "reward server http://h"}) == ("the reward server", "server score")
+    assert score_names({"reward_source": "judge m at http://h"}) == ("the judge", "judge score")
+    assert score_names({"reward_source": "environment e.py:E"}) == ("the environment's get_reward",
+                                                                    "environment reward")
+
+
 def test_overlong_shaping_is_refused_with_an_environment(env_file):
     from stage_helpers import compose
 
@@ -820,11 +850,13 @@ class EvalScripted(Scripted):
 
 @pytest.fixture(scope="module")
 def two_lms(tmp_path_factory, tiny_model_cfg, tokenizer):
-    from rlhf_cli.models import load_causal_lm, save_hf
+    from rlhf_cli.models import load_causal_lm, load_scalar_model, save_hf
 
     root = tmp_path_factory.mktemp("lms")
-    return {name: save_hf(load_causal_lm(tiny_model_cfg, "fp32", seed, tokenizer=tokenizer), tokenizer, root / name)
+    dirs = {name: save_hf(load_causal_lm(tiny_model_cfg, "fp32", seed, tokenizer=tokenizer), tokenizer, root / name)
             for name, seed in (("policy", 1), ("reference", 2))}
+    dirs["rm"] = save_hf(load_scalar_model(tiny_model_cfg, "fp32", 3), tokenizer, root / "rm")
+    return dirs
 
 
 def test_eval_runs_the_environment_on_both_sides_and_sets_tool_turns_apart(run_stage, env_file, two_lms, tokenizer,
@@ -842,11 +874,13 @@ def test_eval_runs_the_environment_on_both_sides_and_sets_tool_turns_apart(run_s
     gen = EvalScripted(tokenizer, scripts, two_lms["policy"], seed=42, n=n)
     monkeypatch.setitem(engines.GENERATORS, "hf", lambda settings: gen)
     _, eval_dir, _ = run_stage("eval", [
-        f"policy.path={two_lms['policy']}", f"reference.path={two_lms['reference']}", "reward.type=checker",
-        f"rollout.env={env_file}:Calc", f"data.builtin.ppo_eval={n}", "eval.max_new_tokens=64",
+        f"policy.path={two_lms['policy']}", f"reference.path={two_lms['reference']}", "reward.type=model",
+        f"reward_model.path={two_lms['rm']}", f"rollout.env={env_file}:Calc", f"data.builtin.ppo_eval={n}",
+        "eval.max_new_tokens=64",
         "data.max_prompt_length=500", "rollout.engine=hf", "seed=42"])
     out = json.loads((eval_dir / "eval.json").read_text())["results"]
     assert out["reward_source"] == f"environment {env_file}:Calc"
+    assert out["reward_model"] is None and "score_gain_rm_std" not in out  # get_reward scored: no RM loaded
     assert out["policy/score_mean"] == 1.0 and out["reference/score_mean"] == 0.0 and out["score_gain"] == 1.0
     assert out["policy/episode_turns_mean"] == 2.0 and out["reference/episode_turns_mean"] == 1.0
     assert out["policy/episode_tool_calls_mean"] == 2.0 and out["reference/episode_tool_calls_mean"] == 0.0
