@@ -276,7 +276,7 @@ def test_misspelt_key_is_rejected_with_suggestion(tmp_path):
     ("eval", "data.chat_template=maybe", "data.chat_template must be true or false (got 'maybe')"),
     ("train-rm", "rm=x", "rm is a section of keys, not a value (got 'x'): set rm.<key>=<value>"),
     ("train-rm", "model=tinyy", "no model option 'tinyy' (hf, smollm2, tiny)"),
-    ("train-ppo", "experiment=nope", "no experiment option 'nope' (checker, distill, grpo, hh_smollm2, smoke)"),
+    ("train-ppo", "experiment=nope", "no experiment option 'nope' (checker, distill, grpo, hh_smollm2, smoke, tools)"),
     ("train-rm", "data.system_prompt=Be brief, and kind.",
      "data.system_prompt: the value 'Be brief, and kind.' holds a comma, which Hydra reads as a list or a sweep; "
      "quote it inside the override to keep it as text: \"data.system_prompt='Be brief, and kind.'\""),
@@ -298,7 +298,7 @@ def test_help_lists_the_groups_and_the_keys_each_command_reads_with_their_descri
     for command, out in helps.items():
         assert out.returncode == 0 and out.stdout.startswith(f"rlhf {command}: ")
         assert "  model       hf, smollm2 (default), tiny" in out.stdout
-        assert "  experiment  checker, distill, grpo, hh_smollm2, smoke" in out.stdout
+        assert "  experiment  checker, distill, grpo, hh_smollm2, smoke, tools" in out.stdout
     first = lambda key: docs[key].split(". ")[0].rstrip(".")  # noqa: E731
     ppo = helps["train-ppo"].stdout.splitlines()
     assert f"  ppo.clip=0.2  {first('ppo.clip')}" in ppo

@@ -136,13 +136,7 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     e = cfg.eval
     src = policy_sources(cfg, policy_path)
     tokenizer = load_tokenizer(_model_cfg(src["policy_dir"], cfg.model))
-    # rollout.env: the environment before any model or engine (a bad one is one line, nothing to close)
-    runner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(cfg, tokenizer)
-    if getattr(runner, "owns_reward", False) and src["rm_path"] is not None:  # get_reward scores: no reward model
-        if cfg.reward.type == "model" and engine.is_main():
-            log.info("rollout.env=%s scores the episodes (get_reward): the reward model %s is not loaded",
-                     cfg.rollout.env, src["rm_path"])
-        src = {**src, "rm_path": None}  # nor recorded as this eval's judge (eval.json, lineage)
+    runner, src = eval_runner(cfg, tokenizer, src)
     mine = eval_prompts(cfg, tokenizer, run_dir, src)
     if cfg.rollout.env is not None:
         runner.check_rows(mine)
@@ -177,17 +171,38 @@ def eval_policy(cfg: Any, policy_path: str, run_dir: Path) -> dict[str, Any]:
     }
     rm_stats = models["rm_stats"]
     results.update(policy_eval_stats(pol, ref, rm_stats[1] if rm_stats is not None else None))
-    for who, stats in episode_stats.items():  # rollout.env: each side's episodes, over every rank's prompts
-        for key, value in stats.items():
-            count = key == "episode/tool_errors"  # a count of this rank's episodes; the rest are their means
-            total = engine.all_reduce_sum(torch.tensor(value * (1 if count else len(mine)),
-                                                       dtype=torch.float64)).item()
-            name = f"{who}/{key.replace('/', '_')}"  # policy/episode_turns_mean, ...
-            results[name] = total if count else total / len(prompt_texts)
+    results.update(episode_results(episode_stats, len(mine), len(prompt_texts)))
     if results.get("reward_hacking", "none") != "none":
         log.warning("%s", results["headline"])
     results["samples"] = write_responses(run_dir, pol, ref, prompt_texts, e.num_samples)
     return results
+
+
+def eval_runner(cfg: Any, tokenizer: Any, src: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The episode runner of a policy eval, built before any model or engine (a bad environment is one line, with
+    nothing to close): `SingleTurnRunner`, or with `rollout.env` its `EnvironmentRunner`; and `src`
+    (`policy_sources`) without the reward model where the environment's `get_reward` scores the episodes, so none is
+    loaded, used or recorded as this eval's judge (eval.json, lineage)."""
+    runner = SingleTurnRunner() if cfg.rollout.env is None else environment_runner(cfg, tokenizer)
+    if getattr(runner, "owns_reward", False) and src["rm_path"] is not None:
+        if cfg.reward.type == "model" and engine.is_main():
+            log.info("rollout.env=%s scores the episodes (get_reward): the reward model %s is not loaded",
+                     cfg.rollout.env, src["rm_path"])
+        src = {**src, "rm_path": None}
+    return runner, src
+
+
+def episode_results(episode_stats: dict[str, dict[str, float]], mine: int, prompts: int) -> dict[str, float]:
+    """`<side>/episode_*` of eval.json over every rank's prompts, from each side's `episode/*` statistics of this
+    rank's `mine` prompts (`EnvironmentRunner.stats`; {} without an environment): `tool_errors` the count, the rest
+    means per episode over all `prompts`. A collective: every rank calls it with the same sides and keys."""
+    out = {}
+    for who, stats in episode_stats.items():
+        for key, value in stats.items():
+            count = key == "episode/tool_errors"
+            total = engine.all_reduce_sum(torch.tensor(value * (1 if count else mine), dtype=torch.float64)).item()
+            out[f"{who}/{key.replace('/', '_')}"] = total if count else total / prompts  # policy/episode_turns_mean
+    return out
 
 
 def server_scores(cfg: Any, tokenizer: Any, sampled: Episodes, mine: list[dict[str, Any]]) -> torch.Tensor:
