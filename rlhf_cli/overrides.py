@@ -91,7 +91,7 @@ def _critic_free(cfg: Any, command: Command) -> bool:
 def _samples_no_policy(cfg: Any, command: Command) -> bool:
     """Whether `command` with `cfg` samples no episodes: train-ppo always does; eval does in its policy mode only
     (`stages.evaluate`'s order: `run_dir`, then `policy.path`, then `reward_model.path`)."""
-    if "ppo" in command.reads or "policy" not in command.reads:
+    if "policy" not in command.reads:  # train-ppo samples every run; no other command reads `rollout`
         return "ppo" not in command.reads
     return cfg.get("run_dir") is not None or (cfg.policy.path is None and cfg.reward_model.path is not None)
 
