@@ -593,15 +593,16 @@ def builtin_prompt(p: builtin_task.BuiltinProblem) -> Prompt:
                   answer=p.answer)
 
 
-def builtin_demo(p: builtin_task.BuiltinProblem, row: int, tool_calls: bool = False) -> Demo:
+def builtin_demo(p: builtin_task.BuiltinProblem, row: int, tools: list[dict[str, Any]] | None = None) -> Demo:
     """A built-in problem as a demonstration: its prompt and its correct worked solution (the pair's chosen). With
-    `tool_calls` (`data.builtin.tool_calls`), a tool transcript instead: an assistant turn holding one `calculate`
-    call of the problem's expression (`builtin_envs.Calculator`, whose JSON schema is the row's tools), the tool's
-    result, then the worked solution, as a `messages` row with a `tools` column parses."""
-    if not tool_calls:
+    `tools` (`data.builtin.tool_calls`: `[builtin_envs.calculator_schema()]`, made once per split), a tool
+    transcript instead: an assistant turn holding one `calculate` call of the problem's expression
+    (`builtin_envs.Calculator`), the tool's result, then the worked solution, as a `messages` row with a `tools`
+    column parses."""
+    if tools is None:
         return Demo(prompt=builtin_prompt(p), response=" " + p.chosen, later=[], row=row)
     prompt = builtin_prompt(p)
-    prompt.tools = [builtin_envs.calculator_schema()]
+    prompt.tools = tools
     call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": p.expression}}}
     result = [{"role": "tool", "name": "calculate", "content": builtin_envs.Calculator().calculate(p.expression)}]
     return Demo(prompt=prompt, response=" ", later=[(result, " " + p.chosen)], row=row, calls=[[call], []])
@@ -623,7 +624,8 @@ def _builtin_source(data_cfg: Any, split: str, want: str) -> _Parsed:
     elif want == "unpaired":
         items = [builtin_unpaired(p, i, data_cfg.builtin.seed) for i, p in enumerate(problems, 1)]
     elif want == "demos":
-        items = [builtin_demo(p, i, data_cfg.builtin.tool_calls) for i, p in enumerate(problems, 1)]
+        tools = [builtin_envs.calculator_schema()] if data_cfg.builtin.tool_calls else None
+        items = [builtin_demo(p, i, tools) for i, p in enumerate(problems, 1)]
     else:
         items = [(i, builtin_prompt(p)) for i, p in enumerate(problems, 1)]
     return _Parsed(f"builtin:{split}(seed {data_cfg.builtin.seed})", "builtin arithmetic", len(problems), items,
