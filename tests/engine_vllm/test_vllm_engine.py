@@ -297,7 +297,12 @@ def fresh_start(gen, lm):
     assert gen._selftest_due and gen.tensors_changed is None
 
 
-def test_the_push_self_test_passes_on_a_sound_push_and_counts_no_change(gen, model_cfg, tokenizer, prompts, caplog):
+def test_the_push_self_test_passes_on_a_sound_push_and_fails_on_a_permuted_fused_weight(gen, model_cfg, tokenizer,
+                                                                                        prompts, caplog, monkeypatch):
+    """A fresh engine's first push, sound: the self-test passes, says so once, counts no change. Then the self-test
+    made due again (one engine start fewer: it decodes the engine as it stands, the sound push's weights, which
+    equal the load's) and a push that swaps two rows of a layer's q projection (a fused qkv packed in the wrong
+    order): the self-test stops the run before any rollout, in fp32 where the greedy tokens may still agree."""
     lm = load_causal_lm(model_cfg, seed=8, tokenizer=tokenizer)
     fresh_start(gen, lm)
     with caplog.at_level("INFO", logger="rlhf_cli.rollout.vllm_engine"):
@@ -306,12 +311,6 @@ def test_the_push_self_test_passes_on_a_sound_push_and_counts_no_change(gen, mod
     assert len(said) == 1 and "passed" in said[0] and "log-probs equal" in said[0], said
     assert gen.tensors_changed == 0 and not gen._selftest_due
 
-
-def test_the_push_self_test_fails_on_a_permuted_fused_weight(gen, model_cfg, tokenizer, prompts, monkeypatch):
-    """The engine loads right, then a push that swaps two rows of a layer's q projection (a fused qkv packed in the
-    wrong order): the self-test stops the run before any rollout, in fp32 where the greedy tokens may still agree."""
-    lm = load_causal_lm(model_cfg, seed=9, tokenizer=tokenizer)
-    fresh_start(gen, lm)
     real = vllm_engine.engine_weights
 
     def permuted(model, dtype=None, gather=None):
@@ -321,17 +320,19 @@ def test_the_push_self_test_fails_on_a_permuted_fused_weight(gen, model_cfg, tok
             yield name, tensor
 
     monkeypatch.setattr(vllm_engine, "engine_weights", permuted)
+    gen._selftest_due = True
     with pytest.raises(ConfigError, match="push self-test failed.*probe prompt 0, greedy token 0"):
         gen.generate(prompts, list(range(8)), sampling(tokenizer))
     assert gen.tensors_changed == 1  # the permuted tensor, and only it
 
 
-@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_push_self_test_passes_on_every_family_the_engine_serves(family, tokenizer, prompts, tmp_path):
-    """Each model family of the family tests at head size 32: a sound push reproduces the loaded engine exactly, and
-    the greedy probe then finds the engine's log-probs equal to the trainer's (Gemma 2: a tied head the engine has
-    no module for, never pushed). A family vLLM serves only through its Transformers backend (GPT-NeoX) is refused
-    in one line before the engine starts, and the trainer's model still runs."""
+    """Each model family of the family tests at head size 32 (Llama's is the module's engine, the sound-push test
+    above): a sound push reproduces the loaded engine exactly, and the greedy probe then finds the engine's
+    log-probs equal to the trainer's (Gemma 2: a tied head the engine has no module for, never pushed). A family
+    vLLM serves only through its Transformers backend (GPT-NeoX) is refused in one line before the engine starts,
+    and the trainer's model still runs."""
     from family_helpers import save_tiny
     from transformers import AutoModelForCausalLM
 
@@ -649,25 +650,31 @@ def test_eval_on_auto_samples_with_hf_where_the_engine_cannot_serve_the_referenc
     assert json.loads((eval_dir / "eval.json").read_text())["config"]["rollout"]["engine"] == "hf"
 
 
-def test_two_ranks_and_two_nodes_on_the_engine_match_one_rank(tmp_path):
+def assert_trained_alike(got, want, lr, name, atol=1e-4, outliers=1e-5):
+    """Weights trained by one process and by two ranks on the same data, within `atol`, except for at most an
+    `outliers` fraction of elements, each within `lr` of the other. Adam divides a gradient by its running RMS
+    plus ε (1e-8): a rare token's embedding row, whose gradient is near ε, turns the rounding of a sum taken in
+    another order across ranks into a step that differs by up to lr·(a few %) (seen: one element of 3.1M by
+    2.1e-4 at lr 1e-2, on one CPU and not another). A wrong reduction moves whole rows, and fails."""
+    diff = (got.float() - want.float()).abs()
+    far = diff > atol
+    assert int(far.sum()) <= outliers * diff.numel(), (name, int(far.sum()), float(diff.max()))
+    assert float(diff.max()) <= lr, (name, float(diff.max()))
+
+
+def test_two_ranks_and_two_nodes_on_the_engine_match_one_rank(run_stage, tmp_path):
     """An engine per rank under torchrun (gloo, CPU): two ranks on one launcher sample and train as one process (one
     minibatch per epoch, so the ranks' shuffles do not matter), within 1e-4. Two nodes, simulated (issue 60,
     tests/test_two_nodes.py): two launchers of one rank each (each LOCAL_RANK 0) equal the one launcher of two ranks
     within 1e-5 (fp32), and global rank 1 writes nothing of the run's but its DeepSpeed files (rank 0 writes the
     engine's start-up `engine_model/`, then deletes it). One run per layout: the two comparisons share the middle
-    one."""
-    import subprocess
-    import sys
-
+    one; the one-rank run is this process's (`run_stage`, as the other train-ppo tests here)."""
     from safetensors.torch import load_file
     from test_two_nodes import assert_only_rank0_writes, assert_same_weights, launch
 
-    args = ["train-ppo", "model=tiny", "precision=fp32", *PPO, "ppo.iterations=2", "deepspeed=zero2",
-            "ppo.mini_batch_size=8", "data.packing=false"]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "rlhf_cli", *args, f"paths.root={tmp_path / 'r1'}"], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    overrides = [*PPO, "ppo.iterations=2", "deepspeed=zero2", "ppo.mini_batch_size=8", "data.packing=false"]
+    args = ["train-ppo", "model=tiny", "precision=fp32", *overrides]
+    run_stage("train_ppo", overrides, root=tmp_path / "r1")
     one, two = tmp_path / "one", tmp_path / "two"
     launch(args, one, nodes=1)
     launch(args, two, nodes=2)
@@ -684,7 +691,7 @@ def test_two_ranks_and_two_nodes_on_the_engine_match_one_rank(tmp_path):
             assert rb[key] == pytest.approx(ra[key], abs=1e-5, rel=1e-5), key
     wa, wb = load_file(run_r1 / "final" / "model.safetensors"), load_file(run_one / "final" / "model.safetensors")
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-4)
+        assert_trained_alike(wb[k], wa[k], lr=1e-2, name=k)  # PPO's ppo.actor_lr
     for name in ("", "critic"):
         assert_same_weights(run_one / "final" / name, run_two / "final" / name)
     assert not (run_one / "engine_model").exists() and not (run_two / "engine_model").exists()
