@@ -323,7 +323,9 @@ class ExperienceMaker:
         }
         if p.n_samples_per_prompt > 1:
             stats.update(group_metrics(first.score, first.groups, first.valid))
-        samples = {"prompts": [x.get("prompt_text", "") for x in first.prompts[:3]],
+        ep = first.episodes  # the prompts as the episodes began (under rollout.env: with the tools block)
+        samples = {"prompts": [self.tokenizer.decode(ids[:ep.P][am[:ep.P].bool()])
+                               for ids, am in zip(ep.input_ids[:3], ep.attention_mask[:3])],
                    "responses": self.tokenizer.batch_decode(first.episodes.input_ids[:3, first.episodes.P:],
                                                             skip_special_tokens=True),
                    "scores": [x if ok else None for x, ok in zip(first.raw[:3].tolist(), first.scored[:3].tolist())]}

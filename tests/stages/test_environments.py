@@ -532,7 +532,8 @@ def test_environment_tokens_get_zero_gradient_kl_and_advantage_in_a_real_rollout
 
 def test_train_ppo_runs_an_environment_end_to_end(run_stage, env_file):
     """train-ppo with `rollout.env` (the built-in task, the tiny model): the episodes train, the environment's
-    `get_reward` is the score, and the `episode/*` metrics are logged."""
+    `get_reward` is the score, the `episode/*` metrics are logged, and samples.jsonl shows each prompt as the
+    episode began, its tools' schemas included (not the data's rendering without them)."""
     import json
 
     _, run_dir, _ = run_stage("train_ppo", [
@@ -544,6 +545,8 @@ def test_train_ppo_runs_an_environment_end_to_end(run_stage, env_file):
     for key in ("episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors", "episode/truncated_frac",
                 "episode/sampled_tokens_mean", "episode/env_tokens_mean", "reward/env"):
         assert key in logged, key
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all('"name": "add"' in x["prompt"] for x in samples), samples[0]["prompt"]
 
 
 # a second tool template, vendored here (written for this test, Qwen2.5's layout): the tools in the system turn,
