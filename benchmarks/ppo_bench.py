@@ -353,6 +353,7 @@ def ours_iterations(run_dir: Path) -> list[dict[str, float]]:
                     "gen_tokens": rec["throughput/gen_tokens_per_s"] * rec["time/generation"],
                     "train_tokens": rec["throughput/train_tokens_per_s"] * rec["time/training"],
                     "score": rec["objective/scores_norm"], "kl": rec["objective/kl"],
+                    "tool_calls": rec.get("episode/tool_calls_mean"),
                     "policy_loss": rec.get("policy/loss"), "value_loss": rec.get("val/loss"),
                     **{f"scoring_{k}": rec.get(f"time/scoring_{k}") for k in SCORING_PASSES}})
         prev = rec["time"]

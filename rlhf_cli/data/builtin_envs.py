@@ -94,7 +94,7 @@ class Calculator:
         """Evaluate an arithmetic expression.
 
         Args:
-            expression: numbers with + - * / and parentheses, for example "12 * 7"
+            expression: the question's arithmetic, in numbers with + - * / and parentheses
         """
         value = calculate(expression)
         return f"{value:.12g}" if isinstance(value, float) else str(value)
