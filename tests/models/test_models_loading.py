@@ -174,3 +174,18 @@ def test_other_errors_are_not_taken_for_a_missing_implementation():
     with pytest.raises(ValueError, match="broken"):
         with_attention_fallback(build, "sdpa", "m")
     assert with_attention_fallback(lambda a: a, "sdpa", "m") == "sdpa"
+
+
+def test_a_model_dir_without_a_tokenizer_is_one_line_naming_the_dir(tiny_model_cfg, tiny_causal, tokenizer, tmp_path):
+    """A model dir saved without its tokenizer (weights and config only) is refused in one line naming the dir and
+    the fix, where transformers raised a long ValueError about sentencepiece; with the tokenizer saved it loads."""
+    from rlhf_cli.models.loading import ModelSourceError, load_tokenizer
+
+    tiny_causal.save_pretrained(tmp_path / "m")
+    cfg = copy.deepcopy(tiny_model_cfg)
+    cfg.tokenizer, cfg.name_or_path, cfg.gguf_file = None, str(tmp_path / "m"), None
+    with pytest.raises(ModelSourceError, match=r"^'.*/m' holds no tokenizer \(none of tokenizer.json.*\): save "
+                                               r"the model's tokenizer there"):
+        load_tokenizer(cfg)
+    tokenizer.save_pretrained(tmp_path / "m")
+    assert load_tokenizer(cfg).eos_token_id == tokenizer.eos_token_id
