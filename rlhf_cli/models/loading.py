@@ -129,17 +129,23 @@ def load_tokenizer(model_cfg: Any) -> Any:
                 tok.save_pretrained(str(tmp))
         tok = AutoTokenizer.from_pretrained(str(tdir))
     else:
-        hf_dir = resolve_hf_dir(spec)
-        if Path(hf_dir).is_dir() and not any((Path(hf_dir) / f).is_file() for f in TOKENIZER_FILES):
-            raise ModelSourceError(f"'{hf_dir}' holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save "
-                                   f"the model's tokenizer there (tokenizer.save_pretrained), or name one in "
-                                   f"model.tokenizer")
-        tok = AutoTokenizer.from_pretrained(hf_dir)
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir(spec))
     return fix_pad_token(tok)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""The files of which a model dir must hold one for `load_tokenizer` to read a tokenizer there."""
+"""The files of which a model dir must hold one to have a tokenizer."""
+
+
+def tokenizer_dir(spec: str) -> str:
+    """`resolve_hf_dir(spec)`, where a local dir must hold a tokenizer (one of `TOKENIZER_FILES`). Raises
+    ModelSourceError naming the dir and the fix when it holds none (transformers' own error is a long ValueError
+    about sentencepiece)."""
+    hf_dir = resolve_hf_dir(spec)
+    if Path(hf_dir).is_dir() and not any((Path(hf_dir) / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelSourceError(f"'{hf_dir}' holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+                               f"model's tokenizer there (tokenizer.save_pretrained), or name one in model.tokenizer")
+    return hf_dir
 
 
 def looks_like_hub_id(spec: str) -> bool:

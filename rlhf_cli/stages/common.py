@@ -41,8 +41,8 @@ from rlhf_cli.models import (
     load_tokenizer,
     lora_enabled,
     parameter_counts,
-    resolve_hf_dir,
     save_model,
+    tokenizer_dir,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 
@@ -82,7 +82,7 @@ def check_same_tokenizer(tokenizer: Any, model_path: str, what: str) -> None:
     """Raise ConfigError when the model at `model_path` was trained with another tokenizer than `tokenizer`
     (its scores of our token ids would be meaningless): a different vocabulary, or the same tokens under
     different ids. The message names the first tokens that differ."""
-    theirs, ours = AutoTokenizer.from_pretrained(resolve_hf_dir(model_path)).get_vocab(), tokenizer.get_vocab()
+    theirs, ours = AutoTokenizer.from_pretrained(tokenizer_dir(model_path)).get_vocab(), tokenizer.get_vocab()
     if theirs == ours:
         return
     only = sorted(set(theirs) ^ set(ours))[:3]

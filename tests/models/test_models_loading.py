@@ -178,8 +178,10 @@ def test_other_errors_are_not_taken_for_a_missing_implementation():
 
 def test_a_model_dir_without_a_tokenizer_is_one_line_naming_the_dir(tiny_model_cfg, tiny_causal, tokenizer, tmp_path):
     """A model dir saved without its tokenizer (weights and config only) is refused in one line naming the dir and
-    the fix, where transformers raised a long ValueError about sentencepiece; with the tokenizer saved it loads."""
+    the fix, where transformers raised a long ValueError about sentencepiece: as the policy's tokenizer and as a
+    scoring model's (`check_same_tokenizer`); with the tokenizer saved it loads."""
     from rlhf_cli.models.loading import ModelSourceError, load_tokenizer
+    from rlhf_cli.stages.common import check_same_tokenizer
 
     tiny_causal.save_pretrained(tmp_path / "m")
     cfg = copy.deepcopy(tiny_model_cfg)
@@ -187,5 +189,8 @@ def test_a_model_dir_without_a_tokenizer_is_one_line_naming_the_dir(tiny_model_c
     with pytest.raises(ModelSourceError, match=r"^'.*/m' holds no tokenizer \(none of tokenizer.json.*\): save "
                                                r"the model's tokenizer there"):
         load_tokenizer(cfg)
+    with pytest.raises(ModelSourceError, match=r"holds no tokenizer"):
+        check_same_tokenizer(tokenizer, str(tmp_path / "m"), "reward model")
     tokenizer.save_pretrained(tmp_path / "m")
+    check_same_tokenizer(tokenizer, str(tmp_path / "m"), "reward model")
     assert load_tokenizer(cfg).eos_token_id == tokenizer.eos_token_id
