@@ -129,23 +129,30 @@ def load_tokenizer(model_cfg: Any) -> Any:
                 tok.save_pretrained(str(tmp))
         tok = AutoTokenizer.from_pretrained(str(tdir))
     else:
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir(spec))
+        tok = auto_tokenizer(spec)
     return fix_pad_token(tok)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""The files of which a model dir must hold one to have a tokenizer."""
+TOKENIZER_GLOBS = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken")
+"""The files of which a model dir holds at least one when it has a tokenizer (fast, sentencepiece, BPE, tiktoken)."""
 
 
-def tokenizer_dir(spec: str) -> str:
-    """`resolve_hf_dir(spec)`, where a local dir must hold a tokenizer (one of `TOKENIZER_FILES`). Raises
-    ModelSourceError naming the dir and the fix when it holds none (transformers' own error is a long ValueError
-    about sentencepiece)."""
+def auto_tokenizer(spec: str) -> Any:
+    """`AutoTokenizer.from_pretrained(resolve_hf_dir(spec))`. Raises ModelSourceError naming the dir and the fix
+    when it fails on a local dir that holds no tokenizer file (`TOKENIZER_GLOBS`: weights and config only), where
+    transformers' own error is a long ValueError about sentencepiece; any other failure as transformers raises it."""
+    from transformers import AutoTokenizer
+
     hf_dir = resolve_hf_dir(spec)
-    if Path(hf_dir).is_dir() and not any((Path(hf_dir) / f).is_file() for f in TOKENIZER_FILES):
-        raise ModelSourceError(f"'{hf_dir}' holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
-                               f"model's tokenizer there (tokenizer.save_pretrained), or name one in model.tokenizer")
-    return hf_dir
+    try:
+        return AutoTokenizer.from_pretrained(hf_dir)
+    except (ValueError, OSError):
+        local = Path(hf_dir)
+        if local.is_dir() and not any(next(local.glob(g), None) for g in TOKENIZER_GLOBS):
+            raise ModelSourceError(f"'{hf_dir}' holds no tokenizer (no {', '.join(TOKENIZER_GLOBS)}): save the "
+                                   f"model's tokenizer there (tokenizer.save_pretrained), or name one in "
+                                   f"model.tokenizer") from None
+        raise
 
 
 def looks_like_hub_id(spec: str) -> bool:

@@ -16,7 +16,6 @@ import torch
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoTokenizer
 
 from rlhf_cli import engine, lineage
 from rlhf_cli.commands import Command
@@ -34,6 +33,7 @@ from rlhf_cli.lifecycle import (
 )
 from rlhf_cli.models import (
     add_lora,
+    auto_tokenizer,
     count_parameters,
     disable_dropout,
     load_causal_lm,
@@ -42,7 +42,6 @@ from rlhf_cli.models import (
     lora_enabled,
     parameter_counts,
     save_model,
-    tokenizer_dir,
 )
 from rlhf_cli.runs import MetricsLogger, Progress, atomic_write_json, set_status
 
@@ -82,7 +81,7 @@ def check_same_tokenizer(tokenizer: Any, model_path: str, what: str) -> None:
     """Raise ConfigError when the model at `model_path` was trained with another tokenizer than `tokenizer`
     (its scores of our token ids would be meaningless): a different vocabulary, or the same tokens under
     different ids. The message names the first tokens that differ."""
-    theirs, ours = AutoTokenizer.from_pretrained(tokenizer_dir(model_path)).get_vocab(), tokenizer.get_vocab()
+    theirs, ours = auto_tokenizer(model_path).get_vocab(), tokenizer.get_vocab()
     if theirs == ours:
         return
     only = sorted(set(theirs) ^ set(ours))[:3]

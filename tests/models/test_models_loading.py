@@ -186,7 +186,7 @@ def test_a_model_dir_without_a_tokenizer_is_one_line_naming_the_dir(tiny_model_c
     tiny_causal.save_pretrained(tmp_path / "m")
     cfg = copy.deepcopy(tiny_model_cfg)
     cfg.tokenizer, cfg.name_or_path, cfg.gguf_file = None, str(tmp_path / "m"), None
-    with pytest.raises(ModelSourceError, match=r"^'.*/m' holds no tokenizer \(none of tokenizer.json.*\): save "
+    with pytest.raises(ModelSourceError, match=r"^'.*/m' holds no tokenizer \(no tokenizer\*.*\): save "
                                                r"the model's tokenizer there"):
         load_tokenizer(cfg)
     with pytest.raises(ModelSourceError, match=r"holds no tokenizer"):
