@@ -91,7 +91,7 @@ def trl_child(spec_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["policy_dir"], dtype=torch.float32)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    env_kwargs = trl_environment(tokenizer, spec) if spec.get("env") else {}
+    env_kwargs = trl_environment(tokenizer) if spec.get("env") else {}
 
     def checker_with_eos_penalty(prompts, completions, completion_ids, answer, **kwargs):
         texts = [policy_words(c) for c in completions] if env_kwargs else completions
@@ -178,7 +178,7 @@ def trl_child(spec_path: str) -> None:
         "peak_rss_self": C.self_rss_bytes()}))
 
 
-def trl_environment(tokenizer: Any, spec: dict[str, Any]) -> dict[str, Any]:
+def trl_environment(tokenizer: Any) -> dict[str, Any]:
     """TRL's side of `--env calculator`: the tokenizer given the shipped ChatML tool template (ours renders with it
     where the model's own template cannot render tools, SmolLM2's case) and TRL's parser of its Hermes
     `<tool_call>{json}</tool_call>` turns; GRPOTrainer's `environment_factory` keyword."""
