@@ -326,8 +326,7 @@ class ExperienceMaker:
         ep = first.episodes  # the prompts as the episodes began (under rollout.env: with the tools block)
         samples = {"prompts": [self.tokenizer.decode(ids[:ep.P][am[:ep.P].bool()])
                                for ids, am in zip(ep.input_ids[:3], ep.attention_mask[:3])],
-                   "responses": self.tokenizer.batch_decode(first.episodes.input_ids[:3, first.episodes.P:],
-                                                            skip_special_tokens=True),
+                   "responses": self.tokenizer.batch_decode(ep.input_ids[:3, ep.P:], skip_special_tokens=True),
                    "scores": [x if ok else None for x, ok in zip(first.raw[:3].tolist(), first.scored[:3].tolist())]}
         reward_seconds = sum(r.reward_seconds for r in rounds)
         if batch is None:  # ppo.filter_groups kept nothing (said once, in filter_groups)
